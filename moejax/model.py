@@ -1,0 +1,283 @@
+"""The decoder for every supported family, as pure functions over a parameter pytree.
+
+Parameters (``x @ W`` orientation, experts stacked per layer so they can be sliced, cached and paged)::
+
+    {"embed": [V, D], "final_norm": {"scale", ("bias")}, ("lm_head": [D, V]), ("lm_head_bias": [V]),
+     "layers": [ {"attn_norm", "mlp_norm", "attn": {...},
+                  "mlp": {"gate": [D, F], "up": [D, F], "down": [F, D]}                     # dense layers
+                  or "moe": {"router": [D, N], "gate": [N, D, F], "up": [N, D, F], "down": [N, F, D],
+                             ("shared": {"gate", "up", "down"}), ("shared_gate": [D, 1])}}, ...]}
+
+The MoE block never decides which experts run: at every MoE layer the forward pass calls a *router
+hook* ``router(moe_index, logits[T, N], state) -> (experts[T, K], weights[T, K], state', record)`` and
+computes exactly the experts it is given with the weights it is given. Routing policies and expert caches
+(``moejax.router``) plug in there; ``original_router`` reproduces the architecture's own top-K.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+
+from moejax.config import ModelConfig
+from moejax.gating import original_routing
+
+Params = dict[str, Any]
+RouterHook = Callable[[int, jax.Array, Any], tuple[jax.Array, jax.Array, Any, dict]]
+
+
+# ----------------------------------------------------------------------------------------------- layers
+def norm(x: jax.Array, p: dict, cfg: ModelConfig) -> jax.Array:
+    """RMSNorm (or Phi-MoE's LayerNorm) computed in float32, as HF does."""
+    xf = x.astype(jnp.float32)
+    if cfg.norm_type == "layer":
+        xf = xf - xf.mean(-1, keepdims=True)
+    y = xf * jax.lax.rsqrt(jnp.mean(xf * xf, -1, keepdims=True) + cfg.norm_eps)
+    y = y.astype(x.dtype) * p["scale"]
+    return y + p["bias"] if "bias" in p else y
+
+
+def rms(x: jax.Array, scale: jax.Array, eps: float) -> jax.Array:
+    xf = x.astype(jnp.float32)
+    return (xf * jax.lax.rsqrt(jnp.mean(xf * xf, -1, keepdims=True) + eps)).astype(x.dtype) * scale
+
+
+def activation(cfg: ModelConfig, x: jax.Array) -> jax.Array:
+    if cfg.hidden_act == "silu":
+        return jax.nn.silu(x)
+    if cfg.hidden_act == "relu":
+        return jax.nn.relu(x)
+    return jax.nn.gelu(x, approximate=cfg.hidden_act != "gelu")
+
+
+def linear(x: jax.Array, w: jax.Array, b: jax.Array | None = None) -> jax.Array:
+    y = x @ w
+    return y if b is None else y + b
+
+
+def rope_tables(cfg: ModelConfig, positions: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """cos/sin [T, dim/2] for the given positions, with the family's cos/sin scale."""
+    inv = jnp.asarray(cfg.rope_inv_freq, jnp.float32)
+    angles = positions.astype(jnp.float32)[:, None] * inv[None, :]
+    scale = jnp.where(jnp.max(positions) + 1 > cfg.rope_long_after, cfg.rope_long_scale, cfg.rope_scale)
+    return jnp.cos(angles) * scale, jnp.sin(angles) * scale
+
+
+def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array, interleaved: bool) -> jax.Array:
+    """x [T, H, dim]. Half rotation (Llama style) or (even, odd) pairs (DeepSeek's complex form)."""
+    c, s = cos[:, None, :], sin[:, None, :]
+    xf = x.astype(jnp.float32)
+    if interleaved:
+        x0, x1 = xf[..., 0::2], xf[..., 1::2]
+        out = jnp.stack([x0 * c - x1 * s, x0 * s + x1 * c], axis=-1).reshape(x.shape)
+    else:
+        half = x.shape[-1] // 2
+        x0, x1 = xf[..., :half], xf[..., half:]
+        out = jnp.concatenate([x0 * c - x1 * s, x1 * c + x0 * s], axis=-1)
+    return out.astype(x.dtype)
+
+
+def attention_mask(cfg: ModelConfig, layer: int, q_pos: jax.Array, k_pos: jax.Array) -> jax.Array:
+    """[T, S] bool: causal, and within the sliding window where the layer has one."""
+    allowed = k_pos[None, :] <= q_pos[:, None]
+    window = cfg.sliding_windows[layer]
+    if window:
+        allowed &= k_pos[None, :] > q_pos[:, None] - window
+    return allowed
+
+
+def _softmax_attend(scores: jax.Array, mask: jax.Array) -> jax.Array:
+    scores = jnp.where(mask[None], scores.astype(jnp.float32), -jnp.inf)
+    return jax.nn.softmax(scores, axis=-1)
+
+
+def _write(cache: jax.Array, new: jax.Array, pos: jax.Array) -> jax.Array:
+    return jax.lax.dynamic_update_slice_in_dim(cache, new.astype(cache.dtype), pos, axis=0)
+
+
+def gqa_attention(p: dict, cfg: ModelConfig, layer: int, x: jax.Array, cos, sin, positions, kv, pos0):
+    """Grouped-query attention with optional q/k norm, qkv clipping, sliding window and KV cache."""
+    T, H, Hk, hd = x.shape[0], cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+    q = linear(x, p["q"], p.get("q_bias"))
+    k = linear(x, p["k"], p.get("k_bias"))
+    v = linear(x, p["v"], p.get("v_bias"))
+    if cfg.qk_norm == "proj":
+        q, k = rms(q, p["q_norm"], cfg.norm_eps), rms(k, p["k_norm"], cfg.norm_eps)
+    if cfg.clip_qkv is not None:
+        q, k, v = (jnp.clip(t, -cfg.clip_qkv, cfg.clip_qkv) for t in (q, k, v))
+    q, k, v = q.reshape(T, H, hd), k.reshape(T, Hk, hd), v.reshape(T, Hk, hd)
+    if cfg.qk_norm == "head":
+        q, k = rms(q, p["q_norm"], cfg.norm_eps), rms(k, p["k_norm"], cfg.norm_eps)
+    q, k = apply_rope(q, cos, sin, False), apply_rope(k, cos, sin, False)
+    if kv is not None:
+        kv = {"k": _write(kv["k"], k, pos0), "v": _write(kv["v"], v, pos0)}
+        k, v = kv["k"], kv["v"]
+        k_pos = jnp.arange(k.shape[0])
+    else:
+        k_pos = positions
+    qg = q.reshape(T, Hk, H // Hk, hd)
+    scores = jnp.einsum("tgrd,sgd->grts", qg, k.astype(q.dtype)) * cfg.attn_scale
+    probs = _softmax_attend(scores.reshape(H, T, -1), attention_mask(cfg, layer, positions, k_pos))
+    out = jnp.einsum("grts,sgd->tgrd", probs.reshape(Hk, H // Hk, T, -1).astype(v.dtype), v)
+    return linear(out.reshape(T, H * hd), p["o"], p.get("o_bias")), kv
+
+
+def mla_attention(p: dict, cfg: ModelConfig, layer: int, x: jax.Array, cos, sin, positions, kv, pos0):
+    """DeepSeek-V2 multi-head latent attention. The KV cache holds the compressed latent and the shared
+    rotary key (as HF does); per-head keys and values are folded into the query and output ("absorbed")."""
+    T, H = x.shape[0], cfg.num_heads
+    nope, rope_d, vd, r = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim, cfg.kv_lora_rank
+    if cfg.q_lora_rank is None:
+        q = x @ p["q"]
+    else:
+        q = rms(linear(x, p["q_a"], p.get("q_a_bias")), p["q_a_norm"], 1e-6) @ p["q_b"]
+    q = q.reshape(T, H, nope + rope_d)
+    q_nope, q_pe = q[..., :nope], q[..., nope:]
+    ckv = linear(x, p["kv_a"], p.get("kv_a_bias"))
+    latent = rms(ckv[:, :r], p["kv_a_norm"], 1e-6)
+    k_pe = ckv[:, None, r:]
+    q_pe, k_pe = apply_rope(q_pe, cos, sin, True), apply_rope(k_pe, cos, sin, True)[:, 0]
+    if kv is not None:
+        kv = {"latent": _write(kv["latent"], latent, pos0), "k_pe": _write(kv["k_pe"], k_pe, pos0)}
+        latent, k_pe = kv["latent"].astype(x.dtype), kv["k_pe"].astype(x.dtype)
+        k_pos = jnp.arange(latent.shape[0])
+    else:
+        k_pos = positions
+    w_kv = p["kv_b"].reshape(r, H, nope + vd)
+    w_k, w_v = w_kv[..., :nope], w_kv[..., nope:]
+    q_latent = jnp.einsum("thn,rhn->thr", q_nope, w_k)
+    scores = jnp.einsum("thr,sr->hts", q_latent, latent) + jnp.einsum("thd,sd->hts", q_pe, k_pe)
+    probs = _softmax_attend(scores * cfg.attn_scale, attention_mask(cfg, layer, positions, k_pos))
+    out_latent = jnp.einsum("hts,sr->thr", probs.astype(x.dtype), latent)
+    out = jnp.einsum("thr,rhv->thv", out_latent, w_v)
+    return linear(out.reshape(T, H * vd), p["o"], p.get("o_bias")), kv
+
+
+def dense_mlp(p: dict, cfg: ModelConfig, x: jax.Array) -> jax.Array:
+    h = activation(cfg, linear(x, p["gate"], p.get("gate_bias"))) * linear(x, p["up"], p.get("up_bias"))
+    return linear(h, p["down"], p.get("down_bias"))
+
+
+def routed_experts(p: dict, cfg: ModelConfig, x: jax.Array, experts: jax.Array, weights: jax.Array):
+    """Σ_k weights[t,k] · E_{experts[t,k]}(x_t). Invalid slots (id < 0) must carry weight 0.
+
+    One token: gather the K chosen experts' weights (cheapest for decode). Several tokens: a dense
+    einsum over all experts with a [T, N] combine matrix (fastest on CPU for prefill, see NOTES-JAX)."""
+    T = x.shape[0]
+    ids = jnp.maximum(experts, 0)
+    if T == 1:
+        g, u, d = p["gate"][ids[0]], p["up"][ids[0]], p["down"][ids[0]]  # [K, D, F], [K, F, D]
+        h = activation(cfg, jnp.einsum("td,kdf->tkf", x, g)) * jnp.einsum("td,kdf->tkf", x, u)
+        y = jnp.einsum("tkf,kfd->tkd", h, d)
+        return jnp.einsum("tkd,tk->td", y, weights.astype(y.dtype))
+    combine = jnp.zeros((T, cfg.n_experts), weights.dtype)
+    combine = combine.at[jnp.arange(T)[:, None], ids].add(jnp.where(experts >= 0, weights, 0))
+    h = activation(cfg, jnp.einsum("td,edf->tef", x, p["gate"])) * jnp.einsum("td,edf->tef", x, p["up"])
+    return jnp.einsum("tef,efd,te->td", h, p["down"], combine.astype(h.dtype))
+
+
+def router_logits(p: dict, x: jax.Array) -> jax.Array:
+    """[T, N] float32 router logits (DeepSeek computes them in float32; equal for fp32 weights)."""
+    return x.astype(jnp.float32) @ p["router"].astype(jnp.float32)
+
+
+def shared_experts(p: dict, cfg: ModelConfig, x: jax.Array) -> jax.Array:
+    y = dense_mlp(p["shared"], cfg, x)
+    if "shared_gate" in p:
+        y = jax.nn.sigmoid(x @ p["shared_gate"]) * y
+    return y
+
+
+# ------------------------------------------------------------------------------------------- forward
+def original_router(cfg: ModelConfig) -> RouterHook:
+    """The architecture's own routing, with no cache: the reference every policy is compared with."""
+
+    def hook(moe_index: int, z: jax.Array, state: Any):
+        experts, weights = original_routing(cfg.gating, z)
+        return experts, weights, state, {}
+
+    return hook
+
+
+@dataclasses.dataclass
+class ForwardOutput:
+    logits: jax.Array  # [T, V]
+    router_logits: jax.Array  # [moe_layers, T, N]
+    experts: jax.Array  # [moe_layers, T, K], highest weight first
+    weights: jax.Array  # [moe_layers, T, K]
+    records: dict  # router hook records, each stacked to [moe_layers, T, ...]
+    kv: Any
+    router_state: Any
+
+
+jax.tree_util.register_dataclass(
+    ForwardOutput,
+    data_fields=["logits", "router_logits", "experts", "weights", "records", "kv", "router_state"],
+    meta_fields=[],
+)
+
+
+def forward(
+    params: Params,
+    cfg: ModelConfig,
+    tokens: jax.Array,
+    pos0: jax.Array | int = 0,
+    kv: list | None = None,
+    router: RouterHook | None = None,
+    router_state: Any = None,
+) -> ForwardOutput:
+    """Run ``tokens`` [T] at positions ``pos0..pos0+T-1``.
+
+    With ``kv`` (from ``init_kv``) the new keys/values are written at ``pos0`` and attention covers the
+    cache; without it attention covers ``tokens`` alone (teacher-forced pass)."""
+    router = router or original_router(cfg)
+    T = tokens.shape[0]
+    positions = jnp.asarray(pos0, jnp.int32) + jnp.arange(T, dtype=jnp.int32)
+    cos, sin = rope_tables(cfg, positions)
+    x = params["embed"][tokens]
+    attend = mla_attention if cfg.mla else gqa_attention
+    new_kv, zs, es, ws, recs = [], [], [], [], []
+    moe_index = 0
+    for i, lp in enumerate(params["layers"]):
+        a, layer_kv = attend(lp["attn"], cfg, i, norm(x, lp["attn_norm"], cfg), cos, sin, positions,
+                             None if kv is None else kv[i], pos0)
+        new_kv.append(layer_kv)
+        x = x + a
+        h = norm(x, lp["mlp_norm"], cfg)
+        if cfg.moe_layers[i]:
+            p = lp["moe"]
+            z = router_logits(p, h)
+            experts, weights, router_state, rec = router(moe_index, z, router_state)
+            y = routed_experts(p, cfg, h, experts, weights)
+            if "shared" in p:
+                y = y + shared_experts(p, cfg, h)
+            zs.append(z), es.append(experts), ws.append(weights), recs.append(rec)
+            moe_index += 1
+        else:
+            y = dense_mlp(lp["mlp"], cfg, h)
+        x = x + y
+    x = norm(x, params["final_norm"], cfg)
+    head = params["embed"].T if cfg.tie_word_embeddings else params["lm_head"]
+    logits = linear(x, head, params.get("lm_head_bias")).astype(jnp.float32)
+    records = jax.tree.map(lambda *r: jnp.stack(r), *recs) if recs and recs[0] else {}
+    return ForwardOutput(
+        logits=logits,
+        router_logits=jnp.stack(zs) if zs else jnp.zeros((0, T, cfg.n_experts)),
+        experts=jnp.stack(es) if es else jnp.zeros((0, T, cfg.top_k), jnp.int32),
+        weights=jnp.stack(ws) if ws else jnp.zeros((0, T, cfg.top_k)),
+        records=records,
+        kv=None if kv is None else new_kv,
+        router_state=router_state,
+    )
+
+
+def init_kv(cfg: ModelConfig, max_len: int, dtype=jnp.float32) -> list[dict]:
+    """An empty KV cache for ``max_len`` positions (MLA: compressed latent + shared rotary key)."""
+    if cfg.mla:
+        shape = {"latent": (max_len, cfg.kv_lora_rank), "k_pe": (max_len, cfg.qk_rope_head_dim)}
+    else:
+        shape = {"k": (max_len, cfg.num_kv_heads, cfg.head_dim), "v": (max_len, cfg.num_kv_heads, cfg.head_dim)}
+    return [{k: jnp.zeros(s, dtype) for k, s in shape.items()} for _ in range(cfg.num_layers)]

@@ -1,0 +1,90 @@
+"""Minimal memory-mapped safetensors reader and writer (any dtype, bfloat16 included, no torch).
+
+Reading memory-maps the file, so a tensor costs nothing until it is touched: the loader can check every
+key and shape before reading a byte, and the offload path can later use the same mapping as a slow
+"flash" tier. Nothing here ever unpickles.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+from typing import Iterable
+
+import ml_dtypes
+import numpy as np
+
+_DTYPES = {
+    "F64": np.float64, "F32": np.float32, "F16": np.float16, "BF16": ml_dtypes.bfloat16,
+    "I64": np.int64, "I32": np.int32, "I16": np.int16, "I8": np.int8, "U8": np.uint8, "BOOL": np.bool_,
+    "F8_E4M3": ml_dtypes.float8_e4m3fn, "F8_E5M2": ml_dtypes.float8_e5m2,
+}
+_NAMES = {np.dtype(v): k for k, v in _DTYPES.items()}
+
+
+class SafetensorsError(ValueError):
+    """A safetensors file is malformed."""
+
+
+class SafetensorsFile:
+    """Lazy view of one ``.safetensors`` file: ``keys()``, ``shape(k)``, ``dtype(k)``, ``get(k)``."""
+
+    def __init__(self, path: str):
+        self.path = path
+        with open(path, "rb") as f:
+            head = f.read(8)
+            if len(head) != 8:
+                raise SafetensorsError(f"{path}: too short to be a safetensors file")
+            (n,) = struct.unpack("<Q", head)
+            try:
+                header = json.loads(f.read(n))
+            except (json.JSONDecodeError, UnicodeDecodeError) as e:
+                raise SafetensorsError(f"{path}: unreadable safetensors header ({e})") from e
+        self.metadata = header.pop("__metadata__", None) or {}
+        self._header = header
+        self._offset = 8 + n
+        self._mmap = np.memmap(path, dtype=np.uint8, mode="r") if os.path.getsize(path) > self._offset else None
+
+    def keys(self) -> list[str]:
+        return list(self._header)
+
+    def shape(self, key: str) -> tuple[int, ...]:
+        return tuple(self._header[key]["shape"])
+
+    def dtype(self, key: str) -> np.dtype:
+        name = self._header[key]["dtype"]
+        if name not in _DTYPES:
+            raise SafetensorsError(f"{self.path}: tensor {key!r} has unsupported dtype {name}")
+        return np.dtype(_DTYPES[name])
+
+    def get(self, key: str) -> np.ndarray:
+        """The tensor as a read-only numpy view into the mapped file."""
+        info = self._header[key]
+        start, end = info["data_offsets"]
+        dtype, shape = self.dtype(key), tuple(info["shape"])
+        if end - start != int(np.prod(shape)) * dtype.itemsize:
+            raise SafetensorsError(f"{self.path}: tensor {key!r} byte range does not match shape {shape}")
+        if end == start:
+            return np.zeros(shape, dtype)
+        raw = self._mmap[self._offset + start : self._offset + end]
+        return raw.view(dtype).reshape(shape)
+
+
+def write(path: str, tensors: Iterable[tuple[str, np.ndarray]], metadata: dict[str, str] | None = None):
+    """Write ``(key, array)`` pairs as one safetensors file (keys in the given order)."""
+    tensors = [(k, np.ascontiguousarray(v)) for k, v in tensors]
+    header: dict = {"__metadata__": metadata or {"format": "pt"}}
+    offset = 0
+    for k, v in tensors:
+        if v.dtype not in _NAMES:
+            raise SafetensorsError(f"cannot write tensor {k!r} of dtype {v.dtype}")
+        header[k] = {"dtype": _NAMES[v.dtype], "shape": list(v.shape), "data_offsets": [offset, offset + v.nbytes]}
+        offset += v.nbytes
+    blob = json.dumps(header, separators=(",", ":")).encode()
+    blob += b" " * (-len(blob) % 8)
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(blob)))
+        f.write(blob)
+        for _, v in tensors:
+            f.write(v.tobytes())
