@@ -1,0 +1,154 @@
+"""The Python API: ``model = moejax.load(path)``; ``model.forward(ids)``; ``model.generate(...)``."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+import os
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from moejax import checkpoint, decode
+from moejax.config import ModelConfig
+from moejax.model import forward as model_forward
+
+DEFAULT_MODEL_NAME = "default"
+
+
+@dataclasses.dataclass
+class Output:
+    """What ``Model.forward`` returns (numpy arrays)."""
+
+    logits: np.ndarray  # [T, vocab]
+    router_logits: np.ndarray  # [moe_layers, T, n_experts]
+    experts: np.ndarray  # [moe_layers, T, K] chosen expert ids, highest weight first
+    weights: np.ndarray  # [moe_layers, T, K] their mixing weights
+    hits: np.ndarray | None = None  # [moe_layers, T, K] bool, when a cache is simulated
+    stats: dict | None = None
+
+
+class Tokenizer:
+    """A ``tokenizer.json`` (HF ``tokenizers``) plus the chat template of ``tokenizer_config.json``."""
+
+    def __init__(self, folder: str):
+        from tokenizers import Tokenizer as _Tok
+
+        self._tok = _Tok.from_file(os.path.join(folder, "tokenizer.json"))
+        self.config: dict[str, Any] = {}
+        path = os.path.join(folder, "tokenizer_config.json")
+        if os.path.isfile(path):
+            with open(path) as f:
+                self.config = json.load(f)
+        self.chat_template = self.config.get("chat_template")
+        jinja = os.path.join(folder, "chat_template.jinja")
+        if os.path.isfile(jinja):
+            with open(jinja) as f:
+                self.chat_template = f.read()
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def decode(self, ids, skip_special_tokens: bool = True) -> str:
+        return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def _special(self, name: str) -> str:
+        value = self.config.get(name)
+        return value.get("content", "") if isinstance(value, dict) else (value or "")
+
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+        if not self.chat_template:
+            raise ValueError("this checkpoint's tokenizer has no chat template (tokenizer_config.json "
+                             "'chat_template' or chat_template.jinja); drop --chat")
+        import jinja2
+        from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+        def raise_exception(message):
+            raise jinja2.exceptions.TemplateError(message)
+
+        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                            extensions=["jinja2.ext.loopcontrols"])
+        env.globals["raise_exception"] = raise_exception
+        return env.from_string(self.chat_template).render(
+            messages=messages, add_generation_prompt=add_generation_prompt,
+            bos_token=self._special("bos_token"), eos_token=self._special("eos_token"))
+
+
+@functools.partial(jax.jit, static_argnames=("cfg",))
+def _forward_original(params, cfg: ModelConfig, tokens):
+    return model_forward(params, cfg, tokens)
+
+
+class Model:
+    """A loaded MoE model: parameters, configuration and (when the folder has one) a tokenizer."""
+
+    def __init__(self, params: dict, cfg: ModelConfig, tokenizer: Tokenizer | None = None,
+                 path: str | None = None, generation_config: dict | None = None):
+        self.params, self.cfg, self.tokenizer, self.path = params, cfg, tokenizer, path
+        self.generation_config = generation_config or {}
+
+    def __repr__(self) -> str:
+        c = self.cfg
+        return (f"Model({c.model_type}, layers={c.num_layers}, moe_layers={c.n_moe_layers}, "
+                f"experts={c.n_experts}, top_k={c.top_k}, path={self.path!r})")
+
+    @property
+    def eos_token_ids(self) -> tuple[int, ...]:
+        eos = self.generation_config.get("eos_token_id")
+        if eos is None:
+            return self.cfg.eos_token_ids
+        return tuple(eos) if isinstance(eos, list) else (eos,)
+
+    def _tokens(self, token_ids) -> jax.Array:
+        ids = np.asarray(token_ids)
+        if ids.ndim != 1 or ids.size == 0:
+            raise ValueError(f"token_ids must be a non-empty 1-D array, got shape {ids.shape}")
+        if not np.issubdtype(ids.dtype, np.integer):
+            raise ValueError(f"token_ids must be integers, got {ids.dtype}")
+        if ids.min() < 0 or ids.max() >= self.cfg.vocab_size:
+            raise ValueError(f"token ids must be in 0..{self.cfg.vocab_size - 1}")
+        return jnp.asarray(ids, jnp.int32)
+
+    def forward(self, token_ids) -> Output:
+        """Teacher-forced pass over ``token_ids`` (1-D) with the architecture's own routing."""
+        out = _forward_original(self.params, self.cfg, self._tokens(token_ids))
+        return Output(np.asarray(out.logits), np.asarray(out.router_logits), np.asarray(out.experts),
+                      np.asarray(out.weights))
+
+    def encode(self, text: str) -> list[int]:
+        if self.tokenizer is None:
+            raise ValueError(f"{self.path} has no tokenizer.json: pass token ids (--prompt-ids) instead of text")
+        return self.tokenizer.encode(text)
+
+    def decode(self, ids) -> str:
+        if self.tokenizer is None:
+            return " ".join(str(i) for i in ids)
+        return self.tokenizer.decode(ids)
+
+    def generate(self, prompt_ids, max_new_tokens: int = 64, temperature: float = 0.0, top_p: float = 1.0,
+                 seed: int = 0, stop_at_eos: bool = True, on_tokens=None, chunk: int = 16,
+                 router=None, router_state=None) -> decode.GenerateResult:
+        cfg = dataclasses.replace(self.cfg, eos_token_ids=self.eos_token_ids)
+        return decode.generate(self.params, cfg, prompt_ids, max_new_tokens=max_new_tokens,
+                               sampling=decode.Sampling(temperature, top_p), seed=seed, stop_at_eos=stop_at_eos,
+                               on_tokens=on_tokens, chunk=chunk, router=router, router_state=router_state)
+
+
+def load(path: str, dtype=None) -> Model:
+    """Load a moejax checkpoint folder, a Hugging Face folder (converted on the fly), or ``"default"``."""
+    if path == DEFAULT_MODEL_NAME:
+        from moejax import assets
+
+        path = assets.default_model_path()
+    params, cfg = checkpoint.load_params(path, dtype)
+    folder = os.path.abspath(os.path.expanduser(path))
+    tokenizer = Tokenizer(folder) if os.path.isfile(os.path.join(folder, "tokenizer.json")) else None
+    gen_path = os.path.join(folder, "generation_config.json")
+    generation_config = {}
+    if os.path.isfile(gen_path):
+        with open(gen_path) as f:
+            generation_config = json.load(f)
+    return Model(params, cfg, tokenizer, folder, generation_config)

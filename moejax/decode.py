@@ -1,0 +1,173 @@
+"""Prefill + KV cache + a jitted ``lax.scan`` decode loop.
+
+Every state that flows through a decode step is in ``DecodeState``: the KV cache, the last token, its
+position, the sampling key, the router state (expert cache, routing statistics) and whether an EOS was
+seen. The loop runs in chunks of ``chunk`` scan steps so text can be streamed between chunks; the state is
+donated to each chunk so the KV cache is updated in place.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import time
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from moejax.config import ModelConfig
+from moejax.model import forward, init_kv
+
+
+@dataclasses.dataclass(frozen=True)
+class Sampling:
+    """Greedy when temperature == 0; otherwise temperature + nucleus (top-p) sampling."""
+
+    temperature: float = 0.0
+    top_p: float = 1.0
+
+    def __post_init__(self):
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+
+
+def sample(logits: jax.Array, key: jax.Array, sampling: Sampling) -> jax.Array:
+    if sampling.temperature == 0:
+        return jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    logits = logits.astype(jnp.float32) / sampling.temperature
+    if sampling.top_p < 1:
+        order = jnp.argsort(-logits)
+        probs = jax.nn.softmax(logits[order])
+        keep_sorted = jnp.cumsum(probs) - probs < sampling.top_p  # always keeps the most likely token
+        keep = jnp.zeros_like(keep_sorted).at[order].set(keep_sorted)
+        logits = jnp.where(keep, logits, -jnp.inf)
+    return jax.random.categorical(key, logits).astype(jnp.int32)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class DecodeState:
+    kv: Any
+    token: jax.Array  # last token, int32 scalar
+    pos: jax.Array  # position of ``token``
+    key: jax.Array
+    router_state: Any
+    done: jax.Array  # an EOS was fed or the token budget is spent: later steps change nothing
+    limit: jax.Array  # steps feeding a position >= limit are inactive
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "router", "sampling"), donate_argnames=("kv",))
+def prefill(params, cfg: ModelConfig, tokens, kv, key, router, router_state, sampling: Sampling):
+    """Run the prompt, fill the KV cache, sample the first new token."""
+    out = forward(params, cfg, tokens, 0, kv, router, router_state)
+    key, sub = jax.random.split(key)
+    first = sample(out.logits[-1], sub, sampling)
+    return first, out.kv, key, out.router_state, out.records
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "router", "sampling", "steps", "eos"),
+                   donate_argnames=("state",))
+def decode_chunk(params, cfg: ModelConfig, state: DecodeState, router, sampling: Sampling, steps: int,
+                 eos: tuple[int, ...]):
+    """``steps`` decode steps in one ``lax.scan``: feed the last token, sample the next."""
+
+    def step(s: DecodeState, _):
+        out = forward(params, cfg, s.token[None], s.pos, s.kv, router, s.router_state)
+        key, sub = jax.random.split(s.key)
+        nxt = sample(out.logits[0], sub, sampling)
+        done = s.done | jnp.isin(s.token, jnp.asarray(eos or (-1,), jnp.int32)) | (s.pos >= s.limit)
+        # inactive steps (past EOS or the budget, padding the last chunk) leave the router state alone
+        router_state = jax.tree.map(lambda new, old: jnp.where(done, old, new), out.router_state, s.router_state)
+        new = DecodeState(out.kv, nxt, s.pos + 1, key, router_state, done, s.limit)
+        return new, (nxt, done, out.records)
+
+    return jax.lax.scan(step, state, None, length=steps)
+
+
+@dataclasses.dataclass
+class GenerateResult:
+    token_ids: list[int]
+    stats: dict
+    records: list  # router records: prefill's, then (records, done) per decode chunk
+    router_state: Any
+
+
+def generate(params, cfg: ModelConfig, prompt_ids, *, max_new_tokens: int, sampling: Sampling = Sampling(),
+             seed: int = 0, router=None, router_state=None, stop_at_eos: bool = True, chunk: int = 16,
+             on_tokens: Callable[[list[int]], None] | None = None, context: int | None = None) -> GenerateResult:
+    """Generate up to ``max_new_tokens`` after ``prompt_ids``; ``on_tokens`` receives them as they come."""
+    prompt = np.asarray(prompt_ids, dtype=np.int32)
+    context = context or cfg.max_position_embeddings
+    if prompt.ndim != 1 or prompt.size == 0:
+        raise ValueError("the prompt is empty: give at least one token")
+    if prompt.size > context:
+        raise ValueError(f"the prompt has {prompt.size} tokens, longer than the context of {context}")
+    if np.any(prompt < 0) or np.any(prompt >= cfg.vocab_size):
+        bad = prompt[(prompt < 0) | (prompt >= cfg.vocab_size)][0]
+        raise ValueError(f"token id {bad} is outside the vocabulary (0..{cfg.vocab_size - 1})")
+    max_new_tokens = max(0, min(max_new_tokens, context - prompt.size))
+    eos = tuple(cfg.eos_token_ids) if stop_at_eos else ()
+    n_chunks = max(0, -(-(max_new_tokens - 1) // chunk))
+    dtype = params["embed"].dtype
+    kv = init_kv(cfg, prompt.size + n_chunks * chunk + 1, dtype)
+    key = jax.random.PRNGKey(seed)
+
+    # compile ahead of time so time to first token and tokens/s measure the model, not XLA
+    t_compile = time.perf_counter()
+    statics = dict(cfg=cfg, router=router, sampling=sampling)
+    tokens_in = jnp.asarray(prompt)
+    run_prefill = prefill.lower(params, tokens=tokens_in, kv=kv, key=key, router_state=router_state,
+                                **statics).compile()
+    first_s, kv_s, key_s, rs_s, _ = jax.eval_shape(
+        functools.partial(prefill, **statics), params, tokens=tokens_in, kv=kv, key=key, router_state=router_state)
+    state_s = DecodeState(kv_s, first_s, jax.ShapeDtypeStruct((), jnp.int32), key_s, rs_s,
+                          jax.ShapeDtypeStruct((), jnp.bool_), jax.ShapeDtypeStruct((), jnp.int32))
+    run_chunk = None
+    if n_chunks:
+        run_chunk = decode_chunk.lower(params, state=state_s, steps=chunk, eos=eos, **statics).compile()
+    compile_time = time.perf_counter() - t_compile
+
+    t0 = time.perf_counter()
+    first, kv, key, router_state, rec = run_prefill(params, tokens=tokens_in, kv=kv, key=key,
+                                                    router_state=router_state)
+    first = int(first)
+    ttft = time.perf_counter() - t0
+    tokens = [first] if max_new_tokens > 0 else []
+    records = [rec]
+    if tokens and on_tokens:
+        on_tokens(tokens[:])
+    limit = jnp.int32(prompt.size + max_new_tokens - 1)
+    state = DecodeState(kv, jnp.int32(first), jnp.int32(prompt.size), key, router_state, jnp.bool_(False), limit)
+    finished = not tokens or (first in eos)
+    while not finished and len(tokens) < max_new_tokens:
+        state, (new, done, rec) = run_chunk(params, state=state)
+        records.append((rec, done))
+        new, done = np.asarray(new), np.asarray(done)
+        fresh = []
+        for tok, was_done in zip(new.tolist(), done.tolist()):
+            if was_done or len(tokens) >= max_new_tokens:
+                finished = True
+                break
+            tokens.append(tok)
+            fresh.append(tok)
+            if tok in eos:
+                finished = True
+                break
+        if fresh and on_tokens:
+            on_tokens(fresh)
+    jax.block_until_ready(state.token)
+    total = time.perf_counter() - t0
+    decode_time = total - ttft
+    stats = {
+        "prompt_tokens": int(prompt.size),
+        "generated_tokens": len(tokens),
+        "time_to_first_token_s": ttft,
+        "total_time_s": total,
+        "compile_time_s": compile_time,
+        "tokens_per_s": (len(tokens) - 1) / decode_time if len(tokens) > 1 and decode_time > 0 else 0.0,
+    }
+    return GenerateResult(tokens, stats, records, state.router_state)

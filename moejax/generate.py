@@ -1,0 +1,120 @@
+"""``python -m moejax.generate``: generate text from an MoE checkpoint, streaming it as it comes.
+
+    python -m moejax.generate --model PATH --prompt "The capital of France" --max-new-tokens 64
+    python -m moejax.generate --model PATH --prompt-ids 5,17,42 --json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from moejax import api
+from moejax.checkpoint import CheckpointError
+from moejax.config import UnsupportedModelError
+
+DEFAULT_PROMPT = "The history of the"
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m moejax.generate", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default=api.DEFAULT_MODEL_NAME,
+                   help="moejax or Hugging Face checkpoint folder, or 'default' (the embedded model)")
+    src = p.add_mutually_exclusive_group()
+    src.add_argument("--prompt", help=f"prompt text (default: {DEFAULT_PROMPT!r})")
+    src.add_argument("--prompt-ids", help="comma-separated token ids, e.g. 5,17,42 (no tokenizer needed)")
+    p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--chat", action="store_true", help="wrap the prompt in the checkpoint's chat template")
+    p.add_argument("--ignore-eos", action="store_true", help="keep generating past end-of-sequence tokens")
+    p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], help="compute dtype (default: stored)")
+    p.add_argument("--json", action="store_true", help="print one JSON object with text, token_ids and stats")
+    return p
+
+
+def parse_prompt_ids(text: str) -> list[int]:
+    try:
+        ids = [int(t) for t in text.replace(" ", "").split(",") if t != ""]
+    except ValueError:
+        raise ValueError(f"--prompt-ids must be comma-separated integers, got {text!r}") from None
+    if not ids:
+        raise ValueError("the prompt is empty: --prompt-ids has no token ids")
+    return ids
+
+
+def prompt_token_ids(model: api.Model, args: argparse.Namespace) -> list[int]:
+    if args.prompt_ids is not None:
+        return parse_prompt_ids(args.prompt_ids)
+    text = DEFAULT_PROMPT if args.prompt is None else args.prompt
+    if not text.strip():
+        raise ValueError("the prompt is empty: give some text with --prompt")
+    if args.chat:
+        if model.tokenizer is None:
+            raise ValueError(f"{model.path} has no tokenizer.json, so --chat cannot apply a chat template")
+        templated = model.tokenizer.apply_chat_template([{"role": "user", "content": text}])
+        return model.tokenizer.encode(templated, add_special_tokens=False)
+    return model.encode(text)
+
+
+class Streamer:
+    """Prints text as tokens arrive; decodes the whole continuation each time so merges come out right."""
+
+    def __init__(self, model: api.Model, out=sys.stdout):
+        self.model, self.out, self.ids, self.printed = model, out, [], ""
+
+    def __call__(self, new_ids: list[int]) -> None:
+        self.ids += new_ids
+        text = self.model.decode(self.ids)
+        if self.model.tokenizer is None:
+            text += " "
+        if text.startswith(self.printed):
+            self.out.write(text[len(self.printed):])
+        else:  # a later token changed how earlier ones decode: print what is new from the divergence
+            self.out.write(text[len(self.printed):] if len(text) > len(self.printed) else "")
+        self.out.flush()
+        self.printed = text
+
+
+def run(args: argparse.Namespace) -> dict:
+    dtype = None if args.dtype is None else {"float32": "float32", "bfloat16": "bfloat16",
+                                             "float16": "float16"}[args.dtype]
+    model = api.load(args.model, dtype=dtype)
+    ids = prompt_token_ids(model, args)
+    if args.max_new_tokens < 0:
+        raise ValueError(f"--max-new-tokens must be >= 0, got {args.max_new_tokens}")
+    streamer = None
+    if not args.json:
+        if args.prompt_ids is None and not args.chat:
+            sys.stdout.write(model.decode(ids))
+        streamer = Streamer(model)
+    result = model.generate(ids, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
+                            top_p=args.top_p, seed=args.seed, stop_at_eos=not args.ignore_eos,
+                            on_tokens=streamer)
+    text = model.decode(result.token_ids)
+    if not args.json:
+        sys.stdout.write("\n")
+        s = result.stats
+        sys.stderr.write(f"[{s['prompt_tokens']} prompt tokens, {s['generated_tokens']} generated, "
+                         f"time to first token {s['time_to_first_token_s']:.3f} s, "
+                         f"{s['tokens_per_s']:.1f} tokens/s]\n")
+    return {"text": text, "token_ids": result.token_ids, "prompt_ids": ids, "stats": result.stats}
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        result = run(args)
+    except (CheckpointError, UnsupportedModelError, ValueError, FileExistsError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    if args.json:
+        print(json.dumps(result))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
