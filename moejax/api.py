@@ -28,7 +28,8 @@ class Output:
     experts: np.ndarray  # [moe_layers, T, K] chosen expert ids, highest weight first
     weights: np.ndarray  # [moe_layers, T, K] their mixing weights
     hits: np.ndarray | None = None  # [moe_layers, T, K] bool, when a cache is simulated
-    stats: dict | None = None
+    stats: dict | None = None  # cache metrics (simulate.summarize), when a cache is simulated
+    state: Any = None  # router state after the pass: pass it as ``state=`` to carry the cache over
 
 
 class Tokenizer:
@@ -112,11 +113,40 @@ class Model:
             raise ValueError(f"token ids must be in 0..{self.cfg.vocab_size - 1}")
         return jnp.asarray(ids, jnp.int32)
 
-    def forward(self, token_ids) -> Output:
-        """Teacher-forced pass over ``token_ids`` (1-D) with the architecture's own routing."""
-        out = _forward_original(self.params, self.cfg, self._tokens(token_ids))
+    def router_state(self, routing=None, cache: "simulate.CacheConfig | None" = None) -> dict:
+        """A fresh router state for ``routing`` (policy or kind name) and ``cache`` (default: N/2 LRU)."""
+        from moejax import routing as routing_lib
+        from moejax import simulate
+
+        if routing is None or isinstance(routing, str):
+            routing = routing_lib.make_policy(routing or "original", self.cfg.top_k)
+        return simulate.init_router_state(self.cfg, routing, cache or simulate.CacheConfig())
+
+    def forward(self, token_ids, *, routing=None, cache=None, state: dict | None = None,
+                sequential: bool | None = None) -> Output:
+        """Teacher-forced pass over ``token_ids`` (1-D).
+
+        With no ``routing``/``cache``/``state``: the architecture's own routing, no cache. Otherwise the
+        routing policy (``routing.make_policy(...)`` or a kind name) runs against a simulated expert cache
+        (``simulate.CacheConfig``; default N/2 per layer, LRU), starting from ``state`` when given (e.g.
+        ``previous_output.state``: the cache carried over from the previous sequence, statistics
+        accumulating). Per-layer caches take the layer-parallel path, global ones the token-sequential
+        path (``sequential=True`` forces it; both give the same result for per-layer caches)."""
+        tokens = self._tokens(token_ids)
+        if routing is None and cache is None and state is None:
+            out = _forward_original(self.params, self.cfg, tokens)
+            return Output(np.asarray(out.logits), np.asarray(out.router_logits), np.asarray(out.experts),
+                          np.asarray(out.weights))
+        from moejax import simulate
+
+        if state is None:
+            state = self.router_state(routing, cache)
+        elif routing is not None:
+            state = {**state, "policy": self.router_state(routing, cache)["policy"]}
+        out = simulate.forward_with_cache(self.params, self.cfg, tokens, state, sequential)
         return Output(np.asarray(out.logits), np.asarray(out.router_logits), np.asarray(out.experts),
-                      np.asarray(out.weights))
+                      np.asarray(out.weights), np.asarray(out.records["hits"]),
+                      simulate.summarize(out.router_state, self.params, self.cfg), out.router_state)
 
     def encode(self, text: str) -> list[int]:
         if self.tokenizer is None:
@@ -130,11 +160,28 @@ class Model:
 
     def generate(self, prompt_ids, max_new_tokens: int = 64, temperature: float = 0.0, top_p: float = 1.0,
                  seed: int = 0, stop_at_eos: bool = True, on_tokens=None, chunk: int = 16,
-                 router=None, router_state=None) -> decode.GenerateResult:
+                 routing=None, cache=None, state: dict | None = None) -> decode.GenerateResult:
+        """Prefill + scan decode. With ``routing``/``cache``/``state`` the expert cache is simulated for
+        every token (prompt included) and ``result.stats["cache"]`` holds its metrics."""
         cfg = dataclasses.replace(self.cfg, eos_token_ids=self.eos_token_ids)
-        return decode.generate(self.params, cfg, prompt_ids, max_new_tokens=max_new_tokens,
-                               sampling=decode.Sampling(temperature, top_p), seed=seed, stop_at_eos=stop_at_eos,
-                               on_tokens=on_tokens, chunk=chunk, router=router, router_state=router_state)
+        router = None
+        if routing is not None or cache is not None or state is not None:
+            from moejax import simulate
+
+            router = simulate.CacheRouter(self.cfg.gating)
+            if state is None:
+                state = self.router_state(routing, cache)
+            elif routing is not None:
+                state = {**state, "policy": self.router_state(routing, cache)["policy"]}
+        result = decode.generate(self.params, cfg, prompt_ids, max_new_tokens=max_new_tokens,
+                                 sampling=decode.Sampling(temperature, top_p), seed=seed,
+                                 stop_at_eos=stop_at_eos, on_tokens=on_tokens, chunk=chunk, router=router,
+                                 router_state=state)
+        if router is not None:
+            from moejax import simulate
+
+            result.stats["cache"] = simulate.summarize(result.router_state, self.params, self.cfg)
+        return result
 
 
 def load(path: str, dtype=None) -> Model:

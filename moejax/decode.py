@@ -18,7 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from moejax.config import ModelConfig
-from moejax.model import forward, init_kv
+from moejax.model import forward, forward_sequential, init_kv
 
 
 @dataclasses.dataclass(frozen=True)
@@ -60,13 +60,20 @@ class DecodeState:
     limit: jax.Array  # steps feeding a position >= limit are inactive
 
 
+def _trace_record(out) -> dict:
+    """What a routing trace keeps of a forward pass, each [moe_layers, T, ...]."""
+    return {"experts": out.experts, "weights": out.weights, "logits": out.router_logits, **out.records}
+
+
 @functools.partial(jax.jit, static_argnames=("cfg", "router", "sampling"), donate_argnames=("kv",))
 def prefill(params, cfg: ModelConfig, tokens, kv, key, router, router_state, sampling: Sampling):
     """Run the prompt, fill the KV cache, sample the first new token."""
-    out = forward(params, cfg, tokens, 0, kv, router, router_state)
+    sequential = router is not None and getattr(router, "token_sequential", lambda s: False)(router_state)
+    run = forward_sequential if sequential else forward
+    out = run(params, cfg, tokens, 0, kv, router, router_state)
     key, sub = jax.random.split(key)
     first = sample(out.logits[-1], sub, sampling)
-    return first, out.kv, key, out.router_state, out.records
+    return first, out.kv, key, out.router_state, _trace_record(out)
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "router", "sampling", "steps", "eos"),
@@ -83,7 +90,7 @@ def decode_chunk(params, cfg: ModelConfig, state: DecodeState, router, sampling:
         # inactive steps (past EOS or the budget, padding the last chunk) leave the router state alone
         router_state = jax.tree.map(lambda new, old: jnp.where(done, old, new), out.router_state, s.router_state)
         new = DecodeState(out.kv, nxt, s.pos + 1, key, router_state, done, s.limit)
-        return new, (nxt, done, out.records)
+        return new, (nxt, done, _trace_record(out))
 
     return jax.lax.scan(step, state, None, length=steps)
 
@@ -94,6 +101,16 @@ class GenerateResult:
     stats: dict
     records: list  # router records: prefill's, then (records, done) per decode chunk
     router_state: Any
+
+    def trace(self) -> dict[str, np.ndarray]:
+        """Per fed token (prompt, then generated but the last) and MoE layer: ``experts`` [T, L, K],
+        ``weights`` [T, L, K], router ``logits`` [T, L, N] and any router record (e.g. ``hits``)."""
+        prefill, chunks = self.records[0], self.records[1:]
+        parts = [{k: np.swapaxes(np.asarray(v), 0, 1) for k, v in prefill.items()}]
+        for rec, done in chunks:
+            active = ~np.asarray(done)
+            parts.append({k: np.asarray(v)[active][:, :, 0] for k, v in rec.items()})
+        return {k: np.concatenate([p[k] for p in parts]) for k in parts[0]}
 
 
 def generate(params, cfg: ModelConfig, prompt_ids, *, max_new_tokens: int, sampling: Sampling = Sampling(),

@@ -129,3 +129,15 @@ def sort_by_weight(experts: jax.Array, weights: jax.Array) -> tuple[jax.Array, j
     """Order chosen experts by weight, highest first (stable: equal weights keep ranking order)."""
     order = jnp.argsort(-weights, axis=-1, stable=True)
     return jnp.take_along_axis(experts, order, -1), jnp.take_along_axis(weights, order, -1)
+
+
+def spec(gating: Gating) -> dict:
+    """A JSON-able description of a gating (stored in routing traces so replay can re-route)."""
+    if isinstance(gating, SparseMixer):
+        return {"kind": "sparsemixer", "n_experts": gating.n_experts, "top_k": gating.top_k,
+                "jitter_eps": gating.jitter_eps}
+    out = {"kind": "softmax", "n_experts": gating.n_experts, "top_k": gating.top_k,
+           "normalize": gating.normalize, "scale": gating.scale, "norm_eps": gating.norm_eps}
+    if isinstance(gating, GroupLimited):
+        out.update(kind="group-limited", n_group=gating.n_group, topk_group=gating.topk_group)
+    return out

@@ -2,6 +2,10 @@
 
     python -m moejax.generate --model PATH --prompt "The capital of France" --max-new-tokens 64
     python -m moejax.generate --model PATH --prompt-ids 5,17,42 --json
+    python -m moejax.generate --model PATH --routing cache-prior --lam 0.5 --cache-size 0.5 --trace-out t.npz
+
+Any routing or cache option simulates an expert cache over every token (prompt included) and prints its
+statistics (overall and per MoE layer) after the text; ``--json`` puts them under ``stats.cache``.
 """
 
 from __future__ import annotations
@@ -10,9 +14,11 @@ import argparse
 import json
 import sys
 
-from moejax import api
+from moejax import api, cli_options, gating, simulate
+from moejax import trace as trace_lib
 from moejax.checkpoint import CheckpointError
 from moejax.config import UnsupportedModelError
+from moejax.trace import TraceError
 
 DEFAULT_PROMPT = "The history of the"
 
@@ -33,6 +39,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--ignore-eos", action="store_true", help="keep generating past end-of-sequence tokens")
     p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], help="compute dtype (default: stored)")
     p.add_argument("--json", action="store_true", help="print one JSON object with text, token_ids and stats")
+    p.add_argument("--trace-out", metavar="FILE.npz",
+                   help="record the routing trace (experts, weights, router logits per token and MoE layer)")
+    cli_options.add_routing_args(p)
     return p
 
 
@@ -91,24 +100,40 @@ def run(args: argparse.Namespace) -> dict:
         if args.prompt_ids is None and not args.chat:
             sys.stdout.write(model.decode(ids))
         streamer = Streamer(model)
+    routing = cache = None
+    if cli_options.cache_requested(args):
+        routing = cli_options.policy_from_args(args, model.cfg.top_k)
+        cache = cli_options.cache_from_args(args)
+        cache.capacity(model.cfg)  # a bad --cache-size fails here, before any compilation
     result = model.generate(ids, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
                             top_p=args.top_p, seed=args.seed, stop_at_eos=not args.ignore_eos,
-                            on_tokens=streamer)
+                            on_tokens=streamer, routing=routing, cache=cache)
     text = model.decode(result.token_ids)
+    if "cache" in result.stats:
+        result.stats["cache"].update(cli_options.describe(args), capacity=cache.capacity(model.cfg),
+                                     layers=model.cfg.n_moe_layers, experts_per_token=model.cfg.top_k,
+                                     n_experts=model.cfg.n_experts)
+    if args.trace_out:
+        tr = result.trace()
+        trace_lib.save_trace(args.trace_out, tr["experts"], tr["weights"], tr["logits"], model.cfg.n_experts,
+                             gating.spec(model.cfg.gating))
     if not args.json:
         sys.stdout.write("\n")
         s = result.stats
         sys.stderr.write(f"[{s['prompt_tokens']} prompt tokens, {s['generated_tokens']} generated, "
                          f"time to first token {s['time_to_first_token_s']:.3f} s, "
                          f"{s['tokens_per_s']:.1f} tokens/s]\n")
-    return {"text": text, "token_ids": result.token_ids, "prompt_ids": ids, "stats": result.stats}
+        if "cache" in s:
+            sys.stderr.write(trace_lib._table(s["cache"]) + "\n")
+    return {"text": text, "token_ids": result.token_ids, "prompt_ids": ids,
+            "stats": trace_lib._json_safe(result.stats)}
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         result = run(args)
-    except (CheckpointError, UnsupportedModelError, ValueError, FileExistsError) as e:
+    except (CheckpointError, UnsupportedModelError, TraceError, ValueError, FileExistsError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     if args.json:

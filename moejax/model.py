@@ -274,6 +274,26 @@ def forward(
     )
 
 
+def forward_sequential(params: Params, cfg: ModelConfig, tokens: jax.Array, pos0, kv: list, router=None,
+                       router_state: Any = None) -> ForwardOutput:
+    """``forward`` one token at a time (a ``lax.scan`` over the KV-cache path), so every token routes with
+    the router state left by the previous one in *all* layers — what a global expert cache needs.
+    Outputs are laid out as ``forward``'s ([moe_layers, T, ...])."""
+
+    def step(carry, inp):
+        kv, state = carry
+        pos, tok = inp
+        out = forward(params, cfg, tok[None], pos, kv, router, state)
+        keep = (out.logits[0], out.router_logits[:, 0], out.experts[:, 0], out.weights[:, 0],
+                jax.tree.map(lambda r: r[:, 0], out.records))
+        return (out.kv, out.router_state), keep
+
+    positions = jnp.asarray(pos0, jnp.int32) + jnp.arange(tokens.shape[0], dtype=jnp.int32)
+    (kv, state), (logits, z, e, w, rec) = jax.lax.scan(step, (kv, router_state), (positions, tokens))
+    swap = lambda a: jnp.swapaxes(a, 0, 1)  # noqa: E731  [T, L, ...] -> [L, T, ...]
+    return ForwardOutput(logits, swap(z), swap(e), swap(w), jax.tree.map(swap, rec), kv, state)
+
+
 def init_kv(cfg: ModelConfig, max_len: int, dtype=jnp.float32) -> list[dict]:
     """An empty KV cache for ``max_len`` positions (MLA: compressed latent + shared rotary key)."""
     if cfg.mla:

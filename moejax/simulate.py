@@ -24,7 +24,7 @@ from moejax import cache as cache_lib
 from moejax import routing as routing_lib
 from moejax.config import ModelConfig
 from moejax.gating import Gating
-from moejax.model import ForwardOutput, forward, init_kv
+from moejax.model import ForwardOutput, forward, forward_sequential, init_kv
 from moejax.router import route_tokens, router_step
 
 
@@ -47,6 +47,11 @@ class CacheRouter:
     """Router hook that routes through the expert cache (static: it holds only the gating)."""
 
     gating: Gating
+
+    @staticmethod
+    def token_sequential(state: dict) -> bool:
+        """A global cache couples layers: several tokens must then be routed one at a time."""
+        return state["cache"].scope == "global"
 
     def __call__(self, moe_index: int, z: jax.Array, state: dict):
         cs, rs, policy = state["cache"], state["routing"], state["policy"]
@@ -81,19 +86,8 @@ def forward_token_sequential(params, cfg: ModelConfig, tokens, router, router_st
     """Teacher-forced pass one token at a time through all layers (KV cache), as decoding sees it.
     Needed for global caches, whose layers share one pool."""
     kv = init_kv(cfg, tokens.shape[0], params["embed"].dtype)
-
-    def step(carry, inp):
-        kv, state = carry
-        pos, tok = inp
-        out = forward(params, cfg, tok[None], pos, kv, router, state)
-        keep = (out.logits[0], out.router_logits[:, 0], out.experts[:, 0], out.weights[:, 0],
-                jax.tree.map(lambda r: r[:, 0], out.records))
-        return (out.kv, out.router_state), keep
-
-    positions = jnp.arange(tokens.shape[0], dtype=jnp.int32)
-    (_, state), (logits, z, e, w, rec) = jax.lax.scan(step, (kv, router_state), (positions, tokens))
-    swap = lambda a: jnp.swapaxes(a, 0, 1)  # noqa: E731  [T, L, ...] -> [L, T, ...]
-    return ForwardOutput(logits, swap(z), swap(e), swap(w), jax.tree.map(swap, rec), None, state)
+    out = forward_sequential(params, cfg, tokens, 0, kv, router, router_state)
+    return dataclasses.replace(out, kv=None)
 
 
 def forward_with_cache(params, cfg: ModelConfig, tokens, router_state: dict, sequential: bool | None = None):
