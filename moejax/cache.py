@@ -1,0 +1,479 @@
+"""The expert cache as a pytree: residency, eviction bookkeeping and metrics (DESIGN §2).
+
+Layout. Every per-entry array is dense over (MoE layer, expert), shape [L, N]; counters are per layer,
+shape [L]. Which entries compete for room is the *scope* (static): ``"layer"`` gives each layer its own
+``capacity`` slots, ``"global"`` makes one pool of ``capacity`` entries over all L·N (layer, expert) pairs.
+The dense layout keeps every update a fixed-shape scatter, so the state can be a ``lax.scan`` carry, a
+``vmap`` operand, or sliced per layer for the layer-parallel path.
+
+Time. ``token[l]`` is the index of the forward pass (token) that layer l last routed, -1 before any.
+A routing step at layer l starts pass ``token[l] + 1``; in the token-sequential order the pass index of a
+layer therefore equals the token index, in both scopes. ``clock`` ticks once per touched expert and orders
+recency (LRU); in global scope all L entries of ``clock`` hold the same value (one shared clock).
+
+Same-step ordering (DESIGN §2, paper §4.2). The K experts of one step arrive highest weight first and get
+increasing ticks, so the higher-weighted one is *older*; every policy except Belady evicts experts selected
+in the current step only after all others, in that LRU order — with capacity < K the lowest-weighted
+selected experts stay. Evictions happen after all K are inserted, never in between.
+
+Eviction policies (static ``eviction``), smallest key evicted first, ties by LRU tick:
+  lru          last-touch tick.
+  lfu          accesses over the whole history (kept across evictions, as SpecMD's appendix B), then LRU.
+  score        accumulated mixing weight over the whole history, then LRU.
+  fld          global: the layer farthest ahead in forward order, d = ((l' - l - 1) mod L) + 1 ∈ [1, L]
+               (the current layer's other entries are next needed a full pass later, d = L); per-layer
+               scope: every candidate is in the same layer, so FLD reduces to LRU.
+  least-stale  stale (not touched or prefetched in this forward pass) before current; inside each queue
+               FIFO by layer position (lower layer first, which is "left of the execution point" first),
+               then by last touch. Per-layer scope: current = prefetched for this pass, otherwise LRU.
+  belady       offline oracle: the entry whose next use is farthest (``next_use`` supplied by the caller
+               from a recorded trace). It may evict even this step's experts, so it is a true lower bound.
+
+Metrics (``CacheStats``, per layer, attributed to the routing layer, evictions/lifetimes to the evicted
+entry's layer): accesses (+K per step even when pruning drops slots), misses, compulsory misses (first
+load ever of that (layer, expert)), collision misses (a miss on an entry evicted earlier in the same
+forward pass — only possible in global scope), loads, prefetch loads, evictions and lifetimes
+(passes from load to eviction). ``summarize`` adds still-resident entries as lifetimes censored at the
+last token when asked to.
+"""
+
+from __future__ import annotations
+
+import math
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+SCOPES = ("layer", "global")
+EVICTIONS = ("lru", "lfu", "fld", "score", "least-stale", "belady")
+INITS = ("empty", "random")
+NEVER = 2**31 - 1  # next_use of an entry that is never used again; "infinitely far" key
+
+
+@flax.struct.dataclass
+class CacheStats:
+    """Per-layer counters, all shape [L]."""
+
+    accesses: jax.Array
+    misses: jax.Array
+    compulsory: jax.Array
+    collisions: jax.Array
+    loads: jax.Array
+    prefetch_loads: jax.Array
+    evictions: jax.Array
+    life_sum: jax.Array  # float32: sum of (eviction pass - load pass) over evictions
+    life_sq: jax.Array  # float32: sum of squares of the same
+
+
+def _zero_stats(n_layers: int) -> CacheStats:
+    i = lambda: jnp.zeros((n_layers,), jnp.int32)  # noqa: E731
+    f = lambda: jnp.zeros((n_layers,), jnp.float32)  # noqa: E731
+    return CacheStats(i(), i(), i(), i(), i(), i(), i(), f(), f())
+
+
+@flax.struct.dataclass
+class CacheState:
+    """Expert-cache state; arrays [L, N] unless noted. ``slot`` is the device slot an entry occupies
+    (per layer 0..C-1, or 0..C-1 over the global pool), -1 when not resident."""
+
+    resident: jax.Array  # bool
+    slot: jax.Array  # int32
+    last_touch: jax.Array  # int32 clock tick of the last access or prefetch
+    freq: jax.Array  # int32 accesses over the whole history (LFU)
+    score: jax.Array  # float32 accumulated mixing weight (score-based)
+    load_pass: jax.Array  # int32 pass at which the current residency began
+    touch_pass: jax.Array  # int32 pass of the last access / the pass a prefetch was made for
+    evict_pass: jax.Array  # int32 pass of the last eviction, -1 if never (collision misses)
+    next_use: jax.Array  # int32 next use index (Belady only), NEVER otherwise
+    seen: jax.Array  # bool: ever loaded (compulsory misses)
+    token: jax.Array  # [L] int32 pass index each layer last routed, -1 before any
+    clock: jax.Array  # [L] int32 recency clock (equal across layers in global scope)
+    capacity: jax.Array  # [] int32: per layer (scope "layer") or in total (scope "global")
+    stats: CacheStats
+    scope: str = flax.struct.field(pytree_node=False, default="layer")
+    eviction: str = flax.struct.field(pytree_node=False, default="lru")
+
+    @property
+    def n_layers(self) -> int:
+        return self.resident.shape[0]
+
+    @property
+    def n_experts(self) -> int:
+        return self.resident.shape[1]
+
+
+# ------------------------------------------------------------------------------------------ capacity
+
+
+def parse_capacity(spec, n_experts: int, n_layers: int = 1, scope: str = "layer") -> int:
+    """Cache capacity as a count of experts.
+
+    "6" (no decimal point) is a count; "0.5" / "1.0" (decimal point) is a fraction of N per layer, or of
+    L·N for the global pool; "5%" is a percentage of the same. Rounded half up; must land in [1, limit].
+    """
+    if scope not in SCOPES:
+        raise ValueError(f"unknown cache scope {scope!r}; expected one of {SCOPES}")
+    limit = n_experts if scope == "layer" else n_experts * n_layers
+    what = "N" if scope == "layer" else "L*N"
+    text = str(spec).strip()
+    try:
+        if text.endswith("%"):
+            frac = float(text[:-1]) / 100.0
+            count = None
+        elif "." in text or "e" in text.lower():
+            frac, count = float(text), None
+        else:
+            frac, count = None, int(text)
+    except ValueError:
+        raise ValueError(f"cache size {spec!r} is not a count ('6'), a fraction ('0.5') or a percentage ('5%')") from None
+    if count is None:
+        if not (math.isfinite(frac) and 0.0 < frac <= 1.0):
+            raise ValueError(f"cache size fraction {spec!r} must be in (0, 1] of {what}={limit}")
+        count = int(math.floor(frac * limit + 0.5))
+        if count < 1:
+            raise ValueError(f"cache size {spec!r} of {what}={limit} rounds to 0 experts")
+    if not 1 <= count <= limit:
+        raise ValueError(f"cache size {spec!r} must be between 1 and {what}={limit} experts")
+    return count
+
+
+# ------------------------------------------------------------------------------------------ initial state
+
+
+def init_cache(n_layers: int, n_experts: int, capacity: int, scope: str = "layer", eviction: str = "lru",
+               init: str = "empty", seed: int = 0) -> CacheState:
+    """A fresh cache: ``empty``, or ``random`` (seeded; per layer ``capacity`` distinct experts, or in
+    global scope ``capacity`` distinct (layer, expert) entries). Random entries count as seen and are
+    older than anything touched later, in a random recency order."""
+    if scope not in SCOPES:
+        raise ValueError(f"unknown cache scope {scope!r}; expected one of {SCOPES}")
+    if eviction not in EVICTIONS:
+        raise ValueError(f"unknown eviction {eviction!r}; expected one of {EVICTIONS}")
+    if init not in INITS:
+        raise ValueError(f"unknown cache init {init!r}; expected one of {INITS}")
+    limit = n_experts if scope == "layer" else n_layers * n_experts
+    if not 1 <= int(capacity) <= limit:
+        raise ValueError(f"capacity {capacity} must be in [1, {limit}] for scope {scope!r}")
+    shape = (n_layers, n_experts)
+    minus1 = jnp.full(shape, -1, jnp.int32)
+    state = CacheState(
+        resident=jnp.zeros(shape, bool), slot=minus1, last_touch=minus1, freq=jnp.zeros(shape, jnp.int32),
+        score=jnp.zeros(shape, jnp.float32), load_pass=minus1, touch_pass=minus1, evict_pass=minus1,
+        next_use=jnp.full(shape, NEVER, jnp.int32), seen=jnp.zeros(shape, bool),
+        token=jnp.full((n_layers,), -1, jnp.int32), clock=jnp.zeros((n_layers,), jnp.int32),
+        capacity=jnp.asarray(capacity, jnp.int32), stats=_zero_stats(n_layers), scope=scope, eviction=eviction,
+    )
+    if init == "random":
+        state = _fill_random(state, int(capacity), seed)
+    return state
+
+
+def _fill_random(state: CacheState, capacity: int, seed: int) -> CacheState:
+    n_layers, n_experts = state.resident.shape
+    key = jax.random.PRNGKey(seed)
+    if state.scope == "layer":
+        keys = jax.random.split(key, n_layers)
+        perms = jax.vmap(lambda k: jax.random.permutation(k, n_experts))(keys)  # [L, N]
+        order = jnp.zeros((n_layers, n_experts), jnp.int32).at[jnp.arange(n_layers)[:, None], perms].set(
+            jnp.arange(n_experts, dtype=jnp.int32))  # position of each expert in its layer's permutation
+    else:
+        perm = jax.random.permutation(key, n_layers * n_experts)
+        order = jnp.zeros((n_layers * n_experts,), jnp.int32).at[perm].set(
+            jnp.arange(n_layers * n_experts, dtype=jnp.int32)).reshape(n_layers, n_experts)
+    resident = order < capacity
+    return state.replace(
+        resident=resident, seen=resident,
+        slot=jnp.where(resident, order, -1),
+        last_touch=jnp.where(resident, order - capacity, -1),  # distinct negative ticks: older than any touch
+        load_pass=jnp.where(resident, 0, -1),
+    )
+
+
+def reset_stats(state: CacheState) -> CacheState:
+    """Carry the cache contents over (e.g. to the next sequence) but start counting afresh."""
+    return state.replace(stats=_zero_stats(state.n_layers))
+
+
+def resident_mask(state: CacheState, layer) -> jax.Array:
+    """Bitmask m [N] of the experts of ``layer`` that are in the cache."""
+    return state.resident[layer]
+
+
+def occupancy(state: CacheState) -> jax.Array:
+    """Resident entries per layer [L] (per-layer scope) or in total [] (global scope)."""
+    return state.resident.sum(axis=1) if state.scope == "layer" else state.resident.sum()
+
+
+# ------------------------------------------------------------------------------------- per-layer views
+
+
+def _map_rows(f, state: CacheState) -> CacheState:
+    """Apply ``f`` to every leaf with a leading layer axis (all but ``capacity``)."""
+    return jax.tree.map(f, state.replace(capacity=None)).replace(capacity=state.capacity)
+
+
+def row_view(state: CacheState, layer) -> CacheState:
+    """The one-layer cache of ``layer`` (leaves [1, ...]); only meaningful in per-layer scope."""
+    return _map_rows(lambda a: lax.dynamic_slice_in_dim(a, layer, 1, axis=0), state)
+
+
+def write_row(state: CacheState, row: CacheState, layer) -> CacheState:
+    leaves, treedef = jax.tree.flatten(state.replace(capacity=None))
+    new = [lax.dynamic_update_slice_in_dim(a, b.astype(a.dtype), layer, axis=0)
+           for a, b in zip(leaves, jax.tree.leaves(row.replace(capacity=None)))]
+    return jax.tree.unflatten(treedef, new).replace(capacity=state.capacity)
+
+
+def split_layers(state: CacheState) -> CacheState:
+    """[L, ...] -> L stacked one-layer caches [L, 1, ...], for ``jax.vmap`` over independent layers."""
+    if state.scope != "layer":
+        raise ValueError("only per-layer caches split into independent layers")
+    out = _map_rows(lambda a: a[:, None], state)
+    return out.replace(capacity=jnp.broadcast_to(state.capacity, (state.n_layers,)))
+
+
+def merge_layers(stacked: CacheState) -> CacheState:
+    """Inverse of ``split_layers``."""
+    out = _map_rows(lambda a: a[:, 0], stacked)
+    return out.replace(capacity=stacked.capacity[0])
+
+
+# ------------------------------------------------------------------------------------------ eviction
+
+
+def _eviction_keys(st: CacheState, row, now: jax.Array, pass_now) -> tuple[jax.Array, ...]:
+    """Lexicographic keys [P, N] per policy; the smallest tuple is evicted first."""
+    big = jnp.int32(NEVER)
+    if st.eviction == "lru":  # this step's experts already hold the newest ticks
+        return (jnp.where(st.resident, st.last_touch, big),)
+    if st.eviction == "belady":
+        return (jnp.where(st.resident, 0, 1), -st.next_use, st.last_touch)
+    group = jnp.where(st.resident, now.astype(jnp.int32), 2)  # 0 others, 1 this step, 2 not resident
+    n_rows = st.resident.shape[0]
+    layer_pos = jnp.broadcast_to(jnp.arange(n_rows, dtype=jnp.int32)[:, None], st.resident.shape)
+    if st.eviction == "lfu":
+        primary = (jnp.where(now, 0, st.freq),)
+    elif st.eviction == "score":
+        primary = (jnp.where(now, 0.0, st.score),)
+    elif st.eviction == "fld":
+        ahead = (layer_pos - row - 1) % n_rows + 1
+        primary = (jnp.where(now, 0, -ahead),)
+    elif st.eviction == "least-stale":
+        current = (st.touch_pass >= pass_now).astype(jnp.int32)
+        primary = (jnp.where(now, 0, current), jnp.where(now, 0, layer_pos))
+    else:
+        raise ValueError(f"unknown eviction {st.eviction!r}")
+    return (group, *primary, st.last_touch)
+
+
+def _victims(keys: tuple[jax.Array, ...], n_evict, max_evict: int) -> jax.Array:
+    """Boolean [P, N] of the ``n_evict`` (<= max_evict, static) entries with the smallest keys."""
+    shape = keys[0].shape
+    flat = [k.reshape(-1) for k in keys]
+    if len(flat) == 1:
+        _, idx = lax.top_k(-flat[0], max_evict)
+    else:
+        iota = jnp.arange(flat[0].shape[0], dtype=jnp.int32)
+        idx = lax.sort((*flat, iota), num_keys=len(flat), is_stable=True)[-1][:max_evict]
+    chosen = jnp.arange(max_evict) < n_evict
+    return jnp.zeros(flat[0].shape, bool).at[idx].set(chosen).reshape(shape)
+
+
+def _evict_and_place(st: CacheState, row, now: jax.Array, loaded: jax.Array, pass_now, max_evict: int):
+    """Evict down to capacity, free the victims' slots, give newly loaded survivors a free slot.
+
+    ``now`` [P, N]: entries inserted/touched by this update (evicted last); ``loaded`` [P, N]: entries
+    that were not resident before it. Returns (state, evicted mask [P, N]).
+    """
+    n_evict = jnp.clip(st.resident.sum() - st.capacity, 0, max_evict)
+    evicted = _victims(_eviction_keys(st, row, now, pass_now), n_evict, max_evict)
+    resident = st.resident & ~evicted
+    slot = jnp.where(evicted, -1, st.slot)
+    n_slots = slot.size
+    used = jnp.zeros((n_slots + 1,), bool).at[jnp.where(slot >= 0, slot, n_slots).reshape(-1)].set(True)[:n_slots]
+    free = ~used & (jnp.arange(n_slots) < st.capacity)
+    place = (loaded & resident).reshape(-1)
+    order = jnp.cumsum(place) - 1
+    free_slots = jnp.nonzero(free, size=max_evict, fill_value=-1)[0]
+    new_slot = free_slots[jnp.clip(order, 0, max_evict - 1)]
+    slot = jnp.where(place, new_slot, slot.reshape(-1)).reshape(slot.shape)
+    life = jnp.where(evicted, pass_now - st.load_pass, 0).astype(jnp.float32)
+    stats = st.stats.replace(
+        evictions=st.stats.evictions + evicted.sum(axis=1).astype(jnp.int32),
+        life_sum=st.stats.life_sum + life.sum(axis=1),
+        life_sq=st.stats.life_sq + (life * life).sum(axis=1),
+    )
+    st = st.replace(resident=resident, slot=slot, evict_pass=jnp.where(evicted, pass_now, st.evict_pass),
+                    stats=stats)
+    return st, evicted
+
+
+# ------------------------------------------------------------------------------------------ updates
+
+
+def _pool_access(st: CacheState, row, experts, weights, valid, next_use):
+    """One routing step on a pool (all layers for global scope, one layer's row view otherwise)."""
+    n_rows, n_experts = st.resident.shape
+    k = experts.shape[0]
+    col = jnp.where(valid, experts, 0)
+    drop = jnp.where(valid, experts, n_experts)  # out of range -> scatter dropped
+    pass_now = st.token[row] + 1
+    tick0 = st.clock.max()
+    ticks = tick0 + 1 + jnp.arange(k, dtype=jnp.int32)  # highest weight first = oldest
+    was_resident = st.resident[row, col]
+    hit = valid & was_resident
+    miss = valid & ~was_resident
+    compulsory = miss & ~st.seen[row, col]
+    collision = miss & (st.evict_pass[row, col] == pass_now)
+    miss_col = jnp.where(miss, experts, n_experts)
+
+    def put(a, v, c=drop):
+        return a.at[row, c].set(v, mode="drop")
+
+    now = put(jnp.zeros_like(st.resident), True)
+    loaded = put(jnp.zeros_like(st.resident), True, miss_col)
+    stats = st.stats
+    n_miss = miss.sum().astype(jnp.int32)
+    stats = stats.replace(
+        accesses=stats.accesses.at[row].add(k),
+        misses=stats.misses.at[row].add(n_miss),
+        compulsory=stats.compulsory.at[row].add(compulsory.sum().astype(jnp.int32)),
+        collisions=stats.collisions.at[row].add(collision.sum().astype(jnp.int32)),
+        loads=stats.loads.at[row].add(n_miss),
+    )
+    st = st.replace(
+        resident=st.resident | now,
+        last_touch=put(st.last_touch, ticks),
+        freq=st.freq.at[row, drop].add(1, mode="drop"),
+        score=st.score.at[row, drop].add(weights.astype(jnp.float32), mode="drop"),
+        touch_pass=put(st.touch_pass, pass_now),
+        load_pass=put(st.load_pass, pass_now, miss_col),
+        seen=put(st.seen, True, miss_col),
+        next_use=st.next_use if next_use is None else put(st.next_use, next_use),
+        token=st.token.at[row].set(pass_now),
+        clock=jnp.full_like(st.clock, tick0 + k),
+        stats=stats,
+    )
+    st, _ = _evict_and_place(st, row, now, loaded, pass_now, k)
+    return st, hit
+
+
+def access(state: CacheState, layer, experts: jax.Array, weights: jax.Array, valid: jax.Array | None = None,
+           next_use: jax.Array | None = None) -> tuple[CacheState, jax.Array]:
+    """Record that ``layer`` used ``experts`` [K] (distinct, highest weight first; -1 or valid=False for a
+    dropped slot) with mixing ``weights`` [K]: count hits/misses, load the misses, evict down to capacity.
+
+    ``next_use`` [K] (Belady only): index in the access sequence of each expert's next use, NEVER if none.
+    Returns (state', hits [K] bool); dropped slots are neither hits nor misses.
+    """
+    experts = jnp.asarray(experts, jnp.int32)
+    valid = (experts >= 0) if valid is None else (valid & (experts >= 0))
+    if state.eviction == "belady" and next_use is None:
+        raise ValueError("belady eviction needs next_use (it is an offline oracle over a recorded trace)")
+    if state.scope == "global":
+        return _pool_access(state, layer, experts, weights, valid, next_use)
+    row, hits = _pool_access(row_view(state, layer), 0, experts, weights, valid, next_use)
+    return write_row(state, row, layer), hits
+
+
+def _pool_prefetch(st: CacheState, row, experts, valid):
+    n_rows, n_experts = st.resident.shape
+    e = experts.shape[0]
+    col = jnp.where(valid, experts, 0)
+    drop = jnp.where(valid, experts, n_experts)
+    for_pass = st.token[row] + 1  # the pass in which this layer routes next
+    new = valid & ~st.resident[row, col]
+    new_col = jnp.where(new, experts, n_experts)
+    tick0 = st.clock.max()
+
+    def put(a, v, c=drop):
+        return a.at[row, c].set(v, mode="drop")
+
+    now = put(jnp.zeros_like(st.resident), True)
+    loaded = put(jnp.zeros_like(st.resident), True, new_col)
+    st = st.replace(
+        resident=st.resident | now,
+        last_touch=put(st.last_touch, tick0 + 1 + jnp.arange(e, dtype=jnp.int32)),
+        touch_pass=put(st.touch_pass, for_pass),
+        load_pass=put(st.load_pass, for_pass, new_col),
+        seen=put(st.seen, True, new_col),
+        clock=jnp.full_like(st.clock, tick0 + e),
+        stats=st.stats.replace(prefetch_loads=st.stats.prefetch_loads.at[row].add(new.sum().astype(jnp.int32))),
+    )
+    st, _ = _evict_and_place(st, row, now, loaded, for_pass, e)
+    return st, new
+
+
+def prefetch(state: CacheState, layer, expert_ids: jax.Array, valid: jax.Array | None = None):
+    """Speculatively load ``expert_ids`` [E] (distinct, most wanted first; -1 = none) of ``layer`` before it
+    routes. Loads count as prefetch loads (bytes moved), never as misses; the entries become *current* for
+    Least-Stale and newest for LRU. Returns (state', newly_loaded [E] bool)."""
+    expert_ids = jnp.asarray(expert_ids, jnp.int32)
+    valid = (expert_ids >= 0) if valid is None else (valid & (expert_ids >= 0))
+    if state.scope == "global":
+        return _pool_prefetch(state, layer, expert_ids, valid)
+    row, new = _pool_prefetch(row_view(state, layer), 0, expert_ids, valid)
+    return write_row(state, row, layer), new
+
+
+# ------------------------------------------------------------------------------------------ metrics
+
+
+def summarize(state: CacheState, expert_bytes: int | None = None, include_resident: bool = True) -> dict:
+    """Python-float metrics. miss_rate = misses / accesses with accesses = K · tokens · layers.
+
+    Lifetime (tokens from load to eviction): over every completed residency; with ``include_resident`` the
+    entries still cached are added as residencies censored at the last routed token (so a cache that never
+    evicts still reports how long its entries have lived rather than nothing).
+    """
+    import numpy as np
+
+    s = jax.tree.map(np.asarray, state.stats)
+    acc = s.accesses.astype(np.float64)
+    life_n = s.evictions.astype(np.float64)
+    life_sum = s.life_sum.astype(np.float64)
+    life_sq = s.life_sq.astype(np.float64)
+    if include_resident:
+        res = np.asarray(state.resident)
+        last = int(np.asarray(state.token).max())
+        age = np.where(res, last - np.asarray(state.load_pass) + 1, 0).astype(np.float64)
+        if last >= 0:
+            life_n = life_n + res.sum(axis=1)
+            life_sum = life_sum + age.sum(axis=1)
+            life_sq = life_sq + (age * age).sum(axis=1)
+    n = life_n.sum()
+    mean = life_sum.sum() / n if n else float("nan")
+    var = life_sq.sum() / n - mean * mean if n else float("nan")
+    tokens = int(np.asarray(state.token).max()) + 1
+    loads = int(s.loads.sum())
+    prefetch_loads = int(s.prefetch_loads.sum())
+    rate = lambda m, a: float(m / a) if a else 0.0  # noqa: E731
+    out = {
+        "tokens": tokens,
+        "accesses": int(acc.sum()),
+        "misses": int(s.misses.sum()),
+        "miss_rate": rate(s.misses.sum(), acc.sum()),
+        "compulsory_misses": int(s.compulsory.sum()),
+        "collision_misses": int(s.collisions.sum()),
+        "loads": loads,
+        "prefetch_loads": prefetch_loads,
+        "evictions": int(s.evictions.sum()),
+        "lifetime_mean": float(mean),
+        "lifetime_std": float(math.sqrt(max(var, 0.0))) if n else float("nan"),
+        "per_layer": {
+            "accesses": [int(x) for x in s.accesses],
+            "misses": [int(x) for x in s.misses],
+            "miss_rate": [rate(m, a) for m, a in zip(s.misses, acc)],
+            "compulsory_misses": [int(x) for x in s.compulsory],
+            "collision_misses": [int(x) for x in s.collisions],
+            "loads": [int(x) for x in s.loads],
+            "lifetime_mean": [float(ls / ln) if ln else float("nan") for ls, ln in zip(life_sum, life_n)],
+        },
+    }
+    if expert_bytes is not None:
+        moved = (loads + prefetch_loads) * int(expert_bytes)
+        out["bytes_moved"] = moved
+        out["bytes_per_token"] = moved / tokens if tokens > 0 else 0.0
+    return out

@@ -1,0 +1,123 @@
+"""The router step: one pure function shared by simulation, offloaded decode, evaluation and replay.
+
+    router_step(z, cache_state, routing_state, policy, gating, layer)
+        -> (experts [K] int32, weights [K] f32, hits [K] bool, cache_state', routing_state')
+
+1. fold this token's logit range into the routing state (Δavg for cache-prior);
+2. re-rank the experts with the policy, given the layer's cache bitmask as it was after the previous step;
+3. chosen = first K of the ranking (the first h-1 for pruning; the rest are -1 with weight 0);
+4. weights = the architecture's own weights of the chosen set from the ORIGINAL logits;
+5. order the K by weight, highest first (stable), which is also the cache's same-step order;
+6. update the cache (hits, misses, loads, evictions, metrics).
+
+``layer`` may be a Python int or a traced int32. With per-layer scope only that layer's row of the cache
+is read and written, so ``route_tokens`` (one layer, all T tokens) run layer after layer gives exactly
+what the token-sequential loop gives.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from moejax import cache as cache_lib
+from moejax import routing as routing_lib
+from moejax.cache import CacheState
+from moejax.routing import RoutingPolicy, RoutingState
+
+
+def choose(z: jax.Array, cache_mask: jax.Array, routing_state: RoutingState, policy: RoutingPolicy,
+           gating: Any, layer=0) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Steps 2-5 without touching any state: (experts [K] highest weight first, -1 = dropped; weights [K];
+    valid [K])."""
+    k = gating.top_k
+    ranking, n_valid = routing_lib.rerank(z, cache_mask, routing_state, policy, gating, layer)
+    valid = jnp.arange(k) < n_valid
+    chosen = jnp.where(valid, ranking[:k], -1)
+    # The policy picks a SET; weigh it in the original ranking's order, so order-dependent gatings
+    # (sparsemixer's c1, c2) see the chosen experts exactly as the architecture would rank them.
+    original_pos = jnp.argsort(gating.ranking(z)).astype(jnp.int32)
+    by_original = jnp.argsort(jnp.where(valid, original_pos[jnp.maximum(chosen, 0)], z.shape[-1]))
+    chosen, valid = chosen[by_original], valid[by_original]
+    weights = jnp.where(valid, gating.weights(z, chosen, valid).astype(jnp.float32), 0.0)
+    # highest weight first; dropped slots last; equal weights keep ranking order (stable sort)
+    order = jnp.lexsort((-weights, ~valid))
+    return chosen[order], weights[order], valid[order]
+
+
+def router_step(z: jax.Array, cache_state: CacheState, routing_state: RoutingState, policy: RoutingPolicy,
+                gating: Any, layer=0):
+    """Route one token at one MoE layer and update both states (module docstring). Belady needs the
+    future, so it is not an online eviction here: replay it over a recorded trace (``trace.replay``)."""
+    routing_state = routing_lib.observe(routing_state, layer, z)
+    mask = cache_lib.resident_mask(cache_state, layer)
+    experts, weights, valid = choose(z, mask, routing_state, policy, gating, layer)
+    cache_state, hits = cache_lib.access(cache_state, layer, experts, weights, valid)
+    return experts, weights, hits, cache_state, routing_state
+
+
+def route_tokens(z: jax.Array, layer, cache_state: CacheState, routing_state: RoutingState,
+                 policy: RoutingPolicy, gating: Any):
+    """``lax.scan`` of ``router_step`` over T tokens of ONE layer (the layer-parallel path; per-layer scope).
+
+    z: [T, N]. Returns (experts [T, K], weights [T, K], hits [T, K], cache_state', routing_state').
+    """
+    if cache_state.scope != "layer":
+        raise ValueError("route_tokens is the layer-parallel path and needs a per-layer cache; "
+                         "global caches couple layers and must be routed token by token")
+
+    def step(carry, z_t):
+        cs, rs = carry
+        experts, weights, hits, cs, rs = router_step(z_t, cs, rs, policy, gating, layer)
+        return (cs, rs), (experts, weights, hits)
+
+    (cache_state, routing_state), (experts, weights, hits) = lax.scan(step, (cache_state, routing_state), z)
+    return experts, weights, hits, cache_state, routing_state
+
+
+def route_sequence(z: jax.Array, cache_state: CacheState, routing_state: RoutingState, policy: RoutingPolicy,
+                   gating: Any):
+    """Token-sequential routing of precomputed logits z [T, L, N] (any scope): token t, layers 0..L-1.
+
+    Returns (experts [T, L, K], weights [T, L, K], hits [T, L, K], cache_state', routing_state').
+    """
+    n_layers = z.shape[1]
+
+    def token(carry, z_t):
+        def layer_step(carry, inputs):
+            cs, rs = carry
+            layer, z_tl = inputs
+            experts, weights, hits, cs, rs = router_step(z_tl, cs, rs, policy, gating, layer)
+            return (cs, rs), (experts, weights, hits)
+
+        return lax.scan(layer_step, carry, (jnp.arange(n_layers, dtype=jnp.int32), z_t))
+
+    (cache_state, routing_state), out = lax.scan(token, (cache_state, routing_state), z)
+    return (*out, cache_state, routing_state)
+
+
+def route_layers_parallel(z: jax.Array, cache_state: CacheState, routing_state: RoutingState,
+                          policy: RoutingPolicy, gating: Any):
+    """Per-layer scope on precomputed logits z [T, L, N]: the layers are independent, so vmap the per-layer
+    token scan over layers. Same outputs and states as ``route_sequence``, much faster."""
+    split_cs = cache_lib.split_layers(cache_state)
+    split_rs = jax.tree.map(lambda a: a[:, None], routing_state)
+
+    def one_layer(z_l, cs, rs):
+        return route_tokens(z_l, 0, cs, rs, policy, gating)
+
+    experts, weights, hits, cs, rs = jax.vmap(one_layer, in_axes=(1, 0, 0), out_axes=(1, 1, 1, 0, 0))(
+        z, split_cs, split_rs)
+    return experts, weights, hits, cache_lib.merge_layers(cs), jax.tree.map(lambda a: a[:, 0], rs)
+
+
+def route_no_cache(z: jax.Array, gating: Any) -> tuple[jax.Array, jax.Array]:
+    """Original routing with no cache at all: (experts [..., K] highest weight first, weights [..., K])."""
+    k = gating.top_k
+    chosen = gating.ranking(z)[..., :k].astype(jnp.int32)
+    weights = gating.weights(z, chosen, jnp.ones(chosen.shape, bool)).astype(jnp.float32)
+    order = jnp.argsort(-weights, axis=-1, stable=True)
+    return jnp.take_along_axis(chosen, order, -1), jnp.take_along_axis(weights, order, -1)

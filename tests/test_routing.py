@@ -1,0 +1,252 @@
+"""Routing policies and the router step: DESIGN §2 properties (chex + hypothesis, fixed shapes)."""
+
+from __future__ import annotations
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from moejax import cache, router, routing
+from moejax.gating import GroupLimited, SoftmaxTopK, SparseMixer
+
+N = 16
+GATINGS = {
+    "softmax-norm": SoftmaxTopK(N, 4, True),
+    "softmax-scaled": SoftmaxTopK(N, 4, False, 2.5),
+    "group-limited": GroupLimited(N, 4, False, 1.0, n_group=4, topk_group=2),
+    "sparsemixer": SparseMixer(N, 2, 0.01),
+}
+SETTINGS = settings(max_examples=25, deadline=None)
+seeds = st.integers(0, 2**31 - 1)
+
+
+def _inputs(seed, n=N):
+    """Decisive random logits (scaled, so ties do not hide bugs), a random cache mask and a Δ history."""
+    rng = np.random.default_rng(seed)
+    z = jnp.asarray(rng.standard_normal(n) * 3.0, jnp.float32)
+    mask = jnp.asarray(rng.random(n) < 0.5)
+    rs = routing.RoutingState(jnp.asarray([rng.random() * 10 + 1], jnp.float32), jnp.asarray([2.0], jnp.float32))
+    return z, mask, rs
+
+
+_choose = jax.jit(router.choose, static_argnames=("gating",))
+
+
+def _original(z, gating):
+    return _choose(z, jnp.zeros(z.shape, bool), routing.init_routing_state(1), routing.original(), gating=gating)
+
+
+def test_appendix_b_max_rank_example():
+    """Paper appendix B: r = [E1..E6], C = {E3, E4, E6}, M = 4, J = 1 -> [E1, E3, E4, E2, E5, E6]."""
+    r = jnp.arange(6, dtype=jnp.int32)  # E1..E6 as ids 0..5
+    cached = jnp.asarray([False, False, True, True, False, True])
+    out = routing._promote_cached_then_top_j(r, cached, 4, 1)
+    np.testing.assert_array_equal(out, [0, 2, 3, 1, 4, 5])
+
+
+def test_cumsum_max_rank_threshold():
+    probs = jnp.asarray([0.5, 0.3, 0.15, 0.05])
+    assert int(routing.cumsum_max_rank(probs, 0.0)) == 1
+    assert int(routing.cumsum_max_rank(probs, 0.5)) == 1
+    assert int(routing.cumsum_max_rank(probs, 0.51)) == 2
+    assert int(routing.cumsum_max_rank(probs, 0.96)) == 4
+    assert int(routing.cumsum_max_rank(probs, 1.0 + 1e-6)) == 4  # clipped, never past N
+
+
+def test_cache_prior_boosts_cached_expert_by_lambda_delta():
+    g = SoftmaxTopK(4, 1, False)
+    z = jnp.asarray([3.0, 2.0, 1.0, 0.0])
+    mask = jnp.asarray([False, False, False, True])
+    rs = routing.observe(routing.init_routing_state(1), 0, z)  # Δ = 3
+    for lam, expected in [(0.9, 0), (1.01, 3)]:  # 0 + 3·λ overtakes 3 only for λ > 1
+        ranking, _ = routing.rerank(z, mask, rs, routing.cache_prior(lam, 0), g)
+        assert int(ranking[0]) == expected
+    # a fixed Δ replaces the running mean
+    ranking, _ = routing.rerank(z, mask, rs, routing.cache_prior(0.5, 0, delta=10.0), g)
+    assert int(ranking[0]) == 3
+
+
+def test_running_delta_is_mean_logit_range_including_current_token():
+    rs = routing.init_routing_state(2)
+    assert float(routing.running_delta(rs, 0)) == 0.0  # no NaN before any token
+    zs = np.random.default_rng(0).standard_normal((5, 8)).astype(np.float32)
+    for z in zs:
+        rs = routing.observe(rs, 1, jnp.asarray(z))
+    np.testing.assert_allclose(routing.running_delta(rs, 1), np.mean(zs.max(1) - zs.min(1)), rtol=1e-6)
+    assert float(routing.running_delta(rs, 0)) == 0.0
+    # masked (-inf) logits do not make Δ infinite
+    assert np.isfinite(float(routing.logit_range(jnp.asarray([1.0, -jnp.inf, -2.0]))))
+
+
+@pytest.mark.parametrize("name", sorted(GATINGS))
+@SETTINGS
+@given(seed=seeds, lam_seed=st.integers(0, 3))
+def test_lambda_zero_is_bit_identical_to_original(name, seed, lam_seed):
+    g = GATINGS[name]
+    z, mask, rs = _inputs(seed)
+    e0, w0, v0 = _original(z, g)
+    pol = routing.cache_prior(0.0, lam_seed % (g.top_k + 1), delta=None if lam_seed < 2 else 7.0)
+    e1, w1, v1 = _choose(z, mask, rs, pol, gating=g)
+    np.testing.assert_array_equal(e0, e1)
+    np.testing.assert_array_equal(np.asarray(w0).view(np.uint32), np.asarray(w1).view(np.uint32))  # bits
+    np.testing.assert_array_equal(v0, v1)
+
+
+@pytest.mark.parametrize("name", sorted(GATINGS))
+@SETTINGS
+@given(seed=seeds, m_seed=st.integers(0, 100))
+def test_max_rank_within_k_and_cumsum_p_zero_change_nothing(name, seed, m_seed):
+    g = GATINGS[name]
+    z, mask, rs = _inputs(seed)
+    e0, w0, _ = _original(z, g)
+    m, j = m_seed % (g.top_k + 1), (m_seed // 7) % (g.top_k + 1)
+    for pol in (routing.max_rank(m, j), routing.cumsum(0.0, j), routing.cumsum(1e-9, j)):
+        e1, w1, _ = _choose(z, mask, rs, pol, gating=g)
+        np.testing.assert_array_equal(e0, e1)
+        np.testing.assert_array_equal(w0, w1)
+
+
+def _all_policies(k, seed):
+    rng = np.random.default_rng(seed)
+    j = int(rng.integers(0, k + 1))
+    return [
+        routing.original(),
+        routing.pruning(int(rng.integers(2, k + 1))),
+        routing.max_rank(int(rng.integers(0, N + 1)), j),
+        routing.cumsum(float(rng.random()), j),
+        routing.cache_prior(float(rng.random()), j),
+        routing.cache_prior(float(rng.random()) * 3, j, delta=float(rng.random() * 5)),
+    ]
+
+
+@pytest.mark.parametrize("name", ["softmax-norm", "group-limited", "sparsemixer"])
+@SETTINGS
+@given(seed=seeds)
+def test_choice_invariants(name, seed):
+    """Top-J kept, K distinct (h-1 for pruning), weights = original-logit weights of the chosen set."""
+    g = GATINGS[name]
+    z, mask, rs = _inputs(seed)
+    top = np.asarray(g.ranking(z))
+    for pol in _all_policies(g.top_k, seed):
+        e, w, v = (np.asarray(a) for a in _choose(z, mask, rs, pol, gating=g))
+        n_valid = int(pol.prune_h) - 1 if pol.kind == "pruning" else g.top_k
+        assert v.sum() == n_valid and v[:n_valid].all(), pol.kind
+        used = e[v]
+        assert len(set(used.tolist())) == n_valid and (used >= 0).all() and (e[~v] == -1).all()
+        assert (w[~v] == 0).all()
+        assert np.all(np.diff(w[v]) <= 0), "experts must come highest weight first"
+        if pol.kind in ("max-rank", "cumsum", "cache-prior"):
+            assert set(top[: int(pol.top_j)].tolist()) <= set(used.tolist()), pol.kind
+        if pol.kind == "pruning":
+            assert set(used.tolist()) == set(top[:n_valid].tolist())
+        # weights: the architecture's weights of this set (in original-rank order) from the ORIGINAL logits
+        in_rank_order = np.asarray(sorted(used.tolist(), key=lambda x: list(top).index(x)) + [-1] * (g.top_k - n_valid))
+        expected = np.asarray(g.weights(z, jnp.asarray(in_rank_order), jnp.asarray(in_rank_order >= 0)))
+        got = dict(zip(e.tolist(), w.tolist()))
+        for x, wx in zip(in_rank_order.tolist(), expected.tolist()):
+            if x >= 0:
+                assert got[x] == pytest.approx(wx, rel=1e-6, abs=1e-7)
+
+
+def test_cache_prior_lambda_one_prefers_cached_experts():
+    """With λ large enough every chosen non-top-J expert is a cached one (when enough are cached)."""
+    g = SoftmaxTopK(N, 4, True)
+    z, _, _ = _inputs(3)
+    mask = jnp.zeros(N, bool).at[jnp.asarray([1, 5, 9, 12, 14])].set(True)
+    rs = routing.observe(routing.init_routing_state(1), 0, z)
+    e, _, _ = _choose(z, mask, rs, routing.cache_prior(1.0, 1), gating=g)
+    top1 = int(g.ranking(z)[0])
+    assert all(bool(mask[x]) or x == top1 for x in np.asarray(e).tolist())
+
+
+@pytest.mark.parametrize("kind", ["cache-prior", "max-rank", "cumsum"])
+def test_vmap_over_policy_equals_python_loop(kind):
+    """A sweep is one vmapped pass; it must equal running the policies one by one."""
+    g = SoftmaxTopK(8, 2, True)
+    z = jax.random.normal(jax.random.PRNGKey(1), (30, 3, 8)) * 3.0
+    values = [0.0, 0.2, 0.5, 1.0]
+    make = {
+        "cache-prior": lambda x: routing.cache_prior(x, 1),
+        "max-rank": lambda x: routing.max_rank(int(x * 8), 1),
+        "cumsum": lambda x: routing.cumsum(x, 1),
+    }[kind]
+    pols = [make(x) for x in values]
+    cs0 = cache.init_cache(3, 8, 3, "layer", "lru")
+    rs0 = routing.init_routing_state(3)
+    run = jax.jit(router.route_sequence, static_argnames=("gating",))
+    batched = jax.jit(jax.vmap(lambda p: router.route_sequence(z, cs0, rs0, p, g)))(routing.stack_policies(pols))
+    for i, p in enumerate(pols):
+        single = run(z, cs0, rs0, p, gating=g)
+        for a, b in zip(jax.tree.leaves(single), jax.tree.leaves(batched)):
+            np.testing.assert_array_equal(a, b[i])
+
+
+_route_tokens = jax.jit(router.route_tokens, static_argnames=("gating",))
+
+
+@pytest.mark.parametrize("eviction", ["lru", "score"])
+def test_layer_parallel_equals_token_sequential(eviction):
+    g = SoftmaxTopK(8, 2, True)
+    z = jax.random.normal(jax.random.PRNGKey(2), (40, 3, 8)) * 3.0
+    pol = routing.cache_prior(0.4, 1)
+    cs0 = cache.init_cache(3, 8, 3, "layer", eviction, init="random", seed=1)
+    rs0 = routing.init_routing_state(3)
+    seq = jax.jit(router.route_sequence, static_argnames=("gating",))(z, cs0, rs0, pol, gating=g)
+    par = jax.jit(router.route_layers_parallel, static_argnames=("gating",))(z, cs0, rs0, pol, gating=g)
+    chex.assert_trees_all_equal(seq, par)
+    # and route_tokens layer after layer, the way model.forward drives it
+    cs, rs = cs0, rs0
+    for layer in range(3):
+        e, w, h, cs, rs = _route_tokens(z[:, layer], jnp.int32(layer), cs, rs, pol, gating=g)
+        np.testing.assert_array_equal(e, seq[0][:, layer])
+        np.testing.assert_array_equal(h, seq[2][:, layer])
+    chex.assert_trees_all_equal((cs, rs), seq[3:])
+
+
+class RouterStepJitTest(chex.TestCase):
+    @chex.variants(with_jit=True, without_jit=True)
+    def test_jit_equals_no_jit(self):
+        g = SoftmaxTopK(8, 2, True)
+        pol = routing.cumsum(0.7, 1)
+        step = self.variant(router.router_step, static_argnames=("gating",))
+        cs = cache.init_cache(2, 8, 3, "global", "least-stale", init="random", seed=3)
+        rs = routing.init_routing_state(2)
+        outs = []
+        for t, z in enumerate(np.random.default_rng(0).standard_normal((6, 8)).astype(np.float32) * 3):
+            e, w, h, cs, rs = step(jnp.asarray(z), cs, rs, pol, gating=g, layer=jnp.int32(t % 2))
+            outs.append((e, w, h))
+        ref_cs = cache.init_cache(2, 8, 3, "global", "least-stale", init="random", seed=3)
+        ref_rs = routing.init_routing_state(2)
+        for t, z in enumerate(np.random.default_rng(0).standard_normal((6, 8)).astype(np.float32) * 3):
+            e, w, h, ref_cs, ref_rs = jax.jit(router.router_step, static_argnames=("gating", "layer"))(
+                jnp.asarray(z), ref_cs, ref_rs, pol, gating=g, layer=t % 2)
+            chex.assert_trees_all_close(outs[t], (e, w, h))
+        chex.assert_trees_all_close(cs, ref_cs)
+
+
+def test_route_no_cache_matches_original_policy():
+    g = SoftmaxTopK(N, 4, True)
+    z = jax.random.normal(jax.random.PRNGKey(4), (5, N)) * 3
+    e, w = router.route_no_cache(z, g)
+    for t in range(5):
+        e0, w0, _ = _original(z[t], g)
+        np.testing.assert_array_equal(e[t], e0)
+        np.testing.assert_array_equal(w[t], w0)
+
+
+def test_make_policy_defaults_and_errors():
+    assert int(routing.make_policy("cache-prior", 2, lam=0.3).top_j) == 1
+    assert int(routing.make_policy("cache-prior", 8, lam=0.3).top_j) == 2
+    assert int(routing.make_policy("pruning", 4).prune_h) == 4
+    with pytest.raises(ValueError, match="1 < h"):
+        routing.make_policy("pruning", 4, prune_h=1)
+    with pytest.raises(ValueError, match="cumsum p"):
+        routing.make_policy("cumsum", 4, cumsum_p=1.5)
+    with pytest.raises(ValueError, match="unknown routing"):
+        routing.make_policy("nope", 4)
+    with pytest.raises(ValueError, match="one kind"):
+        routing.stack_policies([routing.original(), routing.pruning(2)])
