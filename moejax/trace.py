@@ -151,12 +151,12 @@ def gating_from_spec(spec: dict, n_experts: int):
     spec = dict(spec)
     kind = spec.pop("kind", "softmax")
     n = int(spec.pop("n_experts", n_experts))
+    common = dict(normalize=bool(spec.get("normalize", kind == "softmax")), scale=float(spec.get("scale", 1.0)),
+                  norm_eps=float(spec.get("norm_eps", 0.0)))
     if kind == "softmax":
-        return gating_lib.SoftmaxTopK(n, int(spec["top_k"]), bool(spec.get("normalize", True)),
-                                      float(spec.get("scale", 1.0)))
+        return gating_lib.SoftmaxTopK(n, int(spec["top_k"]), **common)
     if kind == "group-limited":
-        return gating_lib.GroupLimited(n, int(spec["top_k"]), bool(spec.get("normalize", False)),
-                                       float(spec.get("scale", 1.0)), n_group=int(spec["n_group"]),
+        return gating_lib.GroupLimited(n, int(spec["top_k"]), **common, n_group=int(spec["n_group"]),
                                        topk_group=int(spec["topk_group"]))
     if kind == "sparsemixer":
         return gating_lib.SparseMixer(n, int(spec.get("top_k", 2)), float(spec.get("jitter_eps", 0.01)))
@@ -291,7 +291,8 @@ def synthetic_trace(n_tokens: int, n_layers: int, n_experts: int, top_k: int, se
 # -------------------------------------------------------------------------------------------- CLI
 
 
-def _table(stats: dict) -> str:
+def format_table(stats: dict) -> str:
+    """Human-readable stats: configuration, overall figures, then one row per layer."""
     lines = [
         f"scope {stats['scope']}  eviction {stats['eviction']}  capacity {stats['capacity']}  routing {stats['routing']}",
         f"tokens {stats['tokens']}  layers {stats['layers']}  K {stats['experts_per_token']}  N {stats['n_experts']}",
@@ -310,14 +311,14 @@ def _table(stats: dict) -> str:
     return "\n".join(lines)
 
 
-def _json_safe(x):
+def json_safe(x):
     """NaN (e.g. lifetime with nothing ever loaded) is not JSON; write null instead."""
     if isinstance(x, float) and not math.isfinite(x):
         return None
     if isinstance(x, dict):
-        return {k: _json_safe(v) for k, v in x.items()}
+        return {k: json_safe(v) for k, v in x.items()}
     if isinstance(x, list):
-        return [_json_safe(v) for v in x]
+        return [json_safe(v) for v in x]
     return x
 
 
@@ -333,6 +334,9 @@ def _gating_from_args(args, trace: Trace):
         if getattr(args, name) is not None:
             spec[name] = getattr(args, name)
     return gating_from_spec(spec, trace.n_experts)
+
+
+_table, _json_safe = format_table, json_safe  # names generate.py used first
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -395,7 +399,7 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, OSError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
-    print(json.dumps(_json_safe(stats)) if args.json else _table(stats))
+    print(json.dumps(json_safe(stats)) if args.json else format_table(stats))
     return 0
 
 
