@@ -1,0 +1,194 @@
+"""Routing policies and the expert cache wired into the model (simulation mode), API and CLI.
+
+The pure routing/cache functions have their own property tests (test_routing, test_cache); these check
+that the model uses them exactly: layer-parallel = token-sequential, λ = 0 = plain forward, vmap over λ =
+loop over λ, jit = no-jit, and decode sees the same routing as a teacher-forced pass over its tokens.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from conftest import get_hf_model, get_moejax_model
+
+from moejax import model as model_lib
+from moejax import routing, simulate
+from moejax import trace as trace_lib
+
+FAMILIES = ["mixtral", "phimoe", "qwen2_moe", "qwen3_moe", "olmoe", "deepseek_v2_group"]
+POLICIES = [("original", {}), ("pruning", {"prune_h": 2}), ("max-rank", {"max_rank": 4}),
+            ("cumsum", {"cumsum_p": 0.8}), ("cache-prior", {"lam": 0.6})]
+
+
+def _tokens(n: int, seed: int = 0) -> np.ndarray:
+    return np.random.RandomState(seed).randint(3, 96, size=n).astype(np.int32)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_every_policy_runs_on_every_family_and_paths_agree(family):
+    """Issue 3: every policy from the API on every architecture; layer-parallel == token-sequential."""
+    m = get_moejax_model(family)
+    toks = _tokens(24)
+    for kind, kw in POLICIES:
+        cache = simulate.CacheConfig("0.5", "layer", "lru")
+        par = m.forward(toks, routing=routing.make_policy(kind, m.cfg.top_k, **kw), cache=cache)
+        if kind in ("max-rank", "cache-prior"):  # the sequential path compiles slowly: two policies suffice
+            seq = m.forward(toks, routing=routing.make_policy(kind, m.cfg.top_k, **kw), cache=cache,
+                            sequential=True)
+            np.testing.assert_array_equal(par.experts, seq.experts, err_msg=f"{family} {kind}")
+            np.testing.assert_array_equal(par.hits, seq.hits, err_msg=f"{family} {kind}")
+            np.testing.assert_allclose(par.logits, seq.logits, atol=1e-4, err_msg=f"{family} {kind}")
+            assert par.stats["misses"] == seq.stats["misses"]
+        assert par.hits.shape == (m.cfg.n_moe_layers, len(toks), m.cfg.top_k)
+        n_valid = (par.experts >= 0).sum(-1)
+        expected = 1 if kind == "pruning" else m.cfg.top_k
+        assert (n_valid == expected).all(), f"{family} {kind}: {np.unique(n_valid)} valid experts per token"
+        # misses are normalised by K even for pruning
+        assert par.stats["accesses"] == m.cfg.top_k * len(toks) * m.cfg.n_moe_layers
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "phimoe", "deepseek_v2_group"])
+def test_lambda_zero_is_bit_identical_to_plain_forward(family):
+    m = get_moejax_model(family)
+    toks = _tokens(20, 1)
+    plain = m.forward(toks)
+    cached = m.forward(toks, routing=routing.make_policy("cache-prior", m.cfg.top_k, lam=0.0),
+                       cache=simulate.CacheConfig("2"))
+    np.testing.assert_array_equal(plain.experts, cached.experts)
+    np.testing.assert_array_equal(plain.weights, cached.weights)
+    np.testing.assert_array_equal(plain.router_logits, cached.router_logits)
+    np.testing.assert_allclose(plain.logits, cached.logits, atol=1e-6)
+
+
+def test_full_cache_original_routing_equals_hf_and_misses_are_compulsory():
+    hf = get_hf_model("qwen3_moe")
+    m = get_moejax_model("qwen3_moe")
+    toks = _tokens(30, 2)
+    out = m.forward(toks, cache=simulate.CacheConfig(str(m.cfg.n_experts)))
+    import torch
+
+    with torch.no_grad():
+        ref = hf.model(torch.tensor(toks[None], dtype=torch.long)).logits[0].numpy()
+    np.testing.assert_allclose(out.logits, ref, atol=1e-4)
+    assert out.stats["misses"] == out.stats["compulsory_misses"]
+
+
+def test_cache_policy_reduces_misses():
+    """cache-prior at λ=1 must miss less than original routing with the same cache (it is the point)."""
+    m = get_moejax_model("olmoe_clip")
+    toks = _tokens(48, 3)
+    cache = simulate.CacheConfig("0.25")
+    base = m.forward(toks, cache=cache).stats["miss_rate"]
+    prior = m.forward(toks, routing=routing.make_policy("cache-prior", m.cfg.top_k, lam=1.0), cache=cache)
+    assert prior.stats["miss_rate"] < base
+
+
+def test_vmap_over_lambda_equals_loop():
+    m = get_moejax_model("qwen3_moe")
+    toks = jnp.asarray(_tokens(16, 4))
+    lams = np.linspace(0.0, 1.0, 5)
+    pols = routing.stack_policies([routing.make_policy("cache-prior", m.cfg.top_k, lam=l) for l in lams])
+    state = m.router_state("cache-prior", simulate.CacheConfig("3"))
+    logits, experts, weights, records, states = simulate.sweep_forward(m.params, m.cfg, toks, state, pols)
+    for i, lam in enumerate(lams):
+        one = m.forward(np.asarray(toks), routing=routing.make_policy("cache-prior", m.cfg.top_k, lam=lam),
+                        cache=simulate.CacheConfig("3"))
+        np.testing.assert_array_equal(one.experts, np.asarray(experts[i]))
+        np.testing.assert_array_equal(one.hits, np.asarray(records["hits"][i]))
+        np.testing.assert_allclose(one.logits, np.asarray(logits[i]), atol=1e-5)
+
+
+class JitEqualsNoJit(chex.TestCase):
+    @chex.variants(with_jit=True, without_jit=True)
+    def test_cache_forward(self):
+        m = get_moejax_model("mixtral")
+        toks = jnp.asarray(_tokens(12, 5))
+        state = m.router_state(routing.make_policy("max-rank", m.cfg.top_k, max_rank=4), simulate.CacheConfig("3"))
+        router = simulate.CacheRouter(m.cfg.gating)
+        fn = self.variant(lambda p, t, s: model_lib.forward(p, m.cfg, t, 0, None, router, s))
+        out = fn(m.params, toks, state)
+        ref = m.forward(np.asarray(toks), state=state)
+        np.testing.assert_array_equal(np.asarray(out.experts), ref.experts)
+        np.testing.assert_allclose(np.asarray(out.logits), ref.logits, atol=1e-5)
+
+
+@pytest.mark.parametrize("scope", ["layer", "global"])
+def test_decode_routes_like_a_teacher_forced_pass(scope):
+    """generate's cache statistics and trace equal a token-sequential pass over the tokens it fed."""
+    m = get_moejax_model("olmoe")
+    prompt = _tokens(6, 6).tolist()
+    pol = routing.make_policy("cache-prior", m.cfg.top_k, lam=0.5)
+    cache = simulate.CacheConfig("0.5", scope, "lru")
+    res = m.generate(prompt, max_new_tokens=21, routing=pol, cache=cache, stop_at_eos=False, chunk=8)
+    tr = res.trace()
+    fed = prompt + res.token_ids[:-1]
+    assert tr["experts"].shape == (len(fed), m.cfg.n_moe_layers, m.cfg.top_k)
+    ref = m.forward(np.asarray(fed), routing=pol, cache=cache, sequential=True)
+    np.testing.assert_array_equal(tr["experts"], np.swapaxes(ref.experts, 0, 1))
+    np.testing.assert_array_equal(tr["hits"], np.swapaxes(ref.hits, 0, 1))
+    assert res.stats["cache"]["misses"] == ref.stats["misses"]
+    assert res.stats["cache"]["tokens"] == len(fed)
+
+
+def test_cache_carried_over_between_sequences():
+    m = get_moejax_model("qwen3_moe")
+    a, b = _tokens(10, 7), _tokens(10, 8)
+    first = m.forward(a, cache=simulate.CacheConfig("4"))
+    second = m.forward(b, state=first.state)
+    fresh = m.forward(b, cache=simulate.CacheConfig("4"))
+    assert second.stats["accesses"] == 2 * fresh.stats["accesses"]  # statistics accumulate
+    np.testing.assert_array_equal(second.experts, fresh.experts)  # original routing ignores the cache
+    # the first token of b hits exactly the experts a left resident
+    resident = np.asarray(first.state["cache"].resident)
+    for layer in range(m.cfg.n_moe_layers):
+        np.testing.assert_array_equal(second.hits[layer, 0], resident[layer, second.experts[layer, 0]])
+    assert not fresh.hits[:, 0].any()  # an empty cache hits nothing
+
+
+def _cli(*args: str) -> subprocess.CompletedProcess:
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    return subprocess.run([sys.executable, "-m", *args], capture_output=True, text=True, env=env, timeout=300)
+
+
+def test_generate_cli_with_cache_json_and_trace_replay(tmp_path):
+    folder = get_hf_model("qwen3_moe").folder
+    trace = tmp_path / "t.npz"
+    r = _cli("moejax.generate", "--model", folder, "--prompt-ids", "5,17,42", "--max-new-tokens", "12",
+             "--routing", "cache-prior", "--lam", "0.5", "--cache-size", "0.5", "--trace-out", str(trace),
+             "--ignore-eos", "--json")
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout)
+    stats = out["stats"]["cache"]
+    for key in ("misses", "accesses", "miss_rate", "compulsory_misses", "collision_misses", "lifetime_mean",
+                "bytes_moved", "per_layer"):
+        assert key in stats, key
+    assert stats["routing"] == "cache-prior" and len(stats["per_layer"]["miss_rate"]) == 2
+    tr = trace_lib.load_trace(str(trace))
+    assert tr.experts.shape == (3 + 12 - 1, 2, 2) and tr.logits is not None
+    # replaying the recorded selections through the same cache gives the same misses
+    r2 = _cli("moejax.trace", "replay", str(trace), "--cache-size", "0.5", "--eviction", "lru", "--json")
+    assert r2.returncode == 0, r2.stderr
+    assert json.loads(r2.stdout)["misses"] == stats["misses"]
+    # Belady on the same trace is a lower bound
+    r3 = _cli("moejax.trace", "replay", str(trace), "--cache-size", "0.5", "--eviction", "belady", "--json")
+    assert json.loads(r3.stdout)["misses"] <= stats["misses"]
+
+
+def test_generate_cli_prints_stats_table_and_rejects_bad_options():
+    folder = get_hf_model("mixtral").folder
+    r = _cli("moejax.generate", "--model", folder, "--prompt-ids", "5,6", "--max-new-tokens", "4",
+             "--cache-size", "2", "--cache-scope", "global", "--eviction", "least-stale")
+    assert r.returncode == 0, r.stderr
+    assert "miss_rate" in r.stderr and "layer" in r.stderr
+    bad = _cli("moejax.generate", "--model", folder, "--prompt-ids", "5", "--cache-size", "1.5")
+    assert bad.returncode == 2 and "cache size" in bad.stderr
+    bad = _cli("moejax.generate", "--model", folder, "--prompt-ids", "5", "--routing", "pruning", "--prune-h", "9")
+    assert bad.returncode == 2 and "pruning" in bad.stderr
