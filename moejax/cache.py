@@ -273,7 +273,10 @@ def _victims(keys: tuple[jax.Array, ...], n_evict, max_evict: int) -> jax.Array:
     shape = keys[0].shape
     flat = [k.reshape(-1) for k in keys]
     if len(flat) == 1:
-        _, idx = lax.top_k(-flat[0], max_evict)
+        # Candidates' keys are distinct ticks, so "key <= the n-th smallest key" picks exactly n of them.
+        # A one-operand sort is ~7x cheaper than top_k / argsort on XLA:CPU, which dominates replay.
+        kth = jnp.sort(flat[0])[jnp.clip(n_evict - 1, 0, flat[0].shape[0] - 1)]
+        return ((flat[0] <= kth) & (n_evict > 0) & (flat[0] != NEVER)).reshape(shape)
     else:
         iota = jnp.arange(flat[0].shape[0], dtype=jnp.int32)
         idx = lax.sort((*flat, iota), num_keys=len(flat), is_stable=True)[-1][:max_evict]

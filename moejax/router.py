@@ -39,13 +39,25 @@ def choose(z: jax.Array, cache_mask: jax.Array, routing_state: RoutingState, pol
     chosen = jnp.where(valid, ranking[:k], -1)
     # The policy picks a SET; weigh it in the original ranking's order, so order-dependent gatings
     # (sparsemixer's c1, c2) see the chosen experts exactly as the architecture would rank them.
-    original_pos = jnp.argsort(gating.ranking(z)).astype(jnp.int32)
-    by_original = jnp.argsort(jnp.where(valid, original_pos[jnp.maximum(chosen, 0)], z.shape[-1]))
+    n = z.shape[-1]
+    original = gating.ranking(z).astype(jnp.int32)
+    original_pos = jnp.zeros((n,), jnp.int32).at[original].set(jnp.arange(n, dtype=jnp.int32))
+    by_original = _order(jnp.where(valid, original_pos[jnp.maximum(chosen, 0)], n))
     chosen, valid = chosen[by_original], valid[by_original]
     weights = jnp.where(valid, gating.weights(z, chosen, valid).astype(jnp.float32), 0.0)
-    # highest weight first; dropped slots last; equal weights keep ranking order (stable sort)
-    order = jnp.lexsort((-weights, ~valid))
+    # highest weight first; dropped slots last (weight 0 and marked invalid); ties keep ranking order
+    order = _order(jnp.where(valid, -weights, jnp.inf))
     return chosen[order], weights[order], valid[order]
+
+
+def _order(keys: jax.Array) -> jax.Array:
+    """Stable ascending argsort of a short vector by pairwise comparison: O(K²) but a handful of vector
+    ops, where XLA:CPU's sort-based argsort costs tens of microseconds per call inside a scan."""
+    k = keys.shape[0]
+    i = jnp.arange(k)
+    before = (keys[None, :] < keys[:, None]) | ((keys[None, :] == keys[:, None]) & (i[None, :] < i[:, None]))
+    rank = before.sum(axis=1)
+    return jnp.zeros((k,), jnp.int32).at[rank].set(i.astype(jnp.int32))
 
 
 def router_step(z: jax.Array, cache_state: CacheState, routing_state: RoutingState, policy: RoutingPolicy,
