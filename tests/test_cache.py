@@ -40,6 +40,10 @@ def random_trace(seed, n_experts=N, with_empty=True):
                                 n_experts=np.int64(n_experts))
 
 
+_access = jax.jit(cache.access)  # eager op-by-op dispatch is several times slower than one compile
+_prefetch = jax.jit(cache.prefetch)
+
+
 def run(tr, capacity, scope, eviction, init="empty", seed=0):
     state, _ = trace.replay_state(tr, str(capacity), scope, eviction, init=init, seed=seed)
     return state
@@ -88,7 +92,7 @@ def test_same_step_order_keeps_lowest_weighted_when_capacity_below_k():
     """Paper §4.2: with C < K the lowest-weighted selected experts stay, the higher-weighted go first."""
     for eviction in ONLINE:
         st_ = cache.init_cache(1, 8, 2, "layer", eviction)
-        st_, hits = cache.access(st_, 0, jnp.asarray([5, 1, 3]), jnp.asarray([0.6, 0.3, 0.1]))
+        st_, hits = _access(st_, 0, jnp.asarray([5, 1, 3]), jnp.asarray([0.6, 0.3, 0.1]))
         assert not np.asarray(hits).any()
         assert set(np.flatnonzero(st_.resident[0]).tolist()) == {1, 3}, eviction
         assert int(st_.stats.loads[0]) == 3 and int(st_.stats.evictions[0]) == 1
@@ -97,8 +101,8 @@ def test_same_step_order_keeps_lowest_weighted_when_capacity_below_k():
 def test_lru_evicts_least_recent_and_current_step_last():
     st_ = cache.init_cache(1, 8, 3, "layer", "lru")
     for experts in ([0, 1], [2], [0]):  # recency now: 1 < 2 < 0
-        st_, _ = cache.access(st_, 0, jnp.asarray(experts), jnp.ones(len(experts)))
-    st_, hits = cache.access(st_, 0, jnp.asarray([4, 2]), jnp.asarray([0.7, 0.3]))
+        st_, _ = _access(st_, 0, jnp.asarray(experts), jnp.ones(len(experts)))
+    st_, hits = _access(st_, 0, jnp.asarray([4, 2]), jnp.asarray([0.7, 0.3]))
     np.testing.assert_array_equal(hits, [False, True])
     assert set(np.flatnonzero(st_.resident[0]).tolist()) == {0, 2, 4}  # 1 was least recent
 
@@ -107,10 +111,10 @@ def test_lfu_and_score_victims():
     lfu = cache.init_cache(1, 8, 2, "layer", "lfu")
     score = cache.init_cache(1, 8, 2, "layer", "score")
     for experts, weights in (([0, 1], [0.9, 0.1]), ([0], [0.2]), ([1], [0.05])):
-        lfu, _ = cache.access(lfu, 0, jnp.asarray(experts), jnp.asarray(weights))
-        score, _ = cache.access(score, 0, jnp.asarray(experts), jnp.asarray(weights))
-    lfu, _ = cache.access(lfu, 0, jnp.asarray([2]), jnp.asarray([1.0]))
-    score, _ = cache.access(score, 0, jnp.asarray([2]), jnp.asarray([1.0]))
+        lfu, _ = _access(lfu, 0, jnp.asarray(experts), jnp.asarray(weights))
+        score, _ = _access(score, 0, jnp.asarray(experts), jnp.asarray(weights))
+    lfu, _ = _access(lfu, 0, jnp.asarray([2]), jnp.asarray([1.0]))
+    score, _ = _access(score, 0, jnp.asarray([2]), jnp.asarray([1.0]))
     # counts 0:2 1:2 -> tie, LRU breaks it: 0 is older. scores 0:1.1 1:0.15 -> 1 goes.
     assert set(np.flatnonzero(lfu.resident[0]).tolist()) == {1, 2}
     assert set(np.flatnonzero(score.resident[0]).tolist()) == {0, 2}
@@ -119,46 +123,46 @@ def test_lfu_and_score_victims():
 def test_fld_global_evicts_layer_farthest_ahead():
     st_ = cache.init_cache(4, 4, 4, "global", "fld")
     for layer in range(4):  # token 0: layer l uses expert l -> full
-        st_, _ = cache.access(st_, layer, jnp.asarray([layer]), jnp.ones(1))
+        st_, _ = _access(st_, layer, jnp.asarray([layer]), jnp.ones(1))
     res = lambda: {tuple(x) for x in np.argwhere(np.asarray(st_.resident)).tolist()}  # noqa: E731
     # token 1, layer 1 misses on 3: layer 1's other entry is next needed a full pass later (d = 4) -> it goes
-    st_, _ = cache.access(st_, 0, jnp.asarray([0]), jnp.ones(1))
-    st_, _ = cache.access(st_, 1, jnp.asarray([3]), jnp.ones(1))
+    st_, _ = _access(st_, 0, jnp.asarray([0]), jnp.ones(1))
+    st_, _ = _access(st_, 1, jnp.asarray([3]), jnp.ones(1))
     assert res() == {(0, 0), (1, 3), (2, 2), (3, 3)}
     # layer 2 hits; layer 3 uses 3 (hit) and misses on 0: d(layer 0) = 1, d(1) = 2, d(2) = 3 -> layer 2's goes
-    st_, _ = cache.access(st_, 2, jnp.asarray([2]), jnp.ones(1))
-    st_, _ = cache.access(st_, 3, jnp.asarray([3, 0]), jnp.asarray([0.6, 0.4]))
+    st_, _ = _access(st_, 2, jnp.asarray([2]), jnp.ones(1))
+    st_, _ = _access(st_, 3, jnp.asarray([3, 0]), jnp.asarray([0.6, 0.4]))
     assert res() == {(0, 0), (1, 3), (3, 3), (3, 0)}
 
 
 def test_least_stale_global_evicts_stale_left_first_and_counts_collisions():
     st_ = cache.init_cache(3, 4, 3, "global", "least-stale")
     for layer in range(3):  # pass 0 fills the cache: (0,0) (1,0) (2,0)
-        st_, _ = cache.access(st_, layer, jnp.asarray([0]), jnp.ones(1))
+        st_, _ = _access(st_, layer, jnp.asarray([0]), jnp.ones(1))
     # pass 1, layer 0 uses expert 1: every other entry is stale; FIFO by layer position evicts layer 0's
-    st_, _ = cache.access(st_, 0, jnp.asarray([1]), jnp.ones(1))
+    st_, _ = _access(st_, 0, jnp.asarray([1]), jnp.ones(1))
     assert not bool(st_.resident[0, 0]) and bool(st_.resident[1, 0]) and bool(st_.resident[2, 0])
     # pass 1, layer 1 uses expert 2: stale (1,0), (2,0); layer 1 < layer 2 -> (1,0) goes; (0,1) is current
-    st_, _ = cache.access(st_, 1, jnp.asarray([2]), jnp.ones(1))
+    st_, _ = _access(st_, 1, jnp.asarray([2]), jnp.ones(1))
     assert bool(st_.resident[0, 1]) and not bool(st_.resident[1, 0]) and bool(st_.resident[2, 0])
     assert int(st_.stats.collisions.sum()) == 0
     # LRU instead would evict (1,0) first at layer 0 and then miss on it at layer 1: a collision miss
     lru = cache.init_cache(3, 4, 3, "global", "lru")
     for layer, e in [(0, 0), (1, 0), (2, 0), (0, 1), (1, 0)]:
-        lru, _ = cache.access(lru, layer, jnp.asarray([e]), jnp.ones(1))
+        lru, _ = _access(lru, layer, jnp.asarray([e]), jnp.ones(1))
     assert int(lru.stats.collisions.sum()) == 0  # (0,0) was the LRU victim, not a same-pass collision
     lru2 = cache.init_cache(3, 4, 3, "global", "lru")
     for layer, e in [(0, 0), (1, 0), (2, 0), (2, 1), (0, 1), (1, 0)]:
-        lru2, _ = cache.access(lru2, layer, jnp.asarray([e]), jnp.ones(1))
+        lru2, _ = _access(lru2, layer, jnp.asarray([e]), jnp.ones(1))
     # pass 1, layer 0 evicts LRU (1,0) [(0,0) went at (2,1)]; layer 1 then misses on it in the same pass
     assert int(lru2.stats.collisions[1]) == 1
 
 
 def test_prefetch_counts_loads_not_misses():
     st_ = cache.init_cache(2, 8, 2, "layer", "least-stale")
-    st_, new = cache.prefetch(st_, 1, jnp.asarray([3, 4, -1]))
+    st_, new = _prefetch(st_, 1, jnp.asarray([3, 4, -1]))
     np.testing.assert_array_equal(new, [True, True, False])
-    st_, hits = cache.access(st_, 1, jnp.asarray([4, 3]), jnp.asarray([0.5, 0.5]))
+    st_, hits = _access(st_, 1, jnp.asarray([4, 3]), jnp.asarray([0.5, 0.5]))
     assert np.asarray(hits).all()
     s = cache.summarize(st_, expert_bytes=100)
     assert s["misses"] == 0 and s["prefetch_loads"] == 2 and s["bytes_moved"] == 200
@@ -167,7 +171,7 @@ def test_prefetch_counts_loads_not_misses():
 def test_summarize_lifetimes():
     st_ = cache.init_cache(1, 8, 1, "layer", "lru")
     for e in (0, 0, 0, 1, 1):  # expert 0 lives tokens 0..2 (evicted at 3), expert 1 from 3, still resident
-        st_, _ = cache.access(st_, 0, jnp.asarray([e]), jnp.ones(1))
+        st_, _ = _access(st_, 0, jnp.asarray([e]), jnp.ones(1))
     s = cache.summarize(st_, include_resident=False)
     assert s["evictions"] == 1 and s["lifetime_mean"] == 3.0 and s["lifetime_std"] == 0.0
     s = cache.summarize(st_)  # + expert 1, resident for tokens 3..4 -> 2

@@ -20,7 +20,7 @@ GATINGS = {
     "group-limited": GroupLimited(N, 4, False, 1.0, n_group=4, topk_group=2),
     "sparsemixer": SparseMixer(N, 2, 0.01),
 }
-SETTINGS = settings(max_examples=25, deadline=None)
+SETTINGS = settings(max_examples=15, deadline=None)
 seeds = st.integers(0, 2**31 - 1)
 
 
