@@ -1,0 +1,252 @@
+"""Shared fixtures: tiny random Hugging Face MoE models built from a config, saved with ``save_pretrained``.
+
+``hf_model(name)`` builds the model described by ``HF_CONFIGS[name]`` once per session, with
+``torch.manual_seed`` fixed and the router (gate) weights scaled by ``ROUTER_SCALE`` so routing is decisive
+(random-init routers give near-uniform logits, and near ties would hide or fake differences). It returns
+the saved folder and the (eval-mode, float32) torch model.
+
+Every config is tiny (hidden 32, 2-3 layers, vocab <= 128, 8-16 experts) so building all of them takes a
+few seconds; the parity and conversion tests share them.
+"""
+
+from __future__ import annotations
+
+import atexit
+import copy
+import dataclasses
+import os
+import shutil
+import tempfile
+from typing import Any, Callable
+
+import pytest
+
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+ROUTER_SCALE = 12.0
+VOCAB = 96
+
+_BASE: dict[str, Any] = dict(
+    vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+    max_position_embeddings=256, bos_token_id=1, eos_token_id=2, pad_token_id=0, initializer_range=0.05,
+)
+
+
+def _cfg(**kw) -> dict[str, Any]:
+    out = dict(_BASE)
+    out.update(kw)
+    return out
+
+
+def _deepseek(**kw) -> dict[str, Any]:
+    base = dict(num_hidden_layers=3, num_key_value_heads=4, intermediate_size=48, moe_intermediate_size=16,
+                kv_lora_rank=16, q_lora_rank=None, qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=8,
+                n_routed_experts=8, num_experts_per_tok=2, n_shared_experts=1, first_k_dense_replace=1,
+                routed_scaling_factor=1.0, topk_method="greedy", norm_topk_prob=False)
+    base.update(kw)
+    return _cfg(**base)
+
+
+_LONGROPE = dict(rope_type="longrope", rope_theta=10000.0, original_max_position_embeddings=16,
+                 short_factor=[1.0, 1.1, 1.3, 1.6], long_factor=[1.0, 2.0, 4.0, 8.0],
+                 short_mscale=1.15, long_mscale=1.4)
+_YARN = dict(rope_type="yarn", rope_theta=10000.0, factor=4.0, mscale=1.0, mscale_all_dim=0.8,
+             original_max_position_embeddings=64, beta_fast=32, beta_slow=1)
+
+
+@dataclasses.dataclass(frozen=True)
+class HFSpec:
+    model_type: str
+    config: dict[str, Any]
+    # DeepSeek moe_layer_freq: HF 5.x ignores it, so the dense layers are swapped in by hand before saving
+    dense_layers: tuple[int, ...] = ()
+    note: str = ""
+    router_scale: float = ROUTER_SCALE
+
+
+HF_CONFIGS: dict[str, HFSpec] = {
+    # ---------------------------------------------------------------- Mixtral
+    "mixtral": HFSpec("mixtral", _cfg(intermediate_size=48, num_local_experts=8, num_experts_per_tok=2)),
+    "mixtral_swa": HFSpec("mixtral", _cfg(intermediate_size=48, num_local_experts=8, num_experts_per_tok=2,
+                                          sliding_window=4, num_hidden_layers=3, tie_word_embeddings=True,
+                                          initializer_range=0.15),
+                          note="sliding window 4, tied embeddings", router_scale=4.0),
+    # ---------------------------------------------------------------- Phi-3.5-MoE
+    "phimoe": HFSpec("phimoe", _cfg(intermediate_size=48, num_local_experts=8, num_experts_per_tok=2)),
+    "phimoe_longrope": HFSpec("phimoe", _cfg(intermediate_size=48, num_local_experts=16, num_experts_per_tok=2,
+                                             attention_bias=True, lm_head_bias=True, max_position_embeddings=64,
+                                             rope_parameters=_LONGROPE),
+                              note="attention/lm_head bias, longrope (short/long mscale switch at 16)"),
+    # ---------------------------------------------------------------- Qwen1.5-MoE
+    "qwen2_moe": HFSpec("qwen2_moe", _cfg(intermediate_size=48, moe_intermediate_size=16,
+                                          shared_expert_intermediate_size=24, num_experts=8,
+                                          num_experts_per_tok=2, norm_topk_prob=False)),
+    "qwen2_moe_sparse_step": HFSpec("qwen2_moe", _cfg(num_hidden_layers=3, intermediate_size=48,
+                                                      moe_intermediate_size=16, shared_expert_intermediate_size=24,
+                                                      num_experts=8, num_experts_per_tok=3, norm_topk_prob=True,
+                                                      decoder_sparse_step=2, mlp_only_layers=[]),
+                                    note="norm_topk_prob, decoder_sparse_step=2"),
+    "qwen2_moe_mlp_only": HFSpec("qwen2_moe", _cfg(num_hidden_layers=3, intermediate_size=48,
+                                                   moe_intermediate_size=16, shared_expert_intermediate_size=24,
+                                                   num_experts=8, num_experts_per_tok=2, norm_topk_prob=True,
+                                                   mlp_only_layers=[1]),
+                                 note="mlp_only_layers=[1]"),
+    # ---------------------------------------------------------------- Qwen3-MoE
+    "qwen3_moe": HFSpec("qwen3_moe", _cfg(intermediate_size=48, moe_intermediate_size=16, num_experts=8,
+                                          num_experts_per_tok=2, norm_topk_prob=True, head_dim=16)),
+    "qwen3_moe_mlp_only": HFSpec("qwen3_moe", _cfg(num_hidden_layers=3, intermediate_size=48,
+                                                   moe_intermediate_size=16, num_experts=16,
+                                                   num_experts_per_tok=4, norm_topk_prob=False,
+                                                   mlp_only_layers=[0], tie_word_embeddings=True,
+                                                   initializer_range=0.15),
+                                 router_scale=4.0,
+                                 note="norm_topk_prob False, mlp_only_layers=[0], tied embeddings"),
+    # ---------------------------------------------------------------- OLMoE
+    "olmoe": HFSpec("olmoe", _cfg(intermediate_size=16, num_experts=8, num_experts_per_tok=2,
+                                  norm_topk_prob=False)),
+    "olmoe_clip": HFSpec("olmoe", _cfg(intermediate_size=16, num_experts=16, num_experts_per_tok=4,
+                                       norm_topk_prob=True, clip_qkv=0.3, initializer_range=0.2),
+                         note="clip_qkv=0.3 (clips), norm_topk_prob", router_scale=3.0),
+    # ---------------------------------------------------------------- DeepSeek-V2
+    "deepseek_v2": HFSpec("deepseek_v2", _deepseek()),
+    "deepseek_v2_lite": HFSpec("deepseek_v2", _deepseek(routed_scaling_factor=2.5, n_shared_experts=2,
+                                                        rope_parameters=_YARN, max_position_embeddings=256),
+                               note="q_lora_rank None, yarn, routed_scaling_factor 2.5, 2 shared"),
+    "deepseek_v2_group": HFSpec("deepseek_v2", _deepseek(q_lora_rank=24, n_routed_experts=16,
+                                                         num_experts_per_tok=3, topk_method="group_limited_greedy",
+                                                         n_group=4, topk_group=2, routed_scaling_factor=1.5,
+                                                         rope_parameters=_YARN, max_position_embeddings=256),
+                                note="q_lora_rank 24, group_limited_greedy 4 groups / top 2, yarn"),
+    "deepseek_v2_freq2": HFSpec("deepseek_v2", _deepseek(first_k_dense_replace=0, moe_layer_freq=2,
+                                                         q_lora_rank=24),
+                                dense_layers=(1,), note="moe_layer_freq=2 (layer 1 dense, swapped in by hand)"),
+    "deepseek_v2_norm": HFSpec("deepseek_v2", _deepseek(norm_topk_prob=True, routed_scaling_factor=3.0,
+                                                        num_experts_per_tok=3),
+                               note="norm_topk_prob (HF 5.x ignores it: not comparable to HF as saved)"),
+}
+
+FAMILIES = ("mixtral", "phimoe", "qwen2_moe", "qwen3_moe", "olmoe", "deepseek_v2")
+
+
+def _config_class(model_type: str):
+    import transformers
+
+    return {
+        "mixtral": transformers.MixtralConfig, "phimoe": transformers.PhimoeConfig,
+        "qwen2_moe": transformers.Qwen2MoeConfig, "qwen3_moe": transformers.Qwen3MoeConfig,
+        "olmoe": transformers.OlmoeConfig, "deepseek_v2": transformers.DeepseekV2Config,
+    }[model_type]
+
+
+def router_modules(model) -> list:
+    """The routers (gates) of a HF MoE model, in layer order."""
+    return [m for _, m in model.named_modules() if type(m).__name__.lower().endswith("topkrouter")]
+
+
+def build_hf_model(spec: HFSpec, seed: int = 0, router_scale: float | None = None):
+    """A tiny random HF model for ``spec`` (float32, eval mode, eager attention), routers scaled."""
+    import torch
+    import transformers
+
+    config = _config_class(spec.model_type)(**copy.deepcopy(spec.config))
+    config._attn_implementation = "eager"
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager",
+                                                          dtype=torch.float32)
+    if spec.dense_layers:
+        from transformers.models.deepseek_v2.modeling_deepseek_v2 import DeepseekV2MLP
+
+        for i in spec.dense_layers:
+            model.model.layers[i].mlp = DeepseekV2MLP(config)
+            for p in model.model.layers[i].mlp.parameters():
+                torch.nn.init.normal_(p, std=config.initializer_range)
+    with torch.no_grad():
+        routers = router_modules(model)
+        assert routers, f"no router modules found in {type(model).__name__}"
+        for r in routers:
+            r.weight.mul_(spec.router_scale if router_scale is None else router_scale)
+        # random init leaves some weights (norms, biases) at trivial values: perturb them so a mapping that
+        # swaps or drops them cannot pass
+        for name, p in model.named_parameters():
+            if name.endswith(("norm.weight", "layernorm.weight")):
+                p.add_(0.1 * torch.randn_like(p))
+            elif name.endswith(".bias"):
+                p.add_(0.05 * torch.randn_like(p))
+    model.eval()
+    return model
+
+
+@dataclasses.dataclass
+class HFModel:
+    name: str
+    spec: HFSpec
+    folder: str
+    model: Any  # the torch model
+
+    @property
+    def model_type(self) -> str:
+        return self.spec.model_type
+
+
+# Module-level caches (not only fixtures) so that unittest-style chex.TestCase classes can share them.
+_ROOT: list[str] = []
+_HF: dict[str, HFModel] = {}
+_MOEJAX: dict[str, Any] = {}
+
+
+def _root() -> str:
+    if not _ROOT:
+        _ROOT.append(tempfile.mkdtemp(prefix="moejax-tests-"))
+        atexit.register(shutil.rmtree, _ROOT[0], True)
+    return _ROOT[0]
+
+
+def get_hf_model(name: str) -> HFModel:
+    """The HF model ``name`` of ``HF_CONFIGS``, built and saved with ``save_pretrained`` once per session."""
+    if name not in _HF:
+        spec = HF_CONFIGS[name]
+        model = build_hf_model(spec)
+        folder = os.path.join(_root(), name)
+        model.save_pretrained(folder)
+        _HF[name] = HFModel(name, spec, folder, model)
+    return _HF[name]
+
+
+def get_moejax_model(name: str):
+    """``moejax.load`` of the saved HF folder ``name`` (float32), once per session."""
+    if name not in _MOEJAX:
+        import moejax
+
+        _MOEJAX[name] = moejax.load(get_hf_model(name).folder)
+    return _MOEJAX[name]
+
+
+@pytest.fixture(scope="session")
+def hf_model() -> Callable[[str], HFModel]:
+    """``hf_model(name)`` -> HFModel (folder + torch model), built and saved once per session."""
+    return get_hf_model
+
+
+@pytest.fixture(scope="session")
+def moejax_model() -> Callable[[str], Any]:
+    """``moejax_model(name)`` -> ``moejax.Model`` loaded from the saved HF folder, once per session."""
+    return get_moejax_model
+
+
+# ------------------------------------------------------------------- parity report (terminal summary)
+PARITY_ERRORS: dict[str, dict[str, float]] = {}
+
+
+def record_parity(family: str, what: str, err: float) -> None:
+    """Remember the largest error seen per family and quantity; printed at the end of the run."""
+    fam = PARITY_ERRORS.setdefault(family, {})
+    fam[what] = max(fam.get(what, 0.0), float(err))
+
+
+def pytest_terminal_summary(terminalreporter):
+    if not PARITY_ERRORS:
+        return
+    terminalreporter.section("moejax vs Hugging Face: max abs error per family (fp32)")
+    for family in sorted(PARITY_ERRORS):
+        errs = PARITY_ERRORS[family]
+        terminalreporter.write_line(f"{family:12s} " + "  ".join(f"{k}={v:.2e}" for k, v in sorted(errs.items())))

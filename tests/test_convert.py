@@ -1,0 +1,443 @@
+"""Checkpoint conversion: HF <-> moejax round trips, sharding, dtypes, every promised error, atomicity, CLI."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from safetensors.numpy import load_file, save_file
+
+import moejax
+from moejax import checkpoint, safetensors_io
+from moejax import convert as convert_cli
+from moejax.checkpoint import CheckpointError
+from moejax.config import SUPPORTED_MODEL_TYPES, UnsupportedModelError
+
+from conftest import FAMILIES, VOCAB, get_hf_model, get_moejax_model
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+DTYPE_KEYS = ("dtype", "torch_dtype")
+IDS = np.random.default_rng(7).integers(3, VOCAB, size=16).astype(np.int32)
+# one config per family plus the ones whose key layout differs (biases, dense layers between MoE layers)
+ROUNDTRIP = list(FAMILIES) + ["phimoe_longrope", "qwen2_moe_sparse_step", "qwen3_moe_mlp_only",
+                              "deepseek_v2_group", "deepseek_v2_freq2"]
+
+
+def read_tensors(folder: str) -> dict[str, np.ndarray]:
+    """Every tensor of an HF folder (single or sharded), read with the reference ``safetensors`` package."""
+    out: dict[str, np.ndarray] = {}
+    for name in sorted(os.listdir(folder)):
+        if name.endswith(".safetensors"):
+            for k, v in _load(os.path.join(folder, name)).items():
+                assert k not in out, f"{k} in two shards"
+                out[k] = v
+    return out
+
+
+def _load(path: str) -> dict[str, np.ndarray]:
+    """safetensors.numpy cannot return bfloat16; read those through moejax's reader (checked against
+    safetensors for the dtypes both support in test_safetensors_reader_matches_reference)."""
+    try:
+        return load_file(path)
+    except (TypeError, ValueError):
+        f = safetensors_io.SafetensorsFile(path)
+        return {k: np.array(f.get(k)) for k in f.keys()}
+
+
+def read_config(folder: str) -> dict:
+    with open(os.path.join(folder, "config.json")) as f:
+        return json.load(f)
+
+
+def _no_dtype(cfg: dict) -> dict:
+    return {k: v for k, v in cfg.items() if k not in DTYPE_KEYS}
+
+
+def hf_logits(model, ids=IDS) -> np.ndarray:
+    with torch.no_grad():
+        return model(torch.as_tensor(ids, dtype=torch.long)[None], use_cache=False).logits[0].float().numpy()
+
+
+def _siblings(folder: str) -> list[str]:
+    return sorted(os.listdir(os.path.dirname(os.path.abspath(folder))))
+
+
+@pytest.fixture(scope="module")
+def roundtrip(tmp_path_factory):
+    """``roundtrip(name)`` -> (hf folder, moejax folder, exported hf folder), converted once per module."""
+    root = tmp_path_factory.mktemp("roundtrip")
+    cache: dict[str, tuple[str, str, str]] = {}
+
+    def get(name: str):
+        if name not in cache:
+            src = get_hf_model(name).folder
+            mj = checkpoint.convert_hf_to_moejax(src, str(root / f"{name}-moejax"))
+            back = checkpoint.convert_moejax_to_hf(mj, str(root / f"{name}-hf"))
+            cache[name] = (src, mj, back)
+        return cache[name]
+
+    return get
+
+
+# -------------------------------------------------------------------------------------- round trips
+@pytest.mark.parametrize("name", ROUNDTRIP)
+def test_hf_moejax_hf_roundtrip_is_bit_exact(name, roundtrip):
+    src, mj, back = roundtrip(name)
+    assert checkpoint.is_moejax_folder(mj) and os.path.isdir(os.path.join(mj, "params"))
+    a, b = read_tensors(src), read_tensors(back)
+    assert sorted(a) == sorted(b)
+    for k in a:
+        assert a[k].dtype == b[k].dtype and a[k].shape == b[k].shape, k
+        assert a[k].tobytes() == b[k].tobytes(), f"{k} changed in the round trip"
+    assert _no_dtype(read_config(src)) == _no_dtype(read_config(back))
+    assert read_config(back)["dtype"] == "float32"
+    # generation config travels with the tokenizer files
+    for f in ("generation_config.json",):
+        with open(os.path.join(src, f)) as x, open(os.path.join(back, f)) as y:
+            assert json.load(x) == json.load(y)
+
+
+@pytest.mark.parametrize("name", [n for n in ROUNDTRIP if n != "deepseek_v2_freq2"])
+def test_exported_folder_loads_in_transformers_with_same_logits(name, roundtrip):
+    # (deepseek_v2_freq2 is left out: transformers 5.x ignores moe_layer_freq, so it cannot rebuild it)
+    from transformers import AutoModelForCausalLM
+
+    _, _, back = roundtrip(name)
+    reloaded = AutoModelForCausalLM.from_pretrained(back, dtype=torch.float32, attn_implementation="eager")
+    reloaded.eval()
+    np.testing.assert_array_equal(hf_logits(reloaded), hf_logits(get_hf_model(name).model))
+
+
+@pytest.mark.parametrize("name", ["mixtral", "deepseek_v2_group"])
+def test_load_moejax_folder_equals_load_hf_folder(name, roundtrip):
+    src, mj, _ = roundtrip(name)
+    a, b = moejax.load(src), moejax.load(mj)
+    assert a.cfg == b.cfg
+    oa, ob = a.forward(IDS), b.forward(IDS)
+    np.testing.assert_array_equal(oa.logits, ob.logits)
+    np.testing.assert_array_equal(oa.router_logits, ob.router_logits)
+    np.testing.assert_array_equal(oa.experts, ob.experts)
+    assert np.abs(oa.logits - hf_logits(get_hf_model(name).model)).max() < 1e-4
+
+
+# ----------------------------------------------------------------------------------------- sharding
+def test_import_of_transformers_sharded_checkpoint(tmp_path):
+    hm = get_hf_model("qwen2_moe")
+    folder = str(tmp_path / "sharded")
+    hm.model.save_pretrained(folder, max_shard_size="20KB")
+    assert os.path.isfile(os.path.join(folder, "model.safetensors.index.json"))
+    assert len([f for f in os.listdir(folder) if f.endswith(".safetensors")]) > 2
+    out = moejax.load(folder).forward(IDS)
+    np.testing.assert_array_equal(out.logits, get_moejax_model("qwen2_moe").forward(IDS).logits)
+
+
+def test_sharded_export_imports_and_loads_in_transformers(tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    mj = get_moejax_model("deepseek_v2_group")
+    folder = checkpoint.save_hf(mj.params, mj.cfg, str(tmp_path / "out"), max_shard_bytes=16 << 10)
+    with open(os.path.join(folder, "model.safetensors.index.json")) as f:
+        index = json.load(f)
+    shards = sorted(set(index["weight_map"].values()))
+    assert len(shards) > 2 and not os.path.exists(os.path.join(folder, "model.safetensors"))
+    assert sorted(read_tensors(folder)) == sorted(index["weight_map"])
+    np.testing.assert_array_equal(moejax.load(folder).forward(IDS).logits, mj.forward(IDS).logits)
+    reloaded = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, attn_implementation="eager")
+    np.testing.assert_array_equal(hf_logits(reloaded.eval()), hf_logits(get_hf_model("deepseek_v2_group").model))
+
+
+@settings(max_examples=8, deadline=None, derandomize=True, suppress_health_check=list(HealthCheck))
+@given(shard_bytes=st.integers(min_value=1, max_value=200_000))
+def test_any_shard_size_reads_back_identically(tmp_path_factory, shard_bytes):
+    """Property: whatever the shard size, save_hf + read_hf_params reproduces every parameter exactly."""
+    mj = get_moejax_model("olmoe")
+    folder = checkpoint.save_hf(mj.params, mj.cfg, str(tmp_path_factory.mktemp("shards") / "m"),
+                                max_shard_bytes=shard_bytes)
+    n_files = len([f for f in os.listdir(folder) if f.endswith(".safetensors")])
+    assert (n_files > 1) == os.path.isfile(os.path.join(folder, "model.safetensors.index.json"))
+    params = checkpoint.read_hf_params(folder, mj.cfg)
+    import jax
+
+    leaves_a, tree_a = jax.tree.flatten(mj.params)
+    leaves_b, tree_b = jax.tree.flatten(params)
+    assert tree_a == tree_b
+    for x, y in zip(leaves_a, leaves_b):
+        assert np.asarray(x).dtype == np.asarray(y).dtype
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+
+
+def test_safetensors_reader_matches_reference(tmp_path):
+    arrays = {"a": np.arange(12, dtype=np.float32).reshape(3, 4), "b": np.arange(5, dtype=np.int64),
+              "c": np.ones((2, 0), np.float16), "d": np.linspace(-1, 1, 6).astype(np.float16)}
+    save_file(arrays, str(tmp_path / "ref.safetensors"))
+    f = safetensors_io.SafetensorsFile(str(tmp_path / "ref.safetensors"))
+    for k, v in arrays.items():
+        assert f.shape(k) == v.shape and f.dtype(k) == v.dtype
+        np.testing.assert_array_equal(f.get(k), v)
+    safetensors_io.write(str(tmp_path / "ours.safetensors"), arrays.items())
+    back = load_file(str(tmp_path / "ours.safetensors"))
+    assert sorted(back) == sorted(arrays)
+    for k, v in arrays.items():
+        np.testing.assert_array_equal(back[k], v)
+
+
+# -------------------------------------------------------------------------------------------- dtypes
+def test_bfloat16_conversion(tmp_path):
+    src = get_hf_model("qwen3_moe").folder
+    mj = checkpoint.convert_hf_to_moejax(src, str(tmp_path / "bf16"), dtype=jnp.bfloat16)
+    with open(os.path.join(mj, checkpoint.FORMAT_FILE)) as f:
+        assert json.load(f)["dtype"] == "bfloat16"
+    model = moejax.load(mj)
+    assert {np.asarray(x).dtype for x in __import__("jax").tree.leaves(model.params)} == {np.dtype(jnp.bfloat16)}
+    ref = get_moejax_model("qwen3_moe").forward(IDS).logits
+    out = model.forward(IDS).logits
+    assert out.dtype == np.float32 and np.isfinite(out).all()
+    scale = np.abs(ref).max()
+    assert np.abs(out - ref).max() < 0.05 * scale + 0.05, "bf16 logits far from fp32"
+    assert np.abs(out - ref).max() > 0, "bf16 gave bit-identical logits: the cast did not happen"
+    # export keeps bf16 on disk, exactly the bf16 rounding of the fp32 weights, and transformers loads it
+    back = checkpoint.convert_moejax_to_hf(mj, str(tmp_path / "bf16-hf"))
+    assert read_config(back)["dtype"] == "bfloat16"
+    fp32, bf16 = read_tensors(src), read_tensors(back)
+    for k, v in fp32.items():
+        assert bf16[k].dtype == ml_dtypes.bfloat16, k
+        np.testing.assert_array_equal(bf16[k], v.astype(ml_dtypes.bfloat16))
+    from transformers import AutoModelForCausalLM
+
+    reloaded = AutoModelForCausalLM.from_pretrained(back, attn_implementation="eager")
+    assert reloaded.dtype == torch.bfloat16
+    # and back up to float32 through the CLI path: the bf16 values, widened exactly
+    up = convert_cli.convert("moejax-to-hf", mj, str(tmp_path / "fp32-hf"), dtype="float32")
+    for k, v in read_tensors(up).items():
+        assert v.dtype == np.float32
+        np.testing.assert_array_equal(v, bf16[k].astype(np.float32))
+
+
+# -------------------------------------------------------------------------------------------- errors
+def _copy_hf(name: str, dst) -> str:
+    return shutil.copytree(get_hf_model(name).folder, str(dst))
+
+
+def _rewrite(folder: str, fn) -> None:
+    """Apply ``fn`` to the tensor dict of a single-file HF folder and write it back."""
+    path = os.path.join(folder, "model.safetensors")
+    tensors = dict(load_file(path))
+    fn(tensors)
+    save_file(tensors, path, metadata={"format": "pt"})
+
+
+def test_missing_folder(tmp_path):
+    with pytest.raises(CheckpointError, match="does not exist"):
+        moejax.load(str(tmp_path / "nope"))
+    with pytest.raises(CheckpointError, match="does not exist"):
+        checkpoint.convert_hf_to_moejax(str(tmp_path / "nope"), str(tmp_path / "out"))
+    assert not os.path.exists(tmp_path / "out")
+
+
+def test_folder_without_config(tmp_path):
+    (tmp_path / "m").mkdir()
+    (tmp_path / "m" / "model.safetensors").write_bytes(b"")
+    with pytest.raises(CheckpointError, match="no config.json"):
+        moejax.load(str(tmp_path / "m"))
+
+
+def test_unsupported_model_type_lists_supported(tmp_path):
+    folder = _copy_hf("mixtral", tmp_path / "m")
+    cfg = read_config(folder)
+    cfg["model_type"] = "llama"
+    with open(os.path.join(folder, "config.json"), "w") as f:
+        json.dump(cfg, f)
+    with pytest.raises(UnsupportedModelError) as e:
+        moejax.load(folder)
+    msg = str(e.value)
+    assert "'llama'" in msg and "supported model types" in msg
+    assert all(t in msg for t in SUPPORTED_MODEL_TYPES)
+
+
+def test_pickle_only_folder_is_refused_without_unpickling(tmp_path, monkeypatch):
+    import pickle
+
+    def boom(*a, **k):
+        raise AssertionError("moejax tried to unpickle")
+
+    monkeypatch.setattr(pickle, "load", boom)
+    monkeypatch.setattr(pickle, "loads", boom)
+    monkeypatch.setattr(torch, "load", boom)
+    folder = tmp_path / "m"
+    folder.mkdir()
+    shutil.copy(os.path.join(get_hf_model("mixtral").folder, "config.json"), folder / "config.json")
+    (folder / "pytorch_model.bin").write_bytes(b"\x80\x04 not really a pickle")
+    with pytest.raises(CheckpointError) as e:
+        moejax.load(str(folder))
+    msg = str(e.value)
+    assert "pytorch_model.bin" in msg and "never" in msg and "unpickle" in msg
+    assert "save_pretrained" in msg and "safe_serialization=True" in msg  # says how to convert
+    with pytest.raises(CheckpointError, match="pytorch_model.bin"):
+        checkpoint.convert_hf_to_moejax(str(folder), str(tmp_path / "out"))
+    assert not os.path.exists(tmp_path / "out")
+
+
+def test_unexpected_key_is_named(tmp_path):
+    folder = _copy_hf("mixtral", tmp_path / "m")
+    _rewrite(folder, lambda t: t.__setitem__("model.layers.0.block_sparse_moe.bogus.weight",
+                                             np.zeros((2, 2), np.float32)))
+    with pytest.raises(CheckpointError, match=r"not in the mixtral key table.*model\.layers\.0\.block_sparse_moe\.bogus\.weight"):
+        moejax.load(folder)
+
+
+def test_ignored_rotary_buffer_is_accepted(tmp_path):
+    folder = _copy_hf("mixtral", tmp_path / "m")
+    _rewrite(folder, lambda t: t.__setitem__("model.layers.0.self_attn.rotary_emb.inv_freq",
+                                             np.ones(4, np.float32)))
+    np.testing.assert_array_equal(moejax.load(folder).forward(IDS).logits,
+                                  get_moejax_model("mixtral").forward(IDS).logits)
+
+
+def test_missing_key_is_named(tmp_path):
+    key = "model.layers.1.mlp.experts.5.down_proj.weight"
+    folder = _copy_hf("qwen3_moe", tmp_path / "m")
+    _rewrite(folder, lambda t: t.pop(key))
+    with pytest.raises(CheckpointError, match="missing tensors: " + re.escape(key)):
+        moejax.load(folder)
+
+
+def test_misshaped_tensor_is_named(tmp_path):
+    key = "model.layers.0.self_attn.kv_b_proj.weight"
+    folder = _copy_hf("deepseek_v2", tmp_path / "m")
+    _rewrite(folder, lambda t: t.__setitem__(key, t[key][:-1]))
+    with pytest.raises(CheckpointError, match=re.escape(key) + ".*has shape"):
+        moejax.load(folder)
+
+
+def test_duplicate_key_across_shards_is_named(tmp_path):
+    mj = get_moejax_model("mixtral")
+    folder = checkpoint.save_hf(mj.params, mj.cfg, str(tmp_path / "m"), max_shard_bytes=32 << 10)
+    with open(os.path.join(folder, "model.safetensors.index.json")) as f:
+        weight_map = json.load(f)["weight_map"]
+    first, second = sorted(set(weight_map.values()))[:2]
+    key = next(k for k, v in weight_map.items() if v == first)
+    a, b = load_file(os.path.join(folder, first)), load_file(os.path.join(folder, second))
+    b[key] = a[key]
+    save_file(b, os.path.join(folder, second), metadata={"format": "pt"})
+    with pytest.raises(CheckpointError, match=re.escape(f"duplicate tensor '{key}'")):
+        moejax.load(folder)
+
+
+def test_index_naming_a_missing_shard(tmp_path):
+    mj = get_moejax_model("mixtral")
+    folder = checkpoint.save_hf(mj.params, mj.cfg, str(tmp_path / "m"), max_shard_bytes=32 << 10)
+    victim = sorted(f for f in os.listdir(folder) if f.endswith(".safetensors"))[-1]
+    os.remove(os.path.join(folder, victim))
+    with pytest.raises(CheckpointError, match=victim):
+        moejax.load(folder)
+
+
+# ---------------------------------------------------------------------------------------- atomicity
+def _fail_on_call(n: int, real, exc=RuntimeError):
+    calls = []
+
+    def wrapped(*a, **k):
+        calls.append(1)
+        if len(calls) >= n:
+            raise exc("simulated crash mid-conversion")
+        return real(*a, **k)
+
+    return wrapped
+
+
+@pytest.mark.parametrize("exc", [RuntimeError, KeyboardInterrupt])
+def test_interrupted_hf_export_leaves_nothing(tmp_path, monkeypatch, exc):
+    mj = get_moejax_model("mixtral")
+    target = tmp_path / "out" / "model"
+    target.parent.mkdir()
+    monkeypatch.setattr(safetensors_io, "write", _fail_on_call(3, safetensors_io.write, exc))
+    with pytest.raises(exc, match="simulated crash"):
+        checkpoint.save_hf(mj.params, mj.cfg, str(target), max_shard_bytes=32 << 10)
+    assert os.listdir(target.parent) == []  # no target, no temporary folder
+
+
+def test_interrupted_moejax_conversion_leaves_nothing(tmp_path, monkeypatch):
+    src = get_hf_model("olmoe").folder
+    target = tmp_path / "out" / "model"
+    target.parent.mkdir()
+    # crash after orbax has written the params, while writing moejax.json
+    monkeypatch.setattr(checkpoint, "write_json_atomic", _fail_on_call(1, checkpoint.write_json_atomic))
+    with pytest.raises(RuntimeError, match="simulated crash"):
+        checkpoint.convert_hf_to_moejax(src, str(target))
+    assert os.listdir(target.parent) == []
+    with pytest.raises(CheckpointError):
+        moejax.load(str(target))
+
+
+def test_interrupted_overwrite_keeps_the_old_target(tmp_path, monkeypatch, roundtrip):
+    _, mj, _ = roundtrip("mixtral")
+    target = str(tmp_path / "model")
+    shutil.copytree(mj, target)
+    before = sorted(os.listdir(tmp_path))
+    monkeypatch.setattr(checkpoint, "write_json_atomic", _fail_on_call(1, checkpoint.write_json_atomic))
+    with pytest.raises(RuntimeError, match="simulated crash"):
+        checkpoint.convert_hf_to_moejax(get_hf_model("olmoe").folder, target, overwrite=True)
+    assert sorted(os.listdir(tmp_path)) == before
+    assert moejax.load(target).cfg.model_type == "mixtral"
+
+
+def test_existing_target_needs_overwrite(tmp_path, capsys):
+    src = get_hf_model("mixtral").folder
+    target = tmp_path / "out"
+    target.mkdir()
+    (target / "keep.txt").write_text("precious")
+    with pytest.raises(FileExistsError, match="--overwrite"):
+        checkpoint.convert_hf_to_moejax(src, str(target))
+    assert convert_cli.main(["hf-to-moejax", src, str(target)]) == 1
+    assert "already exists" in capsys.readouterr().err
+    assert (target / "keep.txt").read_text() == "precious"
+    assert _siblings(str(target)) == ["out"]
+    assert convert_cli.main(["hf-to-moejax", src, str(target), "--overwrite"]) == 0
+    assert not (target / "keep.txt").exists() and checkpoint.is_moejax_folder(str(target))
+    assert _siblings(str(target)) == ["out"]
+
+
+def test_cli_errors_are_reported_not_raised(tmp_path, capsys):
+    src = get_hf_model("mixtral").folder
+    assert convert_cli.main(["hf-to-moejax", str(tmp_path / "nope"), str(tmp_path / "o")]) == 1
+    assert "does not exist" in capsys.readouterr().err
+    # the direction must match the source
+    assert convert_cli.main(["moejax-to-hf", src, str(tmp_path / "o")]) == 1
+    assert "not a moejax checkpoint" in capsys.readouterr().err
+    mj = checkpoint.convert_hf_to_moejax(src, str(tmp_path / "mj"))
+    assert convert_cli.main(["hf-to-moejax", mj, str(tmp_path / "o")]) == 1
+    assert "already a moejax checkpoint" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        convert_cli.main(["hf-to-moejax", src, str(tmp_path / "o"), "--dtype", "int8"])
+    assert not os.path.exists(tmp_path / "o")
+
+
+# ----------------------------------------------------------------------------------------------- CLI
+def test_cli_end_to_end(tmp_path):
+    """``python -m moejax.convert`` and the convert/ wrapper scripts, as subprocesses."""
+    src = get_hf_model("phimoe_longrope").folder
+    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+    mj, back = str(tmp_path / "mj"), str(tmp_path / "hf")
+    r = subprocess.run([sys.executable, "-m", "moejax.convert", "hf-to-moejax", src, mj, "--dtype", "float32"],
+                       capture_output=True, text=True, env=env, cwd=REPO)
+    assert r.returncode == 0, r.stderr
+    assert "wrote" in r.stdout and checkpoint.is_moejax_folder(mj)
+    r = subprocess.run([sys.executable, os.path.join(REPO, "convert", "moejax_to_hf.py"), mj, back],
+                       capture_output=True, text=True, env=env, cwd=str(tmp_path))
+    assert r.returncode == 0, r.stderr
+    a, b = read_tensors(src), read_tensors(back)
+    assert sorted(a) == sorted(b) and all(a[k].tobytes() == b[k].tobytes() for k in a)
+    r = subprocess.run([sys.executable, os.path.join(REPO, "convert", "hf_to_moejax.py"), src, mj],
+                       capture_output=True, text=True, env=env, cwd=str(tmp_path))
+    assert r.returncode == 1 and "already exists" in r.stderr and "--overwrite" in r.stderr
