@@ -124,9 +124,9 @@ def run(args: argparse.Namespace) -> dict:
                          f"time to first token {s['time_to_first_token_s']:.3f} s, "
                          f"{s['tokens_per_s']:.1f} tokens/s]\n")
         if "cache" in s:
-            sys.stderr.write(trace_lib._table(s["cache"]) + "\n")
+            sys.stderr.write(trace_lib.format_table(s["cache"]) + "\n")
     return {"text": text, "token_ids": result.token_ids, "prompt_ids": ids,
-            "stats": trace_lib._json_safe(result.stats)}
+            "stats": trace_lib.json_safe(result.stats)}
 
 
 def main(argv: list[str] | None = None) -> int:
