@@ -336,9 +336,6 @@ def _gating_from_args(args, trace: Trace):
     return gating_from_spec(spec, trace.n_experts)
 
 
-_table, _json_safe = format_table, json_safe  # names generate.py used first
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m moejax.trace", description=__doc__.split("\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
