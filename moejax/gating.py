@@ -20,9 +20,18 @@ import jax
 import jax.numpy as jnp
 
 
-def _descending(scores: jax.Array) -> jax.Array:
-    """Indices that sort ``scores`` from highest to lowest; ties go to the lower index (like torch.topk)."""
-    return jnp.argsort(-scores, axis=-1, stable=True).astype(jnp.int32)
+def descending_order(scores: jax.Array) -> jax.Array:
+    """Indices that sort ``scores`` from highest to lowest; ties go to the lower index (like torch.topk).
+
+    Computed by pairwise comparison instead of ``argsort``: N is at most a few hundred experts, and inside
+    the per-token routing scan a sort costs ~50 µs on XLA:CPU while N² compares cost ~1 µs."""
+    n = scores.shape[-1]
+    idx = jnp.arange(n)
+    s_i, s_j = scores[..., :, None], scores[..., None, :]
+    ahead = (s_j > s_i) | ((s_j == s_i) & (idx[None, :] < idx[:, None]))  # [.., i, j]: j ranks before i
+    position = jnp.sum(ahead, axis=-1)  # rank of expert i
+    onehot = position[..., None, :] == idx[:, None]  # [.., r, i]: expert i sits at rank r
+    return jnp.sum(jnp.where(onehot, idx[None, :], 0), axis=-1).astype(jnp.int32)
 
 
 def _take(x: jax.Array, idx: jax.Array) -> jax.Array:
@@ -47,7 +56,7 @@ class SoftmaxTopK:
         return jax.nn.softmax(z.astype(jnp.float32), axis=-1)
 
     def ranking(self, z: jax.Array) -> jax.Array:
-        return _descending(z.astype(jnp.float32))
+        return descending_order(z.astype(jnp.float32))
 
     def weights(self, z: jax.Array, chosen: jax.Array, valid: jax.Array | None = None) -> jax.Array:
         if valid is None:
@@ -73,10 +82,10 @@ class GroupLimited(SoftmaxTopK):
         p = self.probs(z)
         grouped = p.reshape(*p.shape[:-1], self.n_group, self.n_experts // self.n_group)
         group_best = grouped.max(axis=-1)
-        top_groups = _descending(group_best)[..., : self.topk_group]
+        top_groups = descending_order(group_best)[..., : self.topk_group]
         in_top = jnp.any(jnp.arange(self.n_group) == top_groups[..., :, None], axis=-2)
         expert_in_top = jnp.repeat(in_top, self.n_experts // self.n_group, axis=-1)
-        return _descending(jnp.where(expert_in_top, p + 2.0, p))
+        return descending_order(jnp.where(expert_in_top, p + 2.0, p))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -97,7 +106,7 @@ class SparseMixer:
         return jax.nn.softmax(z.astype(jnp.float32), axis=-1)
 
     def ranking(self, z: jax.Array) -> jax.Array:
-        return _descending(z.astype(jnp.float32))
+        return descending_order(z.astype(jnp.float32))
 
     def _gate(self, scores: jax.Array, z: jax.Array, expert: jax.Array) -> jax.Array:
         threshold = _take(scores, expert[..., None])
@@ -127,7 +136,7 @@ def original_routing(gating: Gating, z: jax.Array) -> tuple[jax.Array, jax.Array
 
 def sort_by_weight(experts: jax.Array, weights: jax.Array) -> tuple[jax.Array, jax.Array]:
     """Order chosen experts by weight, highest first (stable: equal weights keep ranking order)."""
-    order = jnp.argsort(-weights, axis=-1, stable=True)
+    order = descending_order(weights)
     return jnp.take_along_axis(experts, order, -1), jnp.take_along_axis(weights, order, -1)
 
 

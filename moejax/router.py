@@ -26,6 +26,7 @@ from jax import lax
 from moejax import cache as cache_lib
 from moejax import routing as routing_lib
 from moejax.cache import CacheState
+from moejax.gating import descending_order, original_routing
 from moejax.routing import RoutingPolicy, RoutingState
 
 
@@ -42,22 +43,12 @@ def choose(z: jax.Array, cache_mask: jax.Array, routing_state: RoutingState, pol
     n = z.shape[-1]
     original = gating.ranking(z).astype(jnp.int32)
     original_pos = jnp.zeros((n,), jnp.int32).at[original].set(jnp.arange(n, dtype=jnp.int32))
-    by_original = _order(jnp.where(valid, original_pos[jnp.maximum(chosen, 0)], n))
+    by_original = descending_order(-jnp.where(valid, original_pos[jnp.maximum(chosen, 0)], n))
     chosen, valid = chosen[by_original], valid[by_original]
     weights = jnp.where(valid, gating.weights(z, chosen, valid).astype(jnp.float32), 0.0)
     # highest weight first; dropped slots last (weight 0 and marked invalid); ties keep ranking order
-    order = _order(jnp.where(valid, -weights, jnp.inf))
+    order = descending_order(jnp.where(valid, weights, -jnp.inf))
     return chosen[order], weights[order], valid[order]
-
-
-def _order(keys: jax.Array) -> jax.Array:
-    """Stable ascending argsort of a short vector by pairwise comparison: O(K²) but a handful of vector
-    ops, where XLA:CPU's sort-based argsort costs tens of microseconds per call inside a scan."""
-    k = keys.shape[0]
-    i = jnp.arange(k)
-    before = (keys[None, :] < keys[:, None]) | ((keys[None, :] == keys[:, None]) & (i[None, :] < i[:, None]))
-    rank = before.sum(axis=1)
-    return jnp.zeros((k,), jnp.int32).at[rank].set(i.astype(jnp.int32))
 
 
 def router_step(z: jax.Array, cache_state: CacheState, routing_state: RoutingState, policy: RoutingPolicy,
@@ -128,8 +119,4 @@ def route_layers_parallel(z: jax.Array, cache_state: CacheState, routing_state: 
 
 def route_no_cache(z: jax.Array, gating: Any) -> tuple[jax.Array, jax.Array]:
     """Original routing with no cache at all: (experts [..., K] highest weight first, weights [..., K])."""
-    k = gating.top_k
-    chosen = gating.ranking(z)[..., :k].astype(jnp.int32)
-    weights = gating.weights(z, chosen, jnp.ones(chosen.shape, bool)).astype(jnp.float32)
-    order = jnp.argsort(-weights, axis=-1, stable=True)
-    return jnp.take_along_axis(chosen, order, -1), jnp.take_along_axis(weights, order, -1)
+    return original_routing(gating, z)
