@@ -1,0 +1,515 @@
+"""``python -m moejax.train``: train a small granular Qwen3-MoE on the WikiText-style corpus, and ship it.
+
+    python -m moejax.train --out /work/train-run/run1 --config small --steps 3000 --batch 16 --seq-len 256 \
+        --time-budget-min 50 --data-dir /work/train-run/data
+    python -m moejax.train --out /work/train-run/run1 --resume            # continue from the last checkpoint
+    python -m moejax.train --out /work/train-run/run1 --export moejax/assets/default-model   # bf16 moejax folder
+
+The model is the pure ``moejax.model.forward`` (vmapped over the batch) with the architecture's own
+routing, so what is trained is exactly what inference runs. Loss = cross-entropy + ``aux_coef`` × the
+Switch/Qwen load-balancing loss ``N · Σ_i f_i · P_i`` per MoE layer (f_i: share of the token-expert
+assignments expert i receives, P_i: its mean router probability), averaged over layers. AdamW with linear
+warmup and cosine decay, global-norm clipping. Checkpoints (orbax: params, optimizer state, step, data
+position, rng) are written atomically every ``--ckpt-every`` steps and when the time budget runs out.
+The command is the same on CPU and GPU; the data order is a pure function of (seed, position), so a run is
+reproducible and a resumed run continues exactly where the interrupted one stopped.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import os
+import platform
+import shutil
+import sys
+import time
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from moejax import checkpoint, data
+from moejax.config import ModelConfig, from_hf
+from moejax.model import forward
+
+# name -> (hidden, layers, heads, kv heads, head_dim, experts, top_k, expert ffn)
+CONFIGS = {
+    "micro": (32, 2, 4, 2, 8, 8, 2, 16),
+    "tiny": (128, 2, 4, 2, 32, 32, 4, 64),
+    "small": (256, 4, 8, 4, 32, 32, 4, 112),
+    "medium": (384, 6, 12, 4, 32, 64, 8, 96),
+}
+
+
+def hf_config(name: str = "small", vocab_size: int = data.DEFAULT_VOCAB, max_len: int = 1024,
+              eos_id: int = 0, **overrides) -> dict:
+    """A Qwen3-MoE ``config.json`` dict for one of ``CONFIGS`` (what transformers loads)."""
+    d, layers, heads, kv, hd, n, k, f = CONFIGS[name]
+    hf = {
+        "architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "vocab_size": vocab_size,
+        "hidden_size": d, "intermediate_size": 4 * f, "moe_intermediate_size": f, "num_hidden_layers": layers,
+        "num_attention_heads": heads, "num_key_value_heads": kv, "head_dim": hd, "num_experts": n,
+        "num_experts_per_tok": k, "norm_topk_prob": True, "decoder_sparse_step": 1, "mlp_only_layers": [],
+        "hidden_act": "silu", "rms_norm_eps": 1e-6, "rope_theta": 10000.0, "max_position_embeddings": max_len,
+        "tie_word_embeddings": True, "attention_bias": False, "attention_dropout": 0.0,
+        "use_sliding_window": False, "sliding_window": None, "initializer_range": 0.02,
+        "router_aux_loss_coef": 0.01, "output_router_logits": False, "use_cache": True,
+        "bos_token_id": eos_id, "eos_token_id": eos_id, "pad_token_id": None,
+    }
+    hf.update(overrides)
+    return hf
+
+
+def count_params(params) -> int:
+    return int(sum(np.prod(x.shape) for x in jax.tree.leaves(params)))
+
+
+def init_params(cfg: ModelConfig, key: jax.Array, std: float = 0.02) -> dict:
+    """Normal(0, std) matrices (output projections scaled by 1/sqrt(2·layers)), ones for norm scales."""
+    shapes = checkpoint.abstract_params(cfg, jnp.float32)
+    leaves, treedef = jax.tree_util.tree_flatten_with_path(shapes)
+    keys = jax.random.split(key, len(leaves))
+    out_std = std / np.sqrt(2 * cfg.num_layers)
+    values = []
+    for (path, leaf), k in zip(leaves, keys):
+        name = str(getattr(path[-1], "key", path[-1]))
+        if name in ("scale", "q_norm", "k_norm"):
+            values.append(jnp.ones(leaf.shape, leaf.dtype))
+        else:
+            s = out_std if name in ("o", "down") else std
+            values.append(s * jax.random.normal(k, leaf.shape, leaf.dtype))
+    return jax.tree_util.tree_unflatten(treedef, values)
+
+
+# ---------------------------------------------------------------------------------------- the loss
+def load_balancing_loss(router_logits: jax.Array, experts: jax.Array, n_experts: int) -> jax.Array:
+    """Switch/Qwen auxiliary loss per MoE layer, averaged over layers: ``N · Σ_i f_i · P_i``.
+
+    router_logits [L, ..., N], experts [L, ..., K]. It is 1 for perfectly uniform routing."""
+    L = router_logits.shape[0]
+    probs = jax.nn.softmax(router_logits.reshape(L, -1, n_experts).astype(jnp.float32), -1)
+    onehot = jax.nn.one_hot(experts.reshape(L, -1, experts.shape[-1]), n_experts, dtype=jnp.float32)
+    f = jax.lax.stop_gradient(onehot.sum(-2).mean(-2) / experts.shape[-1])  # [L, N], sums to 1
+    P = probs.mean(-2)  # [L, N]
+    return (n_experts * jnp.sum(f * P, -1)).mean()
+
+
+def batch_forward(params, cfg: ModelConfig, tokens: jax.Array):
+    """``model.forward`` vmapped over a batch of sequences [B, T] -> (logits [B,T,V], router logits
+    [L,B,T,N], experts [L,B,T,K], dropped fraction 0). Exact, but every expert runs on every token."""
+    out = jax.vmap(lambda t: forward(params, cfg, t))(tokens)
+    return (out.logits, jnp.moveaxis(out.router_logits, 1, 0), jnp.moveaxis(out.experts, 1, 0),
+            jnp.zeros((), jnp.float32))
+
+
+def dispatch_experts(p: dict, cfg: ModelConfig, x: jax.Array, experts: jax.Array, weights: jax.Array,
+                     capacity: int) -> tuple[jax.Array, jax.Array]:
+    """Capacity-based sparse MoE over S tokens (training only): x [S, D], experts/weights [S, K].
+
+    Assignments are queued per expert, first choices of all tokens before second choices (Switch
+    priority); each expert takes at most ``capacity`` of them, computed as one batched matmul over
+    [N, capacity, D]. Returns (output [S, D], fraction of assignments dropped). With
+    ``capacity >= S`` nothing is dropped and the result equals ``model.routed_experts``."""
+    S, K = experts.shape
+    N, D = cfg.n_experts, x.shape[-1]
+    a = experts.T.reshape(-1)  # [K*S], k-major
+    tok = jnp.tile(jnp.arange(S), K)
+    w = weights.T.reshape(-1)
+    onehot = jax.nn.one_hot(a, N, dtype=jnp.int32)
+    pos = jnp.take_along_axis(jnp.cumsum(onehot, 0), a[:, None], 1)[:, 0] - 1
+    keep = pos < capacity
+    slot = jnp.where(keep, a * capacity + pos, N * capacity)  # dropped -> a dummy slot
+    xin = jnp.zeros((N * capacity + 1, D), x.dtype).at[slot].set(x[tok])[:-1].reshape(N, capacity, D)
+    from moejax.model import activation
+
+    h = activation(cfg, jnp.einsum("ecd,edf->ecf", xin, p["gate"])) * jnp.einsum("ecd,edf->ecf", xin, p["up"])
+    y = jnp.einsum("ecf,efd->ecd", h, p["down"]).reshape(N * capacity, D)
+    y = jnp.concatenate([y, jnp.zeros((1, D), y.dtype)])
+    contrib = y[slot] * (w * keep).astype(y.dtype)[:, None]
+    return jnp.zeros((S, D), y.dtype).at[tok].add(contrib), jnp.mean(~keep)
+
+
+def sparse_batch_forward(params, cfg: ModelConfig, tokens: jax.Array, capacity_factor: float):
+    """The decoder of ``moejax.model`` over [B, T] with capacity-based sparse experts (batch-wide
+    capacity ``ceil(capacity_factor · B·T·K / N)``); attention and routing are ``model``'s own functions."""
+    from moejax import model as M
+    from moejax.gating import original_routing
+
+    B, T = tokens.shape
+    S = B * T
+    capacity = min(S, int(np.ceil(capacity_factor * S * cfg.top_k / cfg.n_experts)))
+    positions = jnp.arange(T, dtype=jnp.int32)
+    cos, sin = M.rope_tables(cfg, positions)
+    x = params["embed"][tokens]  # [B, T, D]
+    zs, es, drops = [], [], []
+    for i, lp in enumerate(params["layers"]):
+        attend = lambda h: M.gqa_attention(lp["attn"], cfg, i, h, cos, sin, positions, None, 0)[0]  # noqa: E731,B023
+        x = x + jax.vmap(attend)(M.norm(x, lp["attn_norm"], cfg))
+        h = M.norm(x, lp["mlp_norm"], cfg).reshape(S, -1)
+        z = M.router_logits(lp["moe"], h)
+        e, w = original_routing(cfg.gating, z)
+        y, drop = dispatch_experts(lp["moe"], cfg, h, e, w, capacity)
+        x = x + y.reshape(B, T, -1)
+        zs.append(z.reshape(B, T, -1)), es.append(e.reshape(B, T, -1)), drops.append(drop)
+    x = M.norm(x, params["final_norm"], cfg)
+    head = params["embed"].T if cfg.tie_word_embeddings else params["lm_head"]
+    return (x @ head).astype(jnp.float32), jnp.stack(zs), jnp.stack(es), jnp.stack(drops).mean()
+
+
+def loss_fn(params, cfg: ModelConfig, batch: jax.Array, aux_coef: float, capacity_factor: float = 0.0):
+    """batch [B, T+1] int32 -> (total loss, metrics). ``capacity_factor`` 0: exact dense experts
+    (``model.forward``); > 0: capacity-based sparse experts (3-4x cheaper for 32 experts, top-4)."""
+    inputs, targets = batch[:, :-1], batch[:, 1:]
+    if capacity_factor > 0:
+        logits, z, e, dropped = sparse_batch_forward(params, cfg, inputs, capacity_factor)
+    else:
+        logits, z, e, dropped = batch_forward(params, cfg, inputs)
+    logp = jax.nn.log_softmax(logits, -1)
+    ce = -jnp.take_along_axis(logp, targets[..., None], -1).mean()
+    aux = load_balancing_loss(z, e, cfg.n_experts)
+    load = jax.nn.one_hot(e.reshape(e.shape[0], -1), cfg.n_experts).mean(1)  # [L, N] share of slots
+    metrics = {"ce": ce, "aux": aux, "min_load": load.min() * cfg.n_experts,
+               "max_load": load.max() * cfg.n_experts, "dropped": dropped}
+    return ce + aux_coef * aux, metrics
+
+
+def make_optimizer(lr: float, steps: int, warmup: int, weight_decay: float = 0.1, clip: float = 1.0,
+                   min_lr_ratio: float = 0.1):
+    schedule = optax.warmup_cosine_decay_schedule(0.0, lr, max(1, warmup), max(steps, warmup + 1),
+                                                  end_value=lr * min_lr_ratio)
+    decay_mask = lambda p: jax.tree.map(lambda x: x.ndim >= 2, p)  # noqa: E731  no decay on norm scales
+    return optax.chain(optax.clip_by_global_norm(clip),
+                       optax.adamw(schedule, b1=0.9, b2=0.95, eps=1e-8, weight_decay=weight_decay,
+                                   mask=decay_mask)), schedule
+
+
+def make_steps(cfg: ModelConfig, opt, aux_coef: float, capacity_factor: float = 0.0,
+               eval_capacity_factor: float = 0.0):
+    @functools.partial(jax.jit, donate_argnums=(0, 1))
+    def train_step(params, opt_state, batch):
+        (loss, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(params, cfg, batch, aux_coef,
+                                                                           capacity_factor)
+        updates, opt_state = opt.update(grads, opt_state, params)
+        params = optax.apply_updates(params, updates)
+        return params, opt_state, {**metrics, "loss": loss, "grad_norm": optax.global_norm(grads)}
+
+    @jax.jit
+    def eval_step(params, batch):
+        return loss_fn(params, cfg, batch, aux_coef, eval_capacity_factor)[1]
+
+    return train_step, eval_step
+
+
+@functools.lru_cache(maxsize=8)
+def _compiled(cfg: ModelConfig, lr, steps, warmup, weight_decay, clip, aux_coef, capacity_factor, eval_cf):
+    """Optimizer and jitted steps, shared by runs with the same settings in one process (tests)."""
+    opt, schedule = make_optimizer(lr, steps, warmup, weight_decay, clip)
+    return (opt, schedule, *make_steps(cfg, opt, aux_coef, capacity_factor, eval_cf))
+
+
+# ---------------------------------------------------------------------------------- checkpoints
+def _ckpt_root(out: str) -> str:
+    return os.path.join(out, "checkpoints")
+
+
+def save_state(out: str, step: int, params, opt_state, data_pos: int, rng: jax.Array, keep: int = 2) -> str:
+    """Orbax checkpoint of the whole training state; ``latest.json`` is switched atomically afterwards."""
+    import orbax.checkpoint as ocp
+
+    root = _ckpt_root(out)
+    os.makedirs(root, exist_ok=True)
+    path = os.path.join(root, f"step_{step:08d}")
+    state = {"params": params, "opt_state": {str(i): x for i, x in enumerate(jax.tree.leaves(opt_state))},
+             "step": np.int64(step), "data_pos": np.int64(data_pos), "rng": np.asarray(jax.random.key_data(rng))}
+    if os.path.exists(path):
+        shutil.rmtree(path)
+    ckpt = ocp.StandardCheckpointer()
+    ckpt.save(path, state)  # orbax writes to a temporary folder and renames it when complete
+    ckpt.wait_until_finished()
+    ckpt.close()
+    checkpoint.write_json_atomic(os.path.join(root, "latest.json"), {"step": step, "path": os.path.basename(path)})
+    old = sorted(p for p in os.listdir(root) if p.startswith("step_") and p != os.path.basename(path))
+    for p in old[:max(0, len(old) - keep + 1)]:
+        shutil.rmtree(os.path.join(root, p), ignore_errors=True)
+    return path
+
+
+def latest_checkpoint(out: str) -> str | None:
+    meta = os.path.join(_ckpt_root(out), "latest.json")
+    if not os.path.isfile(meta):
+        return None
+    with open(meta) as f:
+        return os.path.join(_ckpt_root(out), json.load(f)["path"])
+
+
+def restore_state(path: str, params_like, opt_state_like, rng_like):
+    import orbax.checkpoint as ocp
+
+    abstract = lambda t: jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype), t)  # noqa: E731
+    opt_leaves, opt_def = jax.tree.flatten(opt_state_like)
+    target = {"params": abstract(params_like), "opt_state": {str(i): abstract(x) for i, x in enumerate(opt_leaves)},
+              "step": jax.ShapeDtypeStruct((), np.int64), "data_pos": jax.ShapeDtypeStruct((), np.int64),
+              "rng": abstract(np.asarray(jax.random.key_data(rng_like)))}
+    ckpt = ocp.StandardCheckpointer()
+    try:
+        state = ckpt.restore(os.path.abspath(path), target)
+    finally:
+        ckpt.close()
+    opt_state = jax.tree.unflatten(opt_def, [state["opt_state"][str(i)] for i in range(len(opt_leaves))])
+    rng = jax.random.wrap_key_data(jnp.asarray(state["rng"]))
+    return state["params"], opt_state, int(state["step"]), int(state["data_pos"]), rng
+
+
+def load_trained_params(out: str) -> tuple[dict, ModelConfig, dict]:
+    """Parameters of the latest checkpoint of a run folder, its config and the run record."""
+    with open(os.path.join(out, "run.json")) as f:
+        run = json.load(f)
+    cfg = from_hf(run["hf_config"])
+    path = latest_checkpoint(out)
+    if path is None:
+        raise FileNotFoundError(f"{out} has no checkpoint yet")
+    import orbax.checkpoint as ocp
+
+    ckpt = ocp.StandardCheckpointer()
+    try:
+        meta = ckpt.metadata(os.path.abspath(path))
+        tree = getattr(meta, "item_metadata", meta)
+        tree = getattr(tree, "tree", tree)
+        target = {k: jax.tree.map(lambda m: jax.ShapeDtypeStruct(tuple(m.shape), m.dtype), v)
+                  for k, v in tree.items()}
+        state = ckpt.restore(os.path.abspath(path), target)
+    finally:
+        ckpt.close()
+    return state["params"], cfg, {**run, "step": int(state["step"]), "data_pos": int(state["data_pos"])}
+
+
+# ------------------------------------------------------------------------------------------ train
+def _log_jsonl(path: str, record: dict) -> None:
+    with open(path, "a") as f:
+        f.write(json.dumps(record) + "\n")
+
+
+def train(args: argparse.Namespace) -> dict:
+    """Run (or resume) training; returns a summary. Every step's metrics go to ``OUT/metrics.jsonl``."""
+    from tqdm import tqdm
+
+    out = os.path.abspath(args.out)
+    os.makedirs(out, exist_ok=True)
+    run_path = os.path.join(out, "run.json")
+    run_prev: dict = {}
+    log = lambda s: tqdm.write(s, file=sys.stderr)  # noqa: E731
+    if args.resume and os.path.isfile(run_path):
+        with open(run_path) as f:
+            saved = run_prev = json.load(f)
+        for k in ("config", "batch", "seq_len", "lr", "seed", "steps", "warmup", "aux_coef", "weight_decay",
+                  "clip", "capacity_factor", "data_dir", "corpus_dir", "vocab_size"):
+            setattr(args, k, saved["args"][k])
+    ds = data.TokenData(args.data_dir, args.corpus_dir, args.vocab_size, args.seq_len, args.seed, log=log)
+    hf = hf_config(args.config, ds.vocab_size, max_len=max(1024, args.seq_len), eos_id=ds.eos_id)
+    cfg = from_hf(hf)
+    tok_dir = os.path.join(out, "tokenizer")
+    if not os.path.isfile(os.path.join(tok_dir, "tokenizer.json")):
+        os.makedirs(tok_dir, exist_ok=True)
+        for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+            shutil.copy2(os.path.join(args.data_dir, name), os.path.join(tok_dir, name))
+
+    opt, schedule, train_step, eval_step = _compiled(cfg, args.lr, args.steps, args.warmup, args.weight_decay,
+                                                     args.clip, args.aux_coef, args.capacity_factor,
+                                                     args.eval_capacity_factor)
+    rng = jax.random.key(args.seed)
+    rng, init_key = jax.random.split(rng)
+    params = init_params(cfg, init_key)
+    opt_state = opt.init(params)
+    step, data_pos = 0, 0
+    metrics_path = os.path.join(out, "metrics.jsonl")
+    if args.resume:
+        path = latest_checkpoint(out)
+        if path is None:
+            log(f"--resume: no checkpoint in {out}, starting from scratch")
+        else:
+            params, opt_state, step, data_pos, rng = restore_state(path, params, opt_state, rng)
+            log(f"resumed from {path} (step {step}, data position {data_pos})")
+    if step == 0 and os.path.exists(metrics_path):
+        os.remove(metrics_path)
+    n_params = count_params(params)
+    run = {"args": {k: v for k, v in vars(args).items() if k not in ("export", "resume")}, "hf_config": hf,
+           "params": n_params, "hardware": hardware()}
+    checkpoint.write_json_atomic(run_path, run)
+    log(f"model {args.config}: {n_params / 1e6:.2f}M params ({cfg.n_experts} experts, top-{cfg.top_k}, "
+        f"{cfg.num_layers} layers, d={cfg.hidden_size}); {jax.devices()[0].platform}; "
+        f"batch {args.batch} x {args.seq_len} tokens")
+
+
+    def evaluate(params) -> dict:
+        ms = [eval_step(params, jnp.asarray(b)) for b in ds.val_batches(args.eval_seqs, args.batch)]
+        return {k: float(np.mean([m[k] for m in ms])) for k in ms[0]} if ms else {}
+
+    prior_time = float((run_prev.get("last") or {}).get("time_s", 0.0)) if step else 0.0
+    start = time.time()
+    budget = args.time_budget_min * 60 if args.time_budget_min else None
+    tokens_per_step = args.batch * args.seq_len
+    bar = tqdm(total=args.steps, initial=step, desc="train", dynamic_ncols=True, mininterval=2.0,
+               file=sys.stderr)
+    last_ckpt_time, window_t, window_steps, stop_reason = time.time(), time.time(), 0, "steps"
+    m, first_step = None, step
+    next_batch = ds.batch(data_pos, args.batch)
+    while step < args.steps:
+        batch, next_pos = next_batch
+        params, opt_state, m = train_step(params, opt_state, jnp.asarray(batch))
+        step, data_pos = step + 1, next_pos
+        if step < args.steps:
+            next_batch = ds.batch(data_pos, args.batch)  # prepared while the step runs
+        m = {k: float(v) for k, v in m.items()}
+        window_steps += 1
+        now = time.time()
+        tps = window_steps * tokens_per_step / max(now - window_t, 1e-9)
+        if now - window_t > 30:
+            window_t, window_steps = now, 0
+        rec = {"step": step, "lr": float(schedule(step - 1)), "tokens": step * tokens_per_step,
+               "time_s": round(prior_time + now - start, 2), "tokens_per_s": round(tps, 1), **m}
+        bar.set_postfix(loss=f"{m['ce']:.3f}", aux=f"{m['aux']:.3f}", tok_s=f"{tps:.0f}", refresh=False)
+        bar.update(1)
+        if args.eval_every and (step % args.eval_every == 0 or step == args.steps):
+            ev = evaluate(params)
+            rec["val_ce"] = ev.get("ce")
+            log(f"step {step}: train ce {m['ce']:.4f}  val ce {ev.get('ce', float('nan')):.4f}  "
+                f"aux {m['aux']:.3f}  load min/max {m['min_load']:.2f}/{m['max_load']:.2f}  {tps:.0f} tok/s")
+        _log_jsonl(metrics_path, rec)
+        out_of_time = budget is not None and now - start > budget
+        interrupted = args.stop_after is not None and step - first_step >= args.stop_after
+        out_of_time = out_of_time or interrupted
+        if (args.ckpt_every and step % args.ckpt_every == 0) or out_of_time or step == args.steps \
+                or (args.ckpt_minutes and now - last_ckpt_time > args.ckpt_minutes * 60):
+            save_state(out, step, params, opt_state, data_pos, rng)
+            last_ckpt_time = time.time()
+        if out_of_time:
+            stop_reason = "interrupted" if interrupted else "time budget"
+            break
+    bar.close()
+    final_eval = evaluate(params) if args.eval_every else {}
+    summary = {"step": step, "tokens": step * tokens_per_step, "stop": stop_reason,
+               "time_s": round(prior_time + time.time() - start, 1),
+               "train_ce": m["ce"] if m else (run_prev.get("last") or {}).get("train_ce"), "val_ce": final_eval.get("ce"),
+               "params": n_params}
+    run["last"] = summary
+    checkpoint.write_json_atomic(run_path, run)
+    log(f"done: {json.dumps(summary)}")
+    return summary
+
+
+def hardware() -> dict:
+    dev = jax.devices()[0]
+    return {"platform": dev.platform, "device": getattr(dev, "device_kind", str(dev)), "cpus": os.cpu_count(),
+            "machine": platform.machine(), "jax": jax.__version__}
+
+
+# ------------------------------------------------------------------------------------------ export
+def export(out: str, folder: str, dtype=jnp.bfloat16, text_style: str = "wikitext") -> str:
+    """Write the run's latest parameters as a moejax checkpoint folder (bf16) with the tokenizer, a
+    ``generation_config.json`` (``"text_style": "wikitext"``) and a README recording how it was trained."""
+    params, cfg, run = load_trained_params(out)
+    params = jax.tree.map(lambda x: jnp.asarray(x, dtype), params)
+    eos = cfg.eos_token_ids[0] if cfg.eos_token_ids else 0
+    staging = os.path.join(out, "export-files")
+    os.makedirs(staging, exist_ok=True)
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+        shutil.copy2(os.path.join(out, "tokenizer", name), os.path.join(staging, name))
+    checkpoint.write_json_atomic(os.path.join(staging, "generation_config.json"), {
+        "bos_token_id": eos, "eos_token_id": eos, "do_sample": False, "max_new_tokens": 64,
+        "text_style": text_style})
+    folder = checkpoint.save_moejax(params, cfg, folder, tokenizer_from=staging, overwrite=True)
+    a = run["args"]
+    last = run.get("last") or {}
+    info = {"model": "qwen3_moe", "params": run["params"], "step": run["step"],
+            "tokens": run["step"] * a["batch"] * a["seq_len"], "val_ce": last.get("val_ce"),
+            "time_s": last.get("time_s"), "hardware": run["hardware"], "command": command_line(a)}
+    checkpoint.write_json_atomic(os.path.join(folder, "training.json"), info)
+    with open(os.path.join(folder, "README.md"), "w") as f:
+        f.write(readme_text(cfg, info))
+    os.chmod(folder, 0o755)
+    return folder
+
+
+def hw_text(hw: dict) -> str:
+    return f"{hw.get('platform')} ({hw.get('device')}, {hw.get('cpus')} CPU cores, jax {hw.get('jax')})"
+
+
+def command_line(a: dict) -> str:
+    return (f"python -m moejax.train --out OUT --config {a['config']} --steps {a['steps']} --batch {a['batch']} "
+            f"--seq-len {a['seq_len']} --lr {a['lr']} --warmup {a['warmup']} --seed {a['seed']} "
+            f"--capacity-factor {a['capacity_factor']} "
+            f"--eval-every {a['eval_every']}"
+            + (f" --time-budget-min {a['time_budget_min']:g}" if a.get("time_budget_min") else "") + " --data-dir DATA")
+
+
+def readme_text(cfg: ModelConfig, info: dict) -> str:
+    ppl = f"{np.exp(info['val_ce']):.1f}" if info.get("val_ce") else "n/a"
+    return f"""# moejax default model
+
+A small granular Qwen3-MoE trained from scratch by `moejax.train` on the WikiText-style English Wikipedia
+corpus (Wikipedia contributors, CC BY-SA 3.0 / GFDL; share-alike applies to verbatim outputs).
+
+- architecture: qwen3_moe, {cfg.num_layers} layers, d_model {cfg.hidden_size}, {cfg.num_heads} heads x {cfg.head_dim}
+  ({cfg.num_kv_heads} KV heads), {cfg.n_experts} routed experts per layer, top-{cfg.top_k}, expert FFN
+  {cfg.moe_intermediate_size}, tied embeddings, byte-level BPE vocabulary {cfg.vocab_size}
+- parameters: {info['params']:,} (stored bf16)
+- trained: {info['step']} steps, {info['tokens']:,} tokens, {info.get('time_s')} s on {hw_text(info['hardware'])}
+- validation (corpus shard -07) cross-entropy {info.get('val_ce')} nats/token (perplexity {ppl}, BPE tokens)
+- text style: WikiText (` @-@ `, spaces before punctuation); `generation_config.json` has
+  `"text_style": "wikitext"` and `moejax.textproc.wikitext_detokenize` undoes the spacing
+- command: `{info['command']}`, then `python -m moejax.train --out OUT --export moejax/assets/default-model`
+"""
+
+
+# --------------------------------------------------------------------------------------------- CLI
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m moejax.train", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", required=True, help="run folder: checkpoints, metrics.jsonl, run.json, tokenizer")
+    p.add_argument("--config", default="small", choices=sorted(CONFIGS))
+    p.add_argument("--steps", type=int, default=3000, help="total steps (the LR schedule's length)")
+    p.add_argument("--batch", type=int, default=16)
+    p.add_argument("--seq-len", type=int, default=256)
+    p.add_argument("--lr", type=float, default=3e-3)
+    p.add_argument("--warmup", type=int, default=100)
+    p.add_argument("--weight-decay", type=float, default=0.1)
+    p.add_argument("--clip", type=float, default=1.0)
+    p.add_argument("--aux-coef", type=float, default=0.5,
+                   help="load-balancing loss coefficient (0.01-0.1 let the router collapse onto 4 experts early on)")
+    p.add_argument("--capacity-factor", type=float, default=1.25,
+                   help="sparse expert capacity per batch (x B·T·K/N); 0 = exact dense experts (model.forward)")
+    p.add_argument("--eval-capacity-factor", type=float, default=2.0,
+                   help="capacity factor of the periodic validation loss (0 = exact)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--resume", action="store_true", help="continue from OUT's latest checkpoint")
+    p.add_argument("--eval-every", type=int, default=200, help="validation loss every N steps (0: never)")
+    p.add_argument("--eval-seqs", type=int, default=64, help="validation sequences per evaluation")
+    p.add_argument("--ckpt-every", type=int, default=500)
+    p.add_argument("--ckpt-minutes", type=float, default=10.0, help="also checkpoint every M minutes")
+    p.add_argument("--time-budget-min", type=float, default=None,
+                   help="stop cleanly (final checkpoint) after M minutes")
+    p.add_argument("--stop-after", type=int, default=None, help=argparse.SUPPRESS)  # tests: simulate an interruption
+    p.add_argument("--data-dir", default=data.DEFAULT_DATA_DIR)
+    p.add_argument("--corpus-dir", default=data.DEFAULT_CORPUS_DIR)
+    p.add_argument("--vocab-size", type=int, default=data.DEFAULT_VOCAB)
+    p.add_argument("--export", metavar="DIR", help="write OUT's latest params as a bf16 moejax folder and exit")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    args.data_dir = os.path.abspath(os.path.expanduser(args.data_dir))
+    args.corpus_dir = os.path.abspath(os.path.expanduser(args.corpus_dir))
+    if args.export:
+        print(export(args.out, args.export))
+        return 0
+    train(args)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,132 @@
+"""Training: sparse dispatch = model.forward, the balancing loss, loss goes down, seeded runs repeat,
+resume = uninterrupted run, export loads in moejax and in transformers with matching logits."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from moejax import api, checkpoint, data, train
+from moejax.config import from_hf
+from tests.train_fixtures import write_corpus
+
+
+@pytest.fixture(scope="module")
+def dirs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("train")
+    corpus = os.path.dirname(write_corpus(str(root / "corpus"), docs_per_shard=30)[0])
+    data_dir = str(root / "data")
+    data.TokenData(data_dir, corpus, vocab_size=320, seq_len=32, log=lambda s: None)  # tokenizer once
+    return {"root": root, "corpus": corpus, "data": data_dir}
+
+
+def run(dirs, name, *extra):
+    out = str(dirs["root"] / name)
+    argv = ["--out", out, "--config", "micro", "--steps", "12", "--batch", "4", "--seq-len", "32", "--lr", "1e-2",
+            "--warmup", "2", "--eval-every", "0", "--ckpt-every", "0", "--ckpt-minutes", "0", "--vocab-size", "320",
+            "--data-dir", dirs["data"], "--corpus-dir", dirs["corpus"], *extra]
+    assert train.main(argv) == 0
+    with open(os.path.join(out, "metrics.jsonl")) as f:
+        return out, [json.loads(line) for line in f]
+
+
+@pytest.fixture(scope="module")
+def baseline(dirs):
+    return run(dirs, "a")
+
+
+def micro_params(seed=1, router_scale=30.0):
+    cfg = from_hf(train.hf_config("micro", 64))
+    p = train.init_params(cfg, jax.random.key(seed))
+    for lp in p["layers"]:
+        lp["moe"]["router"] = lp["moe"]["router"] * router_scale  # decisive routing: no near ties
+    return cfg, p
+
+
+def test_sparse_dispatch_equals_model_forward():
+    cfg, p = micro_params()
+    toks = jax.random.randint(jax.random.key(2), (3, 16), 0, 64)
+    dense = jax.jit(lambda q, t: train.batch_forward(q, cfg, t))(p, toks)
+    sparse = jax.jit(lambda q, t: train.sparse_batch_forward(q, cfg, t, cfg.n_experts / cfg.top_k))(p, toks)
+    for a, b in zip(dense[:3], sparse[:3]):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=2e-5)
+    assert float(sparse[3]) == 0.0
+    batch = jax.random.randint(jax.random.key(3), (3, 17), 0, 64)
+    g_dense = jax.jit(jax.grad(lambda q: train.loss_fn(q, cfg, batch, 0.1, 0.0)[0]))(p)
+    g_sparse = jax.jit(jax.grad(lambda q: train.loss_fn(q, cfg, batch, 0.1, cfg.n_experts / cfg.top_k)[0]))(p)
+    for a, b in zip(jax.tree.leaves(g_dense), jax.tree.leaves(g_sparse)):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-5)
+    low = jax.jit(lambda q, t: train.sparse_batch_forward(q, cfg, t, 0.5))(p, toks)  # tight capacity: some assignments dropped
+    assert 0 < float(low[3]) < 1
+
+
+def test_load_balancing_loss():
+    N, K = 8, 2
+    z = jnp.zeros((1, 64, N))
+    uniform = jnp.stack([jnp.arange(64) % N, (jnp.arange(64) + 1) % N], -1)[None]
+    assert float(train.load_balancing_loss(z, uniform, N)) == pytest.approx(1.0)
+    collapsed = jnp.zeros((1, 64, K), jnp.int32).at[..., 1].set(1)
+    peaked = jnp.zeros((1, 64, N)).at[..., :2].set(5.0)
+    assert float(train.load_balancing_loss(peaked, collapsed, N)) > 3.0
+
+
+def test_loss_decreases_and_aux_is_finite(baseline):
+    _, m = baseline
+    assert len(m) == 12
+    assert np.mean([r["ce"] for r in m[-3:]]) < np.mean([r["ce"] for r in m[:3]]) - 0.3
+    assert all(np.isfinite(r["aux"]) and np.isfinite(r["grad_norm"]) for r in m)
+    assert all(r["tokens_per_s"] > 0 for r in m)
+
+
+def test_same_seed_same_losses(dirs, baseline):
+    _, again = run(dirs, "a2")
+    assert [r["loss"] for r in again] == [r["loss"] for r in baseline[1]]
+    _, other = run(dirs, "seed1", "--seed", "1", "--stop-after", "3")
+    assert [r["loss"] for r in other] != [r["loss"] for r in baseline[1][:3]]
+
+
+def test_resume_continues_exactly(dirs, baseline):
+    out, first = run(dirs, "b", "--stop-after", "5", "--eval-every", "5", "--eval-seqs", "4")
+    assert len(first) == 5 and train.latest_checkpoint(out).endswith("step_00000005")
+    assert "val_ce" in first[-1] and np.isfinite(first[-1]["val_ce"])
+    _, both = run(dirs, "b", "--resume")
+    resumed = both[5:]
+    assert [r["step"] for r in resumed] == list(range(6, 13))
+    np.testing.assert_allclose([r["loss"] for r in resumed], [r["loss"] for r in baseline[1][5:]], rtol=1e-6)
+
+
+def test_export_loads_in_moejax_and_transformers(dirs, baseline, tmp_path):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    out, _ = baseline
+    folder = train.export(out, str(tmp_path / "model"))
+    files = set(os.listdir(folder))
+    assert {"moejax.json", "params", "tokenizer.json", "tokenizer_config.json", "generation_config.json",
+            "README.md", "training.json"} <= files
+    gen = json.load(open(os.path.join(folder, "generation_config.json")))
+    assert gen["text_style"] == "wikitext" and gen["eos_token_id"] == 0
+    model = api.load(folder)
+    assert model.params["embed"].dtype == jnp.bfloat16
+    trained, cfg, _ = train.load_trained_params(out)
+    ids = model.encode(" The city was founded in 1850 .")
+    assert ids[0] == 0
+    got = model.forward(ids).logits
+    want = np.asarray(jax.jit(lambda p, t: train.batch_forward(p, cfg, t[None])[0][0])(
+        jax.tree.map(lambda x: jnp.asarray(x, jnp.bfloat16), trained), jnp.asarray(ids)))
+    np.testing.assert_allclose(got, want, atol=1e-2)
+    assert "trained:" in open(os.path.join(folder, "README.md")).read()
+
+    # Hugging Face: export, load with transformers, compare fp32 logits
+    p32 = jax.tree.map(lambda x: jnp.asarray(x, jnp.float32), model.params)
+    hf_dir = checkpoint.save_hf(p32, model.cfg, str(tmp_path / "hf"), tokenizer_from=folder)
+    hf = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
+    with torch.no_grad():
+        ref = hf(torch.tensor([ids])).logits[0].numpy()
+    ours = np.asarray(jax.jit(lambda p, t: train.batch_forward(p, model.cfg, t[None])[0][0])(p32, jnp.asarray(ids)))
+    np.testing.assert_allclose(ours, ref, atol=2e-4, rtol=1e-4)
