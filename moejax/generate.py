@@ -12,9 +12,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 
-from moejax import api, cli_options, gating, simulate
+from moejax import api, cli_options, gating, textproc
 from moejax import trace as trace_lib
 from moejax.checkpoint import CheckpointError
 from moejax.config import UnsupportedModelError
@@ -70,22 +71,29 @@ def prompt_token_ids(model: api.Model, args: argparse.Namespace) -> list[int]:
 
 
 class Streamer:
-    """Prints text as tokens arrive; decodes the whole continuation each time so merges come out right."""
+    """Prints text as tokens arrive. It decodes the whole continuation each time (so BPE merges come out
+    right) and holds back trailing whitespace, which WikiText detokenisation may still remove."""
 
-    def __init__(self, model: api.Model, out=sys.stdout):
-        self.model, self.out, self.ids, self.printed = model, out, [], ""
+    def __init__(self, model: api.Model, render, out=sys.stdout):
+        self.model, self.render, self.out, self.ids, self.printed = model, render, out, [], ""
+
+    def text(self) -> str:
+        text = self.render(self.model.decode(self.ids))
+        return text + " " if self.model.tokenizer is None and text else text
 
     def __call__(self, new_ids: list[int]) -> None:
         self.ids += new_ids
-        text = self.model.decode(self.ids)
-        if self.model.tokenizer is None:
-            text += " "
-        if text.startswith(self.printed):
-            self.out.write(text[len(self.printed):])
-        else:  # a later token changed how earlier ones decode: print what is new from the divergence
-            self.out.write(text[len(self.printed):] if len(text) > len(self.printed) else "")
+        stable = self.text().rstrip()
+        if stable.startswith(self.printed):
+            self.out.write(stable[len(self.printed):])
+            self.printed = stable
         self.out.flush()
-        self.printed = text
+
+    def finish(self) -> None:
+        text = self.text()
+        self.out.write(text[len(self.printed):] if text.startswith(self.printed) else text[len(os.path.commonprefix([text, self.printed])):])
+        self.out.write("\n")
+        self.out.flush()
 
 
 def run(args: argparse.Namespace) -> dict:
@@ -95,11 +103,13 @@ def run(args: argparse.Namespace) -> dict:
     ids = prompt_token_ids(model, args)
     if args.max_new_tokens < 0:
         raise ValueError(f"--max-new-tokens must be >= 0, got {args.max_new_tokens}")
+    render = textproc.wikitext_detokenize if textproc.is_wikitext_style(model.generation_config) else str
     streamer = None
     if not args.json:
         if args.prompt_ids is None and not args.chat:
-            sys.stdout.write(model.decode(ids))
-        streamer = Streamer(model)
+            sys.stdout.write(render(args.prompt if args.prompt is not None else DEFAULT_PROMPT))
+            sys.stdout.write(" " if not model.decode(ids[-1:]).endswith(" ") else "")
+        streamer = Streamer(model, render)
     routing = cache = None
     if cli_options.cache_requested(args):
         routing = cli_options.policy_from_args(args, model.cfg.top_k)
@@ -108,7 +118,8 @@ def run(args: argparse.Namespace) -> dict:
     result = model.generate(ids, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
                             top_p=args.top_p, seed=args.seed, stop_at_eos=not args.ignore_eos,
                             on_tokens=streamer, routing=routing, cache=cache)
-    text = model.decode(result.token_ids)
+    raw_text = model.decode(result.token_ids)
+    text = render(raw_text)
     if "cache" in result.stats:
         result.stats["cache"].update(cli_options.describe(args), capacity=cache.capacity(model.cfg),
                                      layers=model.cfg.n_moe_layers, experts_per_token=model.cfg.top_k,
@@ -118,14 +129,14 @@ def run(args: argparse.Namespace) -> dict:
         trace_lib.save_trace(args.trace_out, tr["experts"], tr["weights"], tr["logits"], model.cfg.n_experts,
                              gating.spec(model.cfg.gating))
     if not args.json:
-        sys.stdout.write("\n")
+        streamer.finish()
         s = result.stats
         sys.stderr.write(f"[{s['prompt_tokens']} prompt tokens, {s['generated_tokens']} generated, "
                          f"time to first token {s['time_to_first_token_s']:.3f} s, "
                          f"{s['tokens_per_s']:.1f} tokens/s]\n")
         if "cache" in s:
             sys.stderr.write(trace_lib.format_table(s["cache"]) + "\n")
-    return {"text": text, "token_ids": result.token_ids, "prompt_ids": ids,
+    return {"text": text, "raw_text": raw_text, "token_ids": result.token_ids, "prompt_ids": ids,
             "stats": trace_lib.json_safe(result.stats)}
 
 
