@@ -74,8 +74,8 @@ class Streamer:
     """Prints text as tokens arrive. It decodes the whole continuation each time (so BPE merges come out
     right) and holds back trailing whitespace, which WikiText detokenisation may still remove."""
 
-    def __init__(self, model: api.Model, render, out=sys.stdout):
-        self.model, self.render, self.out, self.ids, self.printed = model, render, out, [], ""
+    def __init__(self, model: api.Model, render, out=None):
+        self.model, self.render, self.out, self.ids, self.printed = model, render, out or sys.stdout, [], ""
 
     def text(self) -> str:
         text = self.render(self.model.decode(self.ids))

@@ -1,0 +1,144 @@
+"""`python -m moejax.generate`: output contract, streaming, chat template, sampling and every promised error."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+
+import numpy as np
+import pytest
+from conftest import get_hf_model, get_moejax_model
+from test_evaluate import TEXT, _word_tokenizer
+
+from moejax import generate
+
+SUPPORTED = ("mixtral", "phimoe", "qwen2_moe", "qwen3_moe", "olmoe", "deepseek_v2")
+
+
+def _run(capsys, *argv: str) -> tuple[int, str, str]:
+    rc = generate.main(list(argv))
+    out = capsys.readouterr()
+    return rc, out.out, out.err
+
+
+@pytest.fixture(scope="module")
+def tokenized_model(tmp_path_factory):
+    """The tiny qwen3_moe checkpoint plus a word-level tokenizer, a chat template and WikiText style."""
+    folder = str(tmp_path_factory.mktemp("gen") / "model")
+    shutil.copytree(get_hf_model("qwen3_moe").folder, folder)
+    _word_tokenizer(folder, TEXT + " user assistant : ")
+    with open(os.path.join(folder, "tokenizer_config.json"), "w") as f:
+        json.dump({"chat_template": "{% for m in messages %}{{ m['role'] }} : {{ m['content'] }} {% endfor %}"
+                                    "{% if add_generation_prompt %}assistant : {% endif %}"}, f)
+    with open(os.path.join(folder, "generation_config.json"), "w") as f:
+        json.dump({"eos_token_id": 2, "text_style": "wikitext"}, f)
+    return folder
+
+
+def test_json_output_contract(capsys):
+    folder = get_hf_model("mixtral").folder
+    rc, out, _ = _run(capsys, "--model", folder, "--prompt-ids", "5,17,42", "--max-new-tokens", "7",
+                      "--ignore-eos", "--json")
+    assert rc == 0
+    res = json.loads(out)
+    assert set(res) >= {"text", "token_ids", "stats"}
+    assert len(res["token_ids"]) == 7
+    for key in ("prompt_tokens", "generated_tokens", "time_to_first_token_s", "tokens_per_s"):
+        assert key in res["stats"]
+    assert res["stats"]["prompt_tokens"] == 3 and res["stats"]["generated_tokens"] == 7
+    # greedy is the default and equals the API's greedy continuation
+    ref = get_moejax_model("mixtral").generate([5, 17, 42], max_new_tokens=7, stop_at_eos=False)
+    assert res["token_ids"] == ref.token_ids
+
+
+def test_streamed_text_equals_final_text_and_spacing_is_undone(capsys, tokenized_model):
+    rc, out, err = _run(capsys, "--model", tokenized_model, "--prompt", "The game began", "--max-new-tokens",
+                        "12", "--ignore-eos")
+    assert rc == 0, err
+    rc, js, _ = _run(capsys, "--model", tokenized_model, "--prompt", "The game began", "--max-new-tokens", "12",
+                     "--ignore-eos", "--json")
+    res = json.loads(js)
+    assert out.rstrip("\n").endswith(res["text"].strip())
+    assert " ," not in res["text"] and " ." not in res["text"]  # WikiText spacing undone for display
+    assert "tokens/s" in err
+
+
+def test_chat_template_is_applied(capsys, tokenized_model):
+    rc, out, err = _run(capsys, "--model", tokenized_model, "--prompt", "The game", "--chat", "--max-new-tokens",
+                        "3", "--ignore-eos", "--json")
+    assert rc == 0, err
+    res = json.loads(out)
+    from moejax.api import Tokenizer
+
+    tok = Tokenizer(tokenized_model)
+    assert res["prompt_ids"] == tok.encode("user : The game assistant : ", add_special_tokens=False)
+    no_template = get_hf_model("mixtral").folder
+    rc, _, err = _run(capsys, "--model", no_template, "--prompt", "hi", "--chat")
+    assert rc == 2 and "tokenizer" in err
+
+
+def test_sampling_is_seeded_and_top_p_tiny_is_greedy(capsys):
+    folder = get_hf_model("qwen3_moe").folder
+    args = ["--model", folder, "--prompt-ids", "5,6,7", "--max-new-tokens", "10", "--ignore-eos", "--json"]
+    runs = [json.loads(_run(capsys, *args, "--temperature", "1.5", "--seed", s)[1])["token_ids"]
+            for s in ("1", "1", "2")]
+    assert runs[0] == runs[1] and runs[0] != runs[2]
+    greedy = json.loads(_run(capsys, *args)[1])["token_ids"]
+    nucleus = json.loads(_run(capsys, *args, "--temperature", "1.5", "--top-p", "1e-6", "--seed", "3")[1])
+    assert nucleus["token_ids"] == greedy
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--model", "/nonexistent/model", "--prompt-ids", "1"], "does not exist"),
+    (["--prompt-ids", ""], "empty"),
+    (["--prompt-ids", "1,x"], "comma-separated"),
+    (["--prompt", "   "], "empty"),
+    (["--prompt-ids", "1,2", "--max-new-tokens", "-1"], "max-new-tokens"),
+    (["--prompt-ids", "99999"], "outside the vocabulary"),
+])
+def test_errors_are_one_line_with_status_2(capsys, argv, message):
+    if "--model" not in argv:
+        argv = ["--model", get_hf_model("qwen3_moe").folder, *argv]
+    rc, _, err = _run(capsys, *argv)
+    assert rc == 2 and err.startswith("error:") and message in err and err.count("\n") == 1
+
+
+def test_prompt_longer_than_context(capsys, tmp_path):
+    folder = str(tmp_path / "short")
+    shutil.copytree(get_hf_model("qwen3_moe").folder, folder)
+    with open(os.path.join(folder, "config.json")) as f:
+        cfg = json.load(f)
+    cfg["max_position_embeddings"] = 8
+    with open(os.path.join(folder, "config.json"), "w") as f:
+        json.dump(cfg, f)
+    rc, _, err = _run(capsys, "--model", folder, "--prompt-ids", ",".join(["3"] * 9))
+    assert rc == 2 and "longer than the context of 8" in err
+
+
+def test_unsupported_model_type_lists_the_supported_ones(capsys, tmp_path):
+    folder = tmp_path / "llama"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps({"model_type": "llama", "hidden_size": 8}))
+    rc, _, err = _run(capsys, "--model", str(folder), "--prompt-ids", "1")
+    assert rc == 2 and "'llama'" in err
+    assert all(t in err for t in SUPPORTED)
+
+
+def test_text_prompt_without_tokenizer_is_refused(capsys):
+    rc, _, err = _run(capsys, "--model", get_hf_model("olmoe").folder, "--prompt", "hello")
+    assert rc == 2 and "--prompt-ids" in err
+
+
+def test_generation_stops_at_eos():
+    m = get_moejax_model("qwen3_moe")
+    free = m.generate([5, 6, 7], max_new_tokens=12, stop_at_eos=False).token_ids
+    eos = free[4]
+    import dataclasses
+
+    from moejax import decode
+
+    cfg = dataclasses.replace(m.cfg, eos_token_ids=(eos,))
+    stopped = decode.generate(m.params, cfg, [5, 6, 7], max_new_tokens=12).token_ids
+    assert stopped == free[: free.index(eos) + 1]
+    assert np.all(np.asarray(stopped[:-1]) != eos)
