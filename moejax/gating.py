@@ -38,8 +38,18 @@ def _take(x: jax.Array, idx: jax.Array) -> jax.Array:
     return jnp.take_along_axis(x, jnp.maximum(idx, 0), axis=-1)
 
 
+class _RankByLogits:
+    """Shared by gatings that rank experts by their logits and expose softmax probabilities."""
+
+    def probs(self, z: jax.Array) -> jax.Array:
+        return jax.nn.softmax(z.astype(jnp.float32), axis=-1)
+
+    def ranking(self, z: jax.Array) -> jax.Array:
+        return descending_order(z.astype(jnp.float32))
+
+
 @dataclasses.dataclass(frozen=True)
-class SoftmaxTopK:
+class SoftmaxTopK(_RankByLogits):
     """softmax over all experts, top-K, optionally renormalised over the chosen ones, then scaled.
 
     Mixtral (normalize=True), Qwen1.5/Qwen3-MoE and OLMoE (``norm_topk_prob``), DeepSeek-V2 greedy
@@ -51,12 +61,6 @@ class SoftmaxTopK:
     normalize: bool
     scale: float = 1.0
     norm_eps: float = 0.0
-
-    def probs(self, z: jax.Array) -> jax.Array:
-        return jax.nn.softmax(z.astype(jnp.float32), axis=-1)
-
-    def ranking(self, z: jax.Array) -> jax.Array:
-        return descending_order(z.astype(jnp.float32))
 
     def weights(self, z: jax.Array, chosen: jax.Array, valid: jax.Array | None = None) -> jax.Array:
         if valid is None:
@@ -89,7 +93,7 @@ class GroupLimited(SoftmaxTopK):
 
 
 @dataclasses.dataclass(frozen=True)
-class SparseMixer:
+class SparseMixer(_RankByLogits):
     """Phi-3.5-MoE ``sparsemixer`` as Hugging Face runs it in eval mode (top-2).
 
     For the first chosen expert c1, the weight is softmax over the logits that lie within a relative
@@ -101,12 +105,6 @@ class SparseMixer:
     n_experts: int
     top_k: int = 2
     jitter_eps: float = 0.01
-
-    def probs(self, z: jax.Array) -> jax.Array:
-        return jax.nn.softmax(z.astype(jnp.float32), axis=-1)
-
-    def ranking(self, z: jax.Array) -> jax.Array:
-        return descending_order(z.astype(jnp.float32))
 
     def _gate(self, scores: jax.Array, z: jax.Array, expert: jax.Array) -> jax.Array:
         threshold = _take(scores, expert[..., None])
