@@ -179,6 +179,31 @@ def routed_experts(p: dict, cfg: ModelConfig, x: jax.Array, experts: jax.Array, 
     return jnp.einsum("tef,efd,te->td", h, p["down"], combine.astype(h.dtype))
 
 
+def capacity_experts(p: dict, cfg: ModelConfig, x: jax.Array, experts: jax.Array, weights: jax.Array,
+                     capacity: int) -> tuple[jax.Array, jax.Array]:
+    """Capacity-based sparse MoE over S tokens (training; drops assignments past the capacity): x [S, D], experts/weights [S, K].
+
+    Assignments are queued per expert, first choices of all tokens before second choices (Switch
+    priority); each expert takes at most ``capacity`` of them, computed as one batched matmul over
+    [N, capacity, D]. Returns (output [S, D], fraction of assignments dropped). With
+    ``capacity >= S`` nothing is dropped and the result equals ``routed_experts``."""
+    S, K = experts.shape
+    N, D = cfg.n_experts, x.shape[-1]
+    a = experts.T.reshape(-1)  # [K*S], k-major
+    tok = jnp.tile(jnp.arange(S), K)
+    w = weights.T.reshape(-1)
+    onehot = jax.nn.one_hot(a, N, dtype=jnp.int32)
+    pos = jnp.take_along_axis(jnp.cumsum(onehot, 0), a[:, None], 1)[:, 0] - 1
+    keep = pos < capacity
+    slot = jnp.where(keep, a * capacity + pos, N * capacity)  # dropped -> a dummy slot
+    xin = jnp.zeros((N * capacity + 1, D), x.dtype).at[slot].set(x[tok])[:-1].reshape(N, capacity, D)
+    h = activation(cfg, jnp.einsum("ecd,edf->ecf", xin, p["gate"])) * jnp.einsum("ecd,edf->ecf", xin, p["up"])
+    y = jnp.einsum("ecf,efd->ecd", h, p["down"]).reshape(N * capacity, D)
+    y = jnp.concatenate([y, jnp.zeros((1, D), y.dtype)])
+    contrib = y[slot] * (w * keep).astype(y.dtype)[:, None]
+    return jnp.zeros((S, D), y.dtype).at[tok].add(contrib), jnp.mean(~keep)
+
+
 def router_logits(p: dict, x: jax.Array) -> jax.Array:
     """[T, N] float32 router logits (DeepSeek computes them in float32; equal for fp32 weights)."""
     return x.astype(jnp.float32) @ p["router"].astype(jnp.float32)

@@ -106,33 +106,6 @@ def batch_forward(params, cfg: ModelConfig, tokens: jax.Array):
             jnp.zeros((), jnp.float32))
 
 
-def dispatch_experts(p: dict, cfg: ModelConfig, x: jax.Array, experts: jax.Array, weights: jax.Array,
-                     capacity: int) -> tuple[jax.Array, jax.Array]:
-    """Capacity-based sparse MoE over S tokens (training only): x [S, D], experts/weights [S, K].
-
-    Assignments are queued per expert, first choices of all tokens before second choices (Switch
-    priority); each expert takes at most ``capacity`` of them, computed as one batched matmul over
-    [N, capacity, D]. Returns (output [S, D], fraction of assignments dropped). With
-    ``capacity >= S`` nothing is dropped and the result equals ``model.routed_experts``."""
-    S, K = experts.shape
-    N, D = cfg.n_experts, x.shape[-1]
-    a = experts.T.reshape(-1)  # [K*S], k-major
-    tok = jnp.tile(jnp.arange(S), K)
-    w = weights.T.reshape(-1)
-    onehot = jax.nn.one_hot(a, N, dtype=jnp.int32)
-    pos = jnp.take_along_axis(jnp.cumsum(onehot, 0), a[:, None], 1)[:, 0] - 1
-    keep = pos < capacity
-    slot = jnp.where(keep, a * capacity + pos, N * capacity)  # dropped -> a dummy slot
-    xin = jnp.zeros((N * capacity + 1, D), x.dtype).at[slot].set(x[tok])[:-1].reshape(N, capacity, D)
-    from moejax.model import activation
-
-    h = activation(cfg, jnp.einsum("ecd,edf->ecf", xin, p["gate"])) * jnp.einsum("ecd,edf->ecf", xin, p["up"])
-    y = jnp.einsum("ecf,efd->ecd", h, p["down"]).reshape(N * capacity, D)
-    y = jnp.concatenate([y, jnp.zeros((1, D), y.dtype)])
-    contrib = y[slot] * (w * keep).astype(y.dtype)[:, None]
-    return jnp.zeros((S, D), y.dtype).at[tok].add(contrib), jnp.mean(~keep)
-
-
 def sparse_batch_forward(params, cfg: ModelConfig, tokens: jax.Array, capacity_factor: float):
     """The decoder of ``moejax.model`` over [B, T] with capacity-based sparse experts (batch-wide
     capacity ``ceil(capacity_factor · B·T·K / N)``); attention and routing are ``model``'s own functions."""
@@ -152,7 +125,7 @@ def sparse_batch_forward(params, cfg: ModelConfig, tokens: jax.Array, capacity_f
         h = M.norm(x, lp["mlp_norm"], cfg).reshape(S, -1)
         z = M.router_logits(lp["moe"], h)
         e, w = original_routing(cfg.gating, z)
-        y, drop = dispatch_experts(lp["moe"], cfg, h, e, w, capacity)
+        y, drop = M.capacity_experts(lp["moe"], cfg, h, e, w, capacity)
         x = x + y.reshape(B, T, -1)
         zs.append(z.reshape(B, T, -1)), es.append(e.reshape(B, T, -1)), drops.append(drop)
     x = M.norm(x, params["final_norm"], cfg)
