@@ -232,6 +232,19 @@ def get_moejax_model(name: str):
     return _MOEJAX[name]
 
 
+@pytest.fixture(autouse=True, scope="module")
+def _free_compiled_programs():
+    """Drop XLA executables after each test module. One pytest process compiles hundreds of programs;
+    keeping them all alive has crashed XLA:CPU's compiler (a segfault late in the run)."""
+    yield
+    import gc
+
+    import jax
+
+    jax.clear_caches()
+    gc.collect()
+
+
 @pytest.fixture(scope="session")
 def hf_model() -> Callable[[str], HFModel]:
     """``hf_model(name)`` -> HFModel (folder + torch model), built and saved once per session."""
