@@ -113,14 +113,24 @@ class Model:
             raise ValueError(f"token ids must be in 0..{self.cfg.vocab_size - 1}")
         return jnp.asarray(ids, jnp.int32)
 
-    def router_state(self, routing=None, cache: "simulate.CacheConfig | None" = None) -> dict:
-        """A fresh router state for ``routing`` (policy or kind name) and ``cache`` (default: N/2 LRU)."""
+    def _policy(self, routing):
         from moejax import routing as routing_lib
-        from moejax import simulate
 
         if routing is None or isinstance(routing, str):
-            routing = routing_lib.make_policy(routing or "original", self.cfg.top_k)
-        return simulate.init_router_state(self.cfg, routing, cache or simulate.CacheConfig())
+            return routing_lib.make_policy(routing or "original", self.cfg.top_k)
+        return routing
+
+    def router_state(self, routing=None, cache: "simulate.CacheConfig | None" = None) -> dict:
+        """A fresh router state for ``routing`` (policy or kind name) and ``cache`` (default: N/2 LRU)."""
+        from moejax import simulate
+
+        return simulate.init_router_state(self.cfg, self._policy(routing), cache or simulate.CacheConfig())
+
+    def _resolve_state(self, routing, cache, state: dict | None) -> dict:
+        """``state`` carried over (with ``routing``'s policy swapped in, if given), or a fresh one."""
+        if state is None:
+            return self.router_state(routing, cache)
+        return state if routing is None else {**state, "policy": self._policy(routing)}
 
     def forward(self, token_ids, *, routing=None, cache=None, state: dict | None = None,
                 sequential: bool | None = None) -> Output:
@@ -139,10 +149,7 @@ class Model:
                           np.asarray(out.weights))
         from moejax import simulate
 
-        if state is None:
-            state = self.router_state(routing, cache)
-        elif routing is not None:
-            state = {**state, "policy": self.router_state(routing, cache)["policy"]}
+        state = self._resolve_state(routing, cache, state)
         out = simulate.forward_with_cache(self.params, self.cfg, tokens, state, sequential)
         return Output(np.asarray(out.logits), np.asarray(out.router_logits), np.asarray(out.experts),
                       np.asarray(out.weights), np.asarray(out.records["hits"]),
@@ -169,10 +176,7 @@ class Model:
             from moejax import simulate
 
             router = simulate.CacheRouter(self.cfg.gating)
-            if state is None:
-                state = self.router_state(routing, cache)
-            elif routing is not None:
-                state = {**state, "policy": self.router_state(routing, cache)["policy"]}
+            state = self._resolve_state(routing, cache, state)
         result = decode.generate(self.params, cfg, prompt_ids, max_new_tokens=max_new_tokens,
                                  sampling=decode.Sampling(temperature, top_p), seed=seed,
                                  stop_at_eos=stop_at_eos, on_tokens=on_tokens, chunk=chunk, router=router,

@@ -91,7 +91,7 @@ class Streamer:
 
     def finish(self) -> None:
         text = self.text()
-        self.out.write(text[len(self.printed):] if text.startswith(self.printed) else text[len(os.path.commonprefix([text, self.printed])):])
+        self.out.write(text[len(os.path.commonprefix([text, self.printed])):])  # what is not printed yet
         self.out.write("\n")
         self.out.flush()
 
