@@ -167,9 +167,12 @@ class Model:
 
     def generate(self, prompt_ids, max_new_tokens: int = 64, temperature: float = 0.0, top_p: float = 1.0,
                  seed: int = 0, stop_at_eos: bool = True, on_tokens=None, chunk: int = 16,
-                 routing=None, cache=None, state: dict | None = None) -> decode.GenerateResult:
+                 routing=None, cache=None, state: dict | None = None,
+                 prefill_routing=None) -> decode.GenerateResult:
         """Prefill + scan decode. With ``routing``/``cache``/``state`` the expert cache is simulated for
-        every token (prompt included) and ``result.stats["cache"]`` holds its metrics."""
+        every token (prompt included) and ``result.stats["cache"]`` holds its metrics. ``prefill_routing``
+        routes the prompt with another policy (e.g. "original": the policy then acts during generation
+        only, as in the paper's GSM8K protocol)."""
         cfg = dataclasses.replace(self.cfg, eos_token_ids=self.eos_token_ids)
         router = None
         if routing is not None or cache is not None or state is not None:
@@ -177,10 +180,13 @@ class Model:
 
             router = simulate.CacheRouter(self.cfg.gating)
             state = self._resolve_state(routing, cache, state)
+        prefill_policy = None if prefill_routing is None else self._policy(prefill_routing)
+        if prefill_policy is not None and router is None:
+            raise ValueError("prefill_routing needs routing=, cache= or state= (an expert cache)")
         result = decode.generate(self.params, cfg, prompt_ids, max_new_tokens=max_new_tokens,
                                  sampling=decode.Sampling(temperature, top_p), seed=seed,
                                  stop_at_eos=stop_at_eos, on_tokens=on_tokens, chunk=chunk, router=router,
-                                 router_state=state)
+                                 router_state=state, prefill_policy=prefill_policy)
         if router is not None:
             from moejax import simulate
 

@@ -115,8 +115,12 @@ class GenerateResult:
 
 def generate(params, cfg: ModelConfig, prompt_ids, *, max_new_tokens: int, sampling: Sampling = Sampling(),
              seed: int = 0, router=None, router_state=None, stop_at_eos: bool = True, chunk: int = 16,
-             on_tokens: Callable[[list[int]], None] | None = None, context: int | None = None) -> GenerateResult:
-    """Generate up to ``max_new_tokens`` after ``prompt_ids``; ``on_tokens`` receives them as they come."""
+             on_tokens: Callable[[list[int]], None] | None = None, context: int | None = None,
+             prefill_policy=None) -> GenerateResult:
+    """Generate up to ``max_new_tokens`` after ``prompt_ids``; ``on_tokens`` receives them as they come.
+
+    ``prefill_policy`` (a routing policy) routes the prompt instead of ``router_state["policy"]``, which
+    then acts during generation only (GSM8K protocol); the cache is shared by both phases."""
     prompt = np.asarray(prompt_ids, dtype=np.int32)
     context = context or cfg.max_position_embeddings
     if prompt.ndim != 1 or prompt.size == 0:
@@ -136,11 +140,19 @@ def generate(params, cfg: ModelConfig, prompt_ids, *, max_new_tokens: int, sampl
     # compile ahead of time so time to first token and tokens/s measure the model, not XLA
     t_compile = time.perf_counter()
     statics = dict(cfg=cfg, router=router, sampling=sampling)
+    decode_policy = None
+    if prefill_policy is not None:
+        if router_state is None:
+            raise ValueError("prefill_policy needs a router state (a simulated or offloaded expert cache)")
+        decode_policy = router_state["policy"]
+        router_state = {**router_state, "policy": prefill_policy}
     tokens_in = jnp.asarray(prompt)
     run_prefill = prefill.lower(params, tokens=tokens_in, kv=kv, key=key, router_state=router_state,
                                 **statics).compile()
     first_s, kv_s, key_s, rs_s, _ = jax.eval_shape(
         functools.partial(prefill, **statics), params, tokens=tokens_in, kv=kv, key=key, router_state=router_state)
+    if decode_policy is not None:
+        rs_s = {**rs_s, "policy": jax.eval_shape(lambda p: p, decode_policy)}
     state_s = DecodeState(kv_s, first_s, jax.ShapeDtypeStruct((), jnp.int32), key_s, rs_s,
                           jax.ShapeDtypeStruct((), jnp.bool_), jax.ShapeDtypeStruct((), jnp.int32))
     run_chunk = None
@@ -151,6 +163,8 @@ def generate(params, cfg: ModelConfig, prompt_ids, *, max_new_tokens: int, sampl
     t0 = time.perf_counter()
     first, kv, key, router_state, rec = run_prefill(params, tokens=tokens_in, kv=kv, key=key,
                                                     router_state=router_state)
+    if decode_policy is not None:
+        router_state = {**router_state, "policy": decode_policy}
     first = int(first)
     ttft = time.perf_counter() - t0
     tokens = [first] if max_new_tokens > 0 else []
