@@ -47,7 +47,7 @@ PARAM_SYMBOL = {"lam": "λ", "prune_h": "h", "max_rank": "M", "cumsum_p": "p", "
                 "top_j": "J", "delta": "Δ"}
 EVICTION_ORDER = ("lru", "lfu", "fld", "score", "least-stale", "belady")
 PPL_TOLERANCES = (0.01, 0.05, 0.10)  # cache-size ablation and headlines: +1 / +5 / +10 % perplexity
-_STD_CACHE_KEYS = ("size", "capacity", "scope", "eviction", "init")
+_STD_CACHE_KEYS = ("size", "capacity", "scope", "eviction", "init", "seed")
 
 
 class PlotError(ValueError):
@@ -630,17 +630,38 @@ def sensitivity(records: Sequence[dict], stem) -> list[Path]:
 # ------------------------------------------------------------------------------------- eviction bars
 
 
+def varying_cache_options(records: Sequence[dict]) -> list[str]:
+    """Cache keys beyond size/capacity/scope/eviction/init/seed (prefetch, miss handling, ...) whose value
+    differs between records: what tells otherwise equal configurations apart."""
+    keys: list[str] = []
+    for r in records:
+        keys += [k for k in cache_of(r) if k not in _STD_CACHE_KEYS and k not in keys]
+    return [k for k in keys if len({repr(cache_of(r).get(k)) for r in records}) > 1]
+
+
+def cache_options_text(r: dict, keys: Sequence[str]) -> str:
+    parts = []
+    for k in keys:
+        v = cache_of(r).get(k)
+        if v is True:
+            parts.append(k)
+        elif v is not None and v is not False:
+            parts.append(f"{k}={fmt_value(v) if not isinstance(v, (list, tuple)) else ','.join(map(str, v))}")
+    return " ".join(parts)
+
+
 def eviction_label(r: dict, records: Sequence[dict] = ()) -> str:
     """The eviction policy, plus what else tells records of the same pool size apart (routing kind,
-    scope, extra cache keys such as prefetch settings)."""
+    scope, cache options such as prefetch settings that vary between ``records``)."""
     parts = [eviction_of(r)]
     if kind_of(r) not in ("original", "?"):
         parts.append(routing_label(r))
     if records and len({cache_of(x).get("scope") for x in records}) > 1:
         parts.append(str(cache_of(r).get("scope")))
-    for k, v in sorted(cache_of(r).items()):
-        if k not in _STD_CACHE_KEYS and v is not None and v is not False:
-            parts.append(k if v is True else f"{k}={fmt_value(v)}")
+    extra = cache_options_text(r, varying_cache_options(records or [r]) if records else
+                               [k for k in cache_of(r) if k not in _STD_CACHE_KEYS])
+    if extra:
+        parts.append(extra)
     return " ".join(parts)
 
 
@@ -713,12 +734,20 @@ def init_label(r: dict) -> str:
     return str(cache_of(r).get("init") or "empty")
 
 
+def init_group_label(r: dict, records: Sequence[dict]) -> str:
+    """The routing label, plus the cache size when the records span several."""
+    label = routing_label(r)
+    if len({capacity_of(x) for x in records}) > 1 and capacity_of(r) is not None:
+        label += f" C={capacity_of(r)}"
+    return label
+
+
 def init(records: Sequence[dict], stem) -> list[Path]:
     """Empty vs random initial cache (paper appendix G): miss rate, and perplexity when present, per
     routing policy; bars are means over seeds with min/max whiskers."""
     rs = _need(records, "a miss_rate", lambda r: num(r.get("miss_rate")) is not None)
     metrics = ["miss_rate"] + (["ppl"] if any(num(r.get("ppl")) is not None for r in rs) else [])
-    policies = sorted({routing_label(r) for r in rs}, key=lambda s: (kind_rank(s.split(" ")[0]), s))
+    policies = sorted({init_group_label(r, rs) for r in rs}, key=lambda s: (kind_rank(s.split(" ")[0]), s))
     inits = sorted({init_label(r) for r in rs}, key=lambda s: (s != "empty", s))
     fig, axes = new_figure(1, len(metrics), panel=(max(4.5, 1.2 * len(policies) * len(inits)), 3.8))
     width = 0.8 / len(inits)
@@ -726,7 +755,7 @@ def init(records: Sequence[dict], stem) -> list[Path]:
         for j, ini in enumerate(inits):
             means, lo, hi, xs = [], [], [], []
             for i, pol in enumerate(policies):
-                vals = [float(r[metric]) for r in rs if routing_label(r) == pol and init_label(r) == ini
+                vals = [float(r[metric]) for r in rs if init_group_label(r, rs) == pol and init_label(r) == ini
                         and num(r.get(metric)) is not None]
                 if vals:
                     xs.append(i + (j - (len(inits) - 1) / 2) * width)

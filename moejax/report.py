@@ -206,9 +206,9 @@ COLUMNS: dict[str, tuple[Callable[[dict], Any], str]] = {
     "size": (lambda r: cache_of(r).get("size", "–") if r.get("cache") else "–", "r"),
     "scope": (lambda r: cache_of(r).get("scope") or "–", "l"),
     "eviction": (lambda r: eviction_of(r) if r.get("cache") else "–", "l"),
-    "init": (lambda r: cache_of(r).get("init") or "–", "l"),
-    "cache options": (lambda r: ", ".join(f"{k}={fmt_value(v)}" for k, v in cache_of(r).items()
-                                          if k not in plots._STD_CACHE_KEYS and v is not None) or "–", "l"),
+    "init": (lambda r: "–" if not r.get("cache") else plots.init_label(r)
+             + (f" (seed {cache_of(r)['seed']})" if plots.init_label(r) == "random" and cache_of(r).get("seed") is not None
+                else ""), "l"),
     "sweep": (lambda r: ", ".join(f"{k}={fmt_value(v)}" for k, v in (r.get("sweep") or {}).items()) or "–", "l"),
     "ppl": (lambda r: fmt_num(r.get("ppl")), "r"),
     "accuracy": (lambda r: fmt_pct(r.get("accuracy"), 1), "r"),
@@ -436,7 +436,8 @@ def headline_sensitivity(records: Sequence[dict]) -> str:
 
 def headline_init(records: Sequence[dict]) -> str:
     out = []
-    for label, rs in sorted(group_by(records, routing_label).items(), key=lambda kv: (kind_rank(kv[0].split(" ")[0]), kv[0])):
+    groups = group_by(records, lambda r: plots.init_group_label(r, records))
+    for label, rs in sorted(groups.items(), key=lambda kv: (kind_rank(kv[0].split(" ")[0]), kv[0])):
         by = group_by(rs, plots.init_label)
         parts = []
         for ini in sorted(by, key=lambda s: (s != "empty", s)):
@@ -614,7 +615,9 @@ def _extra_columns(records: Sequence[dict]) -> dict:
         base = by_cap.get(capacity_of(r)) or ref
         return _rel(r.get("ppl"), base) if base else "–"
 
-    return {"Δppl": (dppl, "r"), "Δ estimate": (lambda r: plots.delta_label(r), "l")}
+    varying = plots.varying_cache_options(records)
+    return {"Δppl": (dppl, "r"), "Δ estimate": (lambda r: plots.delta_label(r), "l"),
+            "cache options": (lambda r: plots.cache_options_text(r, varying) or "–", "l")}
 
 
 def _metric_columns(records: Sequence[dict]) -> dict:
@@ -687,6 +690,8 @@ def render_section(name: str, records: list[dict], fig_dir: Path | None, out_dir
             front = pareto_front_records(records, spec["front"])
             parts.append("### Pareto-optimal points\n")
             parts.append(records_table(front, columns, extra) + "\n")
+            if len(records) <= DETAILS_ROWS:
+                parts.append("### All points\n")
             parts.append(fold(table, len(records), "All points") + "\n")
         else:
             parts.append("### Points\n")

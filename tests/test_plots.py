@@ -201,6 +201,30 @@ def test_best_within_and_cache_size_series():
     assert lams == {"cache-prior +1%": {0.25}, "cache-prior +5%": {0.5}, "cache-prior +10%": {0.75}}
 
 
+def test_sensitivity_hooks_count_as_their_own_kinds():
+    # the sweeps record the sensitivity hooks as original routing plus drop_rank / random_rank
+    base = rec("sensitivity", cap=None, ppl=10.0, miss=None)
+    drop = rec("sensitivity", cap=None, ppl=30.0, miss=None, drop_rank=2)
+    repl = rec("sensitivity", cap=None, ppl=40.0, miss=None, random_rank=1, seed=0)
+    assert [plots.kind_of(r) for r in (base, drop, repl)] == ["original", "drop", "random-replace"]
+    assert plots.sensitivity_split([base, drop, repl]) == ([drop], [repl])
+    assert plots.reference_ppl([drop, repl, base]) == 10.0  # the hooks are not "original routing"
+    assert plots.routing_label(drop) == "drop k=2" and plots.policy_param(repl) == ("random_rank", 1)
+    text = report.headline_sensitivity([base, drop, repl])
+    assert "| 2 | 30.000 (3.00×) | – |" in text and "| 1 | – | 40.000 (4.00×) |" in text
+
+
+def test_n_experts_and_top_k_inference():
+    sized = lambda size, cap: {"cache": {"size": size, "capacity": cap, "scope": "layer"}}  # noqa: E731
+    assert plots.n_experts_of([sized("0.5", 16)]) == 32  # not 31, which also rounds to 16
+    assert plots.n_experts_of([sized("16", 16), sized("0.25", 8)]) == 32
+    assert plots.n_experts_of([sized("0.3", 10)]) is None  # ambiguous: no exact N
+    assert plots.n_experts_of([{"metrics": {"expert_usage": {"entropy_max_bits": 5.0}}}]) == 32
+    assert plots.n_experts_of([{"metrics": {"cache": {"n_experts": 60}}}]) == 60
+    assert plots.top_k_of([{"metrics": {"cache": {"tokens": 100, "per_layer": {"accesses": [400, 400]}}}}]) == 4
+    assert plots.top_k_of([{"metrics": {"experts_per_token": 2}}]) == 2
+
+
 # ------------------------------------------------------------------------------------------ plots
 
 
@@ -249,6 +273,14 @@ def test_lifetimes_table_markdown():
     assert table[0] == "| model | task | cache size | routing | eviction | lifetime (tokens) | miss rate |"
     assert table[2] == "| default | wikitext | 4 / 8 | original | lru | 20.0 (± 10.0) | 35.0% |"
     assert table[3] == "| default | wikitext | 4 / 8 | cache-prior λ=0.5 | lru | 55.0 (± 27.5) | 15.0% |"
+
+
+def test_eviction_labels_show_only_distinguishing_options():
+    rs = eviction_records()
+    for r in rs:
+        r["cache"]["miss"] = "fetch"  # the same everywhere: not part of any label
+    labels = {plots.eviction_label(r, rs) for r in rs}
+    assert labels == {"lru", "fld", "score", "least-stale", "least-stale prefetch=topk overfetch=2"}
 
 
 def test_collision_rate_from_counts():
