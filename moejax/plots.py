@@ -47,6 +47,7 @@ PARAM_SYMBOL = {"lam": "λ", "prune_h": "h", "max_rank": "M", "cumsum_p": "p", "
                 "top_j": "J", "delta": "Δ"}
 EVICTION_ORDER = ("lru", "lfu", "fld", "score", "least-stale", "belady")
 PPL_TOLERANCES = (0.01, 0.05, 0.10)  # cache-size ablation and headlines: +1 / +5 / +10 % perplexity
+PPL_VIEW = 0.30  # Pareto plots show perplexity up to +30 % over original routing (the rest is annotated)
 _STD_CACHE_KEYS = ("size", "capacity", "scope", "eviction", "init", "seed")
 
 
@@ -474,7 +475,18 @@ def _tradeoff(records: Sequence[dict], stem, metric: str, panel_key: Callable[[d
                        label="Belady bound (optimal eviction)" if j == 0 else None)
             ax.annotate(f" Belady {r['miss_rate']:.1%}", (r["miss_rate"], 1.0), xycoords=("data", "axes fraction"),
                         ha="left", va="top", fontsize=7)
-        ax.set_title(title(key, pts), fontsize=10)
+        ys_all = [float(r[metric]) for r in pts]
+        ref = reference_ppl(pts, cap) if metric == "ppl" else None
+        if ref is not None and max(ys_all) > ref * (1 + PPL_VIEW):
+            # keep the interesting region readable (paper figures 4/14 do the same): clip far-off points
+            low = min(ys_all)
+            top = ref * (1 + PPL_VIEW)
+            ax.set_ylim(low - 0.03 * (top - low), top)
+            hidden = sum(y > top for y in ys_all)
+            ax.set_title(f"{title(key, pts)}\n({hidden} point(s) above +{PPL_VIEW:.0%} perplexity off the plot)",
+                         fontsize=9)
+        else:
+            ax.set_title(title(key, pts), fontsize=10)
         ax.set_xlabel("miss rate")
         ax.set_ylabel("WikiText perplexity" if metric == "ppl" and task == "wikitext" else metric)
         _percent_axis(ax.xaxis)
