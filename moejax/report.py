@@ -297,6 +297,12 @@ def _panel_name(key: tuple, records: Sequence[dict], n: int | None) -> str:
     return " · ".join(parts) or "all points"
 
 
+def _originals(records: Sequence[dict], metric: str) -> list[dict]:
+    """Plain original-routing records with a miss rate, best first: with ``metric``, then LRU."""
+    orig = [r for r in records if kind_of(r) == "original" and not is_belady(r) and num(r.get("miss_rate")) is not None]
+    return sorted(orig, key=lambda r: (num(r.get(metric)) is None, eviction_of(r) != "lru"))
+
+
 def headline_pareto(records: Sequence[dict], tolerances=plots.PPL_TOLERANCES) -> str:
     """Per cache size: original LRU and Belady miss rates, and per routing kind the lowest miss rate whose
     perplexity stays within +1/5/10 % of original routing, with the comparison for cache-prior spelled out."""
@@ -304,7 +310,7 @@ def headline_pareto(records: Sequence[dict], tolerances=plots.PPL_TOLERANCES) ->
     out = []
     for key, rs in _panels(records):
         ref = plots.reference_ppl(rs, key[2]) or plots.reference_ppl(records)
-        orig = [r for r in rs if kind_of(r) == "original" and not is_belady(r) and num(r.get("miss_rate")) is not None]
+        orig = _originals(rs, "ppl")
         bel = [r for r in records if is_belady(r) and capacity_of(r) == key[2] and r.get("model") == key[0]
                and num(r.get("miss_rate")) is not None]
         lru_mr = num(orig[0]["miss_rate"]) if orig else None
@@ -395,7 +401,7 @@ def headline_cache_size(records: Sequence[dict]) -> str:
 def headline_lifetimes(records: Sequence[dict]) -> str:
     out = []
     for key, rs in _panels(records):
-        orig = [r for r in rs if kind_of(r) == "original" and not is_belady(r)]
+        orig = _originals(rs, "lifetime")
         for r in rs:
             if kind_of(r) == "original" or is_belady(r) or not orig:
                 continue
@@ -496,7 +502,7 @@ def headline_tasks(records: Sequence[dict], tolerances=(0.0, 0.02)) -> str:
     out = []
     n = n_experts_of(records)
     for key, rs in _panels(records):
-        orig = [r for r in rs if kind_of(r) == "original" and not is_belady(r) and num(r.get("accuracy")) is not None]
+        orig = [r for r in _originals(rs, "accuracy") if num(r.get("accuracy")) is not None]
         if not orig:
             out.append(f"**{_panel_name(key, records, n)}** — no original-routing record.")
             continue
