@@ -133,7 +133,7 @@ class Model:
         return state if routing is None else {**state, "policy": self._policy(routing)}
 
     def forward(self, token_ids, *, routing=None, cache=None, state: dict | None = None,
-                sequential: bool | None = None) -> Output:
+                sequential: bool | None = None, offload=None) -> Output:
         """Teacher-forced pass over ``token_ids`` (1-D).
 
         With no ``routing``/``cache``/``state``: the architecture's own routing, no cache. Otherwise the
@@ -141,8 +141,22 @@ class Model:
         (``simulate.CacheConfig``; default N/2 per layer, LRU), starting from ``state`` when given (e.g.
         ``previous_output.state``: the cache carried over from the previous sequence, statistics
         accumulating). Per-layer caches take the layer-parallel path, global ones the token-sequential
-        path (``sequential=True`` forces it; both give the same result for per-layer caches)."""
+        path (``sequential=True`` forces it; both give the same result for per-layer caches).
+
+        ``offload`` (``offload.OffloadConfig``): the experts live in host memory and each token's misses are
+        paged into device slots for real (token by token, host-driven); ``stats["offload"]`` has the
+        bytes moved, transfer time and device memory."""
         tokens = self._tokens(token_ids)
+        if offload is not None:
+            from moejax import offload as offload_lib
+            from moejax import simulate
+
+            state = self._resolve_state(routing, cache, state)
+            out = offload_lib.host_forward(self.params, self.cfg, np.asarray(tokens), state, offload)
+            stats = simulate.summarize(out["router_state"], self.params, self.cfg)
+            stats["offload"] = out["offload"]
+            return Output(out["logits"], out["router_logits"], out["experts"], out["weights"], out["hits"], stats,
+                          out["router_state"])
         if routing is None and cache is None and state is None:
             out = _forward_original(self.params, self.cfg, tokens)
             return Output(np.asarray(out.logits), np.asarray(out.router_logits), np.asarray(out.experts),
@@ -168,13 +182,26 @@ class Model:
     def generate(self, prompt_ids, max_new_tokens: int = 64, temperature: float = 0.0, top_p: float = 1.0,
                  seed: int = 0, stop_at_eos: bool = True, on_tokens=None, chunk: int = 16,
                  routing=None, cache=None, state: dict | None = None,
-                 prefill_routing=None) -> decode.GenerateResult:
+                 prefill_routing=None, offload=None) -> decode.GenerateResult:
         """Prefill + scan decode. With ``routing``/``cache``/``state`` the expert cache is simulated for
         every token (prompt included) and ``result.stats["cache"]`` holds its metrics. ``prefill_routing``
         routes the prompt with another policy (e.g. "original": the policy then acts during generation
-        only, as in the paper's GSM8K protocol)."""
+        only, as in the paper's GSM8K protocol). ``offload`` (``offload.OffloadConfig``): experts in host
+        memory, misses paged into device slots for real; ``result.stats["offload"]`` has what moved."""
         cfg = dataclasses.replace(self.cfg, eos_token_ids=self.eos_token_ids)
         router = None
+        if offload is not None:
+            from moejax import offload as offload_lib
+            from moejax import simulate
+
+            state = self._resolve_state(routing, cache, state)
+            prefill_policy = None if prefill_routing is None else self._policy(prefill_routing)
+            result = offload_lib.generate(self.params, cfg, prompt_ids, state, offload,
+                                          max_new_tokens=max_new_tokens, sampling=decode.Sampling(temperature, top_p),
+                                          seed=seed, stop_at_eos=stop_at_eos, on_tokens=on_tokens,
+                                          prefill_policy=prefill_policy)
+            result.stats["cache"] = simulate.summarize(result.router_state, self.params, self.cfg)
+            return result
         if routing is not None or cache is not None or state is not None:
             from moejax import simulate
 

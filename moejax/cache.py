@@ -39,6 +39,7 @@ last token when asked to.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import flax.struct
@@ -50,6 +51,87 @@ SCOPES = ("layer", "global")
 EVICTIONS = ("lru", "lfu", "fld", "score", "least-stale", "belady")
 INITS = ("empty", "random")
 NEVER = 2**31 - 1  # next_use of an entry that is never used again; "infinitely far" key
+MISS_MODES = ("fetch", "drop", "substitute", "cascade")
+
+
+@dataclasses.dataclass(frozen=True)
+class MissConfig:
+    """What a miss costs (DESIGN §2 miss handling). Static: it picks code paths at trace time.
+
+    ``rank``: 0-based positions in the chosen list (highest weight first) from which a miss counts as
+    low-importance; positions before ``rank[0]`` are always fetched in full.
+      fetch       block and load every miss (lossless).
+      drop        a low-importance miss is skipped; the remaining weights are rescaled to the full set's sum.
+      substitute  a low-importance miss is replaced by the best-ranked cached expert not already chosen,
+                  which takes the missing expert's weight (fetched in full if no such expert exists).
+      cascade     a low-importance miss is served from a low-bit copy (``bits[i]`` from position
+                  ``rank[i]`` on): loaded transiently (a miss, bytes at the low-bit size), never cached.
+    """
+
+    mode: str = "fetch"
+    rank: tuple = (1,)
+    bits: tuple = (8,)
+    group_size: int | None = None
+
+    def __post_init__(self):
+        if self.mode not in MISS_MODES:
+            raise ValueError(f"unknown miss handling {self.mode!r}; expected one of {MISS_MODES}")
+        rank = tuple(int(r) for r in self.rank)
+        if not rank or any(r < 0 for r in rank) or list(rank) != sorted(set(rank)):
+            raise ValueError(f"miss rank must be increasing non-negative positions, got {self.rank}")
+        bits = tuple(int(b) for b in self.bits)
+        if self.mode == "cascade":
+            if len(bits) != len(rank):
+                raise ValueError(f"cascade needs one bit width per rank threshold, got ranks {rank} bits {bits}")
+            if any(b not in (8, 4) for b in bits):
+                raise ValueError(f"cascade bit widths must be 8 or 4, got {bits}")
+        elif len(rank) != 1:
+            raise ValueError(f"miss handling {self.mode!r} takes one rank threshold, got {rank}")
+        object.__setattr__(self, "rank", rank)
+        object.__setattr__(self, "bits", bits)
+
+    def tier_bits(self, k: int) -> tuple[int, ...]:
+        """Bit width of a low-importance miss at each of the K positions (0 = full precision)."""
+        if self.mode != "cascade":
+            return (0,) * k
+        out = []
+        for pos in range(k):
+            b = 0
+            for r, bits in zip(self.rank, self.bits):
+                if pos >= r:
+                    b = bits
+            out.append(b)
+        return tuple(out)
+
+
+@dataclasses.dataclass(frozen=True)
+class PrefetchConfig:
+    """Speculative next-layer prefetch (DESIGN §2): layer l+1's router applied to layer l's hidden state.
+
+    ``overfetch`` > 0: prefetch the top round(K · overfetch) predicted experts; or ``percentile`` q in
+    (0, 100): every expert whose predicted probability is above the q-th percentile of the N. Off when both
+    are unset."""
+
+    overfetch: float = 0.0
+    percentile: float | None = None
+
+    def __post_init__(self):
+        if not (math.isfinite(self.overfetch) and self.overfetch >= 0):
+            raise ValueError(f"prefetch overfetch factor must be >= 0, got {self.overfetch}")
+        if self.percentile is not None and not 0 < self.percentile < 100:
+            raise ValueError(f"prefetch percentile must be in (0, 100), got {self.percentile}")
+        if self.overfetch > 0 and self.percentile is not None:
+            raise ValueError("give either a prefetch overfetch factor or a percentile, not both")
+
+    @property
+    def enabled(self) -> bool:
+        return self.overfetch > 0 or self.percentile is not None
+
+    def count(self, k: int, n: int) -> int:
+        """Static number of candidate ids per prediction."""
+        if self.percentile is not None:
+            return n
+        return max(1, min(n, int(math.floor(k * self.overfetch + 0.5)))) if self.overfetch > 0 else 0
 
 
 @flax.struct.dataclass
@@ -65,12 +147,19 @@ class CacheStats:
     evictions: jax.Array
     life_sum: jax.Array  # float32: sum of (eviction pass - load pass) over evictions
     life_sq: jax.Array  # float32: sum of squares of the same
+    dropped: jax.Array  # low-importance misses skipped (miss handling "drop")
+    substituted: jax.Array  # low-importance misses replaced by a cached expert ("substitute")
+    low8_loads: jax.Array  # misses served from the int8 copy ("cascade")
+    low4_loads: jax.Array  # misses served from the int4 copy ("cascade")
+    predicted: jax.Array  # experts the prefetcher predicted for this layer
+    predicted_used: jax.Array  # ... of which the layer then chose (precision = used / predicted)
+    predicted_for: jax.Array  # chosen experts at steps that had a prediction (recall = used / this)
 
 
 def _zero_stats(n_layers: int) -> CacheStats:
     i = lambda: jnp.zeros((n_layers,), jnp.int32)  # noqa: E731
     f = lambda: jnp.zeros((n_layers,), jnp.float32)  # noqa: E731
-    return CacheStats(i(), i(), i(), i(), i(), i(), i(), f(), f())
+    return CacheStats(i(), i(), i(), i(), i(), i(), i(), f(), f(), i(), i(), i(), i(), i(), i(), i())
 
 
 @flax.struct.dataclass
@@ -94,6 +183,8 @@ class CacheState:
     stats: CacheStats
     scope: str = flax.struct.field(pytree_node=False, default="layer")
     eviction: str = flax.struct.field(pytree_node=False, default="lru")
+    miss: MissConfig = flax.struct.field(pytree_node=False, default=MissConfig())
+    prefetcher: PrefetchConfig = flax.struct.field(pytree_node=False, default=PrefetchConfig())
 
     @property
     def n_layers(self) -> int:
@@ -143,7 +234,8 @@ def parse_capacity(spec, n_experts: int, n_layers: int = 1, scope: str = "layer"
 
 
 def init_cache(n_layers: int, n_experts: int, capacity: int, scope: str = "layer", eviction: str = "lru",
-               init: str = "empty", seed: int = 0) -> CacheState:
+               init: str = "empty", seed: int = 0, miss: MissConfig = MissConfig(),
+               prefetcher: PrefetchConfig = PrefetchConfig()) -> CacheState:
     """A fresh cache: ``empty``, or ``random`` (seeded; per layer ``capacity`` distinct experts, or in
     global scope ``capacity`` distinct (layer, expert) entries). Random entries count as seen and are
     older than anything touched later, in a random recency order."""
@@ -164,6 +256,7 @@ def init_cache(n_layers: int, n_experts: int, capacity: int, scope: str = "layer
         next_use=jnp.full(shape, NEVER, jnp.int32), seen=jnp.zeros(shape, bool),
         token=jnp.full((n_layers,), -1, jnp.int32), clock=jnp.zeros((n_layers,), jnp.int32),
         capacity=jnp.asarray(capacity, jnp.int32), stats=_zero_stats(n_layers), scope=scope, eviction=eviction,
+        miss=miss, prefetcher=prefetcher,
     )
     if init == "random":
         state = _fill_random(state, int(capacity), seed)
@@ -333,21 +426,24 @@ def _evict_and_place(st: CacheState, row, now: jax.Array, cols: jax.Array, loade
 # ------------------------------------------------------------------------------------------ updates
 
 
-def _pool_access(st: CacheState, row, experts, weights, valid, next_use):
+def _pool_access(st: CacheState, row, experts, weights, valid, next_use, tier):
     """One routing step on a pool (all layers for global scope, one layer's row view otherwise)."""
     n_rows, n_experts = st.resident.shape
     k = experts.shape[0]
     col = jnp.where(valid, experts, 0)
-    drop = jnp.where(valid, experts, n_experts)  # out of range -> scatter dropped
+    transient = valid & (tier > 0)  # served from a low-bit copy: a miss, but never cached
+    counted = jnp.where(valid, experts, n_experts)  # accessed (LFU / score count them)
+    drop = jnp.where(valid & ~transient, experts, n_experts)  # inserted / touched; out of range -> dropped
     pass_now = st.token[row] + 1
     tick0 = st.clock.max()
     ticks = tick0 + 1 + jnp.arange(k, dtype=jnp.int32)  # highest weight first = oldest
     was_resident = st.resident[row, col]
     hit = valid & was_resident
     miss = valid & ~was_resident
-    compulsory = miss & ~st.seen[row, col]
+    loaded = miss & ~transient
+    compulsory = loaded & ~st.seen[row, col]
     collision = miss & (st.evict_pass[row, col] == pass_now)
-    miss_col = jnp.where(miss, experts, n_experts)
+    miss_col = jnp.where(loaded, experts, n_experts)
 
     def put(a, v, c=drop):
         return a.at[row, c].set(v, mode="drop")
@@ -360,13 +456,15 @@ def _pool_access(st: CacheState, row, experts, weights, valid, next_use):
         misses=stats.misses.at[row].add(n_miss),
         compulsory=stats.compulsory.at[row].add(compulsory.sum().astype(jnp.int32)),
         collisions=stats.collisions.at[row].add(collision.sum().astype(jnp.int32)),
-        loads=stats.loads.at[row].add(n_miss),
+        loads=stats.loads.at[row].add(loaded.sum().astype(jnp.int32)),
+        low8_loads=stats.low8_loads.at[row].add((transient & (tier == 8)).sum().astype(jnp.int32)),
+        low4_loads=stats.low4_loads.at[row].add((transient & (tier == 4)).sum().astype(jnp.int32)),
     )
     st = st.replace(
         resident=st.resident | now,
         last_touch=put(st.last_touch, ticks),
-        freq=st.freq.at[row, drop].add(1, mode="drop"),
-        score=st.score.at[row, drop].add(weights.astype(jnp.float32), mode="drop"),
+        freq=st.freq.at[row, counted].add(1, mode="drop"),
+        score=st.score.at[row, counted].add(weights.astype(jnp.float32), mode="drop"),
         touch_pass=put(st.touch_pass, pass_now),
         load_pass=put(st.load_pass, pass_now, miss_col),
         seen=put(st.seen, True, miss_col),
@@ -375,26 +473,38 @@ def _pool_access(st: CacheState, row, experts, weights, valid, next_use):
         clock=jnp.full_like(st.clock, tick0 + k),
         stats=stats,
     )
-    st, _ = _evict_and_place(st, row, now, drop, miss, pass_now)
+    st, _ = _evict_and_place(st, row, now, drop, loaded, pass_now)
     return st, hit
 
 
 def access(state: CacheState, layer, experts: jax.Array, weights: jax.Array, valid: jax.Array | None = None,
-           next_use: jax.Array | None = None) -> tuple[CacheState, jax.Array]:
+           next_use: jax.Array | None = None, tier: jax.Array | None = None) -> tuple[CacheState, jax.Array]:
     """Record that ``layer`` used ``experts`` [K] (distinct, highest weight first; -1 or valid=False for a
     dropped slot) with mixing ``weights`` [K]: count hits/misses, load the misses, evict down to capacity.
 
     ``next_use`` [K] (Belady only): index in the access sequence of each expert's next use, NEVER if none.
+    ``tier`` [K] (cascade miss handling): 8 or 4 for a miss served from a low-bit copy — counted as a miss
+    and a low-bit load, not inserted; 0 otherwise.
     Returns (state', hits [K] bool); dropped slots are neither hits nor misses.
     """
     experts = jnp.asarray(experts, jnp.int32)
     valid = (experts >= 0) if valid is None else (valid & (experts >= 0))
+    tier = jnp.zeros(experts.shape, jnp.int32) if tier is None else jnp.asarray(tier, jnp.int32)
     if state.eviction == "belady" and next_use is None:
         raise ValueError("belady eviction needs next_use (it is an offline oracle over a recorded trace)")
     if state.scope == "global":
-        return _pool_access(state, layer, experts, weights, valid, next_use)
-    row, hits = _pool_access(row_view(state, layer), 0, experts, weights, valid, next_use)
+        return _pool_access(state, layer, experts, weights, valid, next_use, tier)
+    row, hits = _pool_access(row_view(state, layer), 0, experts, weights, valid, next_use, tier)
     return write_row(state, row, layer), hits
+
+
+def count(state: CacheState, layer, **amounts) -> CacheState:
+    """Add scalar amounts to per-layer counters of ``layer`` (e.g. dropped=2, predicted=4)."""
+    stats = state.stats
+    for name, amount in amounts.items():
+        cur = getattr(stats, name)
+        stats = stats.replace(**{name: cur.at[layer].add(jnp.asarray(amount).astype(cur.dtype))})
+    return state.replace(stats=stats)
 
 
 def _pool_prefetch(st: CacheState, row, experts, valid):
@@ -439,7 +549,8 @@ def prefetch(state: CacheState, layer, expert_ids: jax.Array, valid: jax.Array |
 # ------------------------------------------------------------------------------------------ metrics
 
 
-def summarize(state: CacheState, expert_bytes: int | None = None, include_resident: bool = True) -> dict:
+def summarize(state: CacheState, expert_bytes: int | None = None, include_resident: bool = True,
+              low_bit_bytes: dict | None = None) -> dict:
     """Python-float metrics. miss_rate = misses / accesses with accesses = K · tokens · layers.
 
     Lifetime (tokens from load to eviction): over every completed residency; with ``include_resident`` the
@@ -467,7 +578,9 @@ def summarize(state: CacheState, expert_bytes: int | None = None, include_reside
     tokens = int(np.asarray(state.token).max()) + 1
     loads = int(s.loads.sum())
     prefetch_loads = int(s.prefetch_loads.sum())
+    low = {8: int(s.low8_loads.sum()), 4: int(s.low4_loads.sum())}
     rate = lambda m, a: float(m / a) if a else 0.0  # noqa: E731
+    ratio = lambda m, a: float(m / a) if a else None  # noqa: E731
     out = {
         "tokens": tokens,
         "accesses": int(acc.sum()),
@@ -480,6 +593,13 @@ def summarize(state: CacheState, expert_bytes: int | None = None, include_reside
         "evictions": int(s.evictions.sum()),
         "lifetime_mean": float(mean),
         "lifetime_std": float(math.sqrt(max(var, 0.0))) if n else float("nan"),
+        "dropped": int(s.dropped.sum()),
+        "substituted": int(s.substituted.sum()),
+        "int8_loads": low[8],
+        "int4_loads": low[4],
+        "prefetch_predicted": int(s.predicted.sum()),
+        "prefetch_precision": ratio(s.predicted_used.sum(), s.predicted.sum()),
+        "prefetch_recall": ratio(s.predicted_used.sum(), s.predicted_for.sum()),
         "per_layer": {
             "accesses": [int(x) for x in s.accesses],
             "misses": [int(x) for x in s.misses],
@@ -488,10 +608,19 @@ def summarize(state: CacheState, expert_bytes: int | None = None, include_reside
             "collision_misses": [int(x) for x in s.collisions],
             "loads": [int(x) for x in s.loads],
             "lifetime_mean": [float(ls / ln) if ln else float("nan") for ls, ln in zip(life_sum, life_n)],
+            "hit_rate": [1.0 - rate(m, a) for m, a in zip(s.misses, acc)],
+            "prefetch_precision": [ratio(u, p) for u, p in zip(s.predicted_used, s.predicted)],
+            "prefetch_recall": [ratio(u, f) for u, f in zip(s.predicted_used, s.predicted_for)],
         },
     }
     if expert_bytes is not None:
         moved = (loads + prefetch_loads) * int(expert_bytes)
+        for bits, n_low in low.items():
+            if n_low:
+                if not low_bit_bytes or bits not in low_bit_bytes:
+                    raise ValueError(f"{n_low} int{bits} loads need the int{bits} expert size (low_bit_bytes)")
+                moved += n_low * int(low_bit_bytes[bits])
+        out["prefetch_bytes"] = prefetch_loads * int(expert_bytes)
         out["bytes_moved"] = moved
         out["bytes_per_token"] = moved / tokens if tokens > 0 else 0.0
     return out

@@ -43,6 +43,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--trace-out", metavar="FILE.npz",
                    help="record the routing trace (experts, weights, router logits per token and MoE layer)")
     cli_options.add_routing_args(p)
+    cli_options.add_offload_args(p)
     return p
 
 
@@ -96,6 +97,20 @@ class Streamer:
         self.out.flush()
 
 
+def format_offload(o: dict) -> str:
+    """One block of offload figures for the terminal."""
+    mem = o.get("device_memory", {})
+    mib = lambda b: "n/a" if b is None else f"{b / 2**20:.1f} MiB"  # noqa: E731
+    gbps = o.get("achieved_gbps")
+    lines = [f"offload ({o['paging']} paging, {o.get('store', 'host')} store"
+             + (f", emulated {o['bandwidth_gbps']} GB/s" if o.get("bandwidth_gbps") else "") + ")",
+             f"  bytes moved {o['bytes_moved'] / 2**20:.1f} MiB, {o['bytes_per_token'] / 2**20:.2f} MiB/token"
+             + (f", achieved {gbps:.2f} GB/s" if gbps else ""),
+             f"  device memory: accounted {mib(mem.get('accounted_total'))} (experts on host "
+             f"{mib(mem.get('all_experts_on_host'))}), measured peak {mib(mem.get('measured_peak'))}"]
+    return "\n".join(lines)
+
+
 def run(args: argparse.Namespace) -> dict:
     dtype = None if args.dtype is None else {"float32": "float32", "bfloat16": "bfloat16",
                                              "float16": "float16"}[args.dtype]
@@ -111,13 +126,14 @@ def run(args: argparse.Namespace) -> dict:
             sys.stdout.write(" " if not model.decode(ids[-1:]).endswith(" ") else "")
         streamer = Streamer(model, render)
     routing = cache = None
+    offload = cli_options.offload_from_args(args)
     if cli_options.cache_requested(args):
         routing = cli_options.policy_from_args(args, model.cfg.top_k)
         cache = cli_options.cache_from_args(args)
         cache.capacity(model.cfg)  # a bad --cache-size fails here, before any compilation
     result = model.generate(ids, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
                             top_p=args.top_p, seed=args.seed, stop_at_eos=not args.ignore_eos,
-                            on_tokens=streamer, routing=routing, cache=cache)
+                            on_tokens=streamer, routing=routing, cache=cache, offload=offload)
     raw_text = model.decode(result.token_ids)
     text = render(raw_text)
     if "cache" in result.stats:
@@ -136,6 +152,8 @@ def run(args: argparse.Namespace) -> dict:
                          f"{s['tokens_per_s']:.1f} tokens/s]\n")
         if "cache" in s:
             sys.stderr.write(trace_lib.format_table(s["cache"]) + "\n")
+        if "offload" in s:
+            sys.stderr.write(format_offload(s["offload"]) + "\n")
     return {"text": text, "raw_text": raw_text, "token_ids": result.token_ids, "prompt_ids": ids,
             "stats": trace_lib.json_safe(result.stats)}
 

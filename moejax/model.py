@@ -12,6 +12,13 @@ The MoE block never decides which experts run: at every MoE layer the forward pa
 hook* ``router(moe_index, logits[T, N], state) -> (experts[T, K], weights[T, K], state', record)`` and
 computes exactly the experts it is given with the weights it is given. Routing policies and expert caches
 (``moejax.router``) plug in there; ``original_router`` reproduces the architecture's own top-K.
+
+Two optional hook attributes (both decided at trace time):
+- ``router.wants_prediction(state) -> bool``: then the hook is called with ``z_pred=`` — this MoE layer's
+  router applied to the previous MoE layer's post-attention hidden state (speculative prefetch); None at
+  the first MoE layer.
+- ``router.compute(moe_index, p, cfg, h, experts, weights, record, state) -> (y, state')``: computes the
+  routed experts instead of ``routed_experts`` (offloaded slot buffers paged in-jit, low-bit copies).
 """
 
 from __future__ import annotations
@@ -266,6 +273,11 @@ def forward(
     attend = mla_attention if cfg.mla else gqa_attention
     new_kv, zs, es, ws, recs = [], [], [], [], []
     moe_index = 0
+    wants = getattr(router, "wants_prediction", None)
+    predict = bool(wants is not None and wants(router_state))
+    moe_ids = [i for i in range(len(params["layers"])) if cfg.moe_layers[i]]
+    compute = getattr(router, "compute", None)
+    z_pred = None
     for i, lp in enumerate(params["layers"]):
         a, layer_kv = attend(lp["attn"], cfg, i, norm(x, lp["attn_norm"], cfg), cos, sin, positions,
                              None if kv is None else kv[i], pos0)
@@ -275,8 +287,17 @@ def forward(
         if cfg.moe_layers[i]:
             p = lp["moe"]
             z = router_logits(p, h)
-            experts, weights, router_state, rec = router(moe_index, z, router_state)
-            y = routed_experts(p, cfg, h, experts, weights)
+            if predict:
+                experts, weights, router_state, rec = router(moe_index, z, router_state, z_pred=z_pred)
+                if moe_index + 1 < len(moe_ids):  # the next MoE layer's router on this hidden state
+                    nxt = params["layers"][moe_ids[moe_index + 1]]
+                    z_pred = router_logits(nxt["moe"], norm(x, nxt["mlp_norm"], cfg))
+            else:
+                experts, weights, router_state, rec = router(moe_index, z, router_state)
+            if compute is not None:
+                y, router_state = compute(moe_index, p, cfg, h, experts, weights, rec, router_state)
+            else:
+                y = routed_experts(p, cfg, h, experts, weights)
             if "shared" in p:
                 y = y + shared_experts(p, cfg, h)
             zs.append(z), es.append(experts), ws.append(weights), recs.append(rec)
