@@ -262,6 +262,23 @@ def pareto_front(points: Sequence[Sequence[float]]) -> list[tuple[float, float]]
     return [(float(points[i][0]), float(points[i][1])) for i in pareto_indices(points)]
 
 
+def is_selection(r: dict) -> bool:
+    """A derived record (``method: "selection"``): a copy of the sweep point a study selected (e.g. the
+    lowest miss rate within a perplexity bound), not a measurement of its own."""
+    return r.get("method") == "selection"
+
+
+def original_records(records: Sequence[dict]) -> list[dict]:
+    """Original-routing measurements (not Belady, not selections), best first: a real forward pass before a
+    trace replay, LRU before other evictions. With none, cache-prior at λ = 0, which is original routing
+    bit for bit (the tasks study runs original routing that way)."""
+    orig = [r for r in records if kind_of(r) == "original" and not is_belady(r) and not is_selection(r)]
+    if not orig:
+        orig = [r for r in records if kind_of(r) == "cache-prior" and num(routing_of(r).get("lam")) == 0.0
+                and not is_selection(r)]
+    return sorted(orig, key=lambda r: (r.get("method") not in (None, "forward", "task"), eviction_of(r) != "lru"))
+
+
 def reference_ppl(records: Sequence[dict], capacity: int | None = None) -> float | None:
     """Perplexity of original routing (lossless: it does not depend on the cache). Prefers an original,
     non-Belady record at ``capacity``, then any original record, then cache-prior at λ = 0."""
@@ -305,7 +322,8 @@ def cache_size_series(records: Sequence[dict], tolerances: Sequence[float] = PPL
     for t in tolerances:
         out[f"cache-prior +{t:.0%}"] = []
     for c in caps:
-        at = [r for r in records if capacity_of(r) == c and num(r.get("miss_rate")) is not None]
+        at = [r for r in records if capacity_of(r) == c and num(r.get("miss_rate")) is not None
+              and not is_selection(r)]
         lru = [r for r in at if kind_of(r) == "original" and not is_belady(r) and eviction_of(r) == "lru"]
         if lru:
             out["lru"].append((c, float(np.mean([r["miss_rate"] for r in lru]))))
@@ -313,13 +331,34 @@ def cache_size_series(records: Sequence[dict], tolerances: Sequence[float] = PPL
         if bel:
             out["belady"].append((c, float(np.mean([r["miss_rate"] for r in bel]))))
         ref = reference_ppl(records, c)
-        prior = [r for r in at if kind_of(r) == "cache-prior" and not is_belady(r)]
-        if ref is None or not prior:
+        # candidates: the cache-prior grid and original routing with LRU itself (λ = 0)
+        cand = [r for r in at if kind_of(r) == "cache-prior"] + [r for r in lru if num(r.get("ppl")) is not None]
+        if ref is None or not cand:
             continue
         for t in tolerances:
-            best = best_within(prior, ref, t)
+            best = best_within(cand, ref, t)
             if best is not None:
                 out[f"cache-prior +{t:.0%}"].append((c, float(best["miss_rate"]), best))
+    return out
+
+
+def selection_mismatches(records: Sequence[dict], series: dict | None = None) -> list[str]:
+    """Compare a study's own selection records (``method: "selection"``, ``sweep.ppl_bound``) with
+    ``cache_size_series``: the selected miss rates must agree (ties may pick different λ)."""
+    series = series if series is not None else cache_size_series(records)
+    mine = {(p[0], name): p[1] for name, pts in series.items() if name.startswith("cache-prior") for p in pts}
+    out = []
+    for r in records:
+        if not is_selection(r):
+            continue
+        bound = num((r.get("sweep") or {}).get("ppl_bound"))
+        if bound is None or capacity_of(r) is None:
+            continue
+        name = f"cache-prior +{bound:.0%}"
+        got = mine.get((capacity_of(r), name))
+        if got is None or abs(got - float(r["miss_rate"])) > 1e-9:
+            out.append(f"C = {capacity_of(r)}, +{bound:.0%}: study selected miss rate {r['miss_rate']:.4f}, "
+                       f"recomputed {'nothing' if got is None else f'{got:.4f}'}")
     return out
 
 
@@ -443,7 +482,7 @@ def _tradeoff(records: Sequence[dict], stem, metric: str, panel_key: Callable[[d
     line per routing kind over faint sweep points, original routing as a star, Belady as a dashed line."""
     usable = _need(records, f"miss_rate and {metric}",
                    lambda r: num(r.get("miss_rate")) is not None and num(r.get(metric)) is not None
-                   and not is_belady(r))
+                   and not is_belady(r) and not is_selection(r))
     bel = [r for r in records if is_belady(r) and num(r.get("miss_rate")) is not None]
     panels = group_by(usable, panel_key)
     keys = sorted(panels, key=lambda k: tuple(_sort_value(v) for v in k))
@@ -462,13 +501,13 @@ def _tradeoff(records: Sequence[dict], stem, metric: str, panel_key: Callable[[d
             front = [rs[j] for j in pareto_indices([(x, sign * y) for x, y in zip(xs, ys)])]
             ax.plot([r["miss_rate"] for r in front], [r[metric] for r in front], "-o", ms=3.5, lw=1.6,
                     color=color, label=kind)
-        orig = [r for r in pts if kind_of(r) == "original"]
-        for j, r in enumerate(orig):
+        orig = original_records(pts)
+        if orig:  # one star: the best original-routing measurement (see original_records)
+            r = orig[0]
+            lam0 = " = cache-prior λ 0" if kind_of(r) != "original" else ""
             ax.plot([r["miss_rate"]], [r[metric]], "*", ms=14, color="black", zorder=5,
-                    label=f"original routing ({eviction_of(r).upper() if eviction_of(r) == 'lru' else eviction_of(r)})"
-                    if j == 0 else None)
-        if orig:
-            ax.axhline(orig[0][metric], color="black", lw=0.6, ls=":", zorder=0)
+                    label=f"original routing ({_eviction_name(eviction_of(r))}{lam0})")
+            ax.axhline(r[metric], color="black", lw=0.6, ls=":", zorder=0)
         model, task, cap = key[0], key[1], key[2]
         for j, r in enumerate(b for b in bel if capacity_of(b) == cap and b.get("model") == model):
             ax.axvline(r["miss_rate"], color="black", ls="--", lw=1.2,
@@ -662,18 +701,31 @@ def cache_options_text(r: dict, keys: Sequence[str]) -> str:
     return " ".join(parts)
 
 
+def varying_sweep_keys(records: Sequence[dict], skip: Sequence[str] = ("cache_size", "eviction", "task")) -> list[str]:
+    """Sweep parameters (e.g. ``prefetch``) whose value differs between records."""
+    keys: list[str] = []
+    for r in records:
+        keys += [k for k in (r.get("sweep") or {}) if k not in skip and k not in keys]
+    return [k for k in keys if len({repr((r.get("sweep") or {}).get(k)) for r in records}) > 1]
+
+
 def eviction_label(r: dict, records: Sequence[dict] = ()) -> str:
-    """The eviction policy, plus what else tells records of the same pool size apart (routing kind,
-    scope, cache options such as prefetch settings that vary between ``records``)."""
+    """The eviction policy, plus what else tells records of the same pool size apart among ``records``:
+    routing kind, scope, and the cache options and sweep values that vary (e.g. ``prefetch=top-K``)."""
+    records = records or [r]
     parts = [eviction_of(r)]
     if kind_of(r) not in ("original", "?"):
         parts.append(routing_label(r))
-    if records and len({cache_of(x).get("scope") for x in records}) > 1:
+    if len({cache_of(x).get("scope") for x in records}) > 1:
         parts.append(str(cache_of(r).get("scope")))
-    extra = cache_options_text(r, varying_cache_options(records or [r]) if records else
+    extra = cache_options_text(r, varying_cache_options(records) if len(records) > 1 else
                                [k for k in cache_of(r) if k not in _STD_CACHE_KEYS])
     if extra:
         parts.append(extra)
+    for k in varying_sweep_keys(records):
+        v = (r.get("sweep") or {}).get(k)
+        if v is not None:
+            parts.append(f"{k}={fmt_value(v)}")
     return " ".join(parts)
 
 
@@ -683,57 +735,67 @@ def _size_key(r: dict) -> tuple:
     return (capacity_of(r), str(c.get("size") if c.get("size") is not None else c.get("capacity")))
 
 
+def _scope_name(scope) -> str:
+    return {"global": "global pool", "layer": "per layer"}.get(str(scope), str(scope))
+
+
+def eviction_panels(records: Sequence[dict]) -> list[tuple[tuple, list[dict]]]:
+    """[((scope, (capacity, size)), records)] in order: global pools first (SpecMD's setting), then
+    per-layer caches (e.g. the prefetch comparison), each by size."""
+    rs = [r for r in records if r.get("cache") is not None and num(r.get("miss_rate")) is not None]
+    groups = group_by(rs, lambda r: (str(cache_of(r).get("scope")), _size_key(r)))
+    return sorted(groups.items(), key=lambda kv: (kv[0][0] != "global", kv[0][0], _sort_value(kv[0][1][0]), kv[0][1][1]))
+
+
 def eviction(records: Sequence[dict], stem) -> list[Path]:
     """Miss rate (gray) and its collision-miss part (red: misses on an expert evicted earlier in the same
-    forward pass) per eviction policy, one panel per pool size (SpecMD figure 4). When the records carry
-    prefetch precision/recall a last panel shows them."""
+    forward pass) per eviction policy, one panel per cache scope and size (SpecMD figure 4); configurations
+    that differ in more than the policy (prefetch settings ...) are labelled by what differs. When the
+    records carry prefetch precision/recall a last panel shows them."""
     rs = _need(records, "a cache and a miss_rate",
                lambda r: r.get("cache") is not None and num(r.get("miss_rate")) is not None)
-    sizes = sorted({_size_key(r) for r in rs}, key=lambda s: (_sort_value(s[0]), s[1]))
-    cell: dict = defaultdict(list)
-    for r in rs:
-        cell[(_size_key(r), eviction_label(r, rs))].append(r)
+    panels = eviction_panels(rs)
+    by_scope = group_by(rs, lambda r: str(cache_of(r).get("scope")))
+    label = lambda r: eviction_label(r, by_scope[str(cache_of(r).get("scope"))])  # noqa: E731
     pref = [r for r in rs if num(r.get("prefetch_precision")) is not None or num(r.get("prefetch_recall")) is not None]
-    n_labels = max(len({lab for (sz, lab) in cell if sz == size}) for size in sizes)
-    n_panels = len(sizes) + bool(pref)
-    fig, axes = new_figure(1, n_panels, panel=(max(3.2, 0.55 * n_labels + 1.2), 4.2))
-    ymax = max(r["miss_rate"] for r in rs) * 1.08 + 1e-9
-    scopes = sorted({str(cache_of(r).get("scope")) for r in rs})
-    for ax, size in zip(axes.flat, sizes):
-        labels = sorted({lab for (sz, lab) in cell if sz == size}, key=lambda s: (eviction_rank(s.split(" ")[0]), s))
-        for i, label in enumerate(labels):
-            group = cell[(size, label)]
-            ax.bar(i, float(np.mean([g["miss_rate"] for g in group])), 0.75, color="lightgray", edgecolor="dimgray",
-                   lw=0.6, label="all misses" if i == 0 else None)
-            cr = [collision_rate(g) for g in group]
-            if all(c is not None for c in cr):
-                ax.bar(i, float(np.mean(cr)), 0.45, color="tab:red", label="collision misses" if i == 0 else None)
-        ax.set_xticks(range(len(labels)))
-        ax.set_xticklabels(labels, rotation=35, ha="right", fontsize=8)
-        ax.set_ylim(0, ymax)
+    n_labels = max(len({label(r) for r in group}) for _, group in panels)
+    fig, axes = new_figure(1, len(panels) + bool(pref), panel=(max(3.0, 0.5 * n_labels + 1.2), 4.4))
+    for ax, ((scope, size), group) in zip(axes.flat, panels):
+        cells = group_by(group, label)
+        names = sorted(cells, key=lambda s: (eviction_rank(s.split(" ")[0]), s))
+        for i, name in enumerate(names):
+            mr = float(np.mean([g["miss_rate"] for g in cells[name]]))
+            ax.bar(i, mr, 0.75, color="lightgray", edgecolor="dimgray", lw=0.6, label="all misses" if i == 0 else None)
+            cr = [collision_rate(g) for g in cells[name]]
+            if all(c is not None for c in cr) and max(cr) > 0:
+                ax.bar(i, float(np.mean(cr)), 0.45, color="tab:red", label="collision misses")
+            ax.text(i, mr, f"{mr:.1%}", ha="center", va="bottom", fontsize=6)
+        ax.set_xticks(range(len(names)))
+        ax.set_xticklabels(names, rotation=35, ha="right", fontsize=8)
+        ax.set_ylim(0, max(g["miss_rate"] for g in group) * 1.15 + 1e-9)
         _percent_axis(ax.yaxis)
         cap = "" if size[0] is None or size[1] == str(size[0]) else f" (C = {size[0]})"
-        ax.set_title(f"cache size {size[1]}{cap}", fontsize=10)
+        ax.set_title(f"{_scope_name(scope)}, cache size {size[1]}{cap}", fontsize=9)
         ax.grid(alpha=0.3, axis="y")
     axes[0, 0].set_ylabel("share of expert accesses")
-    axes[0, 0].legend(fontsize=8, loc="upper right")
-    fig.suptitle(f"misses and collision misses per eviction policy ({'/'.join(scopes)} scope)", fontsize=10)
+    _shared_legend(fig, axes[:, :len(panels)])
+    fig.suptitle("misses and collision misses per eviction policy", fontsize=10)
     if pref:
         ax2 = axes[0, -1]
-        names = sorted({(_size_key(r), eviction_label(r, rs)) for r in pref},
-                       key=lambda t: (_sort_value(t[0][0]), t[0][1], eviction_rank(t[1].split(" ")[0]), t[1]))
+        cells = group_by(pref, lambda r: (_size_key(r), label(r)))
+        names = sorted(cells, key=lambda t: (_sort_value(t[0][0]), t[0][1], eviction_rank(t[1].split(" ")[0]), t[1]))
         xs = np.arange(len(names))
         for off, field, color in ((-0.2, "prefetch_precision", "tab:blue"), (0.2, "prefetch_recall", "tab:orange")):
             vals = []
             for name in names:
-                got = [num(g.get(field)) for g in cell[name] if num(g.get(field)) is not None]
+                got = [num(g.get(field)) for g in cells[name] if num(g.get(field)) is not None]
                 vals.append(float(np.mean(got)) if got else 0.0)
             ax2.bar(xs + off, vals, 0.38, color=color, label=field.replace("prefetch_", ""))
         ax2.set_xticks(xs)
         ax2.set_xticklabels([f"{lab} @ {size[1]}" for size, lab in names], rotation=35, ha="right", fontsize=7)
         ax2.set_ylim(0, 1.05)
         _percent_axis(ax2.yaxis)
-        ax2.set_title("prefetch precision and recall", fontsize=10)
+        ax2.set_title("prefetch precision and recall", fontsize=9)
         ax2.legend(fontsize=8)
         ax2.grid(alpha=0.3, axis="y")
     return save_figure(fig, stem)
@@ -744,6 +806,22 @@ def eviction(records: Sequence[dict], stem) -> list[Path]:
 
 def init_label(r: dict) -> str:
     return str(cache_of(r).get("init") or "empty")
+
+
+def first_token_miss_rates(r: dict) -> list[tuple[int, float]]:
+    """[(n, miss rate over the first n tokens)] from ``metrics.miss_rate_first_tokens`` ({"16": 0.41, ...})."""
+    early = metric_of(r, "miss_rate_first_tokens")
+    if not isinstance(early, dict):
+        return []
+    out = []
+    for k, v in early.items():
+        try:
+            n = int(k)
+        except (TypeError, ValueError):
+            continue
+        if num(v) is not None:
+            out.append((n, float(v)))
+    return sorted(out)
 
 
 def init_group_label(r: dict, records: Sequence[dict]) -> str:
@@ -761,9 +839,31 @@ def init(records: Sequence[dict], stem) -> list[Path]:
     metrics = ["miss_rate"] + (["ppl"] if any(num(r.get("ppl")) is not None for r in rs) else [])
     policies = sorted({init_group_label(r, rs) for r in rs}, key=lambda s: (kind_rank(s.split(" ")[0]), s))
     inits = sorted({init_label(r) for r in rs}, key=lambda s: (s != "empty", s))
-    fig, axes = new_figure(1, len(metrics), panel=(max(4.5, 1.2 * len(policies) * len(inits)), 3.8))
+    early = any(first_token_miss_rates(r) for r in rs)
+    fig, axes = new_figure(1, len(metrics) + early, panel=(max(4.5, 1.2 * len(policies) * len(inits)), 3.8))
+    if early:  # miss rate over the first n tokens: how fast the initial content stops mattering
+        ax = axes[0, -1]
+        styles = ("-", "--", ":", "-.")
+        for i, pol in enumerate(policies):
+            for j, ini in enumerate(inits):
+                curves = [first_token_miss_rates(r) for r in rs if init_group_label(r, rs) == pol and init_label(r) == ini]
+                curves = [c for c in curves if c]
+                if not curves:
+                    continue
+                ns = sorted(set.intersection(*(set(n for n, _ in c) for c in curves)))
+                ys = [np.mean([dict(c)[n] for c in curves]) for n in ns]
+                ax.plot(ns, ys, styles[j % 4], marker="o", ms=3, color=f"C{i}", label=f"{pol}, {ini}")
+        ax.set_xscale("log", base=2)
+        ticks = sorted({n for r in rs for n, _ in first_token_miss_rates(r)})
+        ax.set_xticks(ticks, [str(n) for n in ticks])
+        ax.set_xlabel("first n tokens")
+        ax.set_ylabel("miss rate over the first n tokens")
+        _percent_axis(ax.yaxis)
+        ax.set_title("warm-up: empty vs random initial cache", fontsize=10)
+        ax.legend(fontsize=7)
+        ax.grid(alpha=0.3)
     width = 0.8 / len(inits)
-    for ax, metric in zip(axes.flat, metrics):
+    for ax, metric in zip(axes.flat[:len(metrics)], metrics):
         for j, ini in enumerate(inits):
             means, lo, hi, xs = [], [], [], []
             for i, pol in enumerate(policies):

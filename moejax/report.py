@@ -201,6 +201,7 @@ COLUMNS: dict[str, tuple[Callable[[dict], Any], str]] = {
     "model": (lambda r: r.get("model") or "–", "l"),
     "task": (lambda r: r.get("task") or "–", "l"),
     "routing": (lambda r: routing_label(r), "l"),
+    "method": (lambda r: r.get("method") or "–", "l"),
     "routing options": (routing_options, "l"),
     "C": (lambda r: "–" if capacity_of(r) is None else capacity_of(r), "r"),
     "size": (lambda r: cache_of(r).get("size", "–") if r.get("cache") else "–", "r"),
@@ -298,9 +299,9 @@ def _panel_name(key: tuple, records: Sequence[dict], n: int | None) -> str:
 
 
 def _originals(records: Sequence[dict], metric: str) -> list[dict]:
-    """Plain original-routing records with a miss rate, best first: with ``metric``, then LRU."""
-    orig = [r for r in records if kind_of(r) == "original" and not is_belady(r) and num(r.get("miss_rate")) is not None]
-    return sorted(orig, key=lambda r: (num(r.get(metric)) is None, eviction_of(r) != "lru"))
+    """Original-routing records with a miss rate (``plots.original_records``), those with ``metric`` first."""
+    orig = [r for r in plots.original_records(records) if num(r.get("miss_rate")) is not None]
+    return sorted(orig, key=lambda r: num(r.get(metric)) is None)  # stable: keeps forward / LRU first
 
 
 def headline_pareto(records: Sequence[dict], tolerances=plots.PPL_TOLERANCES) -> str:
@@ -392,6 +393,11 @@ def headline_cache_size(records: Sequence[dict]) -> str:
                 wins = sum(mr < bel[c][1] for c, mr in pts)
                 bullets.append(f"- {name.replace('cache-prior', 'cache-prior within')} perplexity is below the Belady "
                                f"bound at {wins} of {len(pts)} cache sizes with a non-zero bound.")
+        sel = [r for r in rs if plots.is_selection(r)]
+        if sel:
+            bad = plots.selection_mismatches(rs, series)
+            bullets.append(f"- the study's own {len(sel)} selection records (`method: selection`) agree with this "
+                           "recomputation" if not bad else "- **the study's selection records disagree**: " + "; ".join(bad))
         if bullets:
             out.append("\n" + "\n".join(bullets))
         out.append("")
@@ -403,7 +409,7 @@ def headline_lifetimes(records: Sequence[dict]) -> str:
     for key, rs in _panels(records):
         orig = _originals(rs, "lifetime")
         for r in rs:
-            if kind_of(r) == "original" or is_belady(r) or not orig:
+            if not orig or r is orig[0] or kind_of(r) == "original" or is_belady(r) or plots.is_selection(r):
                 continue
             o = orig[0]
             lo, lr = num(o.get("lifetime")), num(r.get("lifetime"))
@@ -480,21 +486,31 @@ def headline_delta(records: Sequence[dict], tolerances=plots.PPL_TOLERANCES[:2])
 
 def headline_eviction(records: Sequence[dict]) -> str:
     out = []
-    rs = [r for r in records if r.get("cache") is not None and num(r.get("miss_rate")) is not None]
-    for size, group in sorted(group_by(rs, plots._size_key).items(), key=lambda kv: (plots._sort_value(kv[0][0]), kv[0][1])):
+    by_scope = group_by([r for r in records if r.get("cache") is not None], lambda r: str(cache_of(r).get("scope")))
+    label = lambda r: plots.eviction_label(r, by_scope[str(cache_of(r).get("scope"))])  # noqa: E731
+    for (scope, size), group in plots.eviction_panels(records):
         best = min(group, key=lambda r: r["miss_rate"])
-        line = f"- cache size {size[1]}" + (f" (C = {size[0]})" if size[0] is not None and str(size[0]) != size[1] else "") \
-            + f": lowest miss rate {plots.eviction_label(best, rs)} {fmt_pct(best['miss_rate'])}"
-        coll = {plots.eviction_label(r, rs): plots.collision_rate(r) for r in group}
-        known = {k: v for k, v in coll.items() if v is not None}
-        if known:
-            lo = min(known, key=known.get)
-            line += f"; fewest collision misses {lo} {fmt_pct(known[lo])} of accesses"
+        line = (f"- {plots._scope_name(scope)}, cache size {size[1]}"
+                + (f" (C = {size[0]})" if size[0] is not None and str(size[0]) != size[1] else "")
+                + f": lowest miss rate {label(best)} {fmt_pct(best['miss_rate'])}")
+        worst = max(group, key=lambda r: r["miss_rate"])
+        if worst is not best:
+            line += f" (highest {label(worst)} {fmt_pct(worst['miss_rate'])})"
+        known = {label(r): plots.collision_rate(r) for r in group if plots.collision_rate(r) is not None}
+        if known and max(known.values()) > 0:
+            lo, hi = min(known, key=known.get), max(known, key=known.get)
+            line += f"; collision misses from {fmt_pct(known[lo])} ({lo}) to {fmt_pct(known[hi])} ({hi}) of accesses"
             ls, lru = known.get("least-stale"), known.get("lru")
             if ls is not None and lru is not None:
                 line += f"; LRU/Least-Stale collision ratio {lru / ls:.1f}×" if ls > 0 else \
                     f"; Least-Stale has no collision misses (LRU {fmt_pct(lru)})"
-        out.append(line)
+        elif known:
+            line += "; no collision misses"
+        for r in sorted(group, key=label):
+            if num(r.get("prefetch_precision")) is not None or num(r.get("prefetch_recall")) is not None:
+                line += (f"; {label(r)}: precision {fmt_pct(r.get('prefetch_precision'), 1)}, recall "
+                         f"{fmt_pct(r.get('prefetch_recall'), 1)}, miss rate {fmt_pct(r['miss_rate'])}")
+        out.append(line + ".")
     return "\n".join(out)
 
 
@@ -507,9 +523,12 @@ def headline_tasks(records: Sequence[dict], tolerances=(0.0, 0.02)) -> str:
             out.append(f"**{_panel_name(key, records, n)}** — no original-routing record.")
             continue
         o = orig[0]
-        out.append(f"**{key[1]} · {_panel_name(key, records, n)}** — original routing: accuracy "
-                   f"{fmt_pct(o['accuracy'], 1)}, miss rate {fmt_pct(o.get('miss_rate'))}"
-                   + (f" ({len([r for r in rs])} points)" if rs else "") + ".")
+        name = _panel_name(key, records, n)
+        if str(key[1]) not in name.split(" · "):
+            name = f"{key[1]} · {name}"
+        how = "" if kind_of(o) == "original" else f" ({routing_label(o)})"
+        out.append(f"**{name}** — original routing{how}: accuracy {fmt_pct(o['accuracy'], 1)}, miss rate "
+                   f"{fmt_pct(o.get('miss_rate'))}; {len(rs)} points.")
         rows = []
         for kind in sorted({kind_of(r) for r in rs if kind_of(r) != "original" and not is_belady(r)}, key=kind_rank):
             row = [kind]
@@ -549,7 +568,7 @@ STUDIES: dict[str, dict] = {
               "dashed line the Belady (optimal eviction) bound. Paper: cache-prior Pareto-dominates pruning, "
               "max-rank and cumsum at C = N/2 and N/4, e.g. Qwen1.5-MoE halves its LRU miss rate at +0.5 % perplexity.",
         plot=plots.pareto, headline=headline_pareto,
-        columns=["model", "task", "C", "routing", "routing options", "eviction", "ppl", "Δppl", "miss rate",
+        columns=["model", "task", "C", "routing", "routing options", "eviction", "method", "ppl", "Δppl", "miss rate",
                  "lifetime", "bytes/token"],
         front="ppl"),
     "cache_size": dict(
@@ -559,7 +578,8 @@ STUDIES: dict[str, dict] = {
               "Paper: with +1 % perplexity cache-prior beats the Belady bound at every size for all models but "
               "Phi-3.5-MoE; with +5 % for all.",
         plot=plots.cache_size, headline=headline_cache_size,
-        columns=["model", "task", "C", "routing", "routing options", "eviction", "ppl", "Δppl", "miss rate", "lifetime"]),
+        columns=["model", "task", "C", "routing", "routing options", "eviction", "method", "sweep", "ppl", "Δppl",
+                 "miss rate", "lifetime"]),
     "lifetimes": dict(
         title="Cache lifetimes and miss rates (paper table 2)",
         intro="Mean tokens an expert stays resident from load to eviction (± std) and the miss rate, original "
@@ -579,8 +599,8 @@ STUDIES: dict[str, dict] = {
               "initial content does not lock cache-prior onto the same experts; the cache turns over within a "
               "few tokens.",
         plot=plots.init, headline=headline_init,
-        columns=["model", "task", "C", "routing", "routing options", "init", "cache options", "sweep", "ppl",
-                 "miss rate", "lifetime"]),
+        columns=["model", "task", "C", "routing", "routing options", "init", "cache options", "ppl",
+                 "miss rate", "first-token miss rates", "lifetime"]),
     "delta": dict(
         title="Logit range Δ: running mean vs calibrated (paper appendix D, figure 15)",
         intro="Cache-prior with Δavg as a running mean over the tokens seen so far against a fixed Δ calibrated "
@@ -593,8 +613,8 @@ STUDIES: dict[str, dict] = {
               "forward pass) per eviction policy and pool size; prefetch precision/recall where measured. "
               "SpecMD (5 % capacity): Least-Stale 1.6–1.9 % collision rate, LRU 4.5–12.6 %, score-based 43–61 %.",
         plot=plots.eviction, headline=headline_eviction,
-        columns=["model", "task", "size", "C", "scope", "eviction", "routing", "cache options", "miss rate",
-                 "collision misses", "prefetch P / R", "lifetime", "bytes/token", "ppl"]),
+        columns=["model", "task", "scope", "size", "C", "eviction", "routing", "cache options", "sweep", "method",
+                 "miss rate", "collision misses", "prefetch P / R", "lifetime", "bytes/token", "ppl"]),
     "tasks": dict(
         title="Task accuracy vs miss rate (paper figures 5 and 6)",
         intro="Accuracy against miss rate per task (MMLU 5-shot, GSM8K 8-shot chain-of-thought, ...), one line "
@@ -605,7 +625,7 @@ STUDIES: dict[str, dict] = {
         front="accuracy"),
 }
 GENERIC_COLUMNS = ["model", "task", "routing", "routing options", "C", "size", "scope", "eviction", "init",
-                   "cache options", "sweep", "ppl", "accuracy", "miss rate", "collision misses", "lifetime",
+                   "cache options", "sweep", "method", "ppl", "accuracy", "miss rate", "collision misses", "lifetime",
                    "bytes/token", "prefetch P / R", "time (s)"]
 
 
@@ -622,8 +642,14 @@ def _extra_columns(records: Sequence[dict]) -> dict:
         return _rel(r.get("ppl"), base) if base else "–"
 
     varying = plots.varying_cache_options(records)
+
+    def early(r):
+        pts = plots.first_token_miss_rates(r)
+        return " / ".join(f"{fmt_pct(v, 1)} ({n})" for n, v in pts) if pts else "–"
+
     return {"Δppl": (dppl, "r"), "Δ estimate": (lambda r: plots.delta_label(r), "l"),
-            "cache options": (lambda r: plots.cache_options_text(r, varying) or "–", "l")}
+            "cache options": (lambda r: plots.cache_options_text(r, varying) or "–", "l"),
+            "first-token miss rates": (early, "r")}
 
 
 def _metric_columns(records: Sequence[dict]) -> dict:

@@ -121,6 +121,9 @@ def init_records():
         for seed in (0, 1):
             out.append(rec("init", label, init="random", ppl=10.01 + kw.get("lam", 0), miss=0.39 - kw.get("lam", 0) / 4
                            + 0.01 * seed, sweep={"seed": seed}, **kw))
+    for r in out:  # the sweeps' metrics: miss rate over the first n tokens
+        r["metrics"]["miss_rate_first_tokens"] = {"16": r["miss_rate"] + 0.2, "64": r["miss_rate"] + 0.1,
+                                                  "256": r["miss_rate"]}
     return out
 
 
@@ -267,6 +270,34 @@ def test_svg_output_is_reproducible(tmp_path):
     a = plots.init(init_records(), tmp_path / "a")[1].read_bytes()
     b = plots.init(init_records(), tmp_path / "b")[1].read_bytes()
     assert a == b
+
+
+def test_cache_size_selection_records_are_cross_checked():
+    rs = cache_size_records()
+    series = plots.cache_size_series(rs)
+    sel = []
+    for name, bound in (("cache-prior +1%", 0.01), ("cache-prior +5%", 0.05)):
+        for c, mr, best in series[name]:
+            sel.append(dict(best, key=f"sel-{c}-{bound}", method="selection",
+                            sweep={"cache_size": str(c), "ppl_bound": bound}))
+    # selections are copies: they change neither the curves nor, when right, the headline's verdict
+    assert plots.cache_size_series(rs + sel) == series
+    assert plots.selection_mismatches(rs + sel) == []
+    assert "agree with this recomputation" in report.headline_cache_size(rs + sel)
+    sel[0] = dict(sel[0], miss_rate=0.99)
+    assert plots.selection_mismatches(rs + sel) == [
+        "C = 1, +1%: study selected miss rate 0.9900, recomputed 0.4462"]
+    assert "**the study's selection records disagree**" in report.headline_cache_size(rs + sel)
+
+
+def test_original_routing_as_lambda_zero():
+    # the tasks study runs original routing as cache-prior λ = 0 (bit for bit the same)
+    rs = [r for r in task_records() if plots.kind_of(r) != "original"]
+    rs += [rec("tasks", "cache-prior", task=t, lam=0.0, ppl=None, accuracy=a, miss=0.4)
+           for t, a in (("mmlu", 0.30), ("gsm8k", 0.05))]
+    assert [plots.routing_label(r) for r in plots.original_records(rs)] == ["cache-prior λ=0"] * 2
+    text = report.headline_tasks(rs)
+    assert "**mmlu · C = 4 / 8 = N/2** — original routing (cache-prior λ=0): accuracy 30.0%, miss rate 40.00%" in text
 
 
 def test_lifetimes_table_markdown():
