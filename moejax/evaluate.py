@@ -1,14 +1,21 @@
-"""Language-modelling evaluation: WikiText-2 perplexity with any routing policy and expert cache.
+"""Evaluation: WikiText-2 perplexity and downstream tasks with any routing policy and expert cache; sweeps.
 
     python -m moejax.evaluate --model default --task wikitext [--context 1024] [--max-tokens N] [--json]
     python -m moejax.evaluate --model PATH --routing cache-prior --lam 0.5 --cache-size 0.5
+    python -m moejax.evaluate --task mmlu --limit 200 --routing cache-prior --lam 0.5 --json
+    python -m moejax.evaluate --sweep lam=0:1:50 --cache-size 0.5 --max-tokens 32768 --results lam.jsonl
 
-Protocol (paper §4.2, DESIGN §2): the raw test text (``test.txt`` is the rows joined by blank lines) is
-tokenised as one string and cut into consecutive chunks of ``context - 1`` tokens; each chunk gets the
-model's BOS token in front, so every text token is predicted exactly once and the totals give
+WikiText protocol (paper §4.2, DESIGN §2): the raw test text (``test.txt`` is the rows joined by blank
+lines) is tokenised as one string and cut into consecutive chunks of ``context - 1`` tokens; each chunk gets
+the model's BOS token in front, so every text token is predicted exactly once and the totals give
 perplexity per token, per word (whitespace-separated words of the raw text) and bits per byte (UTF-8).
 The routing policy and the expert cache act on every token in order: token t routes with the cache
 state left by token t−1, carried across chunks.
+
+Tasks other than WikiText (mmlu, gsm8k, truthfulqa, nq_open) are run by ``moejax.tasks.evaluate_task``.
+
+``--sweep`` (a grid over λ, M, p, h, J, Δ, cache size) and ``--results FILE.jsonl`` (one JSON record per
+point, appended as each is done; a rerun skips finished points) are described in ``moejax.sweep``.
 """
 
 from __future__ import annotations
@@ -20,9 +27,10 @@ import os
 import sys
 from typing import Any
 
+import jax.numpy as jnp
 import numpy as np
 
-from moejax import api, cli_options
+from moejax import api, cli_options, sweep
 
 SHARED_DATA = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "..", "shared", "data")
 WIKITEXT_TEST = os.path.join(SHARED_DATA, "wikitext-2-raw-v1", "test.txt")
@@ -76,9 +84,30 @@ def expert_usage(counts: np.ndarray) -> dict:
             "dead_experts": int((counts == 0).sum()), "max_share_over_uniform": float(shares.max() * n)}
 
 
+def perplexity_result(text: str, ids: np.ndarray, context: int, n_chunks: int, nll_sum: float, n_pred: int,
+                      counts: np.ndarray) -> dict[str, Any]:
+    """Perplexity per token / word and bits per byte from the summed NLL of the ``n_pred`` predicted tokens
+    of ``ids`` (the tokens of ``text``), plus expert usage from the per-layer selection ``counts`` [L, N]."""
+    n_text_tokens = len(ids)
+    # without a BOS the first token of each chunk is not predicted: scale by the mean NLL
+    total_nll = nll_sum if n_pred == n_text_tokens else nll_sum / max(n_pred, 1) * n_text_tokens
+    words = len(text.split())
+    n_bytes = len(text.encode("utf-8"))
+    return {
+        "task": "wikitext", "context": context, "chunks": n_chunks, "tokens": n_text_tokens,
+        "predicted_tokens": n_pred, "words": words, "bytes": n_bytes,
+        "nll_per_token": nll_sum / max(n_pred, 1),
+        "ppl": math.exp(nll_sum / max(n_pred, 1)),
+        "ppl_word": math.exp(total_nll / max(words, 1)),
+        "bits_per_byte": total_nll / math.log(2) / max(n_bytes, 1),
+        "expert_usage": expert_usage(counts),
+    }
+
+
 def wikitext_perplexity(model: api.Model, text: str, context: int = 1024, max_tokens: int | None = None,
-                        routing=None, cache=None, progress: bool = False) -> dict[str, Any]:
-    """Perplexity of ``text`` (see module docstring); cache metrics when a routing policy or cache is given."""
+                        routing=None, cache=None, progress: bool = False, offload=None) -> dict[str, Any]:
+    """Perplexity of ``text`` (see module docstring); cache metrics when a routing policy or cache is given;
+    ``offload`` (``offload.OffloadConfig``) pages the experts for real (``result["offload"]``)."""
     if model.tokenizer is None:
         raise ValueError(f"{model.path} has no tokenizer.json: WikiText evaluation needs one")
     if max_tokens is not None:
@@ -86,21 +115,31 @@ def wikitext_perplexity(model: api.Model, text: str, context: int = 1024, max_to
         text = model.tokenizer.decode(ids, skip_special_tokens=False)  # the text actually scored
     else:
         ids = np.asarray(model.tokenizer.encode(text, add_special_tokens=False), np.int32)
+    return perplexity_of_ids(model, text, ids, context, routing, cache, progress, offload)
+
+
+def perplexity_of_ids(model: api.Model, text: str, ids: np.ndarray, context: int, routing=None, cache=None,
+                      progress: bool = False, offload=None) -> dict[str, Any]:
+    """``wikitext_perplexity`` of already tokenised ``ids`` (``text``: what they decode to)."""
     bos = model.cfg.bos_token_id
     chunks = chunk_tokens(ids, context, bos)
-    simulate = routing is not None or cache is not None
+    simulate = routing is not None or cache is not None or offload is not None
     state = model.router_state(routing, cache) if simulate else None
+    extra = {} if offload is None else {"offload": offload}
     nll_sum, n_pred = 0.0, 0
     counts = np.zeros((model.cfg.n_moe_layers, model.cfg.n_experts), np.int64)
+    offload_chunks = []
     bar = None
     if progress:
         from tqdm import tqdm
 
         bar = tqdm(total=len(ids), desc="wikitext", unit="tok", file=sys.stderr)
     for chunk in chunks:
-        out = model.forward(chunk, state=state) if simulate else model.forward(chunk)
+        out = model.forward(chunk, state=state, **extra) if simulate else model.forward(chunk)
         if simulate:
             state = out.state
+        if offload is not None:
+            offload_chunks.append((len(chunk), out.stats["offload"]))
         nll = token_nll(out.logits, chunk)
         nll_sum += float(nll.sum())
         n_pred += len(nll)
@@ -111,20 +150,7 @@ def wikitext_perplexity(model: api.Model, text: str, context: int = 1024, max_to
             bar.update(len(nll))
     if bar:
         bar.close()
-    n_text_tokens = len(ids)
-    # without a BOS the first token of each chunk is not predicted: scale by the mean NLL
-    total_nll = nll_sum if n_pred == n_text_tokens else nll_sum / max(n_pred, 1) * n_text_tokens
-    words = len(text.split())
-    n_bytes = len(text.encode("utf-8"))
-    result: dict[str, Any] = {
-        "task": "wikitext", "context": context, "chunks": len(chunks), "tokens": n_text_tokens,
-        "predicted_tokens": n_pred, "words": words, "bytes": n_bytes,
-        "nll_per_token": nll_sum / max(n_pred, 1),
-        "ppl": math.exp(nll_sum / max(n_pred, 1)),
-        "ppl_word": math.exp(total_nll / max(words, 1)),
-        "bits_per_byte": total_nll / math.log(2) / max(n_bytes, 1),
-        "expert_usage": expert_usage(counts),
-    }
+    result: dict[str, Any] = perplexity_result(text, ids, context, len(chunks), nll_sum, n_pred, counts)
     if simulate:
         from moejax import simulate as sim
 
@@ -132,21 +158,141 @@ def wikitext_perplexity(model: api.Model, text: str, context: int = 1024, max_to
         result.update(miss_rate=stats["miss_rate"], lifetime=stats["lifetime_mean"],
                       lifetime_std=stats["lifetime_std"], bytes_per_token=stats.get("bytes_per_token"),
                       cache=stats)
+    if offload_chunks:
+        result["offload"] = merge_offload(offload_chunks)
     return result
+
+
+OFFLOAD_ADDITIVE = ("bytes_moved", "demand_loads", "prefetch_loads", "low_bit_loads", "transfer_s", "compute_wait_s")
+
+
+def merge_offload(chunks: list[tuple[int, dict]]) -> dict[str, Any]:
+    """One offload summary over the chunks of an evaluation: counters and times summed, bytes and tokens per
+    second recomputed over all tokens, everything else (configuration, device memory) from the last chunk."""
+    tokens = sum(n for n, _ in chunks)
+    out = {k: v for k, v in chunks[-1][1].items() if k not in ("bytes_per_token", "achieved_gbps", "tokens_per_s")}
+    for key in OFFLOAD_ADDITIVE:
+        if any(key in c for _, c in chunks):
+            out[key] = sum(c.get(key) or 0 for _, c in chunks)
+    seconds = [n / c["tokens_per_s"] for n, c in chunks if c.get("tokens_per_s")]
+    out.update(tokens=tokens, chunks=len(chunks), bytes_per_token=out.get("bytes_moved", 0) / max(tokens, 1),
+               tokens_per_s=tokens / sum(seconds) if len(seconds) == len(chunks) and sum(seconds) > 0 else None)
+    return out
+
+
+TASK_NAMES = ("wikitext", "mmlu", "gsm8k", "truthfulqa", "nq_open")
 
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m moejax.evaluate", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default=api.DEFAULT_MODEL_NAME)
-    p.add_argument("--task", choices=["wikitext"], default="wikitext")
-    p.add_argument("--data", help="path to the task's data file (default: ../shared/data copy)")
-    p.add_argument("--context", type=int, default=1024, help="chunk length in tokens, BOS included")
-    p.add_argument("--max-tokens", type=int, default=None, help="score only the first N text tokens")
-    p.add_argument("--json", action="store_true")
+    p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default=None,
+                   help="compute dtype (default: the checkpoint's)")
+    p.add_argument("--task", choices=TASK_NAMES, default="wikitext")
+    p.add_argument("--data", help="path to the task's data file or folder (default: ../shared/data copy)")
+    p.add_argument("--context", type=int, default=1024, help="WikiText chunk length in tokens, BOS included")
+    p.add_argument("--max-tokens", type=int, default=None, help="WikiText: score only the first N text tokens")
+    p.add_argument("--limit", type=int, default=None, help="tasks: only the first N examples")
+    p.add_argument("--shots", type=int, default=None, help="tasks: few-shot examples (task default: MMLU 5, GSM8K 8)")
+    p.add_argument("--max-new-tokens", type=int, default=None, help="generative tasks: generation budget")
+    p.add_argument("--json", action="store_true", help="print JSON (one object; with --sweep/--results one per point)")
     p.add_argument("--no-progress", action="store_true")
+    s = p.add_argument_group("sweeps and results (moejax.sweep)")
+    s.add_argument("--sweep", action="append", default=[], metavar="NAME=VALUES",
+                   help="lam=0:1:50 (n points a..b), max_rank=4:8 (integers a..b), cache_size=1,2,4 (list); "
+                        "parameters: " + ", ".join(sorted(sweep.SWEEP_PARAMS)) + "; several flags = a grid")
+    s.add_argument("--results", metavar="FILE.jsonl",
+                   help="append each point as one JSON line as soon as it is done; points already there are skipped")
+    s.add_argument("--batch-size", type=int, default=None,
+                   help="WikiText points of one policy kind evaluated together in one vmapped pass "
+                        "(default: 1 on CPU, 8 on accelerators)")
+    s.add_argument("--study", default=None, help="label stored in each record's 'study' field")
     cli_options.add_routing_args(p)
+    if hasattr(cli_options, "add_offload_args"):
+        cli_options.add_offload_args(p)
     return p
+
+
+def offload_from_args(args: argparse.Namespace):
+    return cli_options.offload_from_args(args) if hasattr(cli_options, "offload_from_args") else None
+
+
+def _check_args(args: argparse.Namespace) -> None:
+    for name in ("max_tokens", "limit", "shots", "max_new_tokens", "batch_size"):
+        value = getattr(args, name)
+        if value is not None and value < (0 if name == "shots" else 1):
+            raise ValueError(f"--{name.replace('_', '-')} must be >= {0 if name == 'shots' else 1}, got {value}")
+    if args.context < 2:
+        raise ValueError(f"--context must be at least 2 tokens, got {args.context}")
+
+
+def build_points(args: argparse.Namespace, model: api.Model) -> list[sweep.Point]:
+    """The evaluation points of a command line: one, or the grid of its ``--sweep`` flags. Every point's
+    policy and cache are built (and checked against the model) before anything is computed."""
+    axes = [sweep.parse_sweep(spec) for spec in args.sweep]
+    grid = sweep.expand_grid(axes)
+    kind = sweep.infer_kind(args.routing, [a.name for a in axes])
+    with_cache = cli_options.cache_requested(args) or bool(axes)
+    label = sweep.model_label(args.model) + (f"@{args.dtype}" if args.dtype else "")
+    points = []
+    for values in grid:
+        a = argparse.Namespace(**vars(args))
+        a.routing = kind
+        for name, value in values.items():
+            setattr(a, name, value)
+        policy = cache = None
+        routing = sweep.routing_record("original", model.cfg.top_k)
+        if with_cache:
+            policy = cli_options.policy_from_args(a, model.cfg.top_k)
+            cache = cli_options.cache_from_args(a)
+            cache.capacity(model.cfg)  # range check against N (or L·N) now, not after hours of work
+            kind_now = a.routing or "original"
+            extra = {"prior": os.path.realpath(a.prior)} if getattr(a, "prior", None) else {}
+            routing = sweep.routing_record(kind_now, model.cfg.top_k, lam=a.lam, top_j=a.top_j, max_rank=a.max_rank,
+                                           cumsum_p=a.cumsum_p, prune_h=a.prune_h, delta=a.delta, **extra)
+        method = "forward" if args.task == "wikitext" else "task"
+        points.append(sweep.make_point(model, label, task=args.task, study=args.study, data=args.data,
+                                       context=args.context, max_tokens=args.max_tokens, limit=args.limit,
+                                       shots=args.shots, max_new_tokens=args.max_new_tokens, routing=routing,
+                                       policy=policy, cache=cache, sweep=values, method=method,
+                                       offload=offload_from_args(args)))
+    return points
+
+
+def run_task(model: api.Model, args: argparse.Namespace, routing, cache) -> dict[str, Any]:
+    """One evaluation of ``args.task`` (no sweep, no results file)."""
+    offload = offload_from_args(args)
+    if args.task == "wikitext":
+        text = load_wikitext(args.data)
+        return wikitext_perplexity(model, text, args.context, args.max_tokens, routing, cache,
+                                   progress=not (args.json or args.no_progress), offload=offload)
+    try:
+        from moejax import tasks
+    except ImportError as e:
+        raise ValueError(f"--task {args.task} needs moejax.tasks, which is not available ({e})") from e
+    options = {} if offload is None else {"offload": offload}
+    return tasks.evaluate_task(model, args.task, args.data, limit=args.limit, routing=routing, cache=cache,
+                               shots=args.shots, max_new_tokens=args.max_new_tokens,
+                               progress=not (args.json or args.no_progress), **options)
+
+
+def _print_single(res: dict[str, Any]) -> None:
+    if res.get("task", "wikitext") == "wikitext" and "ppl" in res:
+        print(f"wikitext  context {res['context']}  tokens {res['tokens']}  words {res['words']}")
+        print(f"ppl/token {res['ppl']:.2f}  ppl/word {res['ppl_word']:.2f}  bits/byte {res['bits_per_byte']:.4f}")
+        usage = res["expert_usage"]
+        print("expert usage entropy (bits, max %.2f): %s" % (
+            usage["entropy_max_bits"], " ".join(f"{e:.2f}" for e in usage["entropy_bits"])))
+    else:
+        shown = {k: v for k, v in res.items() if isinstance(v, (int, float, str)) and k not in ("miss_rate", "lifetime")}
+        print("  ".join(f"{k} {v:.4f}" if isinstance(v, float) else f"{k} {v}" for k, v in shown.items()))
+    if res.get("miss_rate") is not None:
+        lifetime = res.get("lifetime")
+        bpt = res.get("bytes_per_token")
+        print(f"miss rate {res['miss_rate']:.4f}  lifetime "
+              f"{'-' if lifetime is None or lifetime != lifetime else f'{lifetime:.2f}'} tokens  "
+              f"bytes/token {'-' if bpt is None else f'{bpt:.0f}'}")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -156,28 +302,35 @@ def main(argv: list[str] | None = None) -> int:
 
     args = build_parser().parse_args(argv)
     try:
-        model = api.load(args.model)
+        _check_args(args)
+        model = api.load(args.model, dtype=None if args.dtype is None else getattr(jnp, args.dtype))
+        if args.sweep or args.results:
+            points = build_points(args, model)
+            runner = sweep.Runner(model, results=args.results, batch_size=args.batch_size or sweep.default_batch_size(),
+                                  progress=not args.no_progress and not args.json,
+                                  load_text=lambda data: load_wikitext(data))
+            records = runner.run(points)
+            if args.json:
+                for rec in records:
+                    print(json.dumps(rec))
+            else:
+                print(sweep.format_table(records))
+                if args.results:
+                    print(f"{runner.computed} point(s) computed, {len(records) - runner.computed} already in "
+                          f"{args.results}", file=sys.stderr)
+            return 0
         routing = cache = None
         if cli_options.cache_requested(args):
             routing, cache = cli_options.policy_from_args(args, model.cfg.top_k), cli_options.cache_from_args(args)
             cache.capacity(model.cfg)
-        text = load_wikitext(args.data)
-        res = wikitext_perplexity(model, text, args.context, args.max_tokens, routing, cache,
-                                  progress=not (args.json or args.no_progress))
+        res = run_task(model, args, routing, cache)
     except (CheckpointError, UnsupportedModelError, ValueError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     if args.json:
         print(json.dumps(json_safe(res)))
     else:
-        print(f"wikitext  context {res['context']}  tokens {res['tokens']}  words {res['words']}")
-        print(f"ppl/token {res['ppl']:.2f}  ppl/word {res['ppl_word']:.2f}  bits/byte {res['bits_per_byte']:.4f}")
-        usage = res["expert_usage"]
-        print("expert usage entropy (bits, max %.2f): %s" % (
-            usage["entropy_max_bits"], " ".join(f"{e:.2f}" for e in usage["entropy_bits"])))
-        if "miss_rate" in res:
-            print(f"miss rate {res['miss_rate']:.4f}  lifetime {res['lifetime']:.2f} tokens  "
-                  f"bytes/token {res['bytes_per_token']:.0f}")
+        _print_single(res)
     return 0
 
 

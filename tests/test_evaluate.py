@@ -34,9 +34,8 @@ def _word_tokenizer(folder: str, text: str) -> None:
     tok.save(os.path.join(folder, "tokenizer.json"))
 
 
-@pytest.fixture(scope="module")
-def lm(tmp_path_factory):
-    folder = str(tmp_path_factory.mktemp("lm") / "model")
+def make_word_model(folder: str, dtype=None):
+    """The tiny Qwen3-MoE test model (8 experts, top-2, 2 layers) with a word tokenizer for TEXT and BOS 0."""
     shutil.copytree(get_hf_model("qwen3_moe").folder, folder)
     _word_tokenizer(folder, TEXT)
     with open(os.path.join(folder, "config.json")) as f:
@@ -44,7 +43,12 @@ def lm(tmp_path_factory):
     cfg["bos_token_id"] = 0
     with open(os.path.join(folder, "config.json"), "w") as f:
         json.dump(cfg, f)
-    return moejax.load(folder)
+    return moejax.load(folder, dtype)
+
+
+@pytest.fixture(scope="module")
+def lm(tmp_path_factory):
+    return make_word_model(str(tmp_path_factory.mktemp("lm") / "model"))
 
 
 def test_chunks_cover_every_token_once_with_bos():
@@ -111,3 +115,104 @@ def test_evaluate_cli(lm, tmp_path):
     bad = subprocess.run([sys.executable, "-m", "moejax.evaluate", "--model", lm.path, "--data",
                           str(tmp_path / "missing.txt")], capture_output=True, text=True, env=env, timeout=300)
     assert bad.returncode == 2 and "missing.txt" in bad.stderr
+
+
+def _data(tmp_path, repeat: int = 1):
+    path = tmp_path / "test.txt"
+    path.write_text(TEXT * repeat)
+    return str(path)
+
+
+def test_cli_sweep_json_results_end_to_end(lm, tmp_path):
+    """The real command line: a 3-point λ sweep printed as JSON lines and appended to a results file; the
+    rerun (in-process) computes nothing and prints the same records from the file."""
+    results = tmp_path / "lam.jsonl"
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    cmd = [sys.executable, "-m", "moejax.evaluate", "--model", lm.path, "--data", _data(tmp_path), "--context", "16",
+           "--max-tokens", "45", "--sweep", "lam=0:1:3", "--cache-size", "4", "--results", str(results), "--json"]
+    r = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
+    assert r.returncode == 0, r.stderr
+    printed = [json.loads(line) for line in r.stdout.splitlines()]
+    assert [p["sweep"] for p in printed] == [{"lam": 0.0}, {"lam": 0.5}, {"lam": 1.0}]
+    for rec in printed:
+        assert rec["routing"]["kind"] == "cache-prior" and rec["routing"]["top_j"] == 1  # K = 2 -> J = 1
+        assert rec["cache"]["capacity"] == 4 and rec["cache"]["scope"] == "layer"
+        assert rec["ppl"] > 1 and 0 <= rec["miss_rate"] <= 1 and rec["bytes_per_token"] > 0
+        assert rec["metrics"]["tokens"] == 45 and rec["task"] == "wikitext"
+    on_disk = open(results).read()
+    assert [json.loads(x) for x in on_disk.splitlines()] == printed
+    plain = evaluate.wikitext_perplexity(lm, TEXT, 16, 45)
+    assert printed[0]["ppl"] == pytest.approx(plain["ppl"], rel=1e-5)  # λ = 0 is original routing
+    assert printed[2]["miss_rate"] < printed[0]["miss_rate"]
+    # rerun in-process: nothing computed, the table comes from the file, which is unchanged
+    assert evaluate.main(cmd[3:-1] + ["--no-progress"]) == 0
+    assert open(results).read() == on_disk
+
+
+def test_cli_table_and_errors(lm, tmp_path, capsys):
+    data = _data(tmp_path)
+    base = ["--model", lm.path, "--data", data, "--context", "16", "--max-tokens", "30", "--no-progress"]
+    assert evaluate.main(base + ["--routing", "max-rank", "--sweep", "max_rank=2:4", "--cache-size", "0.5"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[0].split()[:3] == ["kind", "max_rank", "ppl"] and len(out) == 4
+    for argv, message in [
+        (["--sweep", "lam=0:1"], "number of points"),
+        (["--sweep", "lam=0:1:2", "--routing", "max-rank"], "applies to routing cache-prior"),
+        (["--sweep", "cache_size=2,9"], "between 1 and N=8"),
+        (["--sweep", "cumsum_p=0.5,1.5"], "cumsum p must be in [0, 1]"),
+        (["--max-tokens", "0"], "--max-tokens must be >= 1"),
+        (["--task", "mmlu", "--limit", "0"], "--limit must be >= 1"),
+    ]:
+        assert evaluate.main(base + argv) == 2, argv
+        assert message in capsys.readouterr().err, argv
+
+
+class _FakeTasks:
+    """Stands in for moejax.tasks: records its calls, accuracy from λ so sweeps are visible."""
+
+    TASKS = ("mmlu", "gsm8k", "truthfulqa", "nq_open")
+
+    def __init__(self):
+        self.calls = []
+
+    def evaluate_task(self, model, task, data=None, *, limit=None, routing=None, cache=None, state=None, shots=None,
+                      max_new_tokens=None, progress=False, **options):
+        self.calls.append(dict(task=task, data=data, limit=limit, routing=routing, cache=cache, shots=shots,
+                               max_new_tokens=max_new_tokens))
+        lam = float(routing.lam) if routing is not None else 0.0
+        out = {"task": task, "accuracy": 0.25 + lam / 10, "examples": limit}
+        if cache is not None:
+            out.update(miss_rate=0.5 - lam / 4, lifetime=3.0, bytes_per_token=100.0, cache={"collision_misses": 0})
+        return out
+
+
+def test_task_dispatch_single_and_sweep(lm, tmp_path, capsys, monkeypatch):
+    fake = _FakeTasks()
+    monkeypatch.setitem(sys.modules, "moejax.tasks", fake)
+    monkeypatch.setattr(moejax, "tasks", fake, raising=False)
+    assert evaluate.main(["--model", lm.path, "--task", "mmlu", "--limit", "3", "--shots", "1", "--json"]) == 0
+    res = json.loads(capsys.readouterr().out)
+    assert res["accuracy"] == 0.25 and fake.calls[-1]["cache"] is None and fake.calls[-1]["limit"] == 3
+    assert fake.calls[-1]["shots"] == 1
+    results = str(tmp_path / "gsm.jsonl")
+    argv = ["--model", lm.path, "--task", "gsm8k", "--limit", "2", "--max-new-tokens", "8", "--sweep", "lam=0.5,1.0",
+            "--cache-size", "4", "--results", results, "--json"]
+    assert evaluate.main(argv) == 0
+    recs = [json.loads(x) for x in capsys.readouterr().out.splitlines()]
+    assert [r["accuracy"] for r in recs] == [0.3, 0.35] and [r["miss_rate"] for r in recs] == [0.375, 0.25]
+    assert all(r["task"] == "gsm8k" and r["method"] == "task" and r["collision_misses"] == 0 for r in recs)
+    assert fake.calls[-1]["max_new_tokens"] == 8 and fake.calls[-1]["cache"].size == "4"
+    n_calls = len(fake.calls)
+    assert evaluate.main(argv) == 0  # resumed: nothing recomputed
+    assert len(fake.calls) == n_calls
+
+
+def test_merge_offload_sums_counters_and_recomputes_rates():
+    chunks = [(10, {"paging": "host", "bytes_moved": 400, "demand_loads": 4, "transfer_s": 0.5, "tokens_per_s": 20.0,
+                    "bytes_per_token": 40.0, "device_memory": 7}),
+              (30, {"paging": "host", "bytes_moved": 200, "demand_loads": 2, "transfer_s": 0.25, "tokens_per_s": 60.0,
+                    "bytes_per_token": 6.7, "device_memory": 9})]
+    m = evaluate.merge_offload(chunks)
+    assert m["bytes_moved"] == 600 and m["demand_loads"] == 6 and m["transfer_s"] == 0.75
+    assert m["tokens"] == 40 and m["bytes_per_token"] == 15.0 and m["tokens_per_s"] == pytest.approx(40 / 1.0)
+    assert m["device_memory"] == 9 and m["paging"] == "host" and m["chunks"] == 2

@@ -1,0 +1,524 @@
+"""The paper's studies on one model, each written to ``<out>/<study>.jsonl`` through the sweep machinery.
+
+    python -m moejax.studies [--out results/studies] [--only pareto,cache_size] [--max-tokens 8184]
+                             [--points 16] [--model default] [--batch-size N]
+
+Every study resumes: rerunning the command skips the points already in its file (and copies a point that
+another study's file already holds, e.g. the λ grid the ``delta`` study shares with ``pareto``). The first
+``--max-tokens`` tokens of WikiText-2 test are scored, chunked to ``--context`` (a multiple of
+``context - 1`` keeps every chunk the same length: one compiled program per policy kind).
+
+Studies (paper: cache-conditional-experts.md; SpecMD: specmd-expert-caching-policies.md):
+
+  pareto       perplexity vs miss rate, per-layer LRU at C = N/2 and N/4: pruning h = 2..K, max-rank
+               M = K..N (M <= K keeps the top-K set: it *is* original routing), cumsum p and cache-prior λ
+               on ``--points`` equidistant points in [0, 1], original routing, and the Belady bound (the
+               recorded original-routing trace replayed with Belady eviction: its miss rate at the
+               original perplexity). Paper figures 4 and 14.
+  cache_size   C = 1..N: LRU and Belady miss rates of original routing (trace replay), cache-prior on a λ
+               grid, and per perplexity bound (+1/5/10 %) the grid point with the lowest miss rate within
+               it (records with ``method: "selection"``). Figure 10.
+  lifetimes    lifetime mean/std and miss rate, original vs cache-prior λ = 0.5, C = N/2. Table 2.
+  sensitivity  no cache: drop all experts ranked >= k; replace the rank-k expert by a random one (router
+               hooks below), k = 1..K, and the unmodified baseline. Figure 2.
+  init         initial cache empty vs random (seeded), original and cache-prior λ = 0.5 / 0.8, C = N/2;
+               ``metrics.miss_rate_first_tokens`` holds the miss rate over the first 16/64/256/1024 tokens.
+               Appendix G.
+  delta        cache-prior on the λ grid with the running Δavg vs a fixed Δ calibrated as the mean logit
+               range max(z) - min(z) over the first ``--max-tokens`` tokens of the held-out training shard 07
+               (``metrics.delta_calibration``). Appendix D.
+  eviction     one global pool of 5/10/25/50 % of L·N experts: LRU, LFU, FLD, score, Least-Stale and
+               Belady on the recorded original-routing trace, with collision misses (SpecMD figure 4); and
+               speculative next-layer prefetch off / top-K / 80th percentile with per-layer LRU at N/2 and
+               N/4 (real passes: ``prefetch_precision`` / ``prefetch_recall``).
+  tasks        MMLU (5-shot) and GSM8K (8-shot CoT) accuracy vs miss rate on the first ``--mmlu-limit`` /
+               ``--gsm8k-limit`` examples: cache-prior λ = 0 (= original routing), 0.3, 0.5, 0.9, C = N/2
+               (needs ``moejax.tasks``). Figures 5 and 6.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import gzip
+import json
+import math
+import os
+import sys
+import time
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from moejax import api, sweep
+from moejax.gating import descending_order
+
+STUDIES = ("pareto", "lifetimes", "init", "delta", "cache_size", "sensitivity", "eviction", "tasks")
+SHARD_07 = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "..", "shared", "data",
+                        "corpus", "enwiki-2015-wikitext-style-07.txt.gz")
+CACHE_SIZE_LAMS = (0.05, 0.1, 0.2, 0.3, 0.5)
+PPL_BOUNDS = (0.01, 0.05, 0.10)
+EVICTIONS = ("lru", "lfu", "fld", "score", "least-stale", "belady")
+GLOBAL_SIZES = ("5%", "10%", "25%", "50%")
+PREFETCH = {"off": {}, "top-K": {"prefetch": 1.0}, "p80": {"prefetch_percentile": 80.0}}
+
+
+# ------------------------------------------------------------------------------------ sensitivity hooks
+
+
+@dataclasses.dataclass(frozen=True)
+class RankHook:
+    """Router hook for the sensitivity study (paper §2.3, figure 2); same signature as ``model.original_router``
+    hooks and ``simulate.CacheRouter``: ``hook(moe_index, z [T, N], state) -> (experts, weights, state, record)``.
+
+    mode "drop":   keep the experts ranked 1..k-1 of the architecture's own ranking, drop the rest (k = 1
+                   drops every routed expert); the kept ones are weighted by the architecture's gating of
+                   the kept set (renormalised where it renormalises — the same as the pruning policy).
+    mode "random": replace the rank-k expert (1-based) by an expert drawn uniformly from those outside the
+                   original top-K; the new set is weighted by the architecture's gating from the original
+                   logits. The draw for token position p at MoE layer l uses ``fold_in(fold_in(key(seed),
+                   l), p)``, so it is reproducible and independent of chunking.
+
+    ``k`` is data (``state["rank"]``), so every k shares one compiled program; ``state["pos"]`` counts the
+    tokens seen, advanced after the last MoE layer of each pass. Start from ``init_state(k)``.
+    """
+
+    gating: Any
+    n_layers: int
+    mode: str = "random"
+    seed: int = 0
+
+    def __post_init__(self):
+        if self.mode not in ("drop", "random"):
+            raise ValueError(f"RankHook mode must be 'drop' or 'random', got {self.mode!r}")
+
+    def init_state(self, rank: int) -> dict:
+        k = self.gating.top_k
+        if not 1 <= int(rank) <= k:
+            raise ValueError(f"rank k must be in 1..K={k}, got {rank}")
+        return {"pos": jnp.asarray(0, jnp.int32), "rank": jnp.asarray(rank, jnp.int32)}
+
+    def choose(self, moe_index: int, z: jax.Array, pos: jax.Array, rank: jax.Array):
+        """(experts [T, K] highest weight first, -1 = dropped; weights [T, K]) for logits z [T, N] at
+        token positions ``pos`` [T]."""
+        g = self.gating
+        t_len, n = z.shape
+        k = g.top_k
+        ranking = g.ranking(z).astype(jnp.int32)  # [T, N]
+        chosen = ranking[:, :k]
+        slot = jnp.arange(k, dtype=jnp.int32)[None, :]
+        if self.mode == "drop":
+            valid = jnp.broadcast_to(slot < rank - 1, chosen.shape)
+        else:
+            base = jax.random.fold_in(jax.random.PRNGKey(self.seed), moe_index)
+            u = jax.vmap(lambda p: jax.random.uniform(jax.random.fold_in(base, p), (n,)))(pos)  # [T, N]
+            taken = jnp.any(jnp.arange(n)[None, None, :] == chosen[:, :, None], axis=1)  # [T, N]
+            pick = jnp.argmax(jnp.where(taken, -1.0, u), axis=-1).astype(jnp.int32)
+            chosen = jnp.where(slot == rank - 1, pick[:, None], chosen)
+            valid = jnp.ones(chosen.shape, bool)
+            # weigh the set in the original ranking's order (order-dependent gatings, as router.choose does)
+            original_pos = jnp.zeros((t_len, n), jnp.int32).at[jnp.arange(t_len)[:, None], ranking].set(
+                jnp.arange(n, dtype=jnp.int32)[None, :])
+            order = descending_order(-jnp.take_along_axis(original_pos, chosen, axis=-1))
+            chosen = jnp.take_along_axis(chosen, order, axis=-1)
+        weights = jnp.where(valid, g.weights(z, chosen, valid).astype(jnp.float32), 0.0)
+        experts = jnp.where(valid, chosen, -1)
+        return _by_weight(experts, weights, valid)
+
+    def __call__(self, moe_index: int, z: jax.Array, state: dict):
+        t_len = z.shape[0]
+        pos = state["pos"] + jnp.arange(t_len, dtype=jnp.int32)
+        experts, weights = self.choose(moe_index, z, pos, state["rank"])
+        if moe_index == self.n_layers - 1:
+            state = {**state, "pos": state["pos"] + t_len}
+        return experts, weights, state, {}
+
+
+def _by_weight(experts, weights, valid):
+    """Highest weight first, dropped slots last (weight 0, id -1)."""
+    order = descending_order(jnp.where(valid, weights, -jnp.inf))
+    return jnp.take_along_axis(experts, order, -1), jnp.take_along_axis(weights, order, -1)
+
+
+# ------------------------------------------------------------------------------------------ context
+
+
+@dataclasses.dataclass
+class Context:
+    model: Any
+    label: str
+    out: str
+    max_tokens: int | None
+    context: int
+    points: int
+    data: str | None
+    batch_size: int
+    progress: bool
+    dtype: str | None
+    mmlu_limit: int
+    gsm8k_limit: int
+    evictions: tuple = EVICTIONS
+
+    @property
+    def cfg(self):
+        return self.model.cfg
+
+    def half(self) -> int:
+        return max(1, self.cfg.n_experts // 2)
+
+    def quarter(self) -> int:
+        return max(1, self.cfg.n_experts // 4)
+
+    def grid(self) -> list[float]:
+        return np.linspace(0.0, 1.0, self.points).tolist() if self.points > 1 else [0.5]
+
+    def _base(self, study: str, task: str = "wikitext"):
+        return dict(task=task, study=study, data=self.data if task == "wikitext" else None, context=self.context,
+                    max_tokens=self.max_tokens)
+
+    def point(self, study: str, kind: str, size: str | int | None, *, sweep_values: dict | None = None,
+              scope: str = "layer", eviction: str = "lru", init: str = "empty", seed: int = 0,
+              method: str = "forward", task: str = "wikitext", limit: int | None = None,
+              cache_options: dict | None = None, **params) -> sweep.Point:
+        """A point of routing ``kind`` (with ``params``) against a cache of ``size`` (None: no cache);
+        ``cache_options``: further ``simulate.CacheConfig`` fields (prefetch)."""
+        from moejax import routing as routing_lib, simulate
+
+        k = self.cfg.top_k
+        policy = cache = None
+        if size is not None:
+            cache = simulate.CacheConfig(size=str(size), scope=scope, eviction=eviction, init=init, seed=seed,
+                                         **(cache_options or {}))
+            cache.capacity(self.cfg)
+            if method != "replay":
+                policy = routing_lib.make_policy(kind, k, **params)
+        routing = sweep.routing_record(kind, k, **params)
+        base = self._base(study, task)
+        if task != "wikitext":
+            base.update(limit=limit)
+        return sweep.make_point(self.model, self.label, routing=routing, policy=policy, cache=cache,
+                                sweep=sweep_values, method=method, **base)
+
+    def hook_point(self, study: str, hook: RankHook | None, rank: int | None, extra: dict) -> sweep.Point:
+        routing = sweep.routing_record("original", self.cfg.top_k, **extra)
+        p = sweep.make_point(self.model, self.label, routing=routing, sweep=dict(extra), hook=hook,
+                             hook_state=None if hook is None else hook.init_state(rank), **self._base(study))
+        return p
+
+    def runner(self, study: str) -> sweep.Runner:
+        from moejax import evaluate
+
+        return sweep.Runner(self.model, results=os.path.join(self.out, f"{study}.jsonl"),
+                            batch_size=self.batch_size, progress=self.progress,
+                            trace_dir=os.path.join(self.out, "traces"), load_text=evaluate.load_wikitext,
+                            reuse=self.reusable(study))
+
+    def reusable(self, study: str) -> dict[str, dict]:
+        """Records of the other studies' files, by key (a point computed once serves every study)."""
+        out = {}
+        for name in STUDIES:
+            if name != study:
+                for rec in sweep.load_results(os.path.join(self.out, f"{name}.jsonl")):
+                    if rec.get("method") != "selection":
+                        out.setdefault(rec["key"], rec)
+        return out
+
+
+# ------------------------------------------------------------------------------------------ studies
+
+
+def max_rank_values(k: int, n: int) -> list[int]:
+    """M = K, K+1, K+2, then roughly geometric up to N."""
+    vals = {k, min(k + 1, n), min(k + 2, n), n}
+    m = float(k)
+    while m < n:
+        m *= math.sqrt(2)
+        vals.add(min(n, int(round(m))))
+    return sorted(vals)
+
+
+def study_pareto(ctx: Context) -> list[dict]:
+    k, n = ctx.cfg.top_k, ctx.cfg.n_experts
+    pts = []
+    for size in (ctx.half(), ctx.quarter()):
+        sv = lambda **kw: {"cache_size": str(size), **kw}  # noqa: E731
+        pts.append(ctx.point("pareto", "original", size, sweep_values=sv()))
+        pts += [ctx.point("pareto", "pruning", size, prune_h=h, sweep_values=sv(prune_h=h)) for h in range(2, k + 1)]
+        pts += [ctx.point("pareto", "max-rank", size, max_rank=m, sweep_values=sv(max_rank=m))
+                for m in max_rank_values(k, n)]
+        pts += [ctx.point("pareto", "cumsum", size, cumsum_p=p, sweep_values=sv(cumsum_p=p)) for p in ctx.grid()]
+        pts += [ctx.point("pareto", "cache-prior", size, lam=lam, sweep_values=sv(lam=lam)) for lam in ctx.grid()]
+        pts += [ctx.point("pareto", "original", size, eviction=ev, method="replay", sweep_values=sv())
+                for ev in ("belady", "lru")]
+    return ctx.runner("pareto").run(pts)
+
+
+def study_lifetimes(ctx: Context) -> list[dict]:
+    size = ctx.half()
+    pts = [ctx.point("lifetimes", "original", size, sweep_values={"cache_size": str(size)}),
+           ctx.point("lifetimes", "cache-prior", size, lam=0.5, sweep_values={"cache_size": str(size), "lam": 0.5})]
+    return ctx.runner("lifetimes").run(pts)
+
+
+def study_init(ctx: Context) -> list[dict]:
+    size = ctx.half()
+    pts = []
+    for init in ("empty", "random"):
+        sv = lambda **kw: {"cache_size": str(size), "init": init, **kw}  # noqa: E731
+        pts.append(ctx.point("init", "original", size, init=init, sweep_values=sv()))
+        pts += [ctx.point("init", "cache-prior", size, lam=lam, init=init, sweep_values=sv(lam=lam)) for lam in (0.5, 0.8)]
+    return ctx.runner("init").run(pts)
+
+
+def calibrate_delta(ctx: Context, path: str = SHARD_07) -> dict:
+    """Mean router-logit range max(z) - min(z) over the first ``max_tokens`` tokens (default 8184) of ``path``
+    (the held-out training shard: a text the evaluation never scores), per MoE layer and overall."""
+    from moejax import evaluate
+
+    if not os.path.exists(path):
+        raise FileNotFoundError(f"calibration text {path} does not exist")
+    want = ctx.max_tokens or 8184
+    with gzip.open(path, "rt", encoding="utf-8") as f:
+        text = f.read(max(200_000, want * 8))
+    ids = np.asarray(ctx.model.tokenizer.encode(text, add_special_tokens=False), np.int32)[:want]
+    sums = np.zeros(ctx.cfg.n_moe_layers)
+    count = 0
+    for chunk in evaluate.chunk_tokens(ids, ctx.context, ctx.cfg.bos_token_id):
+        z = ctx.model.forward(chunk).router_logits.astype(np.float64)  # [L, T, N]
+        sums += (z.max(-1) - z.min(-1)).sum(-1)
+        count += z.shape[1]
+    per_layer = sums / count
+    return {"source": os.path.relpath(os.path.realpath(path), os.path.dirname(os.path.abspath(ctx.out))),
+            "tokens": int(len(ids)), "routed_tokens": int(count), "per_layer": per_layer.tolist(),
+            "delta": float(per_layer.mean())}
+
+
+def study_delta(ctx: Context) -> list[dict]:
+    size = ctx.half()
+    calib_path = os.path.join(ctx.out, "traces", "delta_calibration.json")
+    if os.path.exists(calib_path):
+        with open(calib_path) as f:
+            calib = json.load(f)
+    else:
+        calib = calibrate_delta(ctx)
+        os.makedirs(os.path.dirname(calib_path), exist_ok=True)
+        with open(calib_path + ".tmp", "w") as f:
+            json.dump(calib, f)
+        os.replace(calib_path + ".tmp", calib_path)
+    delta = round(calib["delta"], 6)
+    pts = []
+    for lam in ctx.grid():
+        sv = {"cache_size": str(size), "lam": lam}
+        pts.append(ctx.point("delta", "cache-prior", size, lam=lam, sweep_values=dict(sv, delta="running")))
+        p = ctx.point("delta", "cache-prior", size, lam=lam, delta=delta, sweep_values=dict(sv, delta="calibrated"))
+        p.extra["delta_calibration"] = calib  # what the fixed Δ is: kept in the record's metrics
+        pts.append(p)
+    return ctx.runner("delta").run(pts)
+
+
+def study_cache_size(ctx: Context) -> list[dict]:
+    n = ctx.cfg.n_experts
+    sizes = [c for c in (1, 2, 4, 6, 8, 12, 16, 20, 24, 28, 32) if c <= n] if n == 32 else \
+        sorted({int(c) for c in np.linspace(1, n, 11).round()})
+    pts = []
+    for c in sizes:
+        sv = {"cache_size": str(c)}
+        pts += [ctx.point("cache_size", "original", c, eviction=ev, method="replay", sweep_values=sv)
+                for ev in ("lru", "belady")]
+        if c < n:  # with C = N every expert stays: only compulsory misses, whatever the policy
+            pts += [ctx.point("cache_size", "cache-prior", c, lam=lam, sweep_values=dict(sv, lam=lam))
+                    for lam in CACHE_SIZE_LAMS]
+    runner = ctx.runner("cache_size")
+    records = runner.run(pts)
+    selections = select_within_bounds(records, runner)
+    done = {r["key"] for r in sweep.load_results(runner.results)}
+    for rec in selections:
+        if rec["key"] not in done:
+            sweep.append_result(runner.results, rec)
+    return records + selections
+
+
+def select_within_bounds(records: list[dict], runner: sweep.Runner) -> list[dict]:
+    """Per cache size and perplexity bound: the cache-prior grid point (or original routing, λ = 0) with the
+    lowest miss rate whose perplexity is within (1 + bound) × the original's (paper figure 10)."""
+    import datetime
+
+    out = []
+    by_size: dict[str, list[dict]] = {}
+    for r in records:
+        by_size.setdefault(r["sweep"]["cache_size"], []).append(r)
+    for size, recs in by_size.items():
+        lru = [r for r in recs if r["method"] == "replay" and r["cache"]["eviction"] == "lru"]
+        grid = [r for r in recs if r["routing"]["kind"] == "cache-prior"]
+        if not lru:
+            continue
+        base = lru[0]
+        for bound in PPL_BOUNDS:
+            ok = [r for r in grid if r["ppl"] <= base["ppl"] * (1 + bound)]
+            best = min(ok + [base], key=lambda r: (r["miss_rate"], -(r["routing"]["lam"] or 0.0)))
+            ident = {"selection": "min miss rate within ppl bound", "bound": bound,
+                     "candidates": sorted(r["key"] for r in grid + [base])}
+            rec = {k: best[k] for k in ("task", "model", "routing", "cache", "ppl", "accuracy", "miss_rate", "lifetime",
+                                        "lifetime_std", "bytes_per_token", "collision_misses",
+                                        "prefetch_precision", "prefetch_recall")}
+            rec.update(key=sweep.point_key(ident), study="cache_size", method="selection",
+                       sweep={"cache_size": size, "ppl_bound": bound},
+                       metrics={"selected_key": best["key"], "selected_method": best["method"],
+                                "lam": best["routing"]["lam"] or 0.0, "ppl_original": base["ppl"],
+                                "ppl_increase": best["ppl"] / base["ppl"] - 1, "lru_miss_rate": base["miss_rate"],
+                                "candidates": len(ok) + 1},
+                       time_s=0.0, finished_at=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"))
+            out.append(sweep._as_json(rec))
+    return out
+
+
+def study_sensitivity(ctx: Context) -> list[dict]:
+    k = ctx.cfg.top_k
+    pts = [ctx.hook_point("sensitivity", None, None, {})]
+    for mode, field in (("drop", "drop_rank"), ("random", "random_rank")):
+        hook = RankHook(ctx.cfg.gating, ctx.cfg.n_moe_layers, mode, seed=0)
+        for r in range(1, k + 1):
+            extra = {field: r} if mode == "drop" else {field: r, "seed": 0}
+            pts.append(ctx.hook_point("sensitivity", hook, r, extra))
+    return ctx.runner("sensitivity").run(pts)
+
+
+def study_eviction(ctx: Context) -> list[dict]:
+    pts = [ctx.point("eviction", "original", size, scope="global", eviction=ev, method="replay",
+                     sweep_values={"cache_size": size, "eviction": ev})
+           for size in GLOBAL_SIZES for ev in ctx.evictions]
+    # speculative next-layer prefetch (needs the model's hidden states, so these are real passes): original
+    # routing, per-layer LRU at N/2 and N/4, prefetch off / top-K / above the 80th percentile
+    for size in (ctx.half(), ctx.quarter()):
+        for label, opts in PREFETCH.items():
+            pts.append(ctx.point("eviction", "original", size, sweep_values={"cache_size": str(size), "prefetch": label},
+                                 **{"cache_options": opts}))
+    return ctx.runner("eviction").run(pts)
+
+
+def study_tasks(ctx: Context) -> list[dict]:
+    """Original routing is run as cache-prior with λ = 0, which reproduces it bit for bit (routing tests):
+    the four policies then share every compiled program (with a cache, tasks compile once per prompt length)."""
+    size = ctx.half()
+    pts = []
+    for task, limit in (("mmlu", ctx.mmlu_limit), ("gsm8k", ctx.gsm8k_limit)):
+        for lam in (0.0, 0.3, 0.5, 0.9):
+            p = ctx.point("tasks", "cache-prior", size, lam=lam, task=task, limit=limit, method="task",
+                          sweep_values={"task": task, "cache_size": str(size), "lam": lam})
+            if lam == 0.0:
+                p.extra["note"] = "lambda = 0: original routing (bit for bit)"
+            pts.append(p)
+    return ctx.runner("tasks").run(pts)
+
+
+RUNNERS = {"pareto": study_pareto, "lifetimes": study_lifetimes, "init": study_init, "delta": study_delta,
+           "cache_size": study_cache_size, "sensitivity": study_sensitivity, "eviction": study_eviction,
+           "tasks": study_tasks}
+
+
+# ------------------------------------------------------------------------------------------ summary
+
+
+def summarize(study: str, records: list[dict]) -> str:
+    """A few lines per study for the terminal."""
+    lines = [f"== {study}: {len(records)} records"]
+    f = lambda x, s=".3f": "-" if x is None else format(x, s)  # noqa: E731
+    for r in records:
+        what = r["routing"]["kind"]
+        if r.get("method") in ("replay", "selection"):
+            what += f" [{r['method']}{' ' + r['cache']['eviction'] if r.get('cache') else ''}]"
+        sw = " ".join(f"{k}={sweep._fmt(v)}" for k, v in r.get("sweep", {}).items())
+        quality = f"ppl {f(r.get('ppl'), '.2f')}" if r.get("ppl") is not None else f"acc {f(r.get('accuracy'))}"
+        lines.append(f"  {what:<28} {sw:<40} {quality:>12}  miss {f(r.get('miss_rate'), '.4f')}  "
+                     f"life {f(r.get('lifetime'), '.1f')}  coll {r.get('collision_misses') if r.get('collision_misses') is not None else '-'}")
+    return "\n".join(lines)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m moejax.studies", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", default=os.path.join("results", "studies"))
+    p.add_argument("--only", action="append", default=[], help=f"comma-separated subset of {', '.join(STUDIES)}")
+    p.add_argument("--model", default=api.DEFAULT_MODEL_NAME)
+    p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
+                   help="compute dtype (default float32: faster than bf16 on XLA:CPU, and exact to report)")
+    p.add_argument("--data", default=None, help="WikiText-2 test text (default: ../shared/data copy)")
+    p.add_argument("--max-tokens", type=int, default=8184, help="score the first N WikiText tokens (default 8184 "
+                   "= 8 chunks of 1023); 0 = all")
+    p.add_argument("--context", type=int, default=1024)
+    p.add_argument("--points", type=int, default=11, help="points per continuous front: cumsum p and λ on that many "
+                   "equidistant values in [0, 1] (default 11: steps of 0.1)")
+    p.add_argument("--batch-size", type=int, default=None, help="points per vmapped batch (default: 1 on CPU, 8 on "
+                   "accelerators)")
+    p.add_argument("--evictions", default=",".join(EVICTIONS), help="eviction study: comma-separated policies "
+                   f"(default {','.join(EVICTIONS)})")
+    p.add_argument("--mmlu-limit", type=int, default=40)
+    p.add_argument("--gsm8k-limit", type=int, default=10)
+    p.add_argument("--no-progress", action="store_true")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    chosen = [s.strip() for item in args.only for s in item.split(",") if s.strip()] or list(STUDIES)
+    unknown = [s for s in chosen if s not in RUNNERS]
+    if unknown:
+        print(f"error: unknown study {unknown}; expected some of {', '.join(STUDIES)}", file=sys.stderr)
+        return 2
+    evictions = tuple(e.strip() for e in args.evictions.split(",") if e.strip())
+    bad = [e for e in evictions if e not in EVICTIONS]
+    if bad or not evictions:
+        print(f"error: --evictions {args.evictions!r}: expected some of {', '.join(EVICTIONS)}", file=sys.stderr)
+        return 2
+    if args.points < 1 or args.context < 2 or args.max_tokens < 0:
+        print("error: --points must be >= 1, --context >= 2, --max-tokens >= 0", file=sys.stderr)
+        return 2
+    try:
+        model = api.load(args.model, dtype=getattr(jnp, args.dtype))
+    except Exception as e:  # noqa: BLE001 - one line, not a traceback
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    label = sweep.model_label(args.model) + ("" if args.dtype == "bfloat16" else f"@{args.dtype}")
+    ctx = Context(model, label, args.out, args.max_tokens or None, args.context, args.points, args.data,
+                  args.batch_size or sweep.default_batch_size(), not args.no_progress, args.dtype, args.mmlu_limit,
+                  args.gsm8k_limit, evictions)
+    os.makedirs(args.out, exist_ok=True)
+    status = 0
+    timings = {}
+    for name in [s for s in STUDIES if s in chosen]:
+        start = time.perf_counter()
+        try:
+            records = RUNNERS[name](ctx)
+        except (ValueError, FileNotFoundError, ImportError) as e:
+            print(f"error: study {name}: {e}", file=sys.stderr)
+            status = 1
+            continue
+        timings[name] = round(time.perf_counter() - start, 1)
+        print(summarize(name, records), flush=True)
+        print(f"   ({timings[name]} s)", flush=True)
+    _write_manifest(args, ctx, timings)
+    return status
+
+
+def _write_manifest(args, ctx: Context, timings: dict) -> None:
+    """What the files in ``--out`` were computed with (merged over runs: resumed studies keep earlier entries)."""
+    path = os.path.join(args.out, "manifest.json")
+    manifest = {}
+    if os.path.exists(path):
+        with open(path) as f:
+            manifest = json.load(f)
+    manifest.update(model=ctx.label, dtype=args.dtype, context=args.context, max_tokens=ctx.max_tokens,
+                    points=args.points, batch_size=ctx.batch_size, mmlu_limit=args.mmlu_limit,
+                    gsm8k_limit=args.gsm8k_limit, evictions=list(ctx.evictions), n_experts=ctx.cfg.n_experts,
+                    top_k=ctx.cfg.top_k, moe_layers=ctx.cfg.n_moe_layers, cache_size_lams=list(CACHE_SIZE_LAMS),
+                    ppl_bounds=list(PPL_BOUNDS), global_sizes=list(GLOBAL_SIZES))
+    manifest.setdefault("seconds", {}).update(timings)
+    with open(path + ".tmp", "w") as f:
+        json.dump(manifest, f, indent=1)
+    os.replace(path + ".tmp", path)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

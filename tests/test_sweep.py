@@ -1,0 +1,253 @@
+"""Sweeps: spec parsing, the JSONL results file, resume after an interruption, vmapped batches = the loop."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import numpy as np
+import pytest
+from test_evaluate import TEXT, make_word_model
+
+from moejax import evaluate, routing, simulate, sweep
+
+# ------------------------------------------------------------------------------------------ spec parsing
+
+
+def test_parse_good_specs():
+    lam = sweep.parse_sweep("lam=0:1:50")
+    assert lam.name == "lam" and len(lam.values) == 50 and lam.values[0] == 0.0 and lam.values[-1] == 1.0
+    np.testing.assert_allclose(np.diff(lam.values), 1 / 49)
+    assert sweep.parse_sweep("max_rank=0:4").values == (0, 1, 2, 3, 4)
+    assert sweep.parse_sweep("max-rank=4:32:8").values == (4, 8, 12, 16, 20, 24, 28, 32)
+    assert sweep.parse_sweep("prune_h=2,3").values == (2, 3)
+    assert sweep.parse_sweep("cache_size=1,2,4,8").values == ("1", "2", "4", "8")
+    assert sweep.parse_sweep("cache_size=0.25, 0.5").values == ("0.25", "0.5")
+    assert sweep.parse_sweep("cache_size=2:4").values == ("2", "3", "4")
+    assert sweep.parse_sweep("cache_size=0.25:1:4").values == ("0.25", "0.5", "0.75", "1.0")
+    assert sweep.parse_sweep("cumsum_p=0.9").values == (0.9,)
+    assert sweep.parse_sweep("lam=0.3:0.3:1").values == (0.3,)
+    grid = sweep.expand_grid([sweep.parse_sweep("cache_size=4,8"), sweep.parse_sweep("lam=0,1")])
+    assert grid == [{"cache_size": "4", "lam": 0}, {"cache_size": "4", "lam": 1},
+                    {"cache_size": "8", "lam": 0}, {"cache_size": "8", "lam": 1}]
+    assert sweep.expand_grid([]) == [{}]
+
+
+@pytest.mark.parametrize("spec, message", [
+    ("lam", "expected NAME=VALUES"),
+    ("speed=1,2", "unknown parameter 'speed'"),
+    ("lam=", "no values"),
+    ("lam=0:1", "needs a number of points"),
+    ("lam=0:1:0", "number of points must be >= 1"),
+    ("lam=0:1:2:3", "a range is a:b"),
+    ("lam=0,x", "'x' is not a number"),
+    ("lam=nan", "not finite"),
+    ("lam=0.5,0.5", "repeated values"),
+    ("lam=0,,1", "empty item"),
+    ("max_rank=0:10:4", "are not integers"),
+    ("max_rank=5:2", "empty range"),
+    ("max_rank=1.5,2", "'1.5' is not an integer"),
+    ("cache_size=0", "must be between 1"),
+    ("cache_size=1.5", "must be in (0, 1]"),
+    ("cache_size=big", "is not a count"),
+])
+def test_parse_bad_specs(spec, message):
+    with pytest.raises(sweep.SweepError) as e:
+        sweep.parse_sweep(spec)
+    assert message in str(e.value) and spec.split("=")[0] in str(e.value)
+
+
+def test_grid_and_kind_errors():
+    with pytest.raises(sweep.SweepError, match="given twice"):
+        sweep.expand_grid([sweep.parse_sweep("lam=0,1"), sweep.parse_sweep("lam=0.5")])
+    assert sweep.infer_kind(None, ["lam"]) == "cache-prior"
+    assert sweep.infer_kind(None, ["max_rank", "top_j"]) == "max-rank"
+    assert sweep.infer_kind(None, ["cache_size"]) is None
+    assert sweep.infer_kind("cumsum", ["top_j", "cache_size"]) == "cumsum"
+    with pytest.raises(sweep.SweepError, match="lam applies to routing cache-prior, not --routing max-rank"):
+        sweep.infer_kind("max-rank", ["lam"])
+    with pytest.raises(sweep.SweepError, match="give --routing"):
+        sweep.infer_kind(None, ["top_j"])
+    with pytest.raises(sweep.SweepError, match="give --routing"):
+        sweep.infer_kind(None, ["lam", "max_rank"])
+
+
+def test_routing_record_is_canonical():
+    a = sweep.routing_record("cache-prior", 4, lam=0.5, max_rank=7, prune_h=3)
+    b = sweep.routing_record("cache-prior", 4, lam=0.5, top_j=2)
+    assert a == b == {"kind": "cache-prior", "lam": 0.5, "top_j": 2, "max_rank": None, "cumsum_p": None,
+                      "prune_h": None, "delta": None}
+    assert sweep.routing_record("pruning", 4)["prune_h"] == 4
+    assert sweep.routing_record("max-rank", 2)["top_j"] == 1
+    assert sweep.routing_record("original", 4, drop_rank=2)["drop_rank"] == 2
+
+
+# ------------------------------------------------------------------------------------------ results file
+
+
+def _rec(key: str, **kw) -> dict:
+    return {"key": key, "ppl": 1.5, **kw}
+
+
+def test_results_file_torn_tail_and_errors(tmp_path):
+    path = str(tmp_path / "sub" / "r.jsonl")
+    assert sweep.load_results(path) == []
+    sweep.append_result(path, _rec("a"))
+    sweep.append_result(path, _rec("b", x=float("nan"), v=np.float32(2.5), n=np.int64(3), arr=np.arange(2)))
+    with open(path, "ab") as f:
+        f.write(b'{"key": "c", "ppl": 1.')  # a crash in the middle of a write
+    assert [r["key"] for r in sweep.load_results(path)] == ["a", "b"]
+    assert sweep.load_results(path)[1] == {"key": "b", "ppl": 1.5, "x": None, "v": 2.5, "n": 3, "arr": [0, 1]}
+    sweep.append_result(path, _rec("d"))  # the torn line is cut off first
+    lines = open(path).read().splitlines()
+    assert [json.loads(x)["key"] for x in lines] == ["a", "b", "d"]
+    with open(path, "ab") as f:
+        f.write(b'{"key": "e"}')  # complete but unterminated: kept, newline added on the next append
+    assert [r["key"] for r in sweep.load_results(path)] == ["a", "b", "d", "e"]
+    sweep.append_result(path, _rec("f"))
+    assert [r["key"] for r in sweep.load_results(path)] == ["a", "b", "d", "e", "f"]
+    with open(path, "w") as f:
+        f.write('{"key": "a"}\nnot json\n{"key": "b"}\n')
+    with pytest.raises(ValueError, match=r"r\.jsonl:2: malformed"):
+        sweep.load_results(path)
+    with open(path, "w") as f:
+        f.write('{"key": "a"}\n[1, 2]\n')
+    with pytest.raises(ValueError, match=r":2: .*string 'key'"):
+        sweep.load_results(path)
+
+
+# ------------------------------------------------------------------------------------------ evaluation
+
+
+@pytest.fixture(scope="module")
+def lm(tmp_path_factory):
+    return make_word_model(str(tmp_path_factory.mktemp("sweep") / "model"))
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory):
+    path = tmp_path_factory.mktemp("data") / "test.txt"
+    path.write_text(TEXT * 3)
+    return str(path)
+
+
+CONTEXT, MAX_TOKENS = 16, 75  # 5 chunks of 15 tokens + BOS: one compiled program
+
+
+def _points(lm, data, lams, size="4", scope="layer", eviction="lru"):
+    out = []
+    for lam in lams:
+        policy = routing.make_policy("cache-prior", lm.cfg.top_k, lam=lam)
+        cache = simulate.CacheConfig(size, scope, eviction)
+        out.append(sweep.make_point(lm, lm.path, data=data, context=CONTEXT, max_tokens=MAX_TOKENS,
+                                    routing=sweep.routing_record("cache-prior", lm.cfg.top_k, lam=lam),
+                                    policy=policy, cache=cache, sweep={"lam": lam}))
+    return out
+
+
+def _runner(lm, results=None, batch_size=4):
+    return sweep.Runner(lm, results=results, batch_size=batch_size, progress=False, load_text=evaluate.load_wikitext)
+
+
+def _strip(rec):
+    return {k: v for k, v in rec.items() if k not in ("time_s", "finished_at")}
+
+
+def test_vmapped_batch_equals_the_loop(lm, data):
+    """A batch mixing λ and capacities (both data) gives what evaluate.wikitext_perplexity gives per point."""
+    text = evaluate.load_wikitext(data)
+    pts = _points(lm, data, [0.0, 0.3, 1.0]) + _points(lm, data, [0.6], size="2") + _points(lm, data, [0.6], size="7")
+    assert len({p.batch_group() for p in pts}) == 1
+    recs = _runner(lm, batch_size=2).run(pts)  # batches of 2, the last one padded
+    for p, rec in zip(pts, recs):
+        ref = evaluate.wikitext_perplexity(lm, text, CONTEXT, MAX_TOKENS, p.policy, p.cache)
+        assert rec["ppl"] == pytest.approx(ref["ppl"], rel=1e-5)
+        assert rec["miss_rate"] == ref["miss_rate"]
+        assert rec["metrics"]["cache"]["misses"] == ref["cache"]["misses"]
+        assert rec["lifetime"] == pytest.approx(ref["lifetime"], rel=1e-9)
+        np.testing.assert_allclose(rec["metrics"]["expert_usage"]["share"], ref["expert_usage"]["share"])
+        assert rec["metrics"]["tokens"] == MAX_TOKENS and rec["metrics"]["chunks"] == 5
+    assert recs[3]["miss_rate"] > recs[4]["miss_rate"]  # C = 2 misses more than C = 7
+    # λ = 0 in the sweep engine is plain perplexity (original routing, no cache at all)
+    plain = evaluate.wikitext_perplexity(lm, text, CONTEXT, MAX_TOKENS)
+    assert recs[0]["ppl"] == pytest.approx(plain["ppl"], rel=1e-6)
+    # global scope: the token-sequential path, batched as well
+    glob = _points(lm, data, [0.0, 0.8], size="6", scope="global", eviction="least-stale")
+    for p, rec in zip(glob, _runner(lm, batch_size=2).run(glob)):
+        ref = evaluate.wikitext_perplexity(lm, text, CONTEXT, MAX_TOKENS, p.policy, p.cache)
+        assert rec["ppl"] == pytest.approx(ref["ppl"], rel=1e-5)
+        assert rec["miss_rate"] == ref["miss_rate"] and rec["collision_misses"] == ref["cache"]["collision_misses"]
+
+
+def test_resume_after_interruption(lm, data, tmp_path, monkeypatch):
+    pts = _points(lm, data, [0.0, 0.25, 0.5, 0.75, 1.0])
+    reference = [_strip(r) for r in _runner(lm, batch_size=2).run(pts)]
+    results = str(tmp_path / "r.jsonl")
+    real = sweep.run_forward_batch
+    calls = []
+
+    def dies_after_two(*args, **kw):
+        if len(calls) == 1:  # the second batch (points 3 and 4) dies
+            raise KeyboardInterrupt("killed")
+        calls.append(args[5][0].record["sweep"])
+        return real(*args, **kw)
+
+    monkeypatch.setattr(sweep, "run_forward_batch", dies_after_two)
+    with pytest.raises(KeyboardInterrupt):
+        _runner(lm, results, batch_size=2).run(pts)
+    assert [r["sweep"] for r in sweep.load_results(results)] == [{"lam": 0.0}, {"lam": 0.25}]
+    with open(results, "ab") as f:  # and the crash tore a third line in half
+        f.write(json.dumps(reference[2]).encode()[:57])
+    assert len(sweep.load_results(results)) == 2
+
+    def counting(*args, **kw):
+        calls.append(args[5][0].record["sweep"])
+        return real(*args, **kw)
+
+    calls.clear()
+    monkeypatch.setattr(sweep, "run_forward_batch", counting)
+    runner = _runner(lm, results, batch_size=2)
+    resumed = runner.run(pts)
+    assert calls == [{"lam": 0.5}, {"lam": 1.0}] and runner.computed == 3  # batches [0.5, 0.75], [1.0]
+    assert [_strip(r) for r in resumed] == reference
+    assert [_strip(r) for r in sweep.load_results(results)] == reference  # torn line gone, order = completion
+    calls.clear()
+    again = _runner(lm, results, batch_size=2)
+    assert [_strip(r) for r in again.run(pts)] == reference and calls == [] and again.computed == 0
+
+
+def test_batches_write_every_point_and_keys_identify_points(lm, data, tmp_path):
+    results = str(tmp_path / "b.jsonl")
+    pts = _points(lm, data, [0.0, 0.5, 1.0])
+    assert len({p.key for p in pts}) == 3
+    assert _points(lm, data, [0.5])[0].key == pts[1].key  # same settings, same key
+    assert _points(lm, data, [0.5], size="0.5")[0].key == pts[1].key  # capacity 4 either way
+    assert _points(lm, data, [0.5], size="3")[0].key != pts[1].key
+    recs = _runner(lm, results, batch_size=2).run(pts + pts[:1])  # duplicates are evaluated once
+    assert len(recs) == 3 and len(sweep.load_results(results)) == 3
+    required = {"key", "study", "task", "model", "routing", "cache", "sweep", "ppl", "accuracy", "miss_rate",
+                "lifetime", "lifetime_std", "bytes_per_token", "collision_misses", "prefetch_precision",
+                "prefetch_recall", "metrics", "time_s", "finished_at"}
+    for rec in sweep.load_results(results):
+        assert required <= set(rec)
+        assert rec["cache"] == {"size": "4", "capacity": 4, "scope": "layer", "eviction": "lru", "init": "empty",
+                                "seed": None}
+        assert rec["time_s"] > 0 and rec["finished_at"].endswith("+00:00")
+        assert math.isfinite(rec["ppl"]) and rec["accuracy"] is None
+    assert recs[0]["metrics"]["batch_size"] == 2 and set(recs[0]["metrics"]["miss_rate_first_tokens"]) == {"16", "64"}
+
+
+def test_replay_of_the_original_trace_equals_the_forward_cache(lm, data, tmp_path):
+    """LRU replay of the recorded original-routing trace = the forward pass with an LRU cache; Belady <= LRU."""
+    def point(method, eviction):
+        return sweep.make_point(lm, lm.path, data=data, context=CONTEXT, max_tokens=MAX_TOKENS, method=method,
+                                policy=routing.make_policy("original", 2) if method == "forward" else None,
+                                cache=simulate.CacheConfig("3", "layer", eviction))
+
+    runner = sweep.Runner(lm, batch_size=2, progress=False, load_text=evaluate.load_wikitext,
+                          trace_dir=str(tmp_path / "traces"))
+    fwd, lru, belady = runner.run([point("forward", "lru"), point("replay", "lru"), point("replay", "belady")])
+    assert lru["miss_rate"] == fwd["miss_rate"] and lru["lifetime"] == pytest.approx(fwd["lifetime"])
+    assert lru["ppl"] == pytest.approx(fwd["ppl"], rel=1e-6)
+    assert belady["miss_rate"] < lru["miss_rate"] and belady["ppl"] == lru["ppl"]
+    assert len(list((tmp_path / "traces").glob("*.npz"))) == 1  # the trace is kept for the next run
