@@ -541,7 +541,7 @@ def _tradeoff(records: Sequence[dict], stem, metric: str, panel_key: Callable[[d
 def _shared_legend(fig, axes) -> None:
     """One legend under the panels, each label once (the kinds keep their colours across panels)."""
     seen: dict = {}
-    for ax in axes.flat:
+    for ax in np.asarray(axes).flat:
         for h, label in zip(*ax.get_legend_handles_labels()):
             seen.setdefault(label, h)
     if seen:
@@ -718,14 +718,16 @@ def eviction_label(r: dict, records: Sequence[dict] = ()) -> str:
         parts.append(routing_label(r))
     if len({cache_of(x).get("scope") for x in records}) > 1:
         parts.append(str(cache_of(r).get("scope")))
-    extra = cache_options_text(r, varying_cache_options(records) if len(records) > 1 else
-                               [k for k in cache_of(r) if k not in _STD_CACHE_KEYS])
-    if extra:
-        parts.append(extra)
-    for k in varying_sweep_keys(records):
+    sweep_keys = varying_sweep_keys(records)
+    for k in sweep_keys:  # the study's own names for what it varies (e.g. prefetch=top-K) ...
         v = (r.get("sweep") or {}).get(k)
         if v is not None:
             parts.append(f"{k}={fmt_value(v)}")
+    if not sweep_keys:  # ... else the raw cache options that differ
+        extra = cache_options_text(r, varying_cache_options(records) if len(records) > 1 else
+                                   [k for k in cache_of(r) if k not in _STD_CACHE_KEYS])
+        if extra:
+            parts.append(extra)
     return " ".join(parts)
 
 
@@ -759,7 +761,9 @@ def eviction(records: Sequence[dict], stem) -> list[Path]:
     label = lambda r: eviction_label(r, by_scope[str(cache_of(r).get("scope"))])  # noqa: E731
     pref = [r for r in rs if num(r.get("prefetch_precision")) is not None or num(r.get("prefetch_recall")) is not None]
     n_labels = max(len({label(r) for r in group}) for _, group in panels)
-    fig, axes = new_figure(1, len(panels) + bool(pref), panel=(max(3.0, 0.5 * n_labels + 1.2), 4.4))
+    n_axes = len(panels) + bool(pref)
+    ncols = min(n_axes, 4)
+    fig, axes = new_figure(math.ceil(n_axes / ncols), ncols, panel=(max(3.0, 0.5 * n_labels + 1.2), 4.4))
     for ax, ((scope, size), group) in zip(axes.flat, panels):
         cells = group_by(group, label)
         names = sorted(cells, key=lambda s: (eviction_rank(s.split(" ")[0]), s))
@@ -774,14 +778,22 @@ def eviction(records: Sequence[dict], stem) -> list[Path]:
         ax.set_xticklabels(names, rotation=35, ha="right", fontsize=8)
         ax.set_ylim(0, max(g["miss_rate"] for g in group) * 1.15 + 1e-9)
         _percent_axis(ax.yaxis)
-        cap = "" if size[0] is None or size[1] == str(size[0]) else f" (C = {size[0]})"
+        n = n_experts_of(records) if scope == "layer" else None
+        if size[0] is None:
+            cap = ""
+        elif n:
+            cap = f" (C = {size[0]} / {n})" if size[1] != str(size[0]) else f" / {n}"
+        else:
+            cap = "" if size[1] == str(size[0]) else f" (C = {size[0]})"
         ax.set_title(f"{_scope_name(scope)}, cache size {size[1]}{cap}", fontsize=9)
         ax.grid(alpha=0.3, axis="y")
-    axes[0, 0].set_ylabel("share of expert accesses")
-    _shared_legend(fig, axes[:, :len(panels)])
+    for ax in axes[:, 0]:
+        ax.set_ylabel("share of expert accesses")
+    _hide_unused(axes, n_axes)
+    _shared_legend(fig, axes.flat[:len(panels)])
     fig.suptitle("misses and collision misses per eviction policy", fontsize=10)
     if pref:
-        ax2 = axes[0, -1]
+        ax2 = axes.flat[len(panels)]
         cells = group_by(pref, lambda r: (_size_key(r), label(r)))
         names = sorted(cells, key=lambda t: (_sort_value(t[0][0]), t[0][1], eviction_rank(t[1].split(" ")[0]), t[1]))
         xs = np.arange(len(names))
@@ -840,7 +852,7 @@ def init(records: Sequence[dict], stem) -> list[Path]:
     policies = sorted({init_group_label(r, rs) for r in rs}, key=lambda s: (kind_rank(s.split(" ")[0]), s))
     inits = sorted({init_label(r) for r in rs}, key=lambda s: (s != "empty", s))
     early = any(first_token_miss_rates(r) for r in rs)
-    fig, axes = new_figure(1, len(metrics) + early, panel=(max(4.5, 1.2 * len(policies) * len(inits)), 3.8))
+    fig, axes = new_figure(1, len(metrics) + early, panel=(min(7.0, max(4.5, 1.0 * len(policies) * len(inits))), 3.8))
     if early:  # miss rate over the first n tokens: how fast the initial content stops mattering
         ax = axes[0, -1]
         styles = ("-", "--", ":", "-.")
@@ -874,7 +886,8 @@ def init(records: Sequence[dict], stem) -> list[Path]:
                     means.append(np.mean(vals))
                     lo.append(np.mean(vals) - min(vals))
                     hi.append(max(vals) - np.mean(vals))
-            ax.bar(xs, means, width * 0.9, yerr=[lo, hi], capsize=3, label=f"{ini} cache",
+            spread = any(v > 0 for v in lo + hi)  # whiskers only where several seeds differ
+            ax.bar(xs, means, width * 0.9, yerr=[lo, hi] if spread else None, capsize=3, label=f"{ini} cache",
                    color=("tab:blue", "tab:orange", "tab:green", "tab:red")[j % 4])
         ax.set_xticks(range(len(policies)))
         ax.set_xticklabels(policies, rotation=20, ha="right", fontsize=8)

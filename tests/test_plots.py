@@ -267,8 +267,8 @@ def test_save_figure_replaces_atomically_and_strips_suffix(tmp_path):
 
 
 def test_svg_output_is_reproducible(tmp_path):
-    a = plots.init(init_records(), tmp_path / "a")[1].read_bytes()
-    b = plots.init(init_records(), tmp_path / "b")[1].read_bytes()
+    a = plots.delta(delta_records(), tmp_path / "a")[1].read_bytes()
+    b = plots.delta(delta_records(), tmp_path / "b")[1].read_bytes()
     assert a == b
 
 
