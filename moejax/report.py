@@ -772,7 +772,7 @@ def build_report(paths: Sequence, out: Path, fig_dir: Path | None, traces: Seque
             raise ValueError("--trace needs a figures folder")
         lines.append(render_heatmap_section(traces, trace_layer, trace_cache_size, trace_eviction, trace_tokens,
                                             fig_dir, out_dir))
-    return "\n".join(lines).rstrip() + "\n"
+    return re.sub(r"\n{3,}", "\n\n", "\n".join(lines)).rstrip() + "\n"  # no runs of blank lines
 
 
 def _anchor(title: str) -> str:
