@@ -67,8 +67,12 @@ def run_point(model, ids, policy, cache: CacheConfig, off: offload.OffloadConfig
 
 
 def cpu_suite(args) -> dict:
-    model = moejax.load(args.model)
-    ids = model.encode(PROMPT)
+    if args.model == "olmoe-shapes":  # real-size experts (12 MiB each in bf16), random weights
+        model = real_size_model(args.layers, small=False)
+        ids = (np.arange(1, 17, dtype=np.int32) * 7919) % model.cfg.vocab_size
+    else:
+        model = moejax.load(args.model)
+        ids = model.encode(PROMPT)
     k, n = model.cfg.top_k, model.cfg.n_experts
     lams = [float(x) for x in args.lams.split(",")]
     out = {"machine": machine(), "model": args.model, "new_tokens": args.new_tokens, "points": []}
@@ -190,13 +194,14 @@ def gpu_suite(args) -> dict:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--suite", choices=("cpu", "gpu"), default="cpu")
-    p.add_argument("--model", default="default")
+    p.add_argument("--model", default="default", help="a model path, 'default', or 'olmoe-shapes' (random "
+                   "weights with OLMoE's expert shapes, --layers decoder layers)")
     p.add_argument("--bandwidths", default="2,25,0.25", help="emulated GB/s (cpu suite)")
     p.add_argument("--sizes", default="0.5,0.25", help="cache sizes (fractions of N)")
     p.add_argument("--lams", default="0.1,0.3,0.5,0.7,0.9")
     p.add_argument("--new-tokens", type=int, default=64)
     p.add_argument("--repeat", type=int, default=2)
-    p.add_argument("--layers", type=int, default=4, help="gpu suite: decoder layers of the real-size model")
+    p.add_argument("--layers", type=int, default=4, help="decoder layers of the real-size (olmoe-shapes) model")
     p.add_argument("--small", action="store_true", help="gpu suite on tiny shapes (smoke test anywhere)")
     p.add_argument("--out", default=None, help="results JSON path (default bench/results/offload_<suite>.json)")
     args = p.parse_args(argv)

@@ -528,9 +528,12 @@ def _pool_prefetch(st: CacheState, row, experts, valid):
         load_pass=put(st.load_pass, for_pass, new_col),
         seen=put(st.seen, True, new_col),
         clock=jnp.full_like(st.clock, tick0 + e),
-        stats=st.stats.replace(prefetch_loads=st.stats.prefetch_loads.at[row].add(new.sum().astype(jnp.int32))),
     )
     st, _ = _evict_and_place(st, row, now, drop, new, for_pass)
+    # a prediction larger than the cache evicts some of its own entries at once: those never move
+    new = new & st.resident[row, col]
+    st = st.replace(stats=st.stats.replace(
+        prefetch_loads=st.stats.prefetch_loads.at[row].add(new.sum().astype(jnp.int32))))
     return st, new
 
 

@@ -266,10 +266,11 @@ def _dense_layer(lp, cfg: ModelConfig, layer: int, x, pos, kv):
     return x + model_lib.dense_mlp(lp["mlp"], cfg, model_lib.norm(x, lp["mlp_norm"], cfg)), kv
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "layer", "moe_index"), donate_argnames=("kv",))
-def _stage_a(lp, next_lp, cfg: ModelConfig, layer: int, moe_index: int, x, pos, kv, state, prediction):
+@functools.partial(jax.jit, static_argnames=("cfg", "layer"), donate_argnames=("kv",))
+def _stage_a(lp, next_lp, cfg: ModelConfig, layer: int, moe_index, x, pos, kv, state, prediction):
     """Attention + router step of one MoE layer, then the next MoE layer's prefetch (cache update only;
-    the host starts its transfers right away). Event order = the simulation's: route(l), prefetch(l+1)."""
+    the host starts its transfers right away). Event order = the simulation's: route(l), prefetch(l+1).
+    ``moe_index`` is traced, so layers of one structure share one compiled stage."""
     positions, cos, sin = _rope(cfg, pos)
     attend = model_lib.mla_attention if cfg.mla else model_lib.gqa_attention
     a, kv = attend(lp["attn"], cfg, layer, model_lib.norm(x, lp["attn_norm"], cfg), cos, sin, positions, kv, pos)
@@ -444,7 +445,7 @@ class HostPager:
             nxt = self.params["layers"][self.moe_ids[moe_index + 1]] if moe_index + 1 < len(self.moe_ids) else None
             before = np.asarray(self.state["cache"].slot)
             x, h, kv[i], self.state, prediction, routed = _stage_a(
-                lp, nxt, cfg, rep, moe_index, x, pos, kv[i], self.state, prediction)
+                lp, nxt, cfg, rep, jnp.int32(moe_index), x, pos, kv[i], self.state, prediction)
             experts, weights, hits, tier, slot_ids, slot_mid, z = routed
             if record is not None:
                 record.append((experts, weights, hits, z))
