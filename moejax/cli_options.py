@@ -19,6 +19,8 @@ def add_routing_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--prune-h", type=int, default=None, help="pruning: keep ranks 1..h-1 (default K)")
     g.add_argument("--delta", type=float, default=None,
                    help="cache-prior: fixed calibrated Δ instead of the running mean of max(z)-min(z)")
+    g.add_argument("--prior", default=None, metavar="PATH",
+                   help="learned-prior: checkpoint folder written by `python -m moejax.train_prior`")
     c = p.add_argument_group("expert cache")
     c.add_argument("--cache-size", default=None,
                    help="capacity: a count ('6') or, with a decimal point, a fraction of N ('0.5'); "
@@ -31,13 +33,26 @@ def add_routing_args(p: argparse.ArgumentParser) -> None:
 
 
 def cache_requested(args: argparse.Namespace) -> bool:
-    return args.routing is not None or args.cache_size is not None
+    # a --prior without --routing still goes through policy_from_args, which rejects it (never silently ignored)
+    return args.routing is not None or args.cache_size is not None or getattr(args, "prior", None) is not None
 
 
 def policy_from_args(args: argparse.Namespace, top_k: int) -> routing_lib.RoutingPolicy:
+    prior_path = getattr(args, "prior", None)
+    params = None
+    if args.routing == "learned-prior":
+        if not prior_path:
+            raise ValueError("--routing learned-prior needs --prior PATH (a checkpoint folder written by "
+                             "`python -m moejax.train_prior`)")
+        from moejax import prior as prior_lib
+
+        params = prior_lib.load_prior(prior_path, top_k=top_k)  # N and layers are checked against the model
+    elif prior_path:
+        raise ValueError("--prior only applies to --routing learned-prior "
+                         f"(got --routing {args.routing or 'original'})")
     return routing_lib.make_policy(args.routing or "original", top_k, lam=args.lam, top_j=args.top_j,
                                    max_rank=args.max_rank, cumsum_p=args.cumsum_p, prune_h=args.prune_h,
-                                   delta=args.delta)
+                                   delta=args.delta, prior=params)
 
 
 def cache_from_args(args: argparse.Namespace):
@@ -52,4 +67,4 @@ def describe(args: argparse.Namespace) -> dict:
     return {"routing": args.routing or "original", "lam": args.lam, "top_j": args.top_j,
             "max_rank": args.max_rank, "cumsum_p": args.cumsum_p, "prune_h": args.prune_h, "delta": args.delta,
             "cache_size": args.cache_size or "0.5", "scope": args.cache_scope, "eviction": args.eviction,
-            "cache_init": args.cache_init}
+            "cache_init": args.cache_init, "prior": getattr(args, "prior", None)}

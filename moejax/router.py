@@ -71,6 +71,8 @@ def route_tokens(z: jax.Array, layer, cache_state: CacheState, routing_state: Ro
     if cache_state.scope != "layer":
         raise ValueError("route_tokens is the layer-parallel path and needs a per-layer cache; "
                          "global caches couple layers and must be routed token by token")
+    # the scan routes a one-layer row view as "layer 0": a learned prior is sliced to the true layer's row too
+    policy = routing_lib.policy_row(policy, layer, routing_state.delta_sum.shape[0])
 
     def step(carry, z_t):
         cs, rs = carry
@@ -114,12 +116,13 @@ def route_layers_parallel(z: jax.Array, cache_state: CacheState, routing_state: 
     token scan over layers. Same outputs and states as ``route_sequence``, much faster."""
     split_cs = cache_lib.split_layers(cache_state)
     split_rs = jax.tree.map(lambda a: a[:, None], routing_state)
+    split_prior = routing_lib.split_policy_prior(policy)  # a learned prior's rows go with their layer
 
-    def one_layer(z_l, cs, rs):
-        return route_tokens(z_l, 0, cs, rs, policy, gating)
+    def one_layer(z_l, cs, rs, prior):
+        return route_tokens(z_l, 0, cs, rs, policy.replace(prior=prior), gating)
 
-    experts, weights, hits, cs, rs = jax.vmap(one_layer, in_axes=(1, 0, 0), out_axes=(1, 1, 1, 0, 0))(
-        z, split_cs, split_rs)
+    experts, weights, hits, cs, rs = jax.vmap(one_layer, in_axes=(1, 0, 0, 0), out_axes=(1, 1, 1, 0, 0))(
+        z, split_cs, split_rs, split_prior)
     return experts, weights, hits, cache_lib.merge_layers(cs), jax.tree.map(lambda a: a[:, 0], rs)
 
 

@@ -20,7 +20,9 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 
-KINDS = ("original", "pruning", "max-rank", "cumsum", "cache-prior")
+from moejax import prior as prior_lib
+
+KINDS = ("original", "pruning", "max-rank", "cumsum", "cache-prior", "learned-prior")
 
 
 def default_top_j(top_k: int) -> int:
@@ -33,7 +35,9 @@ class RoutingPolicy:
     """One routing policy. All numeric fields are scalars (or stacked along a leading axis for vmap).
 
     Fields that a kind does not use are ignored by it. ``delta_fixed`` < 0 or NaN means "use the
-    running mean of the logit range"; otherwise it is the calibrated Δ for every layer.
+    running mean of the logit range"; otherwise it is the calibrated Δ for every layer. ``prior`` holds the
+    learned prior's MLP parameters (``moejax.prior``: arrays with a leading MoE-layer axis) for kind
+    ``learned-prior`` and is None for every other kind.
     """
 
     lam: jax.Array
@@ -43,16 +47,17 @@ class RoutingPolicy:
     prune_h: jax.Array
     delta_fixed: jax.Array
     kind: str = flax.struct.field(pytree_node=False, default="original")
+    prior: Any = None
 
 
-def _policy(kind: str, lam=0.0, top_j=1, max_rank=0, cumsum_p=0.0, prune_h=2, delta_fixed=-1.0):
+def _policy(kind: str, lam=0.0, top_j=1, max_rank=0, cumsum_p=0.0, prune_h=2, delta_fixed=-1.0, prior=None):
     if kind not in KINDS:
         raise ValueError(f"unknown routing kind {kind!r}; expected one of {KINDS}")
     as_f = lambda x: jnp.asarray(x, jnp.float32)  # noqa: E731
     as_i = lambda x: jnp.asarray(x, jnp.int32)  # noqa: E731
     return RoutingPolicy(
         lam=as_f(lam), top_j=as_i(top_j), max_rank=as_i(max_rank), cumsum_p=as_f(cumsum_p),
-        prune_h=as_i(prune_h), delta_fixed=as_f(delta_fixed), kind=kind,
+        prune_h=as_i(prune_h), delta_fixed=as_f(delta_fixed), kind=kind, prior=prior,
     )
 
 
@@ -83,9 +88,22 @@ def cache_prior(lam, top_j, delta=None) -> RoutingPolicy:
     return _policy("cache-prior", lam=lam, top_j=top_j, delta_fixed=-1.0 if delta is None else delta)
 
 
+def learned_prior(params) -> RoutingPolicy:
+    """Rank by z + MLP(m, z) (``moejax.prior``; parameters from ``prior.load_prior`` or ``prior.init_params``)."""
+    if params is None:
+        raise ValueError("routing kind 'learned-prior' needs prior= parameters (moejax.prior.load_prior(PATH), "
+                         "trained with python -m moejax.train_prior)")
+    prior_lib.shape_of(params)
+    return _policy("learned-prior", prior={k: jnp.asarray(params[k], jnp.float32) for k in prior_lib.PARAM_KEYS})
+
+
 def make_policy(kind: str, top_k: int, *, lam=0.0, top_j=None, max_rank=None, cumsum_p=0.0,
-                prune_h=None, delta=None) -> RoutingPolicy:
+                prune_h=None, delta=None, prior=None) -> RoutingPolicy:
     """Policy from CLI-style options, with the paper's defaults and range checks against K."""
+    if kind == "learned-prior":
+        return learned_prior(prior)
+    if prior is not None:
+        raise ValueError(f"prior= parameters only apply to routing kind 'learned-prior', not {kind!r}")
     top_j = default_top_j(top_k) if top_j is None else int(top_j)
     if kind == "original":
         return original()
@@ -118,6 +136,19 @@ def stack_policies(policies: list[RoutingPolicy]) -> RoutingPolicy:
     if len(kinds) != 1:
         raise ValueError(f"can only stack policies of one kind, got {sorted(kinds)}")
     return jax.tree.map(lambda *xs: jnp.stack(xs), *policies)
+
+
+def policy_row(policy: RoutingPolicy, layer, n_layers: int) -> RoutingPolicy:
+    """The policy as seen by a one-layer row view of the cache/routing state of MoE ``layer``: a learned
+    prior is sliced to that layer's row (other kinds hold no per-layer data and come back unchanged)."""
+    if policy.prior is None:
+        return policy
+    return policy.replace(prior=prior_lib.layer_rows(policy.prior, layer, n_layers))
+
+
+def split_policy_prior(policy: RoutingPolicy):
+    """Per-layer one-row priors [L, 1, ...] to ``vmap`` over layers (None for every other kind)."""
+    return None if policy.prior is None else prior_lib.split_layers(policy.prior)
 
 
 # ----------------------------------------------------------------------------------------- routing state
@@ -214,5 +245,11 @@ def rerank(z: jax.Array, cache_mask: jax.Array, routing_state: RoutingState, pol
         fixed = policy.delta_fixed
         delta = jnp.where(fixed >= 0, fixed, running_delta(routing_state, layer))  # NaN >= 0 is False
         z_prior = cache_prior_logits(z, ranking, cache_mask, policy.lam, delta, policy.top_j)
+        return gating.ranking(z_prior).astype(jnp.int32), n_valid
+    if policy.kind == "learned-prior":
+        # the prior has as many layer rows as the routing state: both are one-row views in the layer-parallel
+        # router (``layer`` is then 0 and the rows are already the true layer's, see ``policy_row``)
+        prior_lib.check_compatible(policy.prior, routing_state.delta_sum.shape[0], z.shape[-1])
+        z_prior = prior_lib.biased_logits(policy.prior, layer, z, cache_mask)
         return gating.ranking(z_prior).astype(jnp.int32), n_valid
     raise ValueError(f"unknown routing kind {policy.kind!r}")
