@@ -30,11 +30,59 @@ def add_routing_args(p: argparse.ArgumentParser) -> None:
                    help="eviction policy (Belady is an offline oracle: use `moejax.trace replay`)")
     c.add_argument("--cache-init", choices=cache_lib.INITS, default="empty")
     c.add_argument("--cache-seed", type=int, default=0, help="seed of --cache-init random")
+    c.add_argument("--miss", choices=cache_lib.MISS_MODES, default="fetch",
+                   help="miss handling: fetch (lossless), drop / substitute / cascade a low-importance miss")
+    c.add_argument("--miss-rank", default="1",
+                   help="0-based position (by weight) from which a miss is low-importance; cascade: one per "
+                        "tier, e.g. '1,3' with --cascade-bits 8,4 (default 1)")
+    c.add_argument("--cascade-bits", default="8", help="cascade: bit width per tier, 8 and/or 4 (default 8)")
+    c.add_argument("--quant-group", type=int, default=None,
+                   help="cascade: quantisation group size along the input axis (default: per channel)")
+    c.add_argument("--prefetch", type=float, default=0.0, metavar="F",
+                   help="speculative next-layer prefetch of the top round(K·F) predicted experts (0 = off)")
+    c.add_argument("--prefetch-percentile", type=float, default=None, metavar="Q",
+                   help="prefetch every expert whose predicted probability is above the Q-th percentile")
+
+
+def _int_list(text: str, flag: str) -> tuple[int, ...]:
+    try:
+        return tuple(int(x) for x in str(text).split(",") if x.strip())
+    except ValueError:
+        raise ValueError(f"{flag} takes comma-separated integers, got {text!r}") from None
+
+
+def add_offload_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("expert offloading (experts in host memory, device slots = the cache)")
+    g.add_argument("--offload", action="store_true",
+                   help="page experts from host memory into device slots for real (turns the cache on)")
+    g.add_argument("--paging", choices=("host", "jit"), default="host",
+                   help="host: host-driven between jitted stages (everywhere, bandwidth emulation); "
+                        "jit: inside the scanned decode loop from host-memory arrays")
+    g.add_argument("--expert-store", choices=("host", "flash"), default="host",
+                   help="host: pinned host memory; flash: a memory-mapped file (see --store-dir)")
+    g.add_argument("--store-dir", default=None, help="folder for the flash tier's expert file (default: temp)")
+    g.add_argument("--bandwidth-gbps", type=float, default=None,
+                   help="emulate a host→device link of this bandwidth (GB/s), e.g. 2 (flash), 25 (PCIe)")
+    g.add_argument("--latency-us", type=float, default=0.0, help="emulated per-transfer latency (µs)")
+
+
+def offload_from_args(args: argparse.Namespace):
+    """An ``offload.OffloadConfig`` when ``--offload`` was given, else None (options without it: error)."""
+    if not getattr(args, "offload", False):
+        if getattr(args, "bandwidth_gbps", None) is not None or getattr(args, "latency_us", 0.0):
+            raise ValueError("--bandwidth-gbps / --latency-us emulate transfers: they need --offload")
+        return None
+    from moejax.offload import OffloadConfig
+
+    return OffloadConfig(paging=args.paging, store=args.expert_store, bandwidth_gbps=args.bandwidth_gbps,
+                         latency_us=args.latency_us, store_dir=args.store_dir)
 
 
 def cache_requested(args: argparse.Namespace) -> bool:
     # a --prior without --routing still goes through policy_from_args, which rejects it (never silently ignored)
-    return args.routing is not None or args.cache_size is not None or getattr(args, "prior", None) is not None
+    return (args.routing is not None or args.cache_size is not None or getattr(args, "prior", None) is not None
+            or getattr(args, "offload", False) or args.miss != "fetch" or bool(args.prefetch)
+            or args.prefetch_percentile is not None)
 
 
 def policy_from_args(args: argparse.Namespace, top_k: int) -> routing_lib.RoutingPolicy:
@@ -58,8 +106,13 @@ def policy_from_args(args: argparse.Namespace, top_k: int) -> routing_lib.Routin
 def cache_from_args(args: argparse.Namespace):
     from moejax.simulate import CacheConfig
 
-    return CacheConfig(size=str(args.cache_size or "0.5"), scope=args.cache_scope, eviction=args.eviction,
-                       init=args.cache_init, seed=args.cache_seed)
+    cfg = CacheConfig(size=str(args.cache_size or "0.5"), scope=args.cache_scope, eviction=args.eviction,
+                      init=args.cache_init, seed=args.cache_seed, miss=args.miss,
+                      miss_rank=_int_list(args.miss_rank, "--miss-rank"),
+                      cascade_bits=_int_list(args.cascade_bits, "--cascade-bits"), quant_group=args.quant_group,
+                      prefetch=args.prefetch, prefetch_percentile=args.prefetch_percentile)
+    cfg.miss_config(), cfg.prefetch_config()  # bad values fail here, with the option's own message
+    return cfg
 
 
 def describe(args: argparse.Namespace) -> dict:
@@ -67,4 +120,6 @@ def describe(args: argparse.Namespace) -> dict:
     return {"routing": args.routing or "original", "lam": args.lam, "top_j": args.top_j,
             "max_rank": args.max_rank, "cumsum_p": args.cumsum_p, "prune_h": args.prune_h, "delta": args.delta,
             "cache_size": args.cache_size or "0.5", "scope": args.cache_scope, "eviction": args.eviction,
-            "cache_init": args.cache_init, "prior": getattr(args, "prior", None)}
+            "cache_init": args.cache_init, "prior": getattr(args, "prior", None), "miss": args.miss,
+            "miss_rank": args.miss_rank, "cascade_bits": args.cascade_bits, "prefetch": args.prefetch,
+            "prefetch_percentile": args.prefetch_percentile}

@@ -8,7 +8,13 @@
 3. chosen = first K of the ranking (the first h-1 for pruning; the rest are -1 with weight 0);
 4. weights = the architecture's own weights of the chosen set from the ORIGINAL logits;
 5. order the K by weight, highest first (stable), which is also the cache's same-step order;
-6. update the cache (hits, misses, loads, evictions, metrics).
+6. miss handling (``cache_state.miss``: fetch, drop, substitute, cascade) on the low-importance misses;
+7. update the cache (hits, misses, loads, evictions, metrics).
+
+Prefetch (``cache_state.prefetcher``): when the caller passes ``z_pred`` — this layer's router applied to
+the previous MoE layer's hidden state — the predicted experts are loaded into this layer's cache before it
+routes (step 0), and the prediction's precision/recall are counted after step 5. The event order
+route(l) → prefetch(l+1) → route(l+1) is the same on the token-sequential and the layer-parallel paths.
 
 ``layer`` may be a Python int or a traced int32. With per-layer scope only that layer's row of the cache
 is read and written, so ``route_tokens`` (one layer, all T tokens) run layer after layer gives exactly
@@ -51,22 +57,100 @@ def choose(z: jax.Array, cache_mask: jax.Array, routing_state: RoutingState, pol
     return chosen[order], weights[order], valid[order]
 
 
+def predicted_experts(z_pred: jax.Array, prefetcher: cache_lib.PrefetchConfig, gating: Any):
+    """The prefetcher's guess for one token: (ids [E] most likely first, valid [E])."""
+    n = z_pred.shape[-1]
+    ranking = gating.ranking(z_pred).astype(jnp.int32)
+    count = prefetcher.count(gating.top_k, n)
+    if prefetcher.percentile is not None:
+        probs = gating.probs(z_pred).astype(jnp.float32)
+        threshold = jnp.percentile(probs, prefetcher.percentile)
+        return ranking, probs[ranking] > threshold
+    return ranking[:count], jnp.ones((count,), bool)
+
+
+def handle_misses(z: jax.Array, experts: jax.Array, weights: jax.Array, valid: jax.Array, cache_mask: jax.Array,
+                  miss: cache_lib.MissConfig, gating: Any):
+    """Apply the miss handling to the low-importance misses (positions >= ``miss.rank[0]`` not cached).
+
+    Returns (experts, weights, valid, tier [K] (8/4 = served from that low-bit copy, else 0), counts)."""
+    k = experts.shape[0]
+    n = z.shape[-1]
+    pos = jnp.arange(k)
+    tier = jnp.zeros((k,), jnp.int32)
+    low = valid & ~cache_mask[jnp.maximum(experts, 0)] & (pos >= miss.rank[0])
+    if miss.mode == "fetch":
+        return experts, weights, valid, tier, {}
+    if miss.mode == "drop":
+        kept = valid & ~low
+        total = jnp.sum(jnp.where(valid, weights, 0.0))
+        kept_sum = jnp.sum(jnp.where(kept, weights, 0.0))
+        scale = jnp.where(kept_sum > 0, total / jnp.where(kept_sum > 0, kept_sum, 1.0), 0.0)
+        weights = jnp.where(kept, weights * scale, 0.0)
+        return jnp.where(kept, experts, -1), weights, kept, tier, {"dropped": low.sum()}
+    if miss.mode == "substitute":
+        original = gating.ranking(z).astype(jnp.int32)
+        rank_of = jnp.zeros((n,), jnp.int32).at[original].set(jnp.arange(n, dtype=jnp.int32))
+        chosen = jnp.zeros((n + 1,), bool).at[jnp.where(valid, experts, n)].set(True)[:n]
+        avail = cache_mask & ~chosen
+        done = jnp.zeros((), jnp.int32)
+        for j in range(k):  # K is small: unrolled, best-ranked available expert first
+            best = jnp.argmin(jnp.where(avail, rank_of, n)).astype(jnp.int32)
+            do = low[j] & avail[best]
+            experts = experts.at[j].set(jnp.where(do, best, experts[j]))
+            avail = avail & ~((jnp.arange(n) == best) & do)
+            done = done + do.astype(jnp.int32)
+        return experts, weights, valid, tier, {"substituted": done}
+    # cascade
+    tier = jnp.where(low, jnp.asarray(miss.tier_bits(k), jnp.int32), 0)
+    return experts, weights, valid, tier, {}
+
+
+def prefetch_step(cache_state: CacheState, layer, z_pred: jax.Array, gating: Any):
+    """Load the prefetcher's guess for ``layer`` (from its router on the previous layer's hidden state).
+    Returns (cache_state', prediction = (ids [E], valid [E])) for ``router_step(prediction=...)``."""
+    pred_ids, pred_valid = predicted_experts(z_pred, cache_state.prefetcher, gating)
+    cache_state, _ = cache_lib.prefetch(cache_state, layer, pred_ids, pred_valid)
+    return cache_state, (pred_ids, pred_valid)
+
+
 def router_step(z: jax.Array, cache_state: CacheState, routing_state: RoutingState, policy: RoutingPolicy,
-                gating: Any, layer=0):
+                gating: Any, layer=0, *, z_pred: jax.Array | None = None, prediction=None,
+                with_tier: bool = False):
     """Route one token at one MoE layer and update both states (module docstring). Belady needs the
-    future, so it is not an online eviction here: replay it over a recorded trace (``trace.replay``)."""
+    future, so it is not an online eviction here: replay it over a recorded trace (``trace.replay``).
+
+    ``prediction`` instead of ``z_pred``: the prefetch was already applied (``prefetch_step``, by an
+    offloader that starts the transfers early); only its precision/recall are counted here.
+    Returns (experts, weights, hits, cache_state', routing_state'), with ``tier`` [K] after hits when
+    ``with_tier`` (the precision each chosen expert is computed at: 0 full, 8 / 4 low-bit copy)."""
     routing_state = routing_lib.observe(routing_state, layer, z)
+    if z_pred is not None and cache_state.prefetcher.enabled:
+        cache_state, prediction = prefetch_step(cache_state, layer, z_pred, gating)
+    predicting = prediction is not None
+    if predicting:
+        pred_ids, pred_valid = prediction
     mask = cache_lib.resident_mask(cache_state, layer)
     experts, weights, valid = choose(z, mask, routing_state, policy, gating, layer)
-    cache_state, hits = cache_lib.access(cache_state, layer, experts, weights, valid)
+    experts, weights, valid, tier, counts = handle_misses(z, experts, weights, valid, mask, cache_state.miss, gating)
+    cache_state, hits = cache_lib.access(cache_state, layer, experts, weights, valid, tier=tier)
+    if predicting:
+        used = pred_valid & jnp.isin(pred_ids, jnp.where(valid, experts, -1))
+        counts = {**counts, "predicted": pred_valid.sum(), "predicted_used": used.sum(),
+                  "predicted_for": valid.sum()}
+    if counts:
+        cache_state = cache_lib.count(cache_state, layer, **counts)
+    if with_tier:
+        return experts, weights, hits, tier, cache_state, routing_state
     return experts, weights, hits, cache_state, routing_state
 
 
 def route_tokens(z: jax.Array, layer, cache_state: CacheState, routing_state: RoutingState,
-                 policy: RoutingPolicy, gating: Any):
+                 policy: RoutingPolicy, gating: Any, *, z_pred: jax.Array | None = None, with_tier: bool = False):
     """``lax.scan`` of ``router_step`` over T tokens of ONE layer (the layer-parallel path; per-layer scope).
 
-    z: [T, N]. Returns (experts [T, K], weights [T, K], hits [T, K], cache_state', routing_state').
+    z: [T, N]; z_pred: [T, N] predicted logits for prefetch (optional). Returns (experts [T, K],
+    weights [T, K], hits [T, K], cache_state', routing_state'), with tier [T, K] after hits if ``with_tier``.
     """
     if cache_state.scope != "layer":
         raise ValueError("route_tokens is the layer-parallel path and needs a per-layer cache; "
@@ -74,18 +158,22 @@ def route_tokens(z: jax.Array, layer, cache_state: CacheState, routing_state: Ro
     # the scan routes a one-layer row view as "layer 0": a learned prior is sliced to the true layer's row too
     policy = routing_lib.policy_row(policy, layer, routing_state.delta_sum.shape[0])
 
-    def step(carry, z_t):
+    def step(carry, inputs):
         cs, rs = carry
-        experts, weights, hits, cs, rs = router_step(z_t, cs, rs, policy, gating, 0)
-        return (cs, rs), (experts, weights, hits)
+        z_t, zp_t = inputs
+        experts, weights, hits, tier, cs, rs = router_step(z_t, cs, rs, policy, gating, 0, z_pred=zp_t,
+                                                           with_tier=True)
+        return (cs, rs), (experts, weights, hits, tier)
 
     # carry only this layer's row through the scan (a one-layer cache), written back once at the end:
     # slicing and rewriting the whole [L, N] state at every token cost ~60 % more per step
     row = cache_lib.row_view(cache_state, layer)
     row_rs = jax.tree.map(lambda a: lax.dynamic_slice_in_dim(a, layer, 1), routing_state)
-    (row, row_rs), (experts, weights, hits) = lax.scan(step, (row, row_rs), z)
+    (row, row_rs), (experts, weights, hits, tier) = lax.scan(step, (row, row_rs), (z, z_pred))
     cache_state = cache_lib.write_row(cache_state, row, layer)
     routing_state = jax.tree.map(lambda a, b: lax.dynamic_update_slice_in_dim(a, b, layer, 0), routing_state, row_rs)
+    if with_tier:
+        return experts, weights, hits, tier, cache_state, routing_state
     return experts, weights, hits, cache_state, routing_state
 
 
