@@ -47,7 +47,8 @@ PARAM_SYMBOL = {"lam": "λ", "prune_h": "h", "max_rank": "M", "cumsum_p": "p", "
                 "top_j": "J", "delta": "Δ"}
 EVICTION_ORDER = ("lru", "lfu", "fld", "score", "least-stale", "belady")
 PPL_TOLERANCES = (0.01, 0.05, 0.10)  # cache-size ablation and headlines: +1 / +5 / +10 % perplexity
-PPL_VIEW = 0.30  # Pareto plots show perplexity up to +30 % over original routing (the rest is annotated)
+PPL_VIEWS = (0.01, 0.02, 0.05, 0.10, 0.30)  # Pareto-plot zoom levels: perplexity up to +x % over original
+PPL_VIEW_SHARE = 0.85  # the zoom keeps at least this share of a panel's points in view
 _STD_CACHE_KEYS = ("size", "capacity", "scope", "eviction", "init", "seed")
 
 
@@ -234,6 +235,17 @@ def collision_rate(r: dict) -> float | None:
 
 
 # ----------------------------------------------------------------------------------- pure analysis
+
+
+def ppl_view(ys: Sequence[float], ref: float) -> float | None:
+    """The tightest zoom in PPL_VIEWS (perplexity up to ref·(1 + v)) that keeps PPL_VIEW_SHARE of ``ys`` in
+    view, or None when every point fits under the widest one anyway."""
+    if not ys or max(ys) <= ref * (1 + PPL_VIEWS[0]):
+        return None
+    for v in PPL_VIEWS:
+        if sum(y <= ref * (1 + v) for y in ys) >= PPL_VIEW_SHARE * len(ys):
+            return v if max(ys) > ref * (1 + v) else None
+    return PPL_VIEWS[-1]
 
 
 def pareto_indices(points: Sequence[Sequence[float]]) -> list[int]:
@@ -501,6 +513,7 @@ def _tradeoff(records: Sequence[dict], stem, metric: str, panel_key: Callable[[d
             front = [rs[j] for j in pareto_indices([(x, sign * y) for x, y in zip(xs, ys)])]
             ax.plot([r["miss_rate"] for r in front], [r[metric] for r in front], "-o", ms=3.5, lw=1.6,
                     color=color, label=kind)
+        model, task, cap = key[0], key[1], key[2]
         orig = original_records(pts)
         if orig:  # one star: the best original-routing measurement (see original_records)
             r = orig[0]
@@ -508,7 +521,6 @@ def _tradeoff(records: Sequence[dict], stem, metric: str, panel_key: Callable[[d
             ax.plot([r["miss_rate"]], [r[metric]], "*", ms=14, color="black", zorder=5,
                     label=f"original routing ({_eviction_name(eviction_of(r))}{lam0})")
             ax.axhline(r[metric], color="black", lw=0.6, ls=":", zorder=0)
-        model, task, cap = key[0], key[1], key[2]
         for j, r in enumerate(b for b in bel if capacity_of(b) == cap and b.get("model") == model):
             ax.axvline(r["miss_rate"], color="black", ls="--", lw=1.2,
                        label="Belady bound (optimal eviction)" if j == 0 else None)
@@ -516,13 +528,17 @@ def _tradeoff(records: Sequence[dict], stem, metric: str, panel_key: Callable[[d
                         ha="left", va="top", fontsize=7)
         ys_all = [float(r[metric]) for r in pts]
         ref = reference_ppl(pts, cap) if metric == "ppl" else None
-        if ref is not None and max(ys_all) > ref * (1 + PPL_VIEW):
+        view = ppl_view(ys_all, ref) if ref is not None else None
+        if view is not None:
             # keep the interesting region readable (paper figures 4/14 do the same): clip far-off points
-            low = min(ys_all)
-            top = ref * (1 + PPL_VIEW)
-            ax.set_ylim(low - 0.03 * (top - low), top)
+            low, top = min(ys_all), ref * (1 + view)
+            ax.set_ylim(low - 0.04 * (top - low), top + 0.02 * (top - low))
+            shown = [r["miss_rate"] for r in pts if r[metric] <= top] + \
+                [b["miss_rate"] for b in bel if capacity_of(b) == cap and b.get("model") == model]
+            pad = 0.04 * (max(shown) - min(shown) or 0.05)
+            ax.set_xlim(min(shown) - pad, max(shown) + pad)
             hidden = sum(y > top for y in ys_all)
-            ax.set_title(f"{title(key, pts)}\n({hidden} point(s) above +{PPL_VIEW:.0%} perplexity off the plot)",
+            ax.set_title(f"{title(key, pts)}\n(zoomed to ≤ +{view:.0%} perplexity: {hidden} point(s) above it off the plot)",
                          fontsize=9)
         else:
             ax.set_title(title(key, pts), fontsize=10)

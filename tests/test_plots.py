@@ -184,6 +184,18 @@ def test_pareto_front_property(points):
     assert xs == sorted(xs)
 
 
+def test_ppl_view_zoom():
+    ref = 100.0
+    assert plots.ppl_view([100.0, 100.5], ref) is None  # all within +1 %: no zoom needed
+    # 9 of 10 points within +1 % (>= 85 %): zoom to +1 %, the far-off one is left out
+    assert plots.ppl_view([100.0] * 9 + [230.0], ref) == 0.01
+    # half within +1 %, all but one within +5 %: +5 %
+    assert plots.ppl_view([100.0] * 5 + [104.0] * 4 + [150.0], ref) == 0.05
+    # the tightest level that holds 85 % already holds everything: no clipping
+    assert plots.ppl_view([100.0, 101.5, 101.8], ref) is None
+    assert plots.ppl_view([100.0, 150.0, 190.0, 300.0], ref) == 0.30
+
+
 def test_best_within_and_cache_size_series():
     rs = [rec("x", "cache-prior", lam=lam, ppl=p, miss=m)
           for lam, p, m in ((0.0, 10.0, 0.4), (0.3, 10.09, 0.3), (0.6, 10.4, 0.2), (0.9, 11.5, 0.1))]
