@@ -603,11 +603,12 @@ def cache_size(records: Sequence[dict], stem) -> list[Path]:
         if series["belady"]:
             ax.plot(*zip(*series["belady"]), "--s", color="tab:gray", ms=4, label="Belady (optimal eviction)")
         prior = [name for name in series if name.startswith("cache-prior")]
-        for i, name in enumerate(reversed(prior)):  # the loosest budget first, darkest last
+        for i, name in enumerate(reversed(prior)):  # the loosest budget first and widest: coinciding lines stay visible
             pts = series[name]
             if pts:
-                ax.plot([p[0] for p in pts], [p[1] for p in pts], "-^", ms=4,
-                        color=shades.get(len(prior) - 1 - i, "tab:purple"), label=f"{name} ppl")
+                ax.plot([p[0] for p in pts], [p[1] for p in pts], "-^", ms=3 + 2 * (len(prior) - 1 - i),
+                        lw=1.2 + 1.2 * (len(prior) - 1 - i), color=shades.get(len(prior) - 1 - i, "tab:purple"),
+                        label=f"{name} ppl")
         drawn += sum(len(v) for v in series.values())
         n, k = n_experts_of(panels[key]), top_k_of(panels[key])
         if n:
