@@ -274,6 +274,8 @@ def _rel(value, ref) -> str:
 
 
 def _param_text(r: dict) -> str:
+    if kind_of(r) == "original":
+        return "original routing"
     name, value = policy_param(r)
     return "" if name is None else f"{plots.PARAM_SYMBOL.get(name, name)}={fmt_value(value)}"
 
