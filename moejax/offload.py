@@ -546,10 +546,14 @@ def host_generate(params, cfg: ModelConfig, prompt_ids, router_state: dict, offl
         warm_kv = model_lib.init_kv(cfg, kv[0][next(iter(kv[0]))].shape[0], dtype)
         link = pager.link
         pager.link = Link()
-        pager.step(int(prompt[0]), jnp.int32(0), warm_kv, jax.random.PRNGKey(0), sampling)
+        # two steps: the second sees states that come out of jitted stages (what every later token sees)
+        warm_key = jax.random.PRNGKey(0)
+        for pos in range(2):
+            _, _, warm_kv, warm_key = pager.step(int(prompt[0]), jnp.int32(pos), warm_kv, warm_key, sampling)
         if decode_policy is not router_state["policy"]:
             pager.state = {**pager.state, "policy": decode_policy}
-            pager.step(int(prompt[0]), jnp.int32(1), warm_kv, jax.random.PRNGKey(0), sampling)
+            for pos in range(2, 4):
+                _, _, warm_kv, warm_key = pager.step(int(prompt[0]), jnp.int32(pos), warm_kv, warm_key, sampling)
         jax.block_until_ready(pager.slots)
         pager.state, pager.slots, pager.stats, _, pager.staging = saved
         pager.link = link
