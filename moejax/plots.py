@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import contextvars
 import math
 import os
 import sys
@@ -102,6 +103,10 @@ def eviction_of(r: dict) -> str:
     return str(cache_of(r).get("eviction") or "-")
 
 
+N_EXPERTS_HINT: contextvars.ContextVar = contextvars.ContextVar("n_experts_hint", default=None)
+"""N to fall back on when records cannot tell it (the report sets it from all the files it reads)."""
+
+
 def metric_of(r: dict, name: str):
     """``metrics[name]``, else the cache statistics' ``metrics["cache"][name]`` (the sweeps store the
     evaluation's full result under ``metrics``, its cache summary under ``metrics.cache``)."""
@@ -141,7 +146,7 @@ def n_experts_of(records: Iterable[dict]) -> int | None:
         exact = [n for n in range(cap, int(cap / frac) + 2) if abs(frac * n - cap) < 1e-9]
         if len(exact) == 1:  # e.g. "0.5" -> 16 means N = 32 (not 31, which also rounds to 16)
             return exact[0]
-    return None
+    return N_EXPERTS_HINT.get()
 
 
 def top_k_of(records: Iterable[dict]) -> int | None:

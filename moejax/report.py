@@ -266,6 +266,10 @@ def sort_records(records: Sequence[dict], study: str) -> list[dict]:
 # ------------------------------------------------------------------------------------------ headlines
 
 
+def _plural(n: int, word: str) -> str:
+    return f"{n} {word}" + ("" if n == 1 else "s")
+
+
 def _rel(value, ref) -> str:
     value, ref = num(value), num(ref)
     if value is None or not ref:
@@ -530,7 +534,7 @@ def headline_tasks(records: Sequence[dict], tolerances=(0.0, 0.02)) -> str:
             name = f"{key[1]} · {name}"
         how = "" if kind_of(o) == "original" else f" ({routing_label(o)})"
         out.append(f"**{name}** — original routing{how}: accuracy {fmt_pct(o['accuracy'], 1)}, miss rate "
-                   f"{fmt_pct(o.get('miss_rate'))}; {len(rs)} points.")
+                   f"{fmt_pct(o.get('miss_rate'))}; {_plural(len(rs), 'point')}.")
         rows = []
         for kind in sorted({kind_of(r) for r in rs if kind_of(r) != "original" and not is_belady(r)}, key=kind_rank):
             row = [kind]
@@ -686,7 +690,7 @@ def render_section(name: str, records: list[dict], fig_dir: Path | None, out_dir
     if spec is None:
         what = "plain sweep" if name.startswith("sweep ") else "study"
         parts.append(f"## {name}\n")
-        parts.append(f"A {what} this report has no dedicated section for: {len(records)} records "
+        parts.append(f"A {what} this report has no dedicated section for: {_plural(len(records), 'record')} "
                      f"(model {', '.join(models)}; task {', '.join(tasks)}).\n")
         plot = None
         if all(num(r.get("miss_rate")) is not None for r in records):
@@ -697,7 +701,7 @@ def render_section(name: str, records: list[dict], fig_dir: Path | None, out_dir
     else:
         parts.append(f"## {spec['title']}\n")
         parts.append(f"{spec['intro']}\n")
-        parts.append(f"{len(records)} records · model {', '.join(models)} · task {', '.join(tasks)} · "
+        parts.append(f"{_plural(len(records), 'record')} · model {', '.join(models)} · task {', '.join(tasks)} · "
                      f"study `{name}`.\n")
         plot = spec.get("plot")
         try:
@@ -754,6 +758,16 @@ def build_report(paths: Sequence, out: Path, fig_dir: Path | None, traces: Seque
     notes: list[str] = []
     per_file: dict = {}
     records = load_records(paths, notes, per_file)
+    token = plots.N_EXPERTS_HINT.set(n_experts_of(records))  # N for sections that cannot tell it themselves
+    try:
+        return _build(records, notes, per_file, out, fig_dir, traces, trace_layer, trace_cache_size, trace_eviction,
+                      trace_tokens, command)
+    finally:
+        plots.N_EXPERTS_HINT.reset(token)
+
+
+def _build(records, notes, per_file, out, fig_dir, traces, trace_layer, trace_cache_size, trace_eviction,
+           trace_tokens, command) -> str:
     out_dir = out.parent
     groups = group_records(records)
     lines = ["# moejax study report", ""]

@@ -239,6 +239,12 @@ def test_n_experts_and_top_k_inference():
     assert plots.n_experts_of([{"metrics": {"cache": {"n_experts": 60}}}]) == 60
     assert plots.top_k_of([{"metrics": {"cache": {"tokens": 100, "per_layer": {"accesses": [400, 400]}}}}]) == 4
     assert plots.top_k_of([{"metrics": {"experts_per_token": 2}}]) == 2
+    token = plots.N_EXPERTS_HINT.set(32)  # the report's fallback: N from all the files it reads
+    try:
+        assert plots.n_experts_of([sized("16", 16)]) == 32
+    finally:
+        plots.N_EXPERTS_HINT.reset(token)
+    assert plots.n_experts_of([sized("16", 16)]) is None
 
 
 # ------------------------------------------------------------------------------------------ plots
