@@ -57,7 +57,8 @@ state comes back with ``return_state=True``. ``seconds_per_example`` includes XL
 Batch 1 throughout. Without a cache (and without extra ``options``) the scoring forwards are right-padded
 to a multiple of 64 tokens so XLA compiles a handful of shapes (causal attention and per-token routing
 leave earlier positions unchanged); with a cache nothing is padded (padding tokens would be routed and
-move the cache), so each distinct prompt length compiles once.
+move the cache), so each distinct prompt length compiles once; before the compiled programs exhaust the
+process's memory maps (XLA:CPU) they are dropped (``ProgramBudget``; ``compile_cache_clears`` counts it).
 """
 
 from __future__ import annotations
