@@ -738,7 +738,7 @@ def render_section(name: str, records: list[dict], fig_dir: Path | None, out_dir
 
 
 def render_heatmap_section(traces: Sequence[tuple[str, str | None]], layer: int, cache_size: str, eviction: str,
-                           max_tokens: int, fig_dir: Path, out_dir: Path) -> str:
+                           max_tokens: int, fig_dir: Path, out_dir: Path, note: str | None = None) -> str:
     labels = [label or Path(path).stem for path, label in traces]
     paths = plots.trace_heatmap([p for p, _ in traces], layer, cache_size, fig_dir / f"heatmap_layer{layer}",
                                 eviction, max_tokens, labels=labels)
@@ -748,26 +748,28 @@ def render_heatmap_section(traces: Sequence[tuple[str, str | None]], layer: int,
         f"cache of size {cache_size}, reconstructed by replaying each recorded trace through `moejax.cache`: green "
         "= cache hit, red = miss, blue = resident but unused. Paper (Phi-3.5-MoE, GSM8K): original routing ~23 % "
         "misses, cache-prior λ = 0.5 ~15 %, with visibly longer residencies.\n",
-        "Traces: " + ", ".join(f"`{p}` ({lab})" for (p, _), lab in zip(traces, labels)) + ".\n",
+        "Traces: " + ", ".join(f"`{Path(os.path.relpath(p, out_dir)).as_posix()}` ({lab})"
+                               for (p, _), lab in zip(traces, labels)) + ".\n",
+        *([note.strip() + "\n"] if note else []),
         _figure_md(paths, out_dir, "routing trace heat map") + "\n"])
 
 
 def build_report(paths: Sequence, out: Path, fig_dir: Path | None, traces: Sequence[tuple[str, str | None]] = (),
                  trace_layer: int = 0, trace_cache_size: str = "0.5", trace_eviction: str = "lru",
-                 trace_tokens: int = 200, command: str | None = None) -> str:
+                 trace_tokens: int = 200, command: str | None = None, trace_note: str | None = None) -> str:
     notes: list[str] = []
     per_file: dict = {}
     records = load_records(paths, notes, per_file)
     token = plots.N_EXPERTS_HINT.set(n_experts_of(records))  # N for sections that cannot tell it themselves
     try:
         return _build(records, notes, per_file, out, fig_dir, traces, trace_layer, trace_cache_size, trace_eviction,
-                      trace_tokens, command)
+                      trace_tokens, command, trace_note)
     finally:
         plots.N_EXPERTS_HINT.reset(token)
 
 
 def _build(records, notes, per_file, out, fig_dir, traces, trace_layer, trace_cache_size, trace_eviction,
-           trace_tokens, command) -> str:
+           trace_tokens, command, trace_note) -> str:
     out_dir = out.parent
     groups = group_records(records)
     lines = ["# moejax study report", ""]
@@ -787,7 +789,7 @@ def _build(records, notes, per_file, out, fig_dir, traces, trace_layer, trace_ca
         if fig_dir is None:
             raise ValueError("--trace needs a figures folder")
         lines.append(render_heatmap_section(traces, trace_layer, trace_cache_size, trace_eviction, trace_tokens,
-                                            fig_dir, out_dir))
+                                            fig_dir, out_dir, trace_note))
     return re.sub(r"\n{3,}", "\n\n", "\n".join(lines)).rstrip() + "\n"  # no runs of blank lines
 
 
@@ -813,13 +815,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--trace-cache-size", default="0.5", help="count or fraction of N for the heat map replay")
     p.add_argument("--trace-eviction", default="lru", choices=("lru", "lfu", "fld", "score", "least-stale", "belady"))
     p.add_argument("--trace-tokens", type=int, default=200, help="tokens shown in the heat map")
+    p.add_argument("--trace-note", default=None, help="text for the heat-map section (e.g. how the traces were made)")
     args = p.parse_args(argv)
     out = Path(args.out) if args.out else Path(args.results[0]).parent / "REPORT.md"
     fig_dir = None if args.no_figures else (Path(args.figures) if args.figures else out.parent / "figures")
     command = "python -m moejax.report " + " ".join(argv if argv is not None else sys.argv[1:])
     try:
         text = build_report(args.results, out, fig_dir, [_parse_trace(t) for t in args.trace], args.trace_layer,
-                            args.trace_cache_size, args.trace_eviction, args.trace_tokens, command)
+                            args.trace_cache_size, args.trace_eviction, args.trace_tokens, command, args.trace_note)
         plots.atomic_write(out, lambda f: f.write(text), binary=False)
     except (ResultsError, ValueError, OSError) as err:
         print(f"error: {err}", file=sys.stderr)

@@ -535,8 +535,10 @@ def test_report_default_paths_and_trace_section(tmp_path, capsys):
     tpath = tmp_path / "trace.npz"
     trace_lib.save_trace(tpath, tr.experts, tr.weights, None, tr.n_experts, tr.gating)
     path = write_jsonl(tmp_path / "lifetimes.jsonl", lifetime_records())
-    assert report.main([str(path), "--trace", f"{tpath}=original", "--trace-cache-size", "3"]) == 0
+    assert report.main([str(path), "--trace", f"{tpath}=original", "--trace-cache-size", "3",
+                        "--trace-note", "Recorded with generate."]) == 0
     text = (tmp_path / "REPORT.md").read_text()
+    assert "Traces: `trace.npz` (original).\n\nRecorded with generate." in text
     assert "## Routing trace heat map (paper figure 7)" in text and "](figures/heatmap_layer0.png)" in text
     assert (tmp_path / "figures" / "heatmap_layer0.svg").exists()
     assert "wrote" in capsys.readouterr().out
