@@ -3,9 +3,7 @@ error handling, the figure-7 heat map classified cell by cell, and the report CL
 
 from __future__ import annotations
 
-import itertools
 import json
-import math
 import subprocess
 import sys
 from pathlib import Path
@@ -505,7 +503,7 @@ def test_report_cli_end_to_end(tmp_path):
         assert title in text, title
     assert "skipped a truncated last line" in text
     for name in ("pareto", "cache_size", "sensitivity", "init", "delta", "eviction", "tasks"):
-        assert f"![" in text and f"](figs/{name}.png)" in text, name
+        assert "![" in text and f"](figs/{name}.png)" in text, name
         assert (figs / f"{name}.png").stat().st_size > 5000 and (figs / f"{name}.svg").exists()
     # headline: at C = 4, original LRU 35 %, Belady 24.5 %; cache-prior within +1 % ppl: λ = 0.2 (+0.48 %)
     assert "**C = 4 / 8 = N/2** — original routing (lru): miss rate 35.00%, perplexity 10.000; " \
