@@ -522,7 +522,7 @@ def _tradeoff(records: Sequence[dict], stem, metric: str, panel_key: Callable[[d
         orig = original_records(pts)
         if orig:  # one star: the best original-routing measurement (see original_records)
             r = orig[0]
-            lam0 = " = cache-prior λ 0" if kind_of(r) != "original" else ""
+            lam0 = "; run as cache-prior λ=0" if kind_of(r) != "original" else ""
             ax.plot([r["miss_rate"]], [r[metric]], "*", ms=14, color="black", zorder=5,
                     label=f"original routing ({_eviction_name(eviction_of(r))}{lam0})")
             ax.axhline(r[metric], color="black", lw=0.6, ls=":", zorder=0)
