@@ -87,9 +87,17 @@ def cpu_suite(args) -> dict:
             rows += [("original+prefetch", routing.make_policy("original", k), dataclasses.replace(cache, prefetch=1.0)),
                      ("cp 0.5+prefetch", routing.make_policy("cache-prior", k, lam=0.5),
                       dataclasses.replace(cache, prefetch=1.0))]
+            # rounds over all policies (not repeats of one), so load that comes and goes hits every policy;
+            # each keeps its best round
+            best: dict = {}
+            for _ in range(args.repeat):
+                for name, policy, cc in rows:
+                    r = run_point(model, ids, policy, cc, off, args.new_tokens, 1)
+                    if name not in best or r["tokens_per_s"] > best[name]["tokens_per_s"]:
+                        best[name] = r
             base = None
             for name, policy, cc in rows:
-                r = run_point(model, ids, policy, cc, off, args.new_tokens, args.repeat)
+                r = best[name]
                 base = base or r["tokens_per_s"]
                 r.update(bandwidth_gbps=bw, cache_size=size, capacity=cap, policy=name,
                          ratio_vs_lru_original=r["tokens_per_s"] / base)

@@ -66,8 +66,8 @@ def test_in_jit_paging_generates_the_simulation_tokens_and_bytes():
 
 @pytest.mark.parametrize("cc", [
     CacheConfig(size="5", prefetch=1.5),
-    CacheConfig(size="6", prefetch_percentile=70.0),
-    CacheConfig(size="0.3", scope="global", prefetch=1.0, eviction="least-stale"),
+    pytest.param(CacheConfig(size="6", prefetch_percentile=70.0), marks=pytest.mark.slow),
+    pytest.param(CacheConfig(size="0.3", scope="global", prefetch=1.0, eviction="least-stale"), marks=pytest.mark.slow),
     CacheConfig(size="5", miss="drop"),
     CacheConfig(size="5", miss="substitute"),
     CacheConfig(size="5", miss="cascade", miss_rank=(1, 3), cascade_bits=(8, 4)),
