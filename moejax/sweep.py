@@ -146,7 +146,8 @@ def parse_sweep(spec: str) -> SweepAxis:
             n = _number(parts[2], "int", spec)
             if n < 1:
                 raise SweepError(f"--sweep {spec!r}: the number of points must be >= 1, got {n}")
-            values = np.linspace(a, b, n).tolist() if n > 1 else [float(a)]
+            # rounded to 12 decimals: 0.3, not linspace's 0.30000000000000004, in records and keys
+            values = [round(v, 12) for v in np.linspace(a, b, n).tolist()] if n > 1 else [float(a)]
             if num_kind == "int":
                 if not all(float(v).is_integer() for v in values):
                     raise SweepError(f"--sweep {spec!r}: {n} equidistant points from {a} to {b} are not "

@@ -123,16 +123,15 @@ def _data(tmp_path, repeat: int = 1):
     return str(path)
 
 
-def test_cli_sweep_json_results_end_to_end(lm, tmp_path):
-    """The real command line: a 3-point λ sweep printed as JSON lines and appended to a results file; the
-    rerun (in-process) computes nothing and prints the same records from the file."""
+def test_cli_sweep_json_results_end_to_end(lm, tmp_path, capsys):
+    """The command line (``python -m moejax.evaluate`` is ``main``; test_evaluate_cli runs it as a process): a
+    3-point λ sweep printed as JSON lines and appended to a results file; the rerun computes nothing and
+    prints the same records from the file."""
     results = tmp_path / "lam.jsonl"
-    env = dict(os.environ, JAX_PLATFORMS="cpu")
-    cmd = [sys.executable, "-m", "moejax.evaluate", "--model", lm.path, "--data", _data(tmp_path), "--context", "16",
-           "--max-tokens", "45", "--sweep", "lam=0:1:3", "--cache-size", "4", "--results", str(results), "--json"]
-    r = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
-    assert r.returncode == 0, r.stderr
-    printed = [json.loads(line) for line in r.stdout.splitlines()]
+    argv = ["--model", lm.path, "--data", _data(tmp_path), "--context", "16", "--max-tokens", "45",
+            "--sweep", "lam=0:1:3", "--cache-size", "4", "--results", str(results), "--json"]
+    assert evaluate.main(argv) == 0
+    printed = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
     assert [p["sweep"] for p in printed] == [{"lam": 0.0}, {"lam": 0.5}, {"lam": 1.0}]
     for rec in printed:
         assert rec["routing"]["kind"] == "cache-prior" and rec["routing"]["top_j"] == 1  # K = 2 -> J = 1
@@ -144,8 +143,9 @@ def test_cli_sweep_json_results_end_to_end(lm, tmp_path):
     plain = evaluate.wikitext_perplexity(lm, TEXT, 16, 45)
     assert printed[0]["ppl"] == pytest.approx(plain["ppl"], rel=1e-5)  # λ = 0 is original routing
     assert printed[2]["miss_rate"] < printed[0]["miss_rate"]
-    # rerun in-process: nothing computed, the table comes from the file, which is unchanged
-    assert evaluate.main(cmd[3:-1] + ["--no-progress"]) == 0
+    # rerun: nothing computed, the records come from the file, which is unchanged
+    assert evaluate.main(argv) == 0
+    assert [json.loads(line) for line in capsys.readouterr().out.splitlines()] == printed
     assert open(results).read() == on_disk
 
 

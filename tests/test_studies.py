@@ -118,15 +118,20 @@ def _lines(path):
         return f.read()
 
 
+def _run(lm, data, out, only, *extra):
+    argv = ["--model", lm.path, "--data", data, "--max-tokens", "45", "--context", "16", "--points", "2",
+            "--batch-size", "1", "--out", out, "--no-progress", "--only", only, *extra]
+    assert studies.main(argv) == 0
+    return argv
+
+
 def test_studies_runner_on_a_tiny_budget(lm, data, tmp_path, capsys):
     out = str(tmp_path / "studies")
-    argv = ["--model", lm.path, "--data", data, "--max-tokens", "45", "--context", "16", "--points", "2",
-            "--batch-size", "1", "--out", out, "--no-progress", "--evictions", "lru,least-stale,belady",
-            "--only", "pareto,lifetimes,init,delta,cache_size,sensitivity,eviction"]
-    assert studies.main(argv) == 0
+    argv = _run(lm, data, out, "pareto,lifetimes,init,delta,cache_size")
     printed = capsys.readouterr().out
-    assert "== pareto" in printed and "== eviction" in printed
-    files = {name: sweep.load_results(os.path.join(out, f"{name}.jsonl")) for name in studies.STUDIES if name != "tasks"}
+    assert "== pareto" in printed and "== cache_size" in printed
+    names = ("pareto", "lifetimes", "init", "delta", "cache_size")
+    files = {name: sweep.load_results(os.path.join(out, f"{name}.jsonl")) for name in names}
     k, n = lm.cfg.top_k, lm.cfg.n_experts  # 2, 8
     pareto = files["pareto"]
     assert all(r["study"] == "pareto" and r["model"] == sweep.model_label(lm.path) + "@float32" for r in pareto)
@@ -169,31 +174,42 @@ def test_studies_runner_on_a_tiny_budget(lm, data, tmp_path, capsys):
         assert r["miss_rate"] <= r["metrics"]["lru_miss_rate"]
     full = [r for r in cs if r["cache"]["capacity"] == n and r["method"] == "replay"]
     assert len(full) == 2 and full[0]["miss_rate"] == full[1]["miss_rate"]  # C = N: compulsory misses only
-    sens = files["sensitivity"]
+    # a rerun computes nothing and leaves every file as it was
+    before = {name: _lines(os.path.join(out, f"{name}.jsonl")) for name in files}
+    assert studies.main(argv) == 0
+    assert {name: _lines(os.path.join(out, f"{name}.jsonl")) for name in files} == before
+    assert os.path.exists(os.path.join(out, "manifest.json"))
+
+
+@pytest.mark.slow
+def test_sensitivity_and_eviction_studies(lm, data, tmp_path):
+    """The two studies with programs of their own (hooks; global replays, prefetch passes); slow because
+    of the compilations."""
+    out = str(tmp_path / "studies")
+    _run(lm, data, out, "pareto,sensitivity,eviction", "--evictions", "lru,least-stale,belady")
+    k = lm.cfg.top_k
+    pareto_keys = {r["key"] for r in sweep.load_results(os.path.join(out, "pareto.jsonl"))}
+    sens = sweep.load_results(os.path.join(out, "sensitivity.jsonl"))
     assert len(sens) == 1 + 2 * k and all(r["cache"] is None and r["miss_rate"] is None for r in sens)
     base = sens[0]["ppl"]
     drop1 = [r for r in sens if r["routing"].get("drop_rank") == 1][0]
     assert drop1["ppl"] > base  # no routed expert at all
     random1 = [r for r in sens if r["routing"].get("random_rank") == 1][0]
     assert random1["ppl"] > base and random1["routing"]["seed"] == 0 and random1["routing"]["kind"] == "original"
-    ev = [r for r in files["eviction"] if r["method"] == "replay"]
+    records = sweep.load_results(os.path.join(out, "eviction.jsonl"))
+    ev = [r for r in records if r["method"] == "replay"]
     assert len(ev) == len(studies.GLOBAL_SIZES) * 3
     assert all(r["cache"]["scope"] == "global" and r["collision_misses"] is not None for r in ev)
-    pf = {(r["sweep"]["prefetch"], r["cache"]["capacity"]): r for r in files["eviction"] if r["method"] == "forward"}
+    for size in studies.GLOBAL_SIZES:
+        rows = {r["cache"]["eviction"]: r for r in ev if r["sweep"]["cache_size"] == size}
+        assert rows["belady"]["miss_rate"] == min(r["miss_rate"] for r in rows.values())
+    pf = {(r["sweep"]["prefetch"], r["cache"]["capacity"]): r for r in records if r["method"] == "forward"}
     assert len(pf) == 6 and pf[("off", 4)]["prefetch_precision"] is None and pf[("off", 4)]["key"] in pareto_keys
     for c in (4, 2):
         assert 0 < pf[("top-K", c)]["prefetch_precision"] <= 1 and 0 < pf[("p80", c)]["prefetch_recall"] <= 1
         assert pf[("top-K", c)]["cache"]["prefetch"] == 1.0 and pf[("p80", c)]["cache"]["prefetch_percentile"] == 80
         assert pf[("top-K", c)]["ppl"] == pytest.approx(pf[("off", c)]["ppl"], rel=1e-5)  # prefetch is lossless
         assert pf[("top-K", c)]["bytes_per_token"] > 0
-    for size in studies.GLOBAL_SIZES:
-        rows = {r["cache"]["eviction"]: r for r in ev if r["sweep"]["cache_size"] == size}
-        assert rows["belady"]["miss_rate"] == min(r["miss_rate"] for r in rows.values())
-    # a rerun computes nothing and leaves every file as it was
-    before = {name: _lines(os.path.join(out, f"{name}.jsonl")) for name in files}
-    assert studies.main(argv) == 0
-    assert {name: _lines(os.path.join(out, f"{name}.jsonl")) for name in files} == before
-    assert os.path.exists(os.path.join(out, "manifest.json"))
 
 
 def test_tasks_study_and_missing_tasks_module(lm, data, tmp_path, capsys, monkeypatch):
