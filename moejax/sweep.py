@@ -82,7 +82,8 @@ SWEEP_PARAMS: dict[str, tuple[str, tuple[str, ...] | None]] = {
 }
 ROUTING_FIELDS = ("lam", "top_j", "max_rank", "cumsum_p", "prune_h", "delta")
 KIND_FIELDS = {"original": (), "pruning": ("prune_h",), "max-rank": ("max_rank", "top_j"),
-               "cumsum": ("cumsum_p", "top_j"), "cache-prior": ("lam", "top_j", "delta")}
+               "cumsum": ("cumsum_p", "top_j"), "cache-prior": ("lam", "top_j", "delta"),
+               "learned-prior": ()}  # its parameters are the checkpoint: routing["prior"] holds the path
 
 
 class SweepError(ValueError):
