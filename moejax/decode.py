@@ -163,8 +163,8 @@ def generate(params, cfg: ModelConfig, prompt_ids, *, max_new_tokens: int, sampl
     t0 = time.perf_counter()
     first, kv, key, router_state, rec = run_prefill(params, tokens=tokens_in, kv=kv, key=key,
                                                     router_state=router_state)
-    if decode_policy is not None:
-        router_state = {**router_state, "policy": decode_policy}
+    if decode_policy is not None:  # a copy: decode chunks donate their state, and these are the caller's arrays
+        router_state = {**router_state, "policy": jax.tree.map(jnp.copy, decode_policy)}
     first = int(first)
     ttft = time.perf_counter() - t0
     tokens = [first] if max_new_tokens > 0 else []

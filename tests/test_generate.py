@@ -142,3 +142,20 @@ def test_generation_stops_at_eos():
     stopped = decode.generate(m.params, cfg, [5, 6, 7], max_new_tokens=12).token_ids
     assert stopped == free[: free.index(eos) + 1]
     assert np.all(np.asarray(stopped[:-1]) != eos)
+
+
+def test_prefill_routing_leaves_the_callers_state_usable():
+    """The decode loop donates its state; with prefill_routing the decode policy must be a copy."""
+    import moejax
+    from moejax import simulate
+
+    m = moejax.load("default")
+    state = m.router_state("cache-prior", simulate.CacheConfig(size="0.5"))
+    ids = m.encode("The history of the")
+    a = m.generate(ids, 20, state=state, prefill_routing="original")
+    float(state["policy"].lam)  # raises if the caller's arrays were donated
+    b = m.generate(ids, 20, state=state, prefill_routing="original")
+    assert a.token_ids == b.token_ids
+    trace = a.trace()
+    ref = m.generate(ids, 20, routing="original", cache=simulate.CacheConfig(size="0.5")).trace()
+    np.testing.assert_array_equal(trace["experts"][:len(ids)], ref["experts"][:len(ids)])  # prompt: original
