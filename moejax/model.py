@@ -105,9 +105,10 @@ def _write(cache: jax.Array, new: jax.Array, pos: jax.Array) -> jax.Array:
     return jax.lax.dynamic_update_slice_in_dim(cache, new.astype(cache.dtype), pos, axis=0)
 
 
-def gqa_attention(p: dict, cfg: ModelConfig, layer: int, x: jax.Array, cos, sin, positions, kv, pos0):
-    """Grouped-query attention with optional q/k norm, qkv clipping, sliding window and KV cache."""
-    T, H, Hk, hd = x.shape[0], cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+def gqa_qkv(p: dict, cfg: ModelConfig, x: jax.Array, cos, sin) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Rotated queries [..., T, H, hd] and keys / values [..., T, Hk, hd] of x [..., T, D]: projections,
+    q/k norm and qkv clipping as the family does them (shared by inference and batched training)."""
+    lead, H, Hk, hd = x.shape[:-1], cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
     q = linear(x, p["q"], p.get("q_bias"))
     k = linear(x, p["k"], p.get("k_bias"))
     v = linear(x, p["v"], p.get("v_bias"))
@@ -115,10 +116,16 @@ def gqa_attention(p: dict, cfg: ModelConfig, layer: int, x: jax.Array, cos, sin,
         q, k = rms(q, p["q_norm"], cfg.norm_eps), rms(k, p["k_norm"], cfg.norm_eps)
     if cfg.clip_qkv is not None:
         q, k, v = (jnp.clip(t, -cfg.clip_qkv, cfg.clip_qkv) for t in (q, k, v))
-    q, k, v = q.reshape(T, H, hd), k.reshape(T, Hk, hd), v.reshape(T, Hk, hd)
+    q, k, v = q.reshape(*lead, H, hd), k.reshape(*lead, Hk, hd), v.reshape(*lead, Hk, hd)
     if cfg.qk_norm == "head":
         q, k = rms(q, p["q_norm"], cfg.norm_eps), rms(k, p["k_norm"], cfg.norm_eps)
-    q, k = apply_rope(q, cos, sin, False), apply_rope(k, cos, sin, False)
+    return apply_rope(q, cos, sin, False), apply_rope(k, cos, sin, False), v
+
+
+def gqa_attention(p: dict, cfg: ModelConfig, layer: int, x: jax.Array, cos, sin, positions, kv, pos0):
+    """Grouped-query attention with optional q/k norm, qkv clipping, sliding window and KV cache."""
+    T, H, Hk, hd = x.shape[0], cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+    q, k, v = gqa_qkv(p, cfg, x, cos, sin)
     if kv is not None:
         kv = {"k": _write(kv["k"], k, pos0), "v": _write(kv["v"], v, pos0)}
         k, v = kv["k"], kv["v"]

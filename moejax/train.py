@@ -18,6 +18,7 @@ reproducible and a resumed run continues exactly where the interrupted one stopp
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 import json
 import os
@@ -33,7 +34,9 @@ import numpy as np
 import optax
 
 from moejax import checkpoint, data
+from moejax import model as M
 from moejax.config import ModelConfig, from_hf
+from moejax.gating import original_routing
 from moejax.model import forward
 
 # name -> (hidden, layers, heads, kv heads, head_dim, experts, top_k, expert ffn)
@@ -42,6 +45,8 @@ CONFIGS = {
     "tiny": (128, 2, 4, 2, 32, 32, 4, 64),
     "small": (256, 4, 8, 4, 32, 32, 4, 112),
     "medium": (384, 6, 12, 4, 32, 64, 8, 96),
+    # the GPU-trained default (issue 15): OLMoE-like granularity, 64 experts top-8, ~30M parameters
+    "granular": (384, 8, 6, 2, 64, 64, 8, 40),
 }
 
 
@@ -98,6 +103,45 @@ def load_balancing_loss(router_logits: jax.Array, experts: jax.Array, n_experts:
     return (n_experts * jnp.sum(f * P, -1)).mean()
 
 
+def router_z_loss(router_logits: jax.Array) -> jax.Array:
+    """ST-MoE router z-loss ``mean(logsumexp(z)^2)``: keeps router logits small, so the softmax stays
+    soft and the router cannot lock onto a few experts early in training."""
+    return jnp.mean(jax.nn.logsumexp(router_logits.astype(jnp.float32), -1) ** 2)
+
+
+def router_offset_loss(router_logits: jax.Array) -> jax.Array:
+    """Spread across experts of the batch-mean router logit, per MoE layer, averaged.
+
+    Early in training the residual stream is dominated by one direction shared by every token (the model
+    learns unigram statistics first), so ``z = W·h`` ranks the experts alike for all tokens and the router
+    collapses onto K of them. The batch mean of ``z`` is the router's response to that shared direction;
+    asking it to be equal for all experts keeps routing decided by what differs between tokens."""
+    L, N = router_logits.shape[0], router_logits.shape[-1]
+    mean = router_logits.reshape(L, -1, N).astype(jnp.float32).mean(1)  # [L, N]
+    return jnp.mean(jnp.var(mean, -1))
+
+
+def cast_params(params, dtype):
+    """Mixed precision: every weight in ``dtype`` except the routers (routing decisions in float32)."""
+    if dtype is None:
+        return params
+
+    def cast(path, x):
+        return x if any(getattr(k, "key", None) == "router" for k in path) else x.astype(dtype)
+
+    return jax.tree_util.tree_map_with_path(cast, params)
+
+
+def batched_attention(lp: dict, cfg: ModelConfig, h: jax.Array, cos, sin, implementation: str | None):
+    """Causal grouped-query attention over a batch [B, T, D] with ``jax.nn.dot_product_attention``
+    (``implementation`` None lets JAX pick a fused kernel, e.g. cuDNN flash attention on GPUs)."""
+    q, k, v = M.gqa_qkv(lp, cfg, h, cos, sin)
+    out = jax.nn.dot_product_attention(q, k, v, scale=cfg.attn_scale, is_causal=True,
+                                       implementation=implementation)
+    B, T = h.shape[:2]
+    return M.linear(out.reshape(B, T, -1), lp["o"], lp.get("o_bias"))
+
+
 def batch_forward(params, cfg: ModelConfig, tokens: jax.Array):
     """``model.forward`` vmapped over a batch of sequences [B, T] -> (logits [B,T,V], router logits
     [L,B,T,N], experts [L,B,T,K], dropped fraction 0). Exact, but every expert runs on every token."""
@@ -106,12 +150,12 @@ def batch_forward(params, cfg: ModelConfig, tokens: jax.Array):
             jnp.zeros((), jnp.float32))
 
 
-def sparse_batch_forward(params, cfg: ModelConfig, tokens: jax.Array, capacity_factor: float):
+def sparse_batch_forward(params, cfg: ModelConfig, tokens: jax.Array, capacity_factor: float,
+                         attention: str = "model"):
     """The decoder of ``moejax.model`` over [B, T] with capacity-based sparse experts (batch-wide
-    capacity ``ceil(capacity_factor · B·T·K / N)``); attention and routing are ``model``'s own functions."""
-    from moejax import model as M
-    from moejax.gating import original_routing
-
+    capacity ``ceil(capacity_factor · B·T·K / N)``); routing is ``model``'s own function. ``attention``:
+    "model" = ``model.gqa_attention`` per sequence; "auto" / "xla" / "cudnn" = ``batched_attention``
+    (full causal attention only: no sliding windows, no MLA)."""
     B, T = tokens.shape
     S = B * T
     capacity = min(S, int(np.ceil(capacity_factor * S * cfg.top_k / cfg.n_experts)))
@@ -119,9 +163,16 @@ def sparse_batch_forward(params, cfg: ModelConfig, tokens: jax.Array, capacity_f
     cos, sin = M.rope_tables(cfg, positions)
     x = params["embed"][tokens]  # [B, T, D]
     zs, es, drops = [], [], []
+    fused = attention != "model"
+    if fused and (cfg.mla or any(cfg.sliding_windows)):
+        raise ValueError("batched attention supports full causal grouped-query attention only")
     for i, lp in enumerate(params["layers"]):
-        attend = lambda h: M.gqa_attention(lp["attn"], cfg, i, h, cos, sin, positions, None, 0)[0]  # noqa: E731,B023
-        x = x + jax.vmap(attend)(M.norm(x, lp["attn_norm"], cfg))
+        if fused:
+            x = x + batched_attention(lp["attn"], cfg, M.norm(x, lp["attn_norm"], cfg), cos, sin,
+                                      None if attention == "auto" else attention)
+        else:
+            attend = lambda h: M.gqa_attention(lp["attn"], cfg, i, h, cos, sin, positions, None, 0)[0]  # noqa: E731,B023
+            x = x + jax.vmap(attend)(M.norm(x, lp["attn_norm"], cfg))
         h = M.norm(x, lp["mlp_norm"], cfg).reshape(S, -1)
         z = M.router_logits(lp["moe"], h)
         e, w = original_routing(cfg.gating, z)
@@ -133,55 +184,114 @@ def sparse_batch_forward(params, cfg: ModelConfig, tokens: jax.Array, capacity_f
     return (x @ head).astype(jnp.float32), jnp.stack(zs), jnp.stack(es), jnp.stack(drops).mean()
 
 
-def loss_fn(params, cfg: ModelConfig, batch: jax.Array, aux_coef: float, capacity_factor: float = 0.0):
+def loss_fn(params, cfg: ModelConfig, batch: jax.Array, aux_coef: float, capacity_factor: float = 0.0,
+            z_coef: float = 0.0, compute_dtype=None, attention: str = "model", offset_coef: float = 0.0):
     """batch [B, T+1] int32 -> (total loss, metrics). ``capacity_factor`` 0: exact dense experts
-    (``model.forward``); > 0: capacity-based sparse experts (3-4x cheaper for 32 experts, top-4)."""
+    (``model.forward``); > 0: capacity-based sparse experts (3-4x cheaper for 32 experts, top-4).
+    ``compute_dtype`` (e.g. bfloat16): mixed precision, float32 master weights and routers."""
     inputs, targets = batch[:, :-1], batch[:, 1:]
+    p = cast_params(params, compute_dtype)
     if capacity_factor > 0:
-        logits, z, e, dropped = sparse_batch_forward(params, cfg, inputs, capacity_factor)
+        logits, z, e, dropped = sparse_batch_forward(p, cfg, inputs, capacity_factor, attention)
     else:
-        logits, z, e, dropped = batch_forward(params, cfg, inputs)
-    logp = jax.nn.log_softmax(logits, -1)
+        logits, z, e, dropped = batch_forward(p, cfg, inputs)
+    logp = jax.nn.log_softmax(logits.astype(jnp.float32), -1)
     ce = -jnp.take_along_axis(logp, targets[..., None], -1).mean()
     aux = load_balancing_loss(z, e, cfg.n_experts)
+    zloss = router_z_loss(z)
+    offset = router_offset_loss(z)
     load = jax.nn.one_hot(e.reshape(e.shape[0], -1), cfg.n_experts).mean(1)  # [L, N] share of slots
-    metrics = {"ce": ce, "aux": aux, "min_load": load.min() * cfg.n_experts,
-               "max_load": load.max() * cfg.n_experts, "dropped": dropped}
-    return ce + aux_coef * aux, metrics
+    metrics = {"ce": ce, "aux": aux, "z_loss": zloss, "offset_loss": offset, "min_load": load.min() * cfg.n_experts,
+               "max_load": load.max() * cfg.n_experts, "dead_experts": jnp.sum(load == 0) / load.shape[0],
+               "dropped": dropped}
+    return ce + aux_coef * aux + z_coef * zloss + offset_coef * offset, metrics
 
 
-def make_optimizer(lr: float, steps: int, warmup: int, weight_decay: float = 0.1, clip: float = 1.0,
-                   min_lr_ratio: float = 0.1):
-    schedule = optax.warmup_cosine_decay_schedule(0.0, lr, max(1, warmup), max(steps, warmup + 1),
-                                                  end_value=lr * min_lr_ratio)
+def lr_at(step, total, peak: float, warmup: int, min_lr_ratio: float = 0.1):
+    """Learning rate of optimizer step ``step`` (0-based): linear warmup over ``warmup`` steps, then cosine
+    decay to ``min_lr_ratio · peak`` at ``total``. ``step`` and ``total`` may be traced: a run whose length
+    is fixed by a time budget (``--steps auto``) sets ``total`` once it has measured its speed."""
+    step = jnp.asarray(step, jnp.float32)
+    total = jnp.maximum(jnp.asarray(total, jnp.float32), warmup + 1)
+    warm = peak * step / max(1, warmup)
+    frac = jnp.clip((step - warmup) / (total - warmup), 0.0, 1.0)
+    cos = peak * (min_lr_ratio + (1 - min_lr_ratio) * 0.5 * (1 + jnp.cos(jnp.pi * frac)))
+    return jnp.where(step < warmup, warm, cos)
+
+
+def make_optimizer(weight_decay: float = 0.1, clip: float = 1.0):
+    """Clipping + AdamW with unit learning rate: the scheduled rate (and the router's scale) multiply
+    its updates in ``train_step``, which is exactly AdamW with that rate (decoupled weight decay)."""
     decay_mask = lambda p: jax.tree.map(lambda x: x.ndim >= 2, p)  # noqa: E731  no decay on norm scales
     return optax.chain(optax.clip_by_global_norm(clip),
-                       optax.adamw(schedule, b1=0.9, b2=0.95, eps=1e-8, weight_decay=weight_decay,
-                                   mask=decay_mask)), schedule
+                       optax.adamw(1.0, b1=0.9, b2=0.95, eps=1e-8, weight_decay=weight_decay, mask=decay_mask))
 
 
-def make_steps(cfg: ModelConfig, opt, aux_coef: float, capacity_factor: float = 0.0,
-               eval_capacity_factor: float = 0.0):
+def _is_router(path) -> bool:
+    return any(getattr(k, "key", None) == "router" for k in path)
+
+
+@dataclasses.dataclass(frozen=True)
+class StepConfig:
+    """Everything a compiled training step depends on (hashable: one compilation per distinct value)."""
+
+    lr: float
+    warmup: int
+    weight_decay: float = 0.1
+    clip: float = 1.0
+    aux_coef: float = 0.5
+    aux_coef_start: float | None = None  # balancing weight at step 0, decaying linearly to aux_coef
+    aux_decay_steps: int = 0
+    z_coef: float = 0.0
+    offset_coef: float = 0.0
+    router_lr_scale: float = 1.0
+    capacity_factor: float = 0.0
+    eval_capacity_factor: float = 0.0
+    compute_dtype: str | None = None
+    attention: str = "model"
+    min_lr_ratio: float = 0.1
+
+
+def aux_coef_at(step, sc: StepConfig):
+    """Balancing-loss weight at ``step``: ``aux_coef``, or a linear decay from ``aux_coef_start`` to it over
+    the first ``aux_decay_steps`` steps. An untrained model's tokens share most of their MLP input, so they
+    all rank the experts alike; a strong balancing push while representations form keeps the router
+    spread, and the small standard weight takes over once experts have specialised."""
+    if sc.aux_coef_start is None or sc.aux_decay_steps <= 0:
+        return jnp.float32(sc.aux_coef)
+    frac = jnp.clip(jnp.asarray(step, jnp.float32) / sc.aux_decay_steps, 0.0, 1.0)
+    return jnp.float32(sc.aux_coef_start) + (sc.aux_coef - sc.aux_coef_start) * frac
+
+
+def make_steps(cfg: ModelConfig, opt, sc: StepConfig):
+    dtype = None if sc.compute_dtype in (None, "float32") else jnp.dtype(sc.compute_dtype)
+
     @functools.partial(jax.jit, donate_argnums=(0, 1))
-    def train_step(params, opt_state, batch):
-        (loss, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(params, cfg, batch, aux_coef,
-                                                                           capacity_factor)
+    def train_step(params, opt_state, batch, step, total):
+        aux_coef = aux_coef_at(step, sc)
+        (loss, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(
+            params, cfg, batch, aux_coef, sc.capacity_factor, sc.z_coef, dtype, sc.attention, sc.offset_coef)
         updates, opt_state = opt.update(grads, opt_state, params)
+        lr = lr_at(step, total, sc.lr, sc.warmup, sc.min_lr_ratio)
+        updates = jax.tree_util.tree_map_with_path(
+            lambda path, u: u * (lr * (sc.router_lr_scale if _is_router(path) else 1.0)).astype(u.dtype), updates)
         params = optax.apply_updates(params, updates)
-        return params, opt_state, {**metrics, "loss": loss, "grad_norm": optax.global_norm(grads)}
+        return params, opt_state, {**metrics, "loss": loss, "grad_norm": optax.global_norm(grads), "lr": lr,
+                                   "aux_coef": aux_coef}
 
     @jax.jit
     def eval_step(params, batch):
-        return loss_fn(params, cfg, batch, aux_coef, eval_capacity_factor)[1]
+        return loss_fn(params, cfg, batch, sc.aux_coef, sc.eval_capacity_factor, sc.z_coef, dtype, sc.attention,
+                       sc.offset_coef)[1]
 
     return train_step, eval_step
 
 
 @functools.lru_cache(maxsize=8)
-def _compiled(cfg: ModelConfig, lr, steps, warmup, weight_decay, clip, aux_coef, capacity_factor, eval_cf):
+def _compiled(cfg: ModelConfig, sc: StepConfig):
     """Optimizer and jitted steps, shared by runs with the same settings in one process (tests)."""
-    opt, schedule = make_optimizer(lr, steps, warmup, weight_decay, clip)
-    return (opt, schedule, *make_steps(cfg, opt, aux_coef, capacity_factor, eval_cf))
+    opt = make_optimizer(sc.weight_decay, sc.clip)
+    return (opt, *make_steps(cfg, opt, sc))
 
 
 # ---------------------------------------------------------------------------------- checkpoints
@@ -279,8 +389,11 @@ def train(args: argparse.Namespace) -> dict:
         with open(run_path) as f:
             saved = run_prev = json.load(f)
         for k in ("config", "batch", "seq_len", "lr", "seed", "steps", "warmup", "aux_coef", "weight_decay",
-                  "clip", "capacity_factor", "data_dir", "corpus_dir", "vocab_size"):
-            setattr(args, k, saved["args"][k])
+                  "clip", "capacity_factor", "data_dir", "corpus_dir", "vocab_size", "z_coef", "router_lr_scale",
+                  "compute_dtype", "attention", "min_lr_ratio", "time_budget_min", "aux_coef_start",
+                  "aux_decay_steps", "offset_coef"):
+            if k in saved["args"]:
+                setattr(args, k, saved["args"][k])
     ds = data.TokenData(args.data_dir, args.corpus_dir, args.vocab_size, args.seq_len, args.seed, log=log)
     hf = hf_config(args.config, ds.vocab_size, max_len=max(1024, args.seq_len), eos_id=ds.eos_id)
     cfg = from_hf(hf)
@@ -290,9 +403,13 @@ def train(args: argparse.Namespace) -> dict:
         for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
             shutil.copy2(os.path.join(args.data_dir, name), os.path.join(tok_dir, name))
 
-    opt, schedule, train_step, eval_step = _compiled(cfg, args.lr, args.steps, args.warmup, args.weight_decay,
-                                                     args.clip, args.aux_coef, args.capacity_factor,
-                                                     args.eval_capacity_factor)
+    sc = step_config(args)
+    opt, train_step, eval_step = _compiled(cfg, sc)
+    auto_steps = args.steps == "auto"
+    if auto_steps and not args.time_budget_min:
+        raise SystemExit("--steps auto needs --time-budget-min (the run's length is what the budget allows)")
+    # planned length of the LR schedule: fixed, or (auto) set once the speed is measured after warmup
+    total_steps = int(run_prev.get("planned_steps") or 0) if auto_steps else int(args.steps)
     rng = jax.random.key(args.seed)
     rng, init_key = jax.random.split(rng)
     params = init_params(cfg, init_key)
@@ -310,7 +427,7 @@ def train(args: argparse.Namespace) -> dict:
         os.remove(metrics_path)
     n_params = count_params(params)
     run = {"args": {k: v for k, v in vars(args).items() if k not in ("export", "resume")}, "hf_config": hf,
-           "params": n_params, "hardware": hardware()}
+           "params": n_params, "hardware": hardware(), "planned_steps": total_steps or None}
     checkpoint.write_json_atomic(run_path, run)
     log(f"model {args.config}: {n_params / 1e6:.2f}M params ({cfg.n_experts} experts, top-{cfg.top_k}, "
         f"{cfg.num_layers} layers, d={cfg.hidden_size}); {jax.devices()[0].platform}; "
@@ -325,16 +442,31 @@ def train(args: argparse.Namespace) -> dict:
     start = time.time()
     budget = args.time_budget_min * 60 if args.time_budget_min else None
     tokens_per_step = args.batch * args.seq_len
-    bar = tqdm(total=args.steps, initial=step, desc="train", dynamic_ncols=True, mininterval=2.0,
-               file=sys.stderr)
+    max_steps = (1 << 62) if auto_steps else int(args.steps)
+    bar = tqdm(total=None if auto_steps else max_steps, initial=step, desc="train", dynamic_ncols=True,
+               mininterval=2.0, file=sys.stderr)
     last_ckpt_time, window_t, window_steps, stop_reason = time.time(), time.time(), 0, "steps"
     m, first_step = None, step
+    probe_from = None  # (step, time) where the speed measurement of --steps auto starts
     next_batch = ds.batch(data_pos, args.batch)
-    while step < args.steps:
+    while step < max_steps:
+        if auto_steps and not total_steps:
+            # the schedule's length does not matter during warmup; measure the speed there, then fix it
+            probe_start, probe_end = min(10, args.warmup // 4), max(min(args.warmup, 200), 20)
+            if step == probe_start:
+                probe_from = (step, time.time())
+            elif probe_from and step >= probe_end:
+                per_step = (time.time() - probe_from[1]) / (step - probe_from[0])
+                left = budget - (time.time() - start) - 0.03 * budget  # a margin for evaluation and the last checkpoint
+                total_steps = max(step + 1, args.warmup + 1, step + int(left / per_step))
+                run["planned_steps"] = total_steps
+                checkpoint.write_json_atomic(run_path, run)
+                log(f"--steps auto: {per_step * 1e3:.1f} ms/step -> schedule of {total_steps} steps")
         batch, next_pos = next_batch
-        params, opt_state, m = train_step(params, opt_state, jnp.asarray(batch))
+        params, opt_state, m = train_step(params, opt_state, jnp.asarray(batch), jnp.int32(step),
+                                          jnp.int32(total_steps or max(args.warmup + 1, 1 << 30)))
         step, data_pos = step + 1, next_pos
-        if step < args.steps:
+        if step < max_steps:
             next_batch = ds.batch(data_pos, args.batch)  # prepared while the step runs
         m = {k: float(v) for k, v in m.items()}
         window_steps += 1
@@ -342,25 +474,33 @@ def train(args: argparse.Namespace) -> dict:
         tps = window_steps * tokens_per_step / max(now - window_t, 1e-9)
         if now - window_t > 30:
             window_t, window_steps = now, 0
-        rec = {"step": step, "lr": float(schedule(step - 1)), "tokens": step * tokens_per_step,
+        rec = {"step": step, "tokens": step * tokens_per_step,
                "time_s": round(prior_time + now - start, 2), "tokens_per_s": round(tps, 1), **m}
         bar.set_postfix(loss=f"{m['ce']:.3f}", aux=f"{m['aux']:.3f}", tok_s=f"{tps:.0f}", refresh=False)
         bar.update(1)
-        if args.eval_every and (step % args.eval_every == 0 or step == args.steps):
+        if args.eval_every and (step % args.eval_every == 0 or step == (total_steps if auto_steps else args.steps)):
             ev = evaluate(params)
             rec["val_ce"] = ev.get("ce")
             log(f"step {step}: train ce {m['ce']:.4f}  val ce {ev.get('ce', float('nan')):.4f}  "
-                f"aux {m['aux']:.3f}  load min/max {m['min_load']:.2f}/{m['max_load']:.2f}  {tps:.0f} tok/s")
+                f"aux {m['aux']:.3f}  z {m['z_loss']:.2f}  load min/max {m['min_load']:.2f}/{m['max_load']:.2f}  "
+                f"dropped {m['dropped']:.3f}  lr {m['lr']:.2e}  {tps:.0f} tok/s")
+        if not (np.isfinite(m["loss"]) and np.isfinite(m["grad_norm"])):
+            _log_jsonl(metrics_path, rec)
+            raise FloatingPointError(f"step {step}: loss {m['loss']}, gradient norm {m['grad_norm']} (not finite); "
+                                     "the last checkpoint is untouched")
         _log_jsonl(metrics_path, rec)
         out_of_time = budget is not None and now - start > budget
         interrupted = args.stop_after is not None and step - first_step >= args.stop_after
         out_of_time = out_of_time or interrupted
-        if (args.ckpt_every and step % args.ckpt_every == 0) or out_of_time or step == args.steps \
+        if auto_steps and total_steps and step >= total_steps:
+            out_of_time = True  # the schedule is done
+        if (args.ckpt_every and step % args.ckpt_every == 0) or out_of_time or step == max_steps \
                 or (args.ckpt_minutes and now - last_ckpt_time > args.ckpt_minutes * 60):
             save_state(out, step, params, opt_state, data_pos, rng)
             last_ckpt_time = time.time()
         if out_of_time:
-            stop_reason = "interrupted" if interrupted else "time budget"
+            stop_reason = ("interrupted" if interrupted else
+                           "schedule done" if auto_steps and step >= total_steps else "time budget")
             break
     bar.close()
     final_eval = evaluate(params) if args.eval_every else {}
@@ -372,6 +512,15 @@ def train(args: argparse.Namespace) -> dict:
     checkpoint.write_json_atomic(run_path, run)
     log(f"done: {json.dumps(summary)}")
     return summary
+
+
+def step_config(args: argparse.Namespace) -> StepConfig:
+    return StepConfig(lr=args.lr, warmup=args.warmup, weight_decay=args.weight_decay, clip=args.clip,
+                      aux_coef=args.aux_coef, aux_coef_start=args.aux_coef_start,
+                      aux_decay_steps=args.aux_decay_steps, z_coef=args.z_coef, router_lr_scale=args.router_lr_scale,
+                      capacity_factor=args.capacity_factor, eval_capacity_factor=args.eval_capacity_factor,
+                      compute_dtype=args.compute_dtype, attention=args.attention, min_lr_ratio=args.min_lr_ratio,
+                      offset_coef=args.offset_coef)
 
 
 def hardware() -> dict:
@@ -444,15 +593,32 @@ def build_parser() -> argparse.ArgumentParser:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", required=True, help="run folder: checkpoints, metrics.jsonl, run.json, tokenizer")
     p.add_argument("--config", default="small", choices=sorted(CONFIGS))
-    p.add_argument("--steps", type=int, default=3000, help="total steps (the LR schedule's length)")
+    p.add_argument("--steps", type=_steps_arg, default=3000,
+                   help="total steps (the LR schedule's length), or 'auto': as many as --time-budget-min allows "
+                        "at the speed measured during warmup")
     p.add_argument("--batch", type=int, default=16)
     p.add_argument("--seq-len", type=int, default=256)
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--warmup", type=int, default=100)
     p.add_argument("--weight-decay", type=float, default=0.1)
     p.add_argument("--clip", type=float, default=1.0)
+    p.add_argument("--min-lr-ratio", type=float, default=0.1, help="final learning rate / peak (cosine decay)")
     p.add_argument("--aux-coef", type=float, default=0.5,
-                   help="load-balancing loss coefficient (0.01-0.1 let the router collapse onto 4 experts early on)")
+                   help="load-balancing loss coefficient (alone, 0.01-0.1 let the CPU run's router collapse onto 4 "
+                        "experts early on; with --z-coef and --router-lr-scale 0.01 is enough)")
+    p.add_argument("--aux-coef-start", type=float, default=None,
+                   help="balancing weight at step 0, decaying linearly to --aux-coef over --aux-decay-steps")
+    p.add_argument("--aux-decay-steps", type=int, default=0)
+    p.add_argument("--z-coef", type=float, default=0.0, help="router z-loss coefficient (ST-MoE uses 1e-3)")
+    p.add_argument("--offset-coef", type=float, default=0.0,
+                   help="penalty on the variance across experts of the batch-mean router logit: a common-mode "
+                        "offset makes every token pick the same experts (the collapse seen on CPU runs)")
+    p.add_argument("--router-lr-scale", type=float, default=1.0, help="router learning rate / the others'")
+    p.add_argument("--compute-dtype", default="float32", choices=("float32", "bfloat16"),
+                   help="forward/backward precision (float32 master weights and routers either way)")
+    p.add_argument("--attention", default="model", choices=("model", "auto", "xla", "cudnn"),
+                   help="training attention: model.gqa_attention per sequence, or jax.nn.dot_product_attention "
+                        "over the batch (auto: fused kernel where the backend has one)")
     p.add_argument("--capacity-factor", type=float, default=1.25,
                    help="sparse expert capacity per batch (x B·T·K/N); 0 = exact dense experts (model.forward)")
     p.add_argument("--eval-capacity-factor", type=float, default=2.0,
@@ -471,6 +637,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--vocab-size", type=int, default=data.DEFAULT_VOCAB)
     p.add_argument("--export", metavar="DIR", help="write OUT's latest params as a bf16 moejax folder and exit")
     return p
+
+
+def _steps_arg(text: str):
+    if text == "auto":
+        return text
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number of steps or 'auto', got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"--steps must be >= 1, got {value}")
+    return value
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -130,3 +130,43 @@ def test_export_loads_in_moejax_and_transformers(dirs, baseline, tmp_path):
         ref = hf(torch.tensor([ids])).logits[0].numpy()
     ours = np.asarray(jax.jit(lambda p, t: train.batch_forward(p, model.cfg, t[None])[0][0])(p32, jnp.asarray(ids)))
     np.testing.assert_allclose(ours, ref, atol=2e-4, rtol=1e-4)
+
+
+def test_batched_attention_equals_model_attention():
+    """The training path's jax.nn.dot_product_attention gives model.forward's logits (float32, XLA)."""
+    cfg, p = micro_params()
+    toks = jax.random.randint(jax.random.key(4), (2, 16), 0, 64)
+    ref = jax.jit(lambda q, t: train.sparse_batch_forward(q, cfg, t, cfg.n_experts / cfg.top_k))(p, toks)
+    fast = jax.jit(lambda q, t: train.sparse_batch_forward(q, cfg, t, cfg.n_experts / cfg.top_k,
+                                                           attention="xla"))(p, toks)
+    np.testing.assert_allclose(np.asarray(ref[0]), np.asarray(fast[0]), atol=2e-5)
+
+
+def test_router_losses():
+    """z-loss is mean logsumexp²; the offset loss sees only the expert-wise common mode of the logits."""
+    z = jax.random.normal(jax.random.key(5), (2, 3, 7, 8))
+    np.testing.assert_allclose(float(train.router_z_loss(z)), float(np.mean(jax.nn.logsumexp(z, -1) ** 2)),
+                               rtol=1e-6)
+    centred = z - z.reshape(2, -1, 8).mean(1)[:, None, None, :]
+    assert float(train.router_offset_loss(centred)) < 1e-10
+    bias = jnp.arange(8.0)
+    np.testing.assert_allclose(float(train.router_offset_loss(centred + bias)), float(jnp.var(bias)), rtol=1e-5)
+
+
+def test_bf16_loss_keeps_routers_fp32_and_is_close():
+    cfg, p = micro_params(router_scale=1.0)
+    batch = jax.random.randint(jax.random.key(6), (2, 17), 0, 64)
+    cast = train.cast_params(p, jnp.bfloat16)
+    assert cast["layers"][0]["moe"]["router"].dtype == jnp.float32
+    assert cast["embed"].dtype == jnp.bfloat16
+    f32 = float(train.loss_fn(p, cfg, batch, 0.01)[0])
+    b16 = float(train.loss_fn(p, cfg, batch, 0.01, compute_dtype=jnp.bfloat16)[0])
+    assert abs(f32 - b16) < 0.05 * f32
+
+
+def test_lr_schedule_warmup_and_cosine_floor():
+    assert float(train.lr_at(5, 100, 1.0, 10)) == pytest.approx(0.5)
+    assert float(train.lr_at(10, 100, 1.0, 10)) == pytest.approx(1.0)
+    assert float(train.lr_at(100, 100, 1.0, 10, 0.1)) == pytest.approx(0.1)
+    mid = [float(train.lr_at(s, 100, 1.0, 10, 0.1)) for s in range(10, 101)]
+    assert all(a >= b for a, b in zip(mid, mid[1:]))
