@@ -76,6 +76,8 @@ from typing import Any, Callable
 
 import numpy as np
 
+from moejax.api import forward_length
+
 TASKS = ("mmlu", "gsm8k", "truthfulqa", "nq_open")
 
 # same place as evaluate.SHARED_DATA (not imported from there: evaluate imports this module)
@@ -85,7 +87,6 @@ DEFAULT_FILES = {"gsm8k": "test.jsonl", "truthfulqa": "mc_task.json", "nq_open":
 DEFAULT_SHOTS = {"mmlu": 5, "gsm8k": 8, "truthfulqa": 0, "nq_open": 0}
 DEFAULT_MAX_NEW_TOKENS = {"gsm8k": 256, "nq_open": 16}
 LETTERS = "ABCD"
-PAD_MULTIPLE = 64
 GSM8K_STOPS = ("\n\nQuestion:", "Question:", "\n\n\n")
 N_SAMPLES = 3  # generations kept in the result for inspection
 
@@ -615,7 +616,7 @@ class Stream:
         return {"state": self.state} if self.simulate else {}
 
     def logits(self, ids: np.ndarray) -> np.ndarray:
-        """Teacher-forced logits [T, V]; right-padded to a multiple of 64 when no cache is simulated."""
+        """Teacher-forced logits [T, V]; without a simulated cache the pass runs at its bucket length."""
         ids = np.asarray(ids, np.int32)
         self.tokens += len(ids)
         if self.simulate or self.options:  # an option might care about every token: no padding either
@@ -624,11 +625,8 @@ class Stream:
             if self.simulate:
                 self.state = out.state
             return out.logits
-        padded = min(-(-len(ids) // PAD_MULTIPLE) * PAD_MULTIPLE, max(self.context, len(ids)))
-        self.programs.before(("forward", padded))
-        full = np.zeros(padded, np.int32)
-        full[: len(ids)] = ids
-        return self.model.forward(full).logits[: len(ids)]
+        self.programs.before(("forward", forward_length(len(ids), self.context)))
+        return self.model.forward(ids).logits  # computed right-padded to its bucket (api.forward_length)
 
     def generate(self, ids: np.ndarray, max_new_tokens: int, prefill_routing=None) -> list[int]:
         """Greedy generation (unless options say otherwise); the cache state goes on from the result."""
