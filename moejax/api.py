@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from moejax import checkpoint, decode
+from moejax import checkpoint, decode, gating
 from moejax.config import ModelConfig
 from moejax.model import forward as model_forward
 
@@ -101,6 +101,13 @@ def _forward_original(params, cfg: ModelConfig, tokens, n_real: int):
                                experts=out.experts[:, :n_real], weights=out.weights[:, :n_real])
 
 
+def check_output(cfg: ModelConfig, router_logits, logits=None) -> None:
+    """``gating.NonFiniteError`` naming the layer when a pass's router logits (or logits) are NaN/inf."""
+    gating.check_finite(router_logits, "router logits", cfg)
+    if logits is not None:
+        gating.check_finite(np.asarray(logits)[None], "output logits", layer_names=["the LM head"])
+
+
 class Model:
     """A loaded MoE model: parameters, configuration and (when the folder has one) a tokenizer."""
 
@@ -108,6 +115,14 @@ class Model:
                  path: str | None = None, generation_config: dict | None = None):
         self.params, self.cfg, self.tokenizer, self.path = params, cfg, tokenizer, path
         self.generation_config = generation_config or {}
+
+    @property
+    def fingerprint(self) -> str:
+        """``checkpoint.params_fingerprint`` of the weights (cached per params object): keys results."""
+        cached = getattr(self, "_fingerprint", None)
+        if cached is None or cached[0] is not self.params:
+            cached = self._fingerprint = (self.params, checkpoint.params_fingerprint(self.params))
+        return cached[1]
 
     def __repr__(self) -> str:
         c = self.cfg
@@ -171,6 +186,7 @@ class Model:
 
             state = self._resolve_state(routing, cache, state)
             out = offload_lib.host_forward(self.params, self.cfg, np.asarray(tokens), state, offload)
+            check_output(self.cfg, out["router_logits"], out["logits"])
             stats = simulate.summarize(out["router_state"], self.params, self.cfg)
             stats["offload"] = out["offload"]
             return Output(out["logits"], out["router_logits"], out["experts"], out["weights"], out["hits"], stats,
@@ -179,12 +195,14 @@ class Model:
             n = tokens.shape[0]
             padded = jnp.zeros(forward_length(n, self.cfg.max_position_embeddings), jnp.int32).at[:n].set(tokens)
             out = _forward_original(self.params, self.cfg, padded, n)
+            check_output(self.cfg, out.router_logits, out.logits)
             return Output(np.asarray(out.logits), np.asarray(out.router_logits), np.asarray(out.experts),
                           np.asarray(out.weights))
         from moejax import simulate
 
         state = self._resolve_state(routing, cache, state)
         out = simulate.forward_with_cache(self.params, self.cfg, tokens, state, sequential)
+        check_output(self.cfg, out.router_logits, out.logits)
         return Output(np.asarray(out.logits), np.asarray(out.router_logits), np.asarray(out.experts),
                       np.asarray(out.weights), np.asarray(out.records["hits"]),
                       simulate.summarize(out.router_state, self.params, self.cfg), out.router_state)

@@ -13,6 +13,7 @@ interrupted conversion never leaves a folder that loads. Pickled checkpoints (``
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import os
 import shutil
@@ -74,6 +75,25 @@ def param_shapes(cfg: ModelConfig) -> dict:
 def abstract_params(cfg: ModelConfig, dtype) -> Any:
     return jax.tree.map(lambda s: jax.ShapeDtypeStruct(s, dtype), param_shapes(cfg),
                         is_leaf=lambda x: isinstance(x, tuple))
+
+
+def params_fingerprint(params, full_below: int = 1 << 20, samples: int = 1 << 16) -> str:
+    """A content hash of the weights: every leaf's path, shape and dtype, all the bytes of small leaves and
+    a strided sample (plus both ends) of large ones. Results are keyed by it, so a sweep resumed after the
+    weights at a path changed (re-exported, re-trained, damaged) recomputes instead of reporting old numbers,
+    without reading all of a model larger than memory."""
+    h = hashlib.sha1()
+    for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]:
+        flat = leaf.reshape(-1)
+        h.update(f"{jax.tree_util.keystr(path)}:{tuple(leaf.shape)}:{leaf.dtype};".encode())
+        if flat.size <= full_below:
+            parts = [flat]
+        else:
+            stride = -(-flat.size // samples)
+            parts = [flat[:4096], flat[::stride], flat[-4096:]]
+        for part in parts:
+            h.update(np.ascontiguousarray(np.asarray(part)).tobytes())
+    return h.hexdigest()
 
 
 @contextlib.contextmanager

@@ -17,6 +17,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from moejax import gating
 from moejax.config import ModelConfig
 from moejax.model import forward, forward_sequential, init_kv
 
@@ -73,7 +74,7 @@ def prefill(params, cfg: ModelConfig, tokens, kv, key, router, router_state, sam
     out = run(params, cfg, tokens, 0, kv, router, router_state)
     key, sub = jax.random.split(key)
     first = sample(out.logits[-1], sub, sampling)
-    return first, out.kv, key, out.router_state, _trace_record(out)
+    return first, out.kv, key, out.router_state, _trace_record(out), jnp.isfinite(out.logits[-1]).all()
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "router", "sampling", "steps", "eos"),
@@ -90,7 +91,7 @@ def decode_chunk(params, cfg: ModelConfig, state: DecodeState, router, sampling:
         # inactive steps (past EOS or the budget, padding the last chunk) leave the router state alone
         router_state = jax.tree.map(lambda new, old: jnp.where(done, old, new), out.router_state, s.router_state)
         new = DecodeState(out.kv, nxt, s.pos + 1, key, router_state, done, s.limit)
-        return new, (nxt, done, _trace_record(out))
+        return new, (nxt, done, _trace_record(out), jnp.isfinite(out.logits[0]).all())
 
     return jax.lax.scan(step, state, None, length=steps)
 
@@ -111,6 +112,15 @@ class GenerateResult:
             active = ~np.asarray(done)
             parts.append({k: np.asarray(v)[active][:, :, 0] for k, v in rec.items()})
         return {k: np.concatenate([p[k] for p in parts]) for k in parts[0]}
+
+
+def check_step(cfg: ModelConfig, router_logits, logits_finite, where: str) -> None:
+    """Stop generation with ``gating.NonFiniteError`` (naming the layer) when routing or the next-token
+    distribution went NaN/inf: otherwise the tokens are garbage (or empty text) reported as a success."""
+    gating.check_finite(router_logits, f"router logits ({where})", cfg)
+    if not bool(logits_finite):
+        raise gating.NonFiniteError(f"the next-token logits after {where} are not finite (damaged weights, or "
+                                    "an overflow in this dtype)")
 
 
 def generate(params, cfg: ModelConfig, prompt_ids, *, max_new_tokens: int, sampling: Sampling = Sampling(),
@@ -149,7 +159,7 @@ def generate(params, cfg: ModelConfig, prompt_ids, *, max_new_tokens: int, sampl
     tokens_in = jnp.asarray(prompt)
     run_prefill = prefill.lower(params, tokens=tokens_in, kv=kv, key=key, router_state=router_state,
                                 **statics).compile()
-    first_s, kv_s, key_s, rs_s, _ = jax.eval_shape(
+    first_s, kv_s, key_s, rs_s, _, _ = jax.eval_shape(
         functools.partial(prefill, **statics), params, tokens=tokens_in, kv=kv, key=key, router_state=router_state)
     if decode_policy is not None:
         rs_s = {**rs_s, "policy": jax.eval_shape(lambda p: p, decode_policy)}
@@ -161,8 +171,9 @@ def generate(params, cfg: ModelConfig, prompt_ids, *, max_new_tokens: int, sampl
     compile_time = time.perf_counter() - t_compile
 
     t0 = time.perf_counter()
-    first, kv, key, router_state, rec = run_prefill(params, tokens=tokens_in, kv=kv, key=key,
-                                                    router_state=router_state)
+    first, kv, key, router_state, rec, finite = run_prefill(params, tokens=tokens_in, kv=kv, key=key,
+                                                            router_state=router_state)
+    check_step(cfg, rec["logits"], finite, "the prompt")
     if decode_policy is not None:  # a copy: decode chunks donate their state, and these are the caller's arrays
         router_state = {**router_state, "policy": jax.tree.map(jnp.copy, decode_policy)}
     first = int(first)
@@ -175,9 +186,12 @@ def generate(params, cfg: ModelConfig, prompt_ids, *, max_new_tokens: int, sampl
     state = DecodeState(kv, jnp.int32(first), jnp.int32(prompt.size), key, router_state, jnp.bool_(False), limit)
     finished = not tokens or (first in eos)
     while not finished and len(tokens) < max_new_tokens:
-        state, (new, done, rec) = run_chunk(params, state=state)
+        state, (new, done, rec, finite) = run_chunk(params, state=state)
         records.append((rec, done))
         new, done = np.asarray(new), np.asarray(done)
+        active = ~done
+        check_step(cfg, np.swapaxes(np.asarray(rec["logits"])[active][:, :, 0], 0, 1), np.asarray(finite)[active].all(),
+                   f"generated token {len(tokens)}+")
         fresh = []
         for tok, was_done in zip(new.tolist(), done.tolist()):
             if was_done or len(tokens) >= max_new_tokens:

@@ -18,6 +18,7 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 
 def descending_order(scores: jax.Array) -> jax.Array:
@@ -27,11 +28,33 @@ def descending_order(scores: jax.Array) -> jax.Array:
     the per-token routing scan a sort costs ~50 µs on XLA:CPU while N² compares cost ~1 µs."""
     n = scores.shape[-1]
     idx = jnp.arange(n)
+    scores = jnp.where(jnp.isnan(scores), -jnp.inf, scores)  # NaN ranks last: the result stays a permutation
     s_i, s_j = scores[..., :, None], scores[..., None, :]
     ahead = (s_j > s_i) | ((s_j == s_i) & (idx[None, :] < idx[:, None]))  # [.., i, j]: j ranks before i
     position = jnp.sum(ahead, axis=-1)  # rank of expert i
     onehot = position[..., None, :] == idx[:, None]  # [.., r, i]: expert i sits at rank r
     return jnp.sum(jnp.where(onehot, idx[None, :], 0), axis=-1).astype(jnp.int32)
+
+
+class NonFiniteError(ValueError):
+    """Router logits (or model outputs) that are NaN or infinite: damaged weights or an overflow."""
+
+
+def check_finite(values, what: str = "router logits", cfg=None, layer_names=None) -> None:
+    """Raise ``NonFiniteError`` naming the first layer and token where ``values`` [L, T, ...] is not finite
+    (host-side check of a pass's outputs: NaN routing must not pass for a result). With ``cfg`` the MoE
+    layers are named with their model layer."""
+    if cfg is not None and layer_names is None:
+        layer_names = [f"MoE layer {j} (model layer {i})" for j, i in enumerate(cfg.moe_layer_ids)]
+    v = np.asarray(values)
+    if v.size == 0 or np.isfinite(v).all():
+        return
+    bad = ~np.isfinite(v.reshape(v.shape[0], v.shape[1], -1)).all(-1)  # [L, T]
+    layer, token = (int(i[0]) for i in np.nonzero(bad))
+    name = f"MoE layer {layer}" if layer_names is None else layer_names[layer]
+    kind = "NaN" if np.isnan(v[layer, token]).any() else "infinite"
+    raise NonFiniteError(f"{what} of {name} are {kind} at token {token} (damaged weights, or an overflow in "
+                         "this dtype); refusing to report a result computed from them")
 
 
 def _take(x: jax.Array, idx: jax.Array) -> jax.Array:

@@ -605,6 +605,7 @@ def host_generate(params, cfg: ModelConfig, prompt_ids, router_state: dict, offl
     }
     fed = len(rec) // len(pager.moe_ids)
     out = stack_records(rec, fed, len(pager.moe_ids))
+    decode.check_step(cfg, out["router_logits"], True, "the prompt or the generated tokens")
     # decode.GenerateResult.trace() layout: one prefill-like record over every fed token
     records = [{"experts": out["experts"], "weights": out["weights"], "logits": out["router_logits"],
                 "hits": out["hits"]}]

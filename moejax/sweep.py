@@ -57,6 +57,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from moejax import cache as cache_lib
+from moejax import gating
 from moejax import routing as routing_lib
 
 
@@ -296,7 +297,7 @@ def make_point(model, model_name: str, *, task: str = "wikitext", study: str | N
     routing = routing or routing_record("original", model.cfg.top_k)
     crec = cache_record(cache, model.cfg)
     data_id = None if data is None else os.path.realpath(os.path.expanduser(data))
-    identity = {"task": task, "model": model_name, "data": data_id, "limit": limit, "max_tokens": max_tokens,
+    identity = {"task": task, "model": model_name, "weights": model.fingerprint, "data": data_id, "limit": limit, "max_tokens": max_tokens,
                 "context": context, "shots": shots, "max_new_tokens": max_new_tokens, "routing": routing,
                 "cache": None if crec is None else {k: v for k, v in crec.items() if k != "size"},
                 "method": method}
@@ -330,8 +331,16 @@ def _as_json(x):
     return x
 
 
+RECORD_PREFIX = b'{"key": '  # every record line starts so (json.dumps of a dict whose first key is "key")
+
+
 def _parse_lines(path: str, data: bytes) -> tuple[list[dict], int]:
-    """Records and the byte length of the file's valid prefix (a bad unterminated last line is cut off)."""
+    """Records and the byte length of the file's valid prefix.
+
+    An unterminated last line that does not parse is a write cut short by a crash, and is cut off, but
+    only where the file is evidently a results file: the earlier lines are all records, and either there
+    are some or the torn line starts like one. Anything else (an unrelated file, a settings.json without
+    its final newline) raises ``ValueError`` instead of being truncated: never lose what the user had."""
     records, good_end, pos = [], 0, 0
     lines = data.split(b"\n")
     for i, raw in enumerate(lines):
@@ -343,13 +352,25 @@ def _parse_lines(path: str, data: bytes) -> tuple[list[dict], int]:
                 if not isinstance(rec, dict) or not isinstance(rec.get("key"), str):
                     raise ValueError("not a JSON object with a string 'key'")
             except (ValueError, UnicodeDecodeError) as e:
-                if not terminated:  # a write cut short by a crash: ignore it
+                torn = not terminated and (bool(records) or raw.lstrip().startswith(RECORD_PREFIX))
+                if torn and not _complete_json(raw):  # a write cut short by a crash: ignore it
                     return records, good_end
-                raise ValueError(f"{path}:{i + 1}: malformed results line ({e}); fix or remove that line") from None
+                what = "line" if terminated else "last line"
+                raise ValueError(f"{path}:{i + 1}: not a moejax results file (malformed {what}: {e}); "
+                                 "fix or remove that line, or choose another results path") from None
             records.append(rec)
         good_end = end
         pos = end
     return records, good_end
+
+
+def _complete_json(raw: bytes) -> bool:
+    """Whether ``raw`` is a whole JSON value (then it is not a torn record, whatever it holds)."""
+    try:
+        json.loads(raw.decode("utf-8"))
+        return True
+    except (ValueError, UnicodeDecodeError):
+        return False
 
 
 def load_results(path: str) -> list[dict]:
@@ -494,7 +515,11 @@ class _Acc:
         self.counts = np.zeros((self.n_layers, self.n_experts), np.int64)
 
     def add(self, nll, experts, hits=None, weights=None, keep_trace=False):
-        self.nll_sum += float(np.asarray(nll, np.float64).sum())
+        total = float(np.asarray(nll, np.float64).sum())
+        if not math.isfinite(total):
+            raise gating.NonFiniteError("the negative log-likelihood is not finite (NaN/inf logits: damaged "
+                                        "weights, or an overflow in this dtype); refusing to report a perplexity")
+        self.nll_sum += total
         self.n_pred += int(nll.shape[0])
         for layer in range(experts.shape[0]):
             e = experts[layer]
@@ -651,10 +676,11 @@ class Runner:
         from moejax import trace as trace_lib
 
         ident = point.identity
-        k = (ident["model"], ident["data"], ident["context"], ident["max_tokens"])
+        k = (ident["model"], ident["data"], ident["context"], ident["max_tokens"], ident["weights"])
         if k in self._traces:
             return self._traces[k]
-        name = point_key({"trace": "original", "model": k[0], "data": k[1], "context": k[2], "max_tokens": k[3]})
+        name = point_key({"trace": "original", "model": k[0], "data": k[1], "context": k[2], "max_tokens": k[3],
+                          "weights": k[4]})
         path = os.path.join(self.trace_dir, f"trace-{name[:16]}.npz") if self.trace_dir else None
         if path and os.path.exists(path):
             tr = trace_lib.load_trace(path)

@@ -159,3 +159,34 @@ def test_prefill_routing_leaves_the_callers_state_usable():
     trace = a.trace()
     ref = m.generate(ids, 20, routing="original", cache=simulate.CacheConfig(size="0.5")).trace()
     np.testing.assert_array_equal(trace["experts"][:len(ids)], ref["experts"][:len(ids)])  # prompt: original
+
+
+@pytest.fixture(scope="module")
+def nan_router_model(tmp_path_factory):
+    """The tiny qwen3_moe checkpoint with layer 1's router weights damaged into NaN."""
+    from safetensors.numpy import load_file, save_file
+
+    folder = str(tmp_path_factory.mktemp("nan") / "model")
+    shutil.copytree(get_hf_model("qwen3_moe").folder, folder)
+    path = os.path.join(folder, "model.safetensors")
+    tensors = load_file(path)
+    tensors["model.layers.1.mlp.gate.weight"][:] = np.nan
+    save_file(tensors, path, metadata={"format": "pt"})
+    return folder
+
+
+def test_nan_routing_is_an_error_naming_the_layer_not_empty_text(capsys, nan_router_model):
+    """Reliability part 6: NaN router logits used to give ids like 496 and empty text with exit 0."""
+    for extra in ([], ["--cache-size", "0.5", "--routing", "cache-prior"], ["--offload", "--cache-size", "0.5"]):
+        rc, out, err = _run(capsys, "--model", nan_router_model, "--prompt-ids", "1,2,3", "--max-new-tokens", "3",
+                            *extra)
+        assert rc != 0 and err.startswith("error:") and err.count("\n") == 1, (extra, err)
+        assert "MoE layer 1 (model layer 1)" in err and "NaN" in err and "Traceback" not in err
+    import moejax
+    from moejax import gating, simulate
+
+    m = moejax.load(nan_router_model)
+    with pytest.raises(gating.NonFiniteError, match="MoE layer 1"):
+        m.forward([1, 2, 3])
+    with pytest.raises(gating.NonFiniteError, match="MoE layer 1"):
+        m.forward([1, 2, 3], cache=simulate.CacheConfig(size="0.5"))

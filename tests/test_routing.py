@@ -250,3 +250,17 @@ def test_make_policy_defaults_and_errors():
         routing.make_policy("nope", 4)
     with pytest.raises(ValueError, match="one kind"):
         routing.stack_policies([routing.original(), routing.pruning(2)])
+
+
+@settings(max_examples=60, deadline=None)
+@given(values=st.lists(st.sampled_from([0.0, 1.0, -2.5, 3.0, float("nan"), float("inf"), float("-inf")]),
+                       min_size=1, max_size=12))
+def test_descending_order_is_a_permutation_even_with_nan(values):
+    """NaN used to break the pairwise ranking (ids such as 496 or -2**31): now NaN ranks last, ties by index."""
+    from moejax.gating import descending_order
+
+    order = np.asarray(descending_order(jnp.asarray(values, jnp.float32)))
+    assert sorted(order.tolist()) == list(range(len(values)))
+    key = [(-np.inf if np.isnan(v) else v) for v in values]
+    ref = sorted(range(len(values)), key=lambda i: (-key[i], i))
+    assert order.tolist() == ref

@@ -5,11 +5,12 @@ from __future__ import annotations
 import json
 import math
 
+import jax
 import numpy as np
 import pytest
 from test_evaluate import TEXT, make_word_model
 
-from moejax import evaluate, routing, simulate, sweep
+from moejax import api, checkpoint, evaluate, routing, simulate, sweep
 
 # ------------------------------------------------------------------------------------------ spec parsing
 
@@ -108,12 +109,26 @@ def test_results_file_torn_tail_and_errors(tmp_path):
     assert [r["key"] for r in sweep.load_results(path)] == ["a", "b", "d", "e", "f"]
     with open(path, "w") as f:
         f.write('{"key": "a"}\nnot json\n{"key": "b"}\n')
-    with pytest.raises(ValueError, match=r"r\.jsonl:2: malformed"):
+    with pytest.raises(ValueError, match=r"r\.jsonl:2: not a moejax results file \(malformed line"):
         sweep.load_results(path)
     with open(path, "w") as f:
         f.write('{"key": "a"}\n[1, 2]\n')
     with pytest.raises(ValueError, match=r":2: .*string 'key'"):
         sweep.load_results(path)
+
+
+@pytest.mark.parametrize("content", [b'{"lr": 0.001}', b'{"lr": 0.001}\n{"warmup": 10}', b"plain text, no newline",
+                                     b'{"key": "a", "ppl": 1.5}\n{"lr": 0.001}', b"[1, 2, 3]", b'{"k'])
+def test_results_file_never_truncates_a_bystander(tmp_path, content):
+    """Reliability part 5: only a results file's torn record is repaired; an unrelated file whose last line
+    lacks its newline (any json.dump output) is refused, byte for byte intact."""
+    path = tmp_path / "settings.json"
+    path.write_bytes(content)
+    with pytest.raises(ValueError, match="not a moejax results file"):
+        sweep.append_result(str(path), _rec("x"))
+    with pytest.raises(ValueError, match="not a moejax results file"):
+        sweep.load_results(str(path))
+    assert path.read_bytes() == content
 
 
 # ------------------------------------------------------------------------------------------ evaluation
@@ -214,6 +229,26 @@ def test_resume_after_interruption(lm, data, tmp_path, monkeypatch):
     calls.clear()
     again = _runner(lm, results, batch_size=2)
     assert [_strip(r) for r in again.run(pts)] == reference and calls == [] and again.computed == 0
+
+
+def test_resume_recomputes_when_the_weights_at_the_path_changed(lm, data, tmp_path):
+    """Reliability part 6: records are keyed by the weights' content, not the --model path."""
+    results = str(tmp_path / "w.jsonl")
+    pts = _points(lm, data, [0.5])
+    first = _runner(lm, results).run(pts)
+    again = _runner(lm, results)
+    assert again.run(_points(lm, data, [0.5])) == first and again.computed == 0
+    changed = api.Model(jax.tree.map(lambda x: x * 1.01, lm.params), lm.cfg, lm.tokenizer, lm.path)
+    assert changed.fingerprint != lm.fingerprint and changed.path == lm.path
+    runner = _runner(changed, results)
+    recs = runner.run(_points(changed, data, [0.5]))
+    assert runner.computed == 1 and recs[0]["ppl"] != first[0]["ppl"]
+    small = api.Model(jax.tree.map(lambda x: x.at[(0,) * x.ndim].add(1.0), lm.params), lm.cfg, path=lm.path)
+    assert small.fingerprint != lm.fingerprint  # one changed element of a small leaf is seen
+    big = np.zeros(3 << 20, np.float32)  # a large leaf is sampled (strided, and both ends in full)
+    ends = big.copy()
+    ends[-1] = 1.0
+    assert checkpoint.params_fingerprint({"w": ends}) != checkpoint.params_fingerprint({"w": big})
 
 
 def test_batches_write_every_point_and_keys_identify_points(lm, data, tmp_path):
