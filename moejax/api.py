@@ -259,12 +259,18 @@ class Model:
         return result
 
 
-def load(path: str, dtype=None) -> Model:
-    """Load a moejax checkpoint folder, a Hugging Face folder (converted on the fly), or ``"default"``."""
+def resolve_model_path(path: str) -> str:
+    """The folder of a model argument: ``"default"`` is the embedded default model, anything else a path."""
     if path == DEFAULT_MODEL_NAME:
         from moejax import assets
 
-        path = assets.default_model_path()
+        return assets.default_model_path()
+    return path
+
+
+def load(path: str, dtype=None) -> Model:
+    """Load a moejax checkpoint folder, a Hugging Face folder (converted on the fly), or ``"default"``."""
+    path = resolve_model_path(path)
     params, cfg = checkpoint.load_params(path, dtype)
     folder = os.path.abspath(os.path.expanduser(path))
     tokenizer = Tokenizer(folder) if os.path.isfile(os.path.join(folder, "tokenizer.json")) else None

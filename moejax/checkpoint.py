@@ -97,11 +97,13 @@ def params_fingerprint(params, full_below: int = 1 << 20, samples: int = 1 << 16
 
 
 @contextlib.contextmanager
-def atomic_folder(target: str, overwrite: bool = False) -> Iterator[str]:
-    """Yield a temporary folder beside ``target``; rename it to ``target`` only if the block succeeds."""
-    target = os.path.abspath(target)
-    if os.path.exists(target) and not overwrite:
-        raise FileExistsError(f"{target} already exists (pass overwrite=True / --overwrite to replace it)")
+def atomic_folder(target: str, overwrite: bool = False, protect: tuple[str, ...] = ()) -> Iterator[str]:
+    """Yield a temporary folder beside ``target``; rename it to ``target`` only if the block succeeds.
+
+    Never destroys what the user had: ``target`` may not be (or contain) a ``protect``ed path (the source
+    of a conversion), and ``overwrite`` replaces only an existing checkpoint folder or an empty one."""
+    target = os.path.realpath(os.path.abspath(os.path.expanduser(target)))
+    check_replaceable(target, overwrite, protect)
     parent = os.path.dirname(target)
     os.makedirs(parent, exist_ok=True)
     tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(target)}.tmp-", dir=parent)
@@ -117,6 +119,38 @@ def atomic_folder(target: str, overwrite: bool = False) -> Iterator[str]:
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+
+
+def is_checkpoint_folder(folder: str) -> bool:
+    """A moejax checkpoint folder or a Hugging Face one (config.json beside safetensors weights)."""
+    if is_moejax_folder(folder):
+        return True
+    names = os.listdir(folder) if os.path.isdir(folder) else []
+    return "config.json" in names and any(n.endswith(".safetensors") or n.endswith(".safetensors.index.json")
+                                          for n in names)
+
+
+def check_replaceable(target: str, overwrite: bool, protect: tuple[str, ...] = ()) -> None:
+    """Raise ``FileExistsError`` / ``CheckpointError`` unless writing the folder ``target`` loses nothing."""
+    target = os.path.realpath(os.path.abspath(os.path.expanduser(target)))
+    for p in protect:
+        p = os.path.realpath(os.path.abspath(os.path.expanduser(p)))
+        if target == p:
+            raise CheckpointError(f"the target {target} is the source itself: choose another target folder")
+        if p.startswith(target.rstrip(os.sep) + os.sep):
+            raise CheckpointError(f"the target {target} contains the source {p}: replacing it would delete the "
+                                  "source; choose another target folder")
+    if not os.path.lexists(target):
+        return
+    if not overwrite:
+        raise FileExistsError(f"{target} already exists (pass overwrite=True / --overwrite to replace it)")
+    if not os.path.isdir(target) or os.path.islink(target):
+        raise CheckpointError(f"{target} exists and is not a folder: refusing to replace it")
+    if os.listdir(target) and not is_checkpoint_folder(target):
+        found = ", ".join(sorted(os.listdir(target))[:5])
+        raise CheckpointError(f"{target} is not a checkpoint folder (it holds {found}...): --overwrite only "
+                              "replaces a moejax or Hugging Face checkpoint; remove it yourself or choose "
+                              "another target")
 
 
 def write_json_atomic(path: str, obj: Any) -> None:
@@ -233,9 +267,9 @@ def hf_tensors(params: dict, cfg: ModelConfig) -> Iterator[tuple[str, np.ndarray
 
 
 def save_hf(params: dict, cfg: ModelConfig, folder: str, *, tokenizer_from: str | None = None,
-            overwrite: bool = False, max_shard_bytes: int = 4 << 30) -> str:
+            overwrite: bool = False, max_shard_bytes: int = 4 << 30, protect: tuple[str, ...] = ()) -> str:
     """Write a Hugging Face folder (safetensors shards + index, config.json) that transformers loads."""
-    with atomic_folder(folder, overwrite) as tmp:
+    with atomic_folder(folder, overwrite, protect) as tmp:
         shards: list[list[tuple[str, np.ndarray]]] = [[]]
         size = 0
         for key, value in hf_tensors(params, cfg):
@@ -269,10 +303,10 @@ def is_moejax_folder(folder: str) -> bool:
 
 
 def save_moejax(params: dict, cfg: ModelConfig, folder: str, *, tokenizer_from: str | None = None,
-                overwrite: bool = False) -> str:
+                overwrite: bool = False, protect: tuple[str, ...] = ()) -> str:
     import orbax.checkpoint as ocp
 
-    with atomic_folder(folder, overwrite) as tmp:
+    with atomic_folder(folder, overwrite, protect) as tmp:
         ckpt = ocp.StandardCheckpointer()
         ckpt.save(os.path.join(tmp, "params"), params)
         ckpt.wait_until_finished()
@@ -317,13 +351,15 @@ def load_params(folder: str, dtype=None) -> tuple[dict, ModelConfig]:
 
 
 def convert_hf_to_moejax(src: str, dst: str, dtype=None, overwrite: bool = False) -> str:
+    check_replaceable(dst, overwrite, (src,))  # before reading a byte: refusals are instant
     params, cfg = load_params(src, dtype)
-    return save_moejax(params, cfg, dst, tokenizer_from=src, overwrite=overwrite)
+    return save_moejax(params, cfg, dst, tokenizer_from=src, overwrite=overwrite, protect=(src,))
 
 
 def convert_moejax_to_hf(src: str, dst: str, dtype=None, overwrite: bool = False) -> str:
+    check_replaceable(dst, overwrite, (src,))
     params, cfg = load_params(src, dtype)
-    return save_hf(params, cfg, dst, tokenizer_from=src, overwrite=overwrite)
+    return save_hf(params, cfg, dst, tokenizer_from=src, overwrite=overwrite, protect=(src,))
 
 
 __all__ = [

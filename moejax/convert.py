@@ -7,7 +7,9 @@
 moejax checkpoint folder (orbax params + moejax.json, tokenizer files copied); ``moejax-to-hf`` writes the
 safetensors + config.json that ``transformers`` loads. Both check every key and shape against the family's
 key table, build the target under a temporary name and rename it at the end (an interrupted run leaves no
-folder that loads), and refuse an existing target unless ``--overwrite``. Pickled ``.bin``/``.pt``
+folder that loads), and refuse an existing target unless ``--overwrite``. ``--overwrite`` replaces only a
+checkpoint folder (or an empty one), never the source or a folder containing it. SRC may be ``default``
+(the embedded default model), as in every other command. Pickled ``.bin``/``.pt``
 checkpoints are refused, never unpickled. The work is done by ``moejax.checkpoint``.
 """
 
@@ -38,9 +40,9 @@ def _parser() -> argparse.ArgumentParser:
 
 def convert(direction: str, src: str, dst: str, dtype: str | None = None, overwrite: bool = False) -> str:
     """Run one conversion; raise ``CheckpointError`` / ``UnsupportedModelError`` / ``FileExistsError``."""
-    from moejax import checkpoint
+    from moejax import api, checkpoint
 
-    src = os.path.abspath(os.path.expanduser(src))
+    src = os.path.abspath(os.path.expanduser(api.resolve_model_path(src)))
     if direction == "hf-to-moejax":
         if os.path.isdir(src) and checkpoint.is_moejax_folder(src):
             raise checkpoint.CheckpointError(f"{src} is already a moejax checkpoint folder "

@@ -324,7 +324,7 @@ def main(argv: list[str] | None = None) -> int:
             routing, cache = cli_options.policy_from_args(args, model.cfg.top_k), cli_options.cache_from_args(args)
             cache.capacity(model.cfg)
         res = run_task(model, args, routing, cache)
-    except (CheckpointError, UnsupportedModelError, ValueError, FileNotFoundError) as e:
+    except (CheckpointError, UnsupportedModelError, ValueError, FileNotFoundError, FileExistsError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     if args.json:

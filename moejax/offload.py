@@ -30,8 +30,10 @@ from __future__ import annotations
 import dataclasses
 import functools
 import os
+import shutil
 import tempfile
 import time
+import weakref
 from typing import Any, Callable
 
 import jax
@@ -140,6 +142,24 @@ def _host_sharding(device):
     return jax.sharding.SingleDeviceSharding(device, memory_kind="pinned_host")
 
 
+STORE_FORMAT = "moejax-experts"  # the flash tier's file says so in its safetensors metadata
+
+
+def check_store_file(path: str) -> None:
+    """Refuse to replace a file that is not an earlier flash store (``--store-dir`` pointing at user data)."""
+    if not os.path.lexists(path):
+        return
+    from moejax import safetensors_io
+
+    try:
+        ours = safetensors_io.SafetensorsFile(path).metadata.get("format") == STORE_FORMAT
+    except Exception:  # unreadable, not safetensors: certainly not ours
+        ours = False
+    if not ours or not os.path.isfile(path) or os.path.islink(path):
+        raise FileExistsError(f"{path} exists and is not a moejax expert store: refusing to overwrite it "
+                              "(choose another --store-dir)")
+
+
 class ExpertStore:
     """Every routed expert of every MoE layer, off the device, one array per (layer, expert, matrix)
     so one expert pages with one ``device_put`` per matrix; optional int8/int4 copies (cascade)."""
@@ -183,10 +203,19 @@ class ExpertStore:
 
         folder = store_dir or tempfile.mkdtemp(prefix="moejax-flash-")
         self._tmp = None if store_dir else folder
+        if self._tmp:  # removed when the store is collected or the interpreter exits (normally or by an error)
+            self._cleanup = weakref.finalize(self, shutil.rmtree, folder, True)
         os.makedirs(folder, exist_ok=True)
         path = os.path.join(folder, "experts.safetensors")
+        check_store_file(path)
         tensors = [(f"{j}.{k}", layer[k]) for j, layer in enumerate(full) for k in EXPERT_KEYS]
-        safetensors_io.write(path, tensors, {"format": "moejax-experts"})
+        tmp = f"{path}.tmp-{os.getpid()}"
+        try:
+            safetensors_io.write(tmp, tensors, {"format": STORE_FORMAT})
+            os.replace(tmp, path)
+        finally:
+            if os.path.exists(tmp):
+                os.remove(tmp)
         reader = safetensors_io.SafetensorsFile(path)
         return [{k: reader.get(f"{j}.{k}") for k in EXPERT_KEYS} for j in range(len(full))]
 

@@ -299,6 +299,37 @@ def _ckpt_root(out: str) -> str:
     return os.path.join(out, "checkpoints")
 
 
+RUN_FILES = ("run.json", "metrics.jsonl", "checkpoints", "tokenizer", "export-files")
+
+
+def check_out_folder(out: str, resume: bool, overwrite: bool) -> None:
+    """Refuse to start a fresh run over a folder that holds a run (its metrics and checkpoints would be
+    lost) or unrelated files, unless ``--resume`` (continue it) or ``--overwrite`` (start over)."""
+    if not os.path.lexists(out):
+        return
+    if not os.path.isdir(out):
+        raise FileExistsError(f"--out {out} exists and is not a folder")
+    names = set(os.listdir(out))
+    if names & set(RUN_FILES):
+        if not resume and not overwrite:
+            raise FileExistsError(f"--out {out} holds a training run ({', '.join(sorted(names & set(RUN_FILES)))}): "
+                                  "pass --resume to continue it, or --overwrite to start over (its checkpoints "
+                                  "and metrics are deleted)")
+    elif names and not resume:
+        raise FileExistsError(f"--out {out} is not empty and holds no training run ({', '.join(sorted(names)[:5])}"
+                              "): choose an empty or new folder")
+
+
+def remove_run(out: str) -> None:
+    """Delete a previous run's own files in ``out`` (never anything else)."""
+    for name in RUN_FILES:
+        path = os.path.join(out, name)
+        if os.path.isdir(path) and not os.path.islink(path):
+            shutil.rmtree(path)
+        elif os.path.lexists(path):
+            os.remove(path)
+
+
 def save_state(out: str, step: int, params, opt_state, data_pos: int, rng: jax.Array, keep: int = 2) -> str:
     """Orbax checkpoint of the whole training state; ``latest.json`` is switched atomically afterwards."""
     import orbax.checkpoint as ocp
@@ -381,6 +412,9 @@ def train(args: argparse.Namespace) -> dict:
     from tqdm import tqdm
 
     out = os.path.abspath(args.out)
+    check_out_folder(out, args.resume, args.overwrite)
+    if args.overwrite and not args.resume:
+        remove_run(out)
     os.makedirs(out, exist_ok=True)
     run_path = os.path.join(out, "run.json")
     run_prev: dict = {}
@@ -426,7 +460,7 @@ def train(args: argparse.Namespace) -> dict:
     if step == 0 and os.path.exists(metrics_path):
         os.remove(metrics_path)
     n_params = count_params(params)
-    run = {"args": {k: v for k, v in vars(args).items() if k not in ("export", "resume")}, "hf_config": hf,
+    run = {"args": {k: v for k, v in vars(args).items() if k not in ("export", "resume", "overwrite")}, "hf_config": hf,
            "params": n_params, "hardware": hardware(), "planned_steps": total_steps or None}
     checkpoint.write_json_atomic(run_path, run)
     log(f"model {args.config}: {n_params / 1e6:.2f}M params ({cfg.n_experts} experts, top-{cfg.top_k}, "
@@ -530,9 +564,11 @@ def hardware() -> dict:
 
 
 # ------------------------------------------------------------------------------------------ export
-def export(out: str, folder: str, dtype=jnp.bfloat16, text_style: str = "wikitext") -> str:
+def export(out: str, folder: str, dtype=jnp.bfloat16, text_style: str = "wikitext", overwrite: bool = False) -> str:
     """Write the run's latest parameters as a moejax checkpoint folder (bf16) with the tokenizer, a
-    ``generation_config.json`` (``"text_style": "wikitext"``) and a README recording how it was trained."""
+    ``generation_config.json`` (``"text_style": "wikitext"``) and a README recording how it was trained.
+    An existing ``folder`` is replaced only with ``overwrite`` and only if it is a checkpoint."""
+    checkpoint.check_replaceable(folder, overwrite, protect=(out,))
     params, cfg, run = load_trained_params(out)
     params = jax.tree.map(lambda x: jnp.asarray(x, dtype), params)
     eos = cfg.eos_token_ids[0] if cfg.eos_token_ids else 0
@@ -543,7 +579,7 @@ def export(out: str, folder: str, dtype=jnp.bfloat16, text_style: str = "wikitex
     checkpoint.write_json_atomic(os.path.join(staging, "generation_config.json"), {
         "bos_token_id": eos, "eos_token_id": eos, "do_sample": False, "max_new_tokens": 64,
         "text_style": text_style})
-    folder = checkpoint.save_moejax(params, cfg, folder, tokenizer_from=staging, overwrite=True)
+    folder = checkpoint.save_moejax(params, cfg, folder, tokenizer_from=staging, overwrite=overwrite, protect=(out,))
     a = run["args"]
     last = run.get("last") or {}
     info = {"model": "qwen3_moe", "params": run["params"], "step": run["step"],
@@ -625,6 +661,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="capacity factor of the periodic validation loss (0 = exact)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--resume", action="store_true", help="continue from OUT's latest checkpoint")
+    p.add_argument("--overwrite", action="store_true",
+                   help="start over in an OUT that holds a run (deleting it), or replace an existing --export "
+                        "checkpoint folder")
     p.add_argument("--eval-every", type=int, default=200, help="validation loss every N steps (0: never)")
     p.add_argument("--eval-seqs", type=int, default=64, help="validation sequences per evaluation")
     p.add_argument("--ckpt-every", type=int, default=500)
@@ -655,10 +694,14 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     args.data_dir = os.path.abspath(os.path.expanduser(args.data_dir))
     args.corpus_dir = os.path.abspath(os.path.expanduser(args.corpus_dir))
-    if args.export:
-        print(export(args.out, args.export))
-        return 0
-    train(args)
+    try:
+        if args.export:
+            print(export(args.out, args.export, overwrite=args.overwrite))
+            return 0
+        train(args)
+    except (FileExistsError, checkpoint.CheckpointError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     return 0
 
 

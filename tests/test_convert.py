@@ -403,9 +403,45 @@ def test_existing_target_needs_overwrite(tmp_path, capsys):
     assert "already exists" in capsys.readouterr().err
     assert (target / "keep.txt").read_text() == "precious"
     assert _siblings(str(target)) == ["out"]
-    assert convert_cli.main(["hf-to-moejax", src, str(target), "--overwrite"]) == 0
-    assert not (target / "keep.txt").exists() and checkpoint.is_moejax_folder(str(target))
-    assert _siblings(str(target)) == ["out"]
+    # reliability part 5: --overwrite replaces checkpoints only, never an unrelated folder
+    assert convert_cli.main(["hf-to-moejax", src, str(target), "--overwrite"]) == 1
+    assert "not a checkpoint folder" in capsys.readouterr().err
+    assert (target / "keep.txt").read_text() == "precious" and _siblings(str(target)) == ["out"]
+    (target / "keep.txt").unlink()
+    assert convert_cli.main(["hf-to-moejax", src, str(target), "--overwrite"]) == 0  # empty folder: fine
+    assert convert_cli.main(["hf-to-moejax", get_hf_model("olmoe").folder, str(target), "--overwrite"]) == 0
+    assert moejax.load(str(target)).cfg.model_type == "olmoe" and _siblings(str(target)) == ["out"]
+
+
+def _tree(folder) -> dict:
+    return {os.path.relpath(os.path.join(d, f), folder): os.path.getsize(os.path.join(d, f))
+            for d, _, files in os.walk(folder) for f in files}
+
+
+@pytest.mark.parametrize("direction", ["hf-to-moejax", "moejax-to-hf"])
+def test_overwrite_never_deletes_the_source_or_its_parent(tmp_path, capsys, direction):
+    """Reliability part 5: DST == SRC and DST an ancestor of SRC used to be deleted wholesale."""
+    parent = tmp_path / "models"
+    parent.mkdir()
+    src = str(parent / "src")
+    if direction == "hf-to-moejax":
+        shutil.copytree(get_hf_model("mixtral").folder, src)
+    else:
+        checkpoint.convert_hf_to_moejax(get_hf_model("mixtral").folder, src)
+    (parent / "sibling.txt").write_text("mine")
+    before = _tree(str(tmp_path))
+    for dst, message in ((src, "is the source itself"), (str(parent), "contains the source"),
+                         (str(tmp_path), "contains the source"), (src + "/../src", "is the source itself")):
+        assert convert_cli.main([direction, src, dst, "--overwrite"]) == 1
+        err = capsys.readouterr().err
+        assert message in err and err.count("\n") == 1, err
+        assert _tree(str(tmp_path)) == before
+
+
+def test_convert_accepts_the_default_model_name(tmp_path, capsys):
+    out = str(tmp_path / "hf")
+    assert convert_cli.main(["moejax-to-hf", "default", out]) == 0
+    assert moejax.load(out).cfg.n_experts == moejax.load("default").cfg.n_experts
 
 
 def test_cli_errors_are_reported_not_raised(tmp_path, capsys):

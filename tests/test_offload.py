@@ -8,7 +8,9 @@ change only what they should.
 
 from __future__ import annotations
 
+import gc
 import json
+import os
 import subprocess
 import sys
 
@@ -117,6 +119,37 @@ def test_flash_store_reads_experts_from_a_mapped_file(tmp_path):
     assert off.token_ids == ref.token_ids
     assert (tmp_path / "experts.safetensors").stat().st_size >= m.cfg.n_moe_layers * m.cfg.n_experts * \
         off.stats["offload"]["expert_bytes"]
+
+
+def test_store_dir_never_overwrites_user_data_and_temp_store_is_removed(tmp_path):
+    """Reliability parts 3 and 5: --store-dir D used to overwrite any D/experts.safetensors; the temporary
+    store of a run without --store-dir was never removed."""
+    m = _model()
+    precious = tmp_path / "experts.safetensors"
+    precious.write_bytes(b"not an expert store")
+    with pytest.raises(FileExistsError, match="not a moejax expert store"):
+        offload.ExpertStore(m.params, m.cfg, "flash", store_dir=str(tmp_path))
+    assert precious.read_bytes() == b"not an expert store"
+    ours = tmp_path / "ours"
+    offload.ExpertStore(m.params, m.cfg, "flash", store_dir=str(ours))
+    offload.ExpertStore(m.params, m.cfg, "flash", store_dir=str(ours))  # an earlier store: replaced
+    assert sorted(os.listdir(ours)) == ["experts.safetensors"]
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    store = offload.ExpertStore(m.params, m.cfg, "flash")
+    folder = store._tmp
+    assert os.path.isfile(os.path.join(folder, "experts.safetensors"))
+    del store
+    gc.collect()
+    assert not os.path.exists(folder)
+    code = ("import tempfile, moejax; from moejax import offload, simulate;"
+            "m = moejax.load(%r);"
+            "out = m.generate([1, 2, 3], 2, cache=simulate.CacheConfig(size='0.5'),"
+            " offload=offload.OffloadConfig(store='flash')); print(len(out.token_ids))" % m.path)
+    env = {**os.environ, "TMPDIR": str(tmp), "JAX_PLATFORMS": "cpu"}
+    run = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr
+    assert os.listdir(tmp) == []  # normal exit: nothing left in the temporary directory
 
 
 def test_device_memory_is_slots_plus_dense_weights_never_the_whole_model():

@@ -27,12 +27,16 @@ def dirs(tmp_path_factory):
 
 def run(dirs, name, *extra):
     out = str(dirs["root"] / name)
-    argv = ["--out", out, "--config", "micro", "--steps", "12", "--batch", "4", "--seq-len", "32", "--lr", "1e-2",
-            "--warmup", "2", "--eval-every", "0", "--ckpt-every", "0", "--ckpt-minutes", "0", "--vocab-size", "320",
-            "--data-dir", dirs["data"], "--corpus-dir", dirs["corpus"], *extra]
+    argv = _argv(dirs, out, *extra)
     assert train.main(argv) == 0
     with open(os.path.join(out, "metrics.jsonl")) as f:
         return out, [json.loads(line) for line in f]
+
+
+def _argv(dirs, out, *extra):
+    return ["--out", out, "--config", "micro", "--steps", "12", "--batch", "4", "--seq-len", "32", "--lr", "1e-2",
+            "--warmup", "2", "--eval-every", "0", "--ckpt-every", "0", "--ckpt-minutes", "0", "--vocab-size", "320",
+            "--data-dir", dirs["data"], "--corpus-dir", dirs["corpus"], *extra]
 
 
 @pytest.fixture(scope="module")
@@ -98,6 +102,42 @@ def test_resume_continues_exactly(dirs, baseline):
     resumed = both[5:]
     assert [r["step"] for r in resumed] == list(range(6, 13))
     np.testing.assert_allclose([r["loss"] for r in resumed], [r["loss"] for r in baseline[1][5:]], rtol=1e-6)
+
+
+def _snapshot(folder):
+    return {os.path.relpath(os.path.join(d, f), folder): open(os.path.join(d, f), "rb").read()
+            for d, _, files in os.walk(folder) for f in files}
+
+
+def test_rerun_and_export_never_destroy_what_is_there(dirs, baseline, tmp_path, capsys):
+    """Reliability part 5: a rerun without --resume truncated metrics.jsonl and repointed latest.json;
+    --export replaced any folder, unrelated files included."""
+    out, _ = baseline
+    before = _snapshot(out)
+    assert train.main(_argv(dirs, out)) == 2
+    err = capsys.readouterr().err
+    assert "holds a training run" in err and "--resume" in err and "--overwrite" in err
+    assert _snapshot(out) == before
+    mine = tmp_path / "notes"
+    mine.mkdir()
+    (mine / "todo.txt").write_text("keep me")
+    assert train.main(_argv(dirs, str(mine))) == 2 and "not empty" in capsys.readouterr().err
+    for overwrite in ([], ["--overwrite"]):
+        assert train.main(["--out", out, "--export", str(mine), *overwrite]) == 2
+        assert (mine / "todo.txt").read_text() == "keep me"
+    assert train.main(["--out", out, "--export", str(dirs["root"]), "--overwrite"]) == 2  # contains the run
+    assert _snapshot(out) == before
+    folder = str(tmp_path / "model")
+    assert train.main(["--out", out, "--export", folder]) == 0
+    assert train.main(["--out", out, "--export", folder]) == 2 and "already exists" in capsys.readouterr().err
+    assert train.main(["--out", out, "--export", folder, "--overwrite"]) == 0  # a checkpoint: replaced
+
+
+def test_overwrite_starts_a_fresh_run(dirs, tmp_path):
+    out, first = run(dirs, "fresh", "--stop-after", "3")
+    _, again = run(dirs, "fresh", "--stop-after", "2", "--overwrite")
+    assert [r["step"] for r in again] == [1, 2] and again[0]["loss"] == first[0]["loss"]
+    assert train.latest_checkpoint(out).endswith("step_00000002")
 
 
 def test_export_loads_in_moejax_and_transformers(dirs, baseline, tmp_path):
