@@ -78,27 +78,9 @@ class Tokenizer:
             bos_token=self._special("bos_token"), eos_token=self._special("eos_token"))
 
 
-FORWARD_BUCKET = 64  # teacher-forced passes run at lengths rounded up to a multiple of this
-
-
-def forward_length(n_tokens: int, context: int) -> int:
-    """The length a teacher-forced pass of ``n_tokens`` real tokens is computed at (right padding).
-
-    Why pad: XLA:CPU's matmul library picks its kernel (and with it the order of each row's sums) from the
-    shape, so the same token computed in a pass of 55 and of 64 rows can round differently (on AVX2, by
-    one bf16 ulp in the residual stream, 0.02 in the logits after four layers). With one length per
-    bucket, every pass over the same tokens is the same program, bit for bit, padded or not, and a run
-    over many prompt lengths compiles one program per bucket instead of one per length."""
-    bucket = -(-n_tokens // FORWARD_BUCKET) * FORWARD_BUCKET
-    return min(bucket, max(context, n_tokens))
-
-
-@functools.partial(jax.jit, static_argnames=("cfg", "n_real"))
-def _forward_original(params, cfg: ModelConfig, tokens, n_real: int):
-    """Causal pass over right-padded ``tokens``; the padding never reaches the ``n_real`` real tokens."""
-    out = model_forward(params, cfg, tokens)
-    return dataclasses.replace(out, logits=out.logits[:n_real], router_logits=out.router_logits[:, :n_real],
-                               experts=out.experts[:, :n_real], weights=out.weights[:, :n_real])
+@functools.partial(jax.jit, static_argnames=("cfg",))
+def _forward_original(params, cfg: ModelConfig, tokens):
+    return model_forward(params, cfg, tokens)
 
 
 def check_output(cfg: ModelConfig, router_logits, logits=None) -> None:
@@ -192,9 +174,7 @@ class Model:
             return Output(out["logits"], out["router_logits"], out["experts"], out["weights"], out["hits"], stats,
                           out["router_state"])
         if routing is None and cache is None and state is None:
-            n = tokens.shape[0]
-            padded = jnp.zeros(forward_length(n, self.cfg.max_position_embeddings), jnp.int32).at[:n].set(tokens)
-            out = _forward_original(self.params, self.cfg, padded, n)
+            out = _forward_original(self.params, self.cfg, tokens)
             check_output(self.cfg, out.router_logits, out.logits)
             return Output(np.asarray(out.logits), np.asarray(out.router_logits), np.asarray(out.experts),
                           np.asarray(out.weights))

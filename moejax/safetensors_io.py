@@ -88,3 +88,40 @@ def write(path: str, tensors: Iterable[tuple[str, np.ndarray]], metadata: dict[s
         f.write(blob)
         for _, v in tensors:
             f.write(v.tobytes())
+
+
+def write_stream(path: str, specs: list[tuple[str, np.dtype, tuple[int, ...]]], chunks,
+                 metadata: dict[str, str] | None = None) -> int:
+    """Write a safetensors file tensor by tensor without holding any of them whole: ``specs`` gives each
+    tensor's key, dtype and shape (the header comes first), ``chunks(key)`` yields its data as arrays in
+    order. Written under a temporary name and renamed when complete; returns the file's size."""
+    header: dict = {"__metadata__": metadata or {"format": "pt"}}
+    offset = 0
+    for key, dtype, shape in specs:
+        dtype = np.dtype(dtype)
+        if dtype not in _NAMES:
+            raise SafetensorsError(f"cannot write tensor {key!r} of dtype {dtype}")
+        nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+        header[key] = {"dtype": _NAMES[dtype], "shape": list(shape), "data_offsets": [offset, offset + nbytes]}
+        offset += nbytes
+    blob = json.dumps(header, separators=(",", ":")).encode()
+    blob += b" " * (-len(blob) % 8)
+    tmp = f"{path}.tmp-{os.getpid()}"
+    try:
+        with open(tmp, "wb") as f:
+            f.write(struct.pack("<Q", len(blob)))
+            f.write(blob)
+            for key, dtype, _ in specs:
+                want = header[key]["data_offsets"][1] - header[key]["data_offsets"][0]
+                done = 0
+                for part in chunks(key):
+                    part = np.ascontiguousarray(part, dtype=dtype)
+                    f.write(part.tobytes())
+                    done += part.nbytes
+                if done != want:
+                    raise SafetensorsError(f"tensor {key!r}: got {done} bytes, its shape needs {want}")
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+    return 8 + len(blob) + offset

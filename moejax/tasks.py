@@ -76,8 +76,6 @@ from typing import Any, Callable
 
 import numpy as np
 
-from moejax.api import forward_length
-
 TASKS = ("mmlu", "gsm8k", "truthfulqa", "nq_open")
 
 # same place as evaluate.SHARED_DATA (not imported from there: evaluate imports this module)
@@ -87,6 +85,7 @@ DEFAULT_FILES = {"gsm8k": "test.jsonl", "truthfulqa": "mc_task.json", "nq_open":
 DEFAULT_SHOTS = {"mmlu": 5, "gsm8k": 8, "truthfulqa": 0, "nq_open": 0}
 DEFAULT_MAX_NEW_TOKENS = {"gsm8k": 256, "nq_open": 16}
 LETTERS = "ABCD"
+PAD_MULTIPLE = 64
 GSM8K_STOPS = ("\n\nQuestion:", "Question:", "\n\n\n")
 N_SAMPLES = 3  # generations kept in the result for inspection
 
@@ -595,6 +594,16 @@ def resolve_policy(model, routing):
     return routing
 
 
+def padded_length(n_tokens: int, context: int, rope_long_after: int) -> int:
+    """Length a pass of ``n_tokens`` is right-padded to: a multiple of ``PAD_MULTIPLE`` (one compiled program
+    per bucket instead of one per prompt length), never past the context, and never across a longrope
+    model's switch to its long factors (the rope of the real tokens would change)."""
+    limit = max(context, n_tokens)
+    if n_tokens <= rope_long_after:
+        limit = min(limit, rope_long_after)
+    return min(-(-n_tokens // PAD_MULTIPLE) * PAD_MULTIPLE, limit)
+
+
 class Stream:
     """Every forward and generation of one evaluation, in order, carrying the expert-cache state."""
 
@@ -616,7 +625,7 @@ class Stream:
         return {"state": self.state} if self.simulate else {}
 
     def logits(self, ids: np.ndarray) -> np.ndarray:
-        """Teacher-forced logits [T, V]; without a simulated cache the pass runs at its bucket length."""
+        """Teacher-forced logits [T, V]; right-padded to a multiple of 64 when no cache is simulated."""
         ids = np.asarray(ids, np.int32)
         self.tokens += len(ids)
         if self.simulate or self.options:  # an option might care about every token: no padding either
@@ -625,8 +634,11 @@ class Stream:
             if self.simulate:
                 self.state = out.state
             return out.logits
-        self.programs.before(("forward", forward_length(len(ids), self.context)))
-        return self.model.forward(ids).logits  # computed right-padded to its bucket (api.forward_length)
+        padded = padded_length(len(ids), self.context, getattr(self.model.cfg, "rope_long_after", self.context))
+        self.programs.before(("forward", padded))
+        full = np.zeros(padded, np.int32)
+        full[: len(ids)] = ids
+        return self.model.forward(full).logits[: len(ids)]
 
     def generate(self, ids: np.ndarray, max_new_tokens: int, prefill_routing=None) -> list[int]:
         """Greedy generation (unless options say otherwise); the cache state goes on from the result."""

@@ -575,9 +575,18 @@ def test_default_model_mmlu_original_routing_with_cache_equals_no_cache(default_
     assert cached["cache"]["accesses"] == cfg.top_k * tokens * cfg.n_moe_layers  # both examples, one stream
     assert 0.0 < cached["miss_rate"] < 1.0 and cached["lifetime"] > 0 and cached["bytes_per_token"] > 0
     assert simulate.summarize(state, m.params, cfg) == cached["cache"]
-    # right padding (no cache) leaves the logits of the real tokens as they are
+    # Without a cache the pass is right-padded to a multiple of 64 (one program per bucket): exactly the
+    # padded forward's real rows. Versus the unpadded pass a bf16 model is NOT bit-identical: XLA:CPU picks
+    # its matmul kernel (and each row's summation order) from the shape, and on AVX2 the 1-ulp bf16
+    # differences flip near-tied top-k choices (measured on this model: logits up to 0.07 apart below 64
+    # tokens and 1.7 at 1,000, argmax agreement >= 98 %; bench/RESULTS.md). That the padding itself never
+    # reaches the real tokens is checked in float32 in test_default_model.
     ids = tasks.Encoder(m).prompt(prompts[0])
-    np.testing.assert_allclose(tasks.Stream(m).logits(ids), m.forward(ids).logits, atol=2e-4, rtol=2e-4)
+    padded = np.zeros(tasks.padded_length(len(ids), m.cfg.max_position_embeddings, m.cfg.rope_long_after), int)
+    padded[: len(ids)] = ids
+    np.testing.assert_array_equal(tasks.Stream(m).logits(ids), m.forward(padded).logits[: len(ids)])
+    unpadded = m.forward(ids).logits
+    assert np.mean(tasks.Stream(m).logits(ids).argmax(-1) == unpadded.argmax(-1)) >= 0.9
 
 
 def test_default_model_gsm8k_generation_carries_the_cache_like_chained_generate_calls(default_model, tmp_path):

@@ -1,0 +1,1 @@
+"""Tools for testing and benchmarking at real shapes without the real weights (``random_checkpoint``)."""

@@ -1,0 +1,224 @@
+"""Hugging Face folders with the exact config of a real MoE model and random weights, written streaming.
+
+    python -m moejax.testing.random_checkpoint PRESET OUT [--layers L] [--dtype bfloat16] [--seed S]
+        [--set key=value ...] [--shard-gb 5] [--overwrite]
+    python -m moejax.testing.random_checkpoint --list
+
+Presets (``moejax/testing/presets/*.json``, the models' own ``config.json``): mixtral-8x7b, phi-3.5-moe,
+qwen1.5-moe-a2.7b, qwen3-30b-a3b, olmoe-1b-7b, deepseek-v2-lite; PRESET may also be a config.json path.
+``--layers`` keeps the first L decoder layers (a cut with the real per-layer shapes), ``--set`` overrides
+config values (JSON values: ``--set hidden_size=64 --set vocab_size=512`` makes a tiny test model).
+
+Weights are N(0, 0.02²), norm scales 1 and norm biases 0, drawn per tensor from (seed, key), so a tensor
+does not depend on the shard layout or on the other tensors. The safetensors shards use the hub's key
+layout (one tensor per expert and matrix) and the hub's file names with an index; tensors are generated
+and written in chunks of a few MB, so peak memory stays far below one tensor, whatever the model size.
+The folder is built under a temporary name beside OUT and renamed when complete; the free disk space is
+checked first. ``transformers`` loads the result (``AutoModelForCausalLM.from_pretrained``)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import sys
+import zlib
+
+import ml_dtypes
+import numpy as np
+
+from moejax import checkpoint, hf_keys, safetensors_io
+from moejax.config import UnsupportedModelError, from_hf
+
+PRESETS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "presets")
+DTYPES = {"bfloat16": ml_dtypes.bfloat16, "float16": np.float16, "float32": np.float32}
+STD = 0.02
+CHUNK = 1 << 22  # elements generated at a time (16 MB of float32)
+
+
+def presets() -> list[str]:
+    if not os.path.isdir(PRESETS_DIR):
+        return []
+    return sorted(f[:-5] for f in os.listdir(PRESETS_DIR) if f.endswith(".json"))
+
+
+def preset_config(name: str) -> dict:
+    """The config.json of preset ``name`` (or of the config.json file at path ``name``)."""
+    path = os.path.join(PRESETS_DIR, f"{name}.json")
+    if not os.path.isfile(path):
+        path = os.path.expanduser(name)
+        if os.path.isdir(path):
+            path = os.path.join(path, "config.json")
+        if not os.path.isfile(path):
+            raise ValueError(f"unknown preset {name!r} (presets: {', '.join(presets())}; or a config.json path)")
+    with open(path) as f:
+        try:
+            config = json.load(f)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{path}: not valid JSON ({e})") from None
+    if not isinstance(config, dict):
+        raise ValueError(f"{path}: a config.json holds a JSON object")
+    return config
+
+
+def parse_sets(items: list[str]) -> dict:
+    """``key=value`` pairs; values are JSON (``64``, ``true``, ``null``, ``[1, 2]``) or else strings."""
+    out = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise ValueError(f"--set {item!r}: expected key=value")
+        try:
+            out[key] = json.loads(value)
+        except json.JSONDecodeError:
+            out[key] = value
+    return out
+
+
+def with_overrides(config: dict, layers: int | None = None, sets: dict | None = None, dtype: str = "bfloat16") -> dict:
+    """The config with ``sets`` applied, cut to ``layers`` decoder layers, and the weights' dtype recorded."""
+    config = {**config, **(sets or {})}
+    if layers is not None:
+        total = int(config["num_hidden_layers"])
+        if not 1 <= layers <= total:
+            raise ValueError(f"--layers {layers}: the model has {total} layers (1..{total})")
+        config["num_hidden_layers"] = layers
+        for key in ("layer_types", "mlp_only_layers"):  # per-layer lists follow the cut
+            if isinstance(config.get(key), list) and key == "layer_types":
+                config[key] = config[key][:layers]
+            elif isinstance(config.get(key), list):
+                config[key] = [i for i in config[key] if i < layers]
+    config["torch_dtype"] = config["dtype"] = dtype
+    return config
+
+
+def tensor_plan(config: dict) -> list[tuple[str, tuple[int, ...], str]]:
+    """(hub key, shape, kind) of every tensor, kind "scale" (norm weight: ones), "shift" (norm bias:
+    zeros) or "random"; from moejax's key table, which is also what import checks against."""
+    cfg = from_hf(config)
+    plan = []
+    for e in hf_keys.entries(cfg):
+        norm = len(e.path) >= 2 and isinstance(e.path[-2], str) and "norm" in e.path[-2]
+        kind = "scale" if e.path[-1] == "scale" else "shift" if norm and e.path[-1] == "bias" else "random"
+        plan.append((e.hf_key, tuple(e.shape), kind))
+    return plan
+
+
+def tensor_chunks(key: str, shape: tuple[int, ...], kind: str, seed: int, dtype, std: float = STD):
+    """The tensor's values in row-major chunks: a function of (seed, key) only."""
+    n = int(np.prod(shape, dtype=np.int64))
+    if kind != "random":
+        fill = 1.0 if kind == "scale" else 0.0
+        for start in range(0, n, CHUNK):
+            yield np.full(min(CHUNK, n - start), fill, dtype)
+        return
+    rng = np.random.default_rng([seed, zlib.crc32(key.encode())])
+    for start in range(0, n, CHUNK):
+        part = rng.standard_normal(min(CHUNK, n - start), dtype=np.float32)
+        part *= std
+        yield part.astype(dtype)
+
+
+def shard_plan(plan: list, itemsize: int, shard_bytes: int) -> list[list]:
+    """Consecutive tensors grouped into shards of at most ``shard_bytes`` (one tensor may exceed it)."""
+    shards, size = [[]], 0
+    for item in plan:
+        nbytes = int(np.prod(item[1], dtype=np.int64)) * itemsize
+        if shards[-1] and size + nbytes > shard_bytes:
+            shards.append([])
+            size = 0
+        shards[-1].append(item)
+        size += nbytes
+    return shards
+
+
+def write_checkpoint(config: dict, out: str, *, dtype: str = "bfloat16", seed: int = 0,
+                     shard_bytes: int = 5 << 30, overwrite: bool = False, progress=None, std: float = STD) -> str:
+    """Write the folder; returns its absolute path. ``config`` as from ``with_overrides``."""
+    if dtype not in DTYPES:
+        raise ValueError(f"--dtype {dtype!r}: one of {', '.join(DTYPES)}")
+    np_dtype = np.dtype(DTYPES[dtype])
+    plan = tensor_plan(config)
+    total = sum(int(np.prod(s, dtype=np.int64)) for _, s, _ in plan) * np_dtype.itemsize
+    out = os.path.abspath(os.path.expanduser(out))
+    checkpoint.check_replaceable(out, overwrite)
+    parent = os.path.dirname(out)
+    os.makedirs(parent, exist_ok=True)
+    free = shutil.disk_usage(parent).free
+    if free < total + (256 << 20):
+        raise OSError(f"{parent}: {free / 2**30:.1f} GiB free, the checkpoint needs {total / 2**30:.1f} GiB")
+    shards = shard_plan(plan, np_dtype.itemsize, shard_bytes)
+    shapes = {k: (s, kind) for k, s, kind in plan}
+    with checkpoint.atomic_folder(out, overwrite) as tmp:
+        weight_map = {}
+        for i, shard in enumerate(shards):
+            name = ("model.safetensors" if len(shards) == 1
+                    else f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors")
+            specs = [(k, np_dtype, s) for k, s, _ in shard]
+            safetensors_io.write_stream(
+                os.path.join(tmp, name), specs,
+                lambda key: tensor_chunks(key, shapes[key][0], shapes[key][1], seed, np_dtype, std),
+                metadata={"format": "pt"})
+            weight_map.update({k: name for k, _, _ in shard})
+            if progress:
+                progress(f"{name}: {len(shard)} tensors")
+        if len(shards) > 1:
+            checkpoint.write_json_atomic(os.path.join(tmp, "model.safetensors.index.json"),
+                                         {"metadata": {"total_size": total}, "weight_map": weight_map})
+        checkpoint.write_json_atomic(os.path.join(tmp, "config.json"), config)
+        gen = {k: config[k] for k in ("bos_token_id", "eos_token_id") if config.get(k) is not None}
+        checkpoint.write_json_atomic(os.path.join(tmp, "generation_config.json"), gen)
+    return out
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m moejax.testing.random_checkpoint",
+                                description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
+    p.add_argument("preset", nargs="?", help="preset name or a config.json path")
+    p.add_argument("out", nargs="?", help="folder to write (must not exist unless --overwrite)")
+    p.add_argument("--list", action="store_true", help="list the presets and their sizes, then exit")
+    p.add_argument("--layers", type=int, default=None, help="keep the first L decoder layers")
+    p.add_argument("--dtype", default="bfloat16", choices=tuple(DTYPES))
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--std", type=float, default=STD, help="standard deviation of the random weights (0.02)")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config value")
+    p.add_argument("--shard-gb", type=float, default=5.0, help="largest shard size in GB (default 5)")
+    p.add_argument("--overwrite", action="store_true", help="replace OUT if it is a checkpoint folder")
+    return p
+
+
+def _size_line(name: str) -> str:
+    cfg = from_hf(preset_config(name))
+    n = sum(int(np.prod(s, dtype=np.int64)) for _, s, _ in tensor_plan(preset_config(name)))
+    return (f"{name:20s} {cfg.model_type:12s} {n / 1e9:6.2f}B params  {2 * n / 1e9:6.1f} GB bf16  "
+            f"{cfg.num_layers} layers, {cfg.n_experts} experts, top-{cfg.top_k}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = build_parser()
+    args = p.parse_args(argv)
+    try:
+        if args.list:
+            for name in presets():
+                print(_size_line(name))
+            return 0
+        if not args.preset or not args.out:
+            p.error("PRESET and OUT are required (or --list)")
+        if args.shard_gb <= 0:
+            p.error("--shard-gb must be > 0")
+        config = with_overrides(preset_config(args.preset), args.layers, parse_sets(args.set), args.dtype)
+        folder = write_checkpoint(config, args.out, dtype=args.dtype, seed=args.seed,
+                                  shard_bytes=int(args.shard_gb * 1e9),
+                                  overwrite=args.overwrite, progress=lambda s: print(s, file=sys.stderr),
+                                  std=args.std)
+    except (ValueError, UnsupportedModelError, FileExistsError, OSError, checkpoint.CheckpointError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2 if isinstance(e, (ValueError, UnsupportedModelError, FileExistsError)) else 1
+    print(folder)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
