@@ -45,6 +45,7 @@ def test_default_model_uses_its_experts(default):
         assert len(np.unique(out.experts[layer])) > default.cfg.n_experts // 2
 
 
+@pytest.mark.numerics
 def test_right_padding_never_reaches_the_real_tokens(default):
     """Reliability part 1. A causal pass right-padded (tasks.Stream pads to a multiple of 64) leaves the
     real tokens' logits as they are up to kernel rounding: checked on a float32 copy of the default model,

@@ -33,6 +33,7 @@ from moejax.model import init_kv
 
 from conftest import FAMILIES, HF_CONFIGS, VOCAB, get_hf_model, get_moejax_model, record_parity, router_modules
 
+pytestmark = pytest.mark.numerics  # compared with transformers: also run under AVX2 in CI
 TOL = 1e-4
 # every config HF runs as moejax does (deepseek_v2_norm: HF 5.x ignores norm_topk_prob, tested separately)
 PARITY = [n for n in HF_CONFIGS if n != "deepseek_v2_norm"]

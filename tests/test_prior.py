@@ -94,6 +94,7 @@ def test_zero_output_layer_is_original_routing_bit_for_bit(name, seed):
     assert set(np.asarray(e2).tolist()) == set(np.asarray(g.ranking(zb))[: g.top_k].tolist())
 
 
+@pytest.mark.numerics
 @pytest.mark.parametrize("scope", ["layer", "global"])
 def test_zero_prior_reproduces_original_routing_through_the_model(model, scope):
     toks = _tokens(40, 1)

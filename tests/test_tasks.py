@@ -555,6 +555,7 @@ def default_model():
     return moejax.load("default")
 
 
+@pytest.mark.numerics
 def test_default_model_mmlu_original_routing_with_cache_equals_no_cache(default_model):
     m = default_model
     folder = os.path.join(FIXTURES, "mmlu")
