@@ -195,9 +195,17 @@ def _open_shards(folder: str) -> dict[str, safetensors_io.SafetensorsFile]:
     """Map every tensor key to the file holding it; fail on duplicates and broken indexes."""
     index_path = os.path.join(folder, "model.safetensors.index.json")
     if os.path.isfile(index_path):
-        with open(index_path) as f:
-            weight_map = json.load(f).get("weight_map", {})
+        try:
+            with open(index_path) as f:
+                weight_map = json.load(f).get("weight_map", {})
+        except (json.JSONDecodeError, UnicodeDecodeError, AttributeError) as e:
+            raise CheckpointError(f"{index_path}: not a safetensors index ({e})") from None
+        if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+            raise CheckpointError(f"{index_path}: 'weight_map' must map tensor names to shard file names")
         names = sorted(set(weight_map.values()))
+        outside = [n for n in names if os.path.isabs(n) or os.path.basename(n) != n or n in (".", "..")]
+        if outside:  # shards live in the folder itself: never follow an index elsewhere
+            raise CheckpointError(f"{index_path} names shard {outside[0]!r} outside the model folder; refusing it")
     else:
         weight_map = None
         names = sorted(f for f in os.listdir(folder) if f.endswith(".safetensors"))

@@ -32,19 +32,29 @@ class SafetensorsFile:
 
     def __init__(self, path: str):
         self.path = path
+        size = os.path.getsize(path)
         with open(path, "rb") as f:
             head = f.read(8)
             if len(head) != 8:
                 raise SafetensorsError(f"{path}: too short to be a safetensors file")
             (n,) = struct.unpack("<Q", head)
+            if n > size - 8:  # checked before reading: a damaged length must not allocate 2**64 bytes
+                raise SafetensorsError(f"{path}: header length {n} exceeds the file size ({size} bytes); "
+                                       "not a safetensors file, or truncated")
             try:
                 header = json.loads(f.read(n))
             except (json.JSONDecodeError, UnicodeDecodeError) as e:
                 raise SafetensorsError(f"{path}: unreadable safetensors header ({e})") from e
-        self.metadata = header.pop("__metadata__", None) or {}
-        self._header = header
+        if not isinstance(header, dict):
+            raise SafetensorsError(f"{path}: the safetensors header is not a JSON object")
+        metadata = header.pop("__metadata__", None) or {}
+        self.metadata = metadata if isinstance(metadata, dict) else {}
         self._offset = 8 + n
-        self._mmap = np.memmap(path, dtype=np.uint8, mode="r") if os.path.getsize(path) > self._offset else None
+        data_size = size - self._offset
+        for key, info in header.items():
+            _check_entry(path, key, info, data_size)
+        self._header = header
+        self._mmap = np.memmap(path, dtype=np.uint8, mode="r") if size > self._offset else None
 
     def keys(self) -> list[str]:
         return list(self._header)
@@ -69,6 +79,26 @@ class SafetensorsFile:
             return np.zeros(shape, dtype)
         raw = self._mmap[self._offset + start : self._offset + end]
         return raw.view(dtype).reshape(shape)
+
+
+def _check_entry(path: str, key: str, info, data_size: int) -> None:
+    """One header entry: known dtype, a shape of non-negative ints, offsets inside the file that match it."""
+    if not isinstance(info, dict) or not {"dtype", "shape", "data_offsets"} <= set(info):
+        raise SafetensorsError(f"{path}: tensor {key!r} has a malformed header entry")
+    shape, offsets = info["shape"], info["data_offsets"]
+    if not isinstance(shape, list) or not all(isinstance(d, int) and d >= 0 for d in shape):
+        raise SafetensorsError(f"{path}: tensor {key!r} has an invalid shape {shape!r}")
+    if (not isinstance(offsets, list) or len(offsets) != 2 or not all(isinstance(o, int) for o in offsets)
+            or not 0 <= offsets[0] <= offsets[1]):
+        raise SafetensorsError(f"{path}: tensor {key!r} has invalid data_offsets {offsets!r}")
+    if offsets[1] > data_size:
+        raise SafetensorsError(f"{path}: tensor {key!r} ends at byte {offsets[1]} of the data, past the file's "
+                               f"{data_size} (a truncated or damaged file)")
+    if info["dtype"] in _DTYPES:
+        need = int(np.prod(shape, dtype=np.int64)) * np.dtype(_DTYPES[info["dtype"]]).itemsize
+        if offsets[1] - offsets[0] != need:
+            raise SafetensorsError(f"{path}: tensor {key!r} has {offsets[1] - offsets[0]} bytes, its shape "
+                                   f"{tuple(shape)} needs {need}")
 
 
 def write(path: str, tensors: Iterable[tuple[str, np.ndarray]], metadata: dict[str, str] | None = None):

@@ -477,3 +477,56 @@ def test_cli_end_to_end(tmp_path):
     r = subprocess.run([sys.executable, os.path.join(REPO, "convert", "hf_to_moejax.py"), src, mj],
                        capture_output=True, text=True, env=env, cwd=str(tmp_path))
     assert r.returncode == 1 and "already exists" in r.stderr and "--overwrite" in r.stderr
+
+
+# ------------------------------------------------------------------ reliability part 7: untrusted headers
+def _bad_header(path, header_bytes, n=None, tail=b""):
+    import struct
+
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(header_bytes) if n is None else n))
+        f.write(header_bytes + tail)
+
+
+@pytest.mark.parametrize("case, message", [
+    ("huge_length", "exceeds the file size"),
+    ("list_header", "not a JSON object"),
+    ("past_end", "past the file"),
+    ("wrong_size", "needs"),
+    ("bad_offsets", "invalid data_offsets"),
+])
+def test_safetensors_reader_does_not_trust_its_header(tmp_path, case, message):
+    path = str(tmp_path / "x.safetensors")
+    entry = {"dtype": "F32", "shape": [4, 4], "data_offsets": [0, 64]}
+    if case == "huge_length":
+        _bad_header(path, b"{}", n=2**64 - 1)
+    elif case == "list_header":
+        _bad_header(path, b"[1, 2]")
+    elif case == "past_end":
+        _bad_header(path, json.dumps({"w": entry}).encode(), tail=b"\0" * 10)
+    elif case == "wrong_size":
+        _bad_header(path, json.dumps({"w": {**entry, "data_offsets": [0, 32]}}).encode(), tail=b"\0" * 64)
+    else:
+        _bad_header(path, json.dumps({"w": {**entry, "data_offsets": [64, 0]}}).encode(), tail=b"\0" * 64)
+    with pytest.raises(safetensors_io.SafetensorsError, match=message):
+        safetensors_io.SafetensorsFile(path)
+
+
+def test_truncated_shard_and_escaping_index_are_named_errors(tmp_path, capsys):
+    src = get_hf_model("olmoe").folder
+    cut = tmp_path / "cut"
+    shutil.copytree(src, cut)
+    shard = cut / "model.safetensors"
+    shard.write_bytes(shard.read_bytes()[:-1000])
+    rc = convert_cli.main(["hf-to-moejax", str(cut), str(tmp_path / "o1")])
+    err = capsys.readouterr().err
+    assert rc != 0 and "model.safetensors" in err and "past the file" in err and err.count("\n") == 1
+    escape = tmp_path / "escape"
+    shutil.copytree(src, escape)
+    keys = safetensors_io.SafetensorsFile(str(escape / "model.safetensors")).keys()
+    for target in ("../cut/model.safetensors", str(cut / "model.safetensors")):
+        (escape / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {k: target for k in keys}}))
+        rc = convert_cli.main(["hf-to-moejax", str(escape), str(tmp_path / "o2")])
+        err = capsys.readouterr().err
+        assert rc != 0 and "outside the model folder" in err, err
+    assert not (tmp_path / "o1").exists() and not (tmp_path / "o2").exists()
