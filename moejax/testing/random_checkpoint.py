@@ -84,11 +84,11 @@ def with_overrides(config: dict, layers: int | None = None, sets: dict | None = 
         if not 1 <= layers <= total:
             raise ValueError(f"--layers {layers}: the model has {total} layers (1..{total})")
         config["num_hidden_layers"] = layers
-        for key in ("layer_types", "mlp_only_layers"):  # per-layer lists follow the cut
-            if isinstance(config.get(key), list) and key == "layer_types":
-                config[key] = config[key][:layers]
-            elif isinstance(config.get(key), list):
-                config[key] = [i for i in config[key] if i < layers]
+        # per-layer lists follow the cut
+        if isinstance(config.get("layer_types"), list):
+            config["layer_types"] = config["layer_types"][:layers]
+        if isinstance(config.get("mlp_only_layers"), list):
+            config["mlp_only_layers"] = [i for i in config["mlp_only_layers"] if i < layers]
     config["torch_dtype"] = config["dtype"] = dtype
     return config
 
