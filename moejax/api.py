@@ -12,7 +12,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from moejax import checkpoint, decode, gating
+from moejax import checkpoint, decode, gating, weights
+from moejax import offload as offload_lib
 from moejax.config import ModelConfig
 from moejax.model import forward as model_forward
 
@@ -94,9 +95,22 @@ class Model:
     """A loaded MoE model: parameters, configuration and (when the folder has one) a tokenizer."""
 
     def __init__(self, params: dict, cfg: ModelConfig, tokenizer: Tokenizer | None = None,
-                 path: str | None = None, generation_config: dict | None = None):
+                 path: str | None = None, generation_config: dict | None = None,
+                 offload: "offload_lib.OffloadConfig | None" = None):
         self.params, self.cfg, self.tokenizer, self.path = params, cfg, tokenizer, path
         self.generation_config = generation_config or {}
+        self.offload = offload  # the default of forward/generate: a model loaded for offload pages its experts
+        self._stores: dict = {}  # expert stores built for this model (a host store reads the experts once)
+
+    def _offload(self, offload):
+        """The offload settings of a call: its own (``False``: none), else the model's; refuses to simulate
+        a model whose experts were left in the files (that would read them all onto the device)."""
+        offload = None if offload is False else offload if offload is not None else self.offload
+        if offload is None and weights.has_lazy_experts(self.params):
+            raise ValueError("this model was loaded with offload (moejax.load(path, offload=...)): its routed "
+                             "experts are in the checkpoint files, not on the device; pass offload=... to this "
+                             "call, or load the model without offload to simulate")
+        return offload
 
     @property
     def fingerprint(self) -> str:
@@ -162,12 +176,12 @@ class Model:
         paged into device slots for real (token by token, host-driven); ``stats["offload"]`` has the
         bytes moved, transfer time and device memory."""
         tokens = self._tokens(token_ids)
+        offload = self._offload(offload)
         if offload is not None:
-            from moejax import offload as offload_lib
             from moejax import simulate
 
             state = self._resolve_state(routing, cache, state)
-            out = offload_lib.host_forward(self.params, self.cfg, np.asarray(tokens), state, offload)
+            out = offload_lib.host_forward(self.params, self.cfg, np.asarray(tokens), state, offload, self._stores)
             check_output(self.cfg, out["router_logits"], out["logits"])
             stats = simulate.summarize(out["router_state"], self.params, self.cfg)
             stats["offload"] = out["offload"]
@@ -208,8 +222,8 @@ class Model:
         memory, misses paged into device slots for real; ``result.stats["offload"]`` has what moved."""
         cfg = dataclasses.replace(self.cfg, eos_token_ids=self.eos_token_ids)
         router = None
+        offload = self._offload(offload)
         if offload is not None:
-            from moejax import offload as offload_lib
             from moejax import simulate
 
             state = self._resolve_state(routing, cache, state)
@@ -217,7 +231,7 @@ class Model:
             result = offload_lib.generate(self.params, cfg, prompt_ids, state, offload,
                                           max_new_tokens=max_new_tokens, sampling=decode.Sampling(temperature, top_p),
                                           seed=seed, stop_at_eos=stop_at_eos, on_tokens=on_tokens,
-                                          prefill_policy=prefill_policy)
+                                          prefill_policy=prefill_policy, stores=self._stores)
             result.stats["cache"] = simulate.summarize(result.router_state, self.params, self.cfg)
             return result
         if routing is not None or cache is not None or state is not None:
@@ -248,10 +262,30 @@ def resolve_model_path(path: str) -> str:
     return path
 
 
-def load(path: str, dtype=None) -> Model:
-    """Load a moejax checkpoint folder, a Hugging Face folder (converted on the fly), or ``"default"``."""
+def offload_config(offload) -> "offload_lib.OffloadConfig | None":
+    """``load``'s ``offload``: None/False, True (host store), a store name ("host", "flash") or a config."""
+    if offload is None or offload is False:
+        return None
+    if offload is True:
+        return offload_lib.OffloadConfig()
+    if isinstance(offload, str):
+        return offload_lib.OffloadConfig(store=offload)
+    if isinstance(offload, offload_lib.OffloadConfig):
+        return offload
+    raise TypeError(f"offload must be None, True, 'host', 'flash' or an offload.OffloadConfig, got {offload!r}")
+
+
+def load(path: str, dtype=None, offload=None) -> Model:
+    """Load a moejax checkpoint folder, a Hugging Face folder (read in place), or ``"default"``.
+
+    Non-expert weights go to the device one tensor at a time. Without ``offload`` the routed experts do
+    too (every pass can then simulate any cache). With ``offload`` (True, "host", "flash" or an
+    ``offload.OffloadConfig``) they never reach the device: they stay in the checkpoint's files, and
+    forward/generate page them into the cache's device slots — from host memory (read once) or straight
+    from the files' memory maps ("flash": no copy, no temporary file)."""
     path = resolve_model_path(path)
-    params, cfg = checkpoint.load_params(path, dtype)
+    offload = offload_config(offload)
+    params, cfg = checkpoint.load_params(path, dtype, "lazy" if offload is not None else "device")
     folder = os.path.abspath(os.path.expanduser(path))
     tokenizer = Tokenizer(folder) if os.path.isfile(os.path.join(folder, "tokenizer.json")) else None
     gen_path = os.path.join(folder, "generation_config.json")
@@ -259,4 +293,4 @@ def load(path: str, dtype=None) -> Model:
     if os.path.isfile(gen_path):
         with open(gen_path) as f:
             generation_config = json.load(f)
-    return Model(params, cfg, tokenizer, folder, generation_config)
+    return Model(params, cfg, tokenizer, folder, generation_config, offload)

@@ -1,10 +1,16 @@
-"""Checkpoint folders: Hugging Face (safetensors) in and out, and the moejax format (orbax).
+"""Checkpoint folders: Hugging Face (safetensors) in and out, and the moejax format.
 
-moejax checkpoint folder::
+moejax checkpoint folder (version 2)::
 
-    moejax.json        {"format": "moejax", "version": 1, "dtype": ..., "hf_config": {...}}
-    params/            the parameter tree, saved with orbax
+    moejax.json        {"format": "moejax", "version": 2, "dtype": ..., "hf_config": {...}}
+    params.safetensors every tensor under its tree path ("layers.3.moe.gate"); routed experts as one
+                       [N, in, out] stack per MoE layer and matrix, so one expert is one contiguous slice
+                       (or params-0000i-of-0000n.safetensors + params.safetensors.index.json)
     tokenizer.json ... tokenizer and generation files copied from the source folder
+
+Version 1 folders (``params/`` saved with orbax) are still read, whole. Both readers hand back lazy trees
+(``weights``): nothing is read until placed, so a model larger than memory opens instantly and its
+experts can stay in the files for offloading.
 
 Every writer builds the folder under a temporary name beside the target and renames it at the end, so an
 interrupted conversion never leaves a folder that loads. Pickled checkpoints (``.bin``/``.pt``) are refused.
@@ -24,11 +30,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from moejax import hf_keys, safetensors_io
+from moejax import hf_keys, safetensors_io, weights
 from moejax.config import ModelConfig, UnsupportedModelError, from_hf
 
 FORMAT_FILE = "moejax.json"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # written; version 1 (orbax params/) is still read
+READ_VERSIONS = (1, 2)
 TOKENIZER_FILES = (
     "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json",
     "chat_template.jinja", "chat_template.json",
@@ -83,16 +90,16 @@ def params_fingerprint(params, full_below: int = 1 << 20, samples: int = 1 << 16
     weights at a path changed (re-exported, re-trained, damaged) recomputes instead of reporting old numbers,
     without reading all of a model larger than memory."""
     h = hashlib.sha1()
-    for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]:
-        flat = leaf.reshape(-1)
-        h.update(f"{jax.tree_util.keystr(path)}:{tuple(leaf.shape)}:{leaf.dtype};".encode())
-        if flat.size <= full_below:
-            parts = [flat]
+    for path, leaf in jax.tree_util.tree_flatten_with_path(params, is_leaf=weights.is_lazy)[0]:
+        size = int(np.prod(leaf.shape, dtype=np.int64))
+        h.update(f"{jax.tree_util.keystr(path)}:{tuple(leaf.shape)}:{np.dtype(leaf.dtype)};".encode())
+        if size <= full_below:
+            parts = [np.arange(size)]
         else:
-            stride = -(-flat.size // samples)
-            parts = [flat[:4096], flat[::stride], flat[-4096:]]
-        for part in parts:
-            h.update(np.ascontiguousarray(np.asarray(part)).tobytes())
+            stride = -(-size // samples)
+            parts = [np.arange(4096), np.arange(0, size, stride), np.arange(size - 4096, size)]
+        for idx in parts:  # lazy leaves: only the sampled elements are read from the files
+            h.update(np.ascontiguousarray(weights.sample_flat(leaf, idx)).tobytes())
     return h.hexdigest()
 
 
@@ -191,9 +198,11 @@ def read_hf_config(folder: str) -> dict:
         raise CheckpointError(f"{path} is not valid JSON: {e}") from e
 
 
-def _open_shards(folder: str) -> dict[str, safetensors_io.SafetensorsFile]:
-    """Map every tensor key to the file holding it; fail on duplicates and broken indexes."""
-    index_path = os.path.join(folder, "model.safetensors.index.json")
+def _open_shards(folder: str, index_name: str = "model.safetensors.index.json",
+                 stem: str = "") -> dict[str, safetensors_io.SafetensorsFile]:
+    """Map every tensor key to the (memory-mapped) file holding it; fail on duplicates and broken indexes.
+    ``stem``: only files whose names start with it count (the moejax format's ``params*.safetensors``)."""
+    index_path = os.path.join(folder, index_name)
     if os.path.isfile(index_path):
         try:
             with open(index_path) as f:
@@ -208,7 +217,7 @@ def _open_shards(folder: str) -> dict[str, safetensors_io.SafetensorsFile]:
             raise CheckpointError(f"{index_path} names shard {outside[0]!r} outside the model folder; refusing it")
     else:
         weight_map = None
-        names = sorted(f for f in os.listdir(folder) if f.endswith(".safetensors"))
+        names = sorted(f for f in os.listdir(folder) if f.endswith(".safetensors") and f.startswith(stem))
     if not names:
         _refuse_pickles(folder)
         raise CheckpointError(f"{folder} has no .safetensors weights")
@@ -230,75 +239,145 @@ def _open_shards(folder: str) -> dict[str, safetensors_io.SafetensorsFile]:
     return {key: files[name] for key, name in where.items()}
 
 
-def read_hf_params(folder: str, cfg: ModelConfig, dtype=None) -> dict:
-    """Load a hub checkpoint into the moejax tree, checking every key and shape first."""
+def _fused_keys(layer: int) -> tuple[str, str]:
+    """transformers 5's in-memory expert layout, as some folders store it: ``gate_up_proj`` [N, 2F, D]
+    (gate rows first) and ``down_proj`` [N, D, F] per MoE layer."""
+    pre = f"model.layers.{layer}.mlp.experts"
+    return f"{pre}.gate_up_proj", f"{pre}.down_proj"
+
+
+def _hf_candidates(key: str) -> tuple[str, ...]:
+    # transformers 5 names Mixtral's / Phi-MoE's block "mlp" in memory; the hub keeps "block_sparse_moe"
+    alias = key.replace(".block_sparse_moe.", ".mlp.")
+    return (key,) if alias == key else (key, alias)
+
+
+def _check_shape(key: str, got: tuple, want: tuple) -> None:
+    if tuple(got) != tuple(want):
+        raise CheckpointError(f"tensor {key!r} has shape {tuple(got)}, expected {tuple(want)} for this config")
+
+
+def hf_tree(folder: str, cfg: ModelConfig) -> dict:
+    """The parameter tree of a hub checkpoint with every leaf left in the files (``weights.LazyTensor``,
+    ``weights.ExpertStack``), after checking every key and shape. Reads both the hub's one-tensor-per-expert
+    layout and transformers 5's fused one (``mlp.experts.gate_up_proj`` / ``down_proj``)."""
     tensors = _open_shards(folder)
-    table = hf_keys.entries(cfg)
-    expected = {e.hf_key for e in table}
-    unexpected = sorted(k for k in tensors if k not in expected and not k.endswith(hf_keys.IGNORED_SUFFIXES))
-    if unexpected:
-        raise CheckpointError(f"{folder}: tensors not in the {cfg.model_type} key table: "
-                              + ", ".join(unexpected[:10]) + (" ..." if len(unexpected) > 10 else ""))
-    missing = [e.hf_key for e in table if e.hf_key not in tensors]
+    d, f, n = cfg.hidden_size, cfg.moe_intermediate_size, cfg.n_experts
+    fused = {}
+    for i in range(cfg.num_layers):
+        gate_up, down = _fused_keys(i)
+        if cfg.moe_layers[i] and gate_up in tensors and down in tensors:
+            _check_shape(gate_up, tensors[gate_up].shape(gate_up), (n, 2 * f, d))
+            _check_shape(down, tensors[down].shape(down), (n, d, f))
+            fused[i] = (gate_up, down)
+    used, missing = set(), []
+    tree: dict = {}
+    parts: dict[tuple, list] = {}
+    for e in hf_keys.entries(cfg):
+        if e.expert is not None and e.path[1] in fused:
+            continue
+        key = next((k for k in _hf_candidates(e.hf_key) if k in tensors), None)
+        if key is None:
+            missing.append(e.hf_key)
+            continue
+        used.add(key)
+        _check_shape(key, tensors[key].shape(key), e.shape)
+        file = tensors[key]
+        if e.expert is None:
+            _set(tree, e.path, weights.LazyTensor(file, file.get(key), e.transpose))
+        else:
+            parts.setdefault(e.path, [None] * n)[e.expert] = (file, file.get(key))
     if missing:
         raise CheckpointError(f"{folder}: missing tensors: " + ", ".join(missing[:10])
                               + (f" ... ({len(missing)} in all)" if len(missing) > 10 else ""))
-    for e in table:
-        got = tensors[e.hf_key].shape(e.hf_key)
-        if got != e.shape:
-            raise CheckpointError(f"tensor {e.hf_key!r} has shape {got}, expected {e.shape} for this config")
-    if dtype is None:
-        dtype = tensors[table[0].hf_key].dtype(table[0].hf_key)
-    params: dict = {}
-    stacks: dict[tuple, np.ndarray] = {}
-    for e in table:
-        value = tensors[e.hf_key].get(e.hf_key)
-        value = value.T if e.transpose else value
-        if e.expert is None:
-            _set(params, e.path, jnp.asarray(np.asarray(value, dtype=dtype)))
-        else:
-            if e.path not in stacks:
-                stacks[e.path] = np.empty(_stacked_shape(e, cfg), dtype=dtype)
-            stacks[e.path][e.expert] = value
-    for path, value in stacks.items():
-        _set(params, path, jnp.asarray(value))
-    return params
+    for i, (gate_up, down) in fused.items():
+        used.update((gate_up, down))
+        gu, dn = tensors[gate_up].get(gate_up), tensors[down].get(down)
+        path = ("layers", i, "moe")
+        parts[path + ("gate",)] = [(tensors[gate_up], gu[e, :f]) for e in range(n)]
+        parts[path + ("up",)] = [(tensors[gate_up], gu[e, f:]) for e in range(n)]
+        parts[path + ("down",)] = [(tensors[down], dn[e]) for e in range(n)]
+    unexpected = sorted(k for k in tensors if k not in used and not k.endswith(hf_keys.IGNORED_SUFFIXES))
+    if unexpected:
+        raise CheckpointError(f"{folder}: tensors not in the {cfg.model_type} key table: "
+                              + ", ".join(unexpected[:10]) + (" ..." if len(unexpected) > 10 else ""))
+    for path, experts in parts.items():
+        _set(tree, path, weights.ExpertStack(experts, transposed=True))
+    return tree
+
+
+def stored_dtype(tree: dict) -> np.dtype:
+    """The checkpoint's dtype: its embedding's (what a model computes in unless told otherwise)."""
+    return np.dtype(tree["embed"].dtype)
+
+
+def read_hf_params(folder: str, cfg: ModelConfig, dtype=None, experts: str = "device") -> dict:
+    """Load a hub checkpoint into the moejax tree (every key and shape checked first), one tensor at a
+    time; ``experts="lazy"`` leaves the routed experts in the files (``weights.place``)."""
+    tree = hf_tree(folder, cfg)
+    return weights.place(weights.with_dtype(tree, dtype or stored_dtype(tree)), experts)
+
+
+# ----------------------------------------------------------------------------------- streaming writer
+def _leaf_dtype(leaf) -> np.dtype:
+    return np.dtype(leaf.dtype)
+
+
+def write_sharded(folder: str, stem: str, specs: list[tuple[str, np.dtype, tuple[int, ...]]], data,
+                  max_shard_bytes: int = 4 << 30, metadata: dict | None = None) -> list[str]:
+    """Write tensors ``specs`` (key, dtype, shape) as ``{stem}.safetensors``, or as shards
+    ``{stem}-00001-of-0000n.safetensors`` with ``{stem}.safetensors.index.json`` (the hub's layout),
+    streaming: ``data(key)`` yields each tensor's pieces, so no tensor is ever held whole by the writer."""
+    shards: list[list] = [[]]
+    size = 0
+    for spec in specs:
+        nbytes = int(np.prod(spec[2], dtype=np.int64)) * np.dtype(spec[1]).itemsize
+        if shards[-1] and size + nbytes > max_shard_bytes:
+            shards.append([])
+            size = 0
+        shards[-1].append(spec)
+        size += nbytes
+    if len(shards) == 1:
+        names = [f"{stem}.safetensors"]
+    else:
+        names = [f"{stem}-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
+    total = 0
+    for name, shard in zip(names, shards):
+        total += safetensors_io.write_stream(os.path.join(folder, name), shard, data, metadata)
+    if len(shards) > 1:
+        weight_map = {key: name for name, shard in zip(names, shards) for key, _, _ in shard}
+        size = sum(int(np.prod(s[2], dtype=np.int64)) * np.dtype(s[1]).itemsize for s in specs)
+        write_json_atomic(os.path.join(folder, f"{stem}.safetensors.index.json"),
+                          {"metadata": {"total_size": size}, "weight_map": weight_map})
+    return names
 
 
 # ----------------------------------------------------------------------------------- Hugging Face out
+def _hf_value(params: dict, e: hf_keys.Entry) -> np.ndarray:
+    leaf = _get(params, e.path)
+    if e.expert is not None:
+        value = weights.expert_matrix(leaf, e.expert)
+    else:
+        value = np.concatenate([c.reshape(-1) for c in weights.chunks(leaf)]).reshape(leaf.shape)
+    return np.ascontiguousarray(value.T if e.transpose else value)
+
+
 def hf_tensors(params: dict, cfg: ModelConfig) -> Iterator[tuple[str, np.ndarray]]:
     for e in hf_keys.entries(cfg):
-        value = np.asarray(_get(params, e.path))
-        if e.expert is not None:
-            value = value[e.expert]
-        yield e.hf_key, np.ascontiguousarray(value.T if e.transpose else value)
+        yield e.hf_key, _hf_value(params, e)
 
 
 def save_hf(params: dict, cfg: ModelConfig, folder: str, *, tokenizer_from: str | None = None,
             overwrite: bool = False, max_shard_bytes: int = 4 << 30, protect: tuple[str, ...] = ()) -> str:
-    """Write a Hugging Face folder (safetensors shards + index, config.json) that transformers loads."""
+    """Write a Hugging Face folder (safetensors shards + index, config.json) that transformers loads,
+    tensor by tensor (``params`` may be lazy: a conversion holds one tensor at a time)."""
+    dtype = _leaf_dtype(params["embed"])
+    table = {e.hf_key: e for e in hf_keys.entries(cfg)}
+    specs = [(key, dtype, e.shape) for key, e in table.items()]
     with atomic_folder(folder, overwrite, protect) as tmp:
-        shards: list[list[tuple[str, np.ndarray]]] = [[]]
-        size = 0
-        for key, value in hf_tensors(params, cfg):
-            if shards[-1] and size + value.nbytes > max_shard_bytes:
-                shards.append([])
-                size = 0
-            shards[-1].append((key, value))
-            size += value.nbytes
-        if len(shards) == 1:
-            safetensors_io.write(os.path.join(tmp, "model.safetensors"), shards[0])
-        else:
-            weight_map, total = {}, 0
-            for i, shard in enumerate(shards):
-                name = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
-                safetensors_io.write(os.path.join(tmp, name), shard)
-                weight_map.update({k: name for k, _ in shard})
-                total += sum(v.nbytes for _, v in shard)
-            write_json_atomic(os.path.join(tmp, "model.safetensors.index.json"),
-                              {"metadata": {"total_size": total}, "weight_map": weight_map})
+        write_sharded(tmp, "model", specs, lambda key: [_hf_value(params, table[key])], max_shard_bytes)
         hf = cfg.hf
-        hf["torch_dtype"] = hf["dtype"] = str(np.asarray(params["embed"]).dtype)
+        hf["torch_dtype"] = hf["dtype"] = str(dtype)
         write_json_atomic(os.path.join(tmp, "config.json"), hf)
         if tokenizer_from:
             _copy_tokenizer(tokenizer_from, tmp)
@@ -306,71 +385,145 @@ def save_hf(params: dict, cfg: ModelConfig, folder: str, *, tokenizer_from: str 
 
 
 # ------------------------------------------------------------------------------------- moejax format
+PARAMS_STEM = "params"
+
+
 def is_moejax_folder(folder: str) -> bool:
     return os.path.isfile(os.path.join(folder, FORMAT_FILE))
 
 
-def save_moejax(params: dict, cfg: ModelConfig, folder: str, *, tokenizer_from: str | None = None,
-                overwrite: bool = False, protect: tuple[str, ...] = ()) -> str:
-    import orbax.checkpoint as ocp
+def tree_paths(cfg: ModelConfig) -> list[tuple]:
+    """Every leaf path of the parameter tree, in the key table's order (expert stacks once)."""
+    return [e.path for e in hf_keys.entries(cfg) if e.expert in (None, 0)]
 
+
+def expert_paths(cfg: ModelConfig) -> set[tuple]:
+    return {e.path for e in hf_keys.entries(cfg) if e.expert is not None}
+
+
+def tensor_key(path: tuple) -> str:
+    """A tree path as a safetensors key: ("layers", 3, "moe", "gate") -> "layers.3.moe.gate"."""
+    return ".".join(str(p) for p in path)
+
+
+def save_moejax(params: dict, cfg: ModelConfig, folder: str, *, tokenizer_from: str | None = None,
+                overwrite: bool = False, protect: tuple[str, ...] = (), max_shard_bytes: int = 4 << 30) -> str:
+    """Write a moejax folder (format version 2): every tensor in safetensors shards under its tree path,
+    each MoE layer's experts as one ``[N, in, out]`` stack per matrix (one expert = one contiguous slice,
+    so offloading pages it straight from the file). Streams: ``params`` may be lazy."""
+    paths = tree_paths(cfg)
+    leaves = {tensor_key(p): _get(params, p) for p in paths}
+    dtype = _leaf_dtype(params["embed"])
+    shapes = param_shapes(cfg)
+    for key, path in zip(leaves, paths):
+        _check_shape(key, leaves[key].shape, _get(shapes, path))
+    specs = [(key, _leaf_dtype(leaf), tuple(leaf.shape)) for key, leaf in leaves.items()]
     with atomic_folder(folder, overwrite, protect) as tmp:
-        ckpt = ocp.StandardCheckpointer()
-        ckpt.save(os.path.join(tmp, "params"), params)
-        ckpt.wait_until_finished()
-        ckpt.close()
-        meta = {"format": "moejax", "version": FORMAT_VERSION,
-                "dtype": str(np.asarray(params["embed"]).dtype), "hf_config": cfg.hf}
+        write_sharded(tmp, PARAMS_STEM, specs, lambda key: weights.chunks(leaves[key]), max_shard_bytes,
+                      {"format": "moejax"})
+        meta = {"format": "moejax", "version": FORMAT_VERSION, "dtype": str(dtype), "hf_config": cfg.hf}
         write_json_atomic(os.path.join(tmp, FORMAT_FILE), meta)
         if tokenizer_from:
             _copy_tokenizer(tokenizer_from, tmp)
     return os.path.abspath(folder)
 
 
-def read_moejax(folder: str, dtype=None) -> tuple[dict, ModelConfig]:
+def _read_meta(folder: str) -> dict:
+    path = os.path.join(folder, FORMAT_FILE)
+    try:
+        with open(path) as f:
+            meta = json.load(f)
+    except (OSError, json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise CheckpointError(f"{path}: unreadable ({e})") from None
+    if not isinstance(meta, dict) or meta.get("format") != "moejax" or meta.get("version") not in READ_VERSIONS:
+        got = meta if not isinstance(meta, dict) else f"{meta.get('format')!r} version {meta.get('version')!r}"
+        raise CheckpointError(f"{path}: unknown format {got} (this moejax reads versions "
+                              f"{', '.join(map(str, READ_VERSIONS))})")
+    if not isinstance(meta.get("hf_config"), dict):
+        raise CheckpointError(f"{path}: no 'hf_config' object")
+    return meta
+
+
+def _read_orbax(folder: str, cfg: ModelConfig, stored) -> dict:
+    """Version 1 folders: the whole tree restored with orbax (not lazily; re-save to get version 2)."""
     import orbax.checkpoint as ocp
 
-    with open(os.path.join(folder, FORMAT_FILE)) as f:
-        meta = json.load(f)
-    if meta.get("format") != "moejax" or meta.get("version") != FORMAT_VERSION:
-        raise CheckpointError(f"{folder}/{FORMAT_FILE}: unknown format {meta.get('format')!r} "
-                              f"version {meta.get('version')!r} (this moejax reads version {FORMAT_VERSION})")
-    cfg = from_hf(meta["hf_config"])
-    stored = jnp.dtype(meta.get("dtype", "float32"))
     ckpt = ocp.StandardCheckpointer()
     try:
-        params = ckpt.restore(os.path.join(os.path.abspath(folder), "params"), abstract_params(cfg, stored))
+        return ckpt.restore(os.path.join(os.path.abspath(folder), "params"), abstract_params(cfg, stored))
     finally:
         ckpt.close()
-    if dtype is not None:
-        params = jax.tree.map(lambda x: x.astype(dtype), params)
-    return params, cfg
 
 
-def load_params(folder: str, dtype=None) -> tuple[dict, ModelConfig]:
-    """Parameters and config from a moejax folder or a Hugging Face folder (converted on the fly)."""
+def moejax_tree(folder: str, cfg: ModelConfig) -> dict:
+    """A version 2 folder's parameter tree with every leaf left in its files, keys and shapes checked."""
+    tensors = _open_shards(folder, f"{PARAMS_STEM}.safetensors.index.json", PARAMS_STEM)
+    shapes, stacks = param_shapes(cfg), expert_paths(cfg)
+    tree: dict = {}
+    used = set()
+    for path in tree_paths(cfg):
+        key = tensor_key(path)
+        if key not in tensors:
+            raise CheckpointError(f"{folder}: missing tensor {key!r}")
+        used.add(key)
+        file = tensors[key]
+        _check_shape(key, file.shape(key), _get(shapes, path))
+        view = file.get(key)
+        if path in stacks:
+            _set(tree, path, weights.ExpertStack([(file, view[e]) for e in range(view.shape[0])], False))
+        else:
+            _set(tree, path, weights.LazyTensor(file, view))
+    unexpected = sorted(set(tensors) - used)
+    if unexpected:
+        raise CheckpointError(f"{folder}: tensors not in the {cfg.model_type} tree: {', '.join(unexpected[:10])}")
+    return tree
+
+
+def open_params(folder: str, dtype=None) -> tuple[dict, ModelConfig]:
+    """The parameter tree of a moejax or Hugging Face folder without reading the weights (lazy leaves;
+    version 1 moejax folders are restored whole), as ``dtype`` (default: the checkpoint's own)."""
     folder = os.path.abspath(os.path.expanduser(folder))
     if not os.path.isdir(folder):
         raise CheckpointError(f"model folder {folder} does not exist")
     if is_moejax_folder(folder):
-        return read_moejax(folder, dtype)
-    cfg = from_hf(read_hf_config(folder))
-    return read_hf_params(folder, cfg, dtype), cfg
+        meta = _read_meta(folder)
+        cfg = from_hf(meta["hf_config"])
+        if meta["version"] == 1:
+            tree = _read_orbax(folder, cfg, jnp.dtype(meta.get("dtype", "float32")))
+        else:
+            tree = moejax_tree(folder, cfg)
+    else:
+        cfg = from_hf(read_hf_config(folder))
+        tree = hf_tree(folder, cfg)
+    return weights.with_dtype(tree, dtype or stored_dtype(tree)), cfg
+
+
+def read_moejax(folder: str, dtype=None, experts: str = "device") -> tuple[dict, ModelConfig]:
+    tree, cfg = open_params(folder, dtype)
+    return weights.place(tree, experts), cfg
+
+
+def load_params(folder: str, dtype=None, experts: str = "device") -> tuple[dict, ModelConfig]:
+    """Parameters and config from a moejax or Hugging Face folder, placed: non-expert weights on the
+    device, routed experts on the device (``"device"``) or left in the files (``"lazy"``, for offload)."""
+    tree, cfg = open_params(folder, dtype)
+    return weights.place(tree, experts), cfg
 
 
 def convert_hf_to_moejax(src: str, dst: str, dtype=None, overwrite: bool = False) -> str:
+    """Streams: one tensor (one expert) in memory at a time, whatever the model size."""
     check_replaceable(dst, overwrite, (src,))  # before reading a byte: refusals are instant
-    params, cfg = load_params(src, dtype)
-    return save_moejax(params, cfg, dst, tokenizer_from=src, overwrite=overwrite, protect=(src,))
+    tree, cfg = open_params(src, dtype)
+    return save_moejax(tree, cfg, dst, tokenizer_from=src, overwrite=overwrite, protect=(src,))
 
 
 def convert_moejax_to_hf(src: str, dst: str, dtype=None, overwrite: bool = False) -> str:
     check_replaceable(dst, overwrite, (src,))
-    params, cfg = load_params(src, dtype)
-    return save_hf(params, cfg, dst, tokenizer_from=src, overwrite=overwrite, protect=(src,))
+    tree, cfg = open_params(src, dtype)
+    return save_hf(tree, cfg, dst, tokenizer_from=src, overwrite=overwrite, protect=(src,))
 
 
 __all__ = [
-    "CheckpointError", "UnsupportedModelError", "load_params", "save_moejax", "save_hf",
+    "CheckpointError", "UnsupportedModelError", "load_params", "open_params", "save_moejax", "save_hf",
     "convert_hf_to_moejax", "convert_moejax_to_hf", "read_hf_params",
 ]

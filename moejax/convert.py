@@ -20,6 +20,8 @@ import os
 import sys
 import time
 
+from moejax import interrupts
+
 DTYPES = ("float32", "bfloat16", "float16")
 
 
@@ -67,6 +69,7 @@ def convert(direction: str, src: str, dst: str, dtype: str | None = None, overwr
 
 
 def main(argv: list[str] | None = None) -> int:
+    interrupts.exit_cleanly_on_signals()
     args = _parser().parse_args(argv)
     from moejax.checkpoint import CheckpointError
     from moejax.config import UnsupportedModelError

@@ -30,6 +30,7 @@ from typing import Any
 import jax.numpy as jnp
 import numpy as np
 
+from moejax import interrupts
 from moejax import api, cli_options, sweep
 
 SHARED_DATA = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "..", "shared", "data")
@@ -296,6 +297,7 @@ def _print_single(res: dict[str, Any]) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    interrupts.exit_cleanly_on_signals()
     from moejax.checkpoint import CheckpointError
     from moejax.config import UnsupportedModelError
     from moejax.trace import json_safe
@@ -303,7 +305,8 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         _check_args(args)
-        model = api.load(args.model, dtype=None if args.dtype is None else getattr(jnp, args.dtype))
+        model = api.load(args.model, dtype=None if args.dtype is None else getattr(jnp, args.dtype),
+                         offload=offload_from_args(args))
         if args.sweep or args.results:
             points = build_points(args, model)
             runner = sweep.Runner(model, results=args.results, batch_size=args.batch_size or sweep.default_batch_size(),

@@ -15,6 +15,7 @@ import json
 import os
 import sys
 
+from moejax import interrupts
 from moejax import api, cli_options, gating, textproc
 from moejax import trace as trace_lib
 from moejax.checkpoint import CheckpointError
@@ -114,7 +115,8 @@ def format_offload(o: dict) -> str:
 def run(args: argparse.Namespace) -> dict:
     dtype = None if args.dtype is None else {"float32": "float32", "bfloat16": "bfloat16",
                                              "float16": "float16"}[args.dtype]
-    model = api.load(args.model, dtype=dtype)
+    offload = cli_options.offload_from_args(args)  # with --offload the routed experts never reach the device
+    model = api.load(args.model, dtype=dtype, offload=offload)
     ids = prompt_token_ids(model, args)
     if args.max_new_tokens < 0:
         raise ValueError(f"--max-new-tokens must be >= 0, got {args.max_new_tokens}")
@@ -126,7 +128,6 @@ def run(args: argparse.Namespace) -> dict:
             sys.stdout.write(" " if not model.decode(ids[-1:]).endswith(" ") else "")
         streamer = Streamer(model, render)
     routing = cache = None
-    offload = cli_options.offload_from_args(args)
     if cli_options.cache_requested(args):
         routing = cli_options.policy_from_args(args, model.cfg.top_k)
         cache = cli_options.cache_from_args(args)
@@ -159,6 +160,7 @@ def run(args: argparse.Namespace) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
+    interrupts.exit_cleanly_on_signals()
     args = build_parser().parse_args(argv)
     try:
         result = run(args)

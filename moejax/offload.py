@@ -41,7 +41,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from moejax import cache as cache_lib
-from moejax import decode, quant
+from moejax import decode, quant, safetensors_io, weights
 from moejax import model as model_lib
 from moejax.config import ModelConfig
 from moejax.router import prefetch_step, router_step
@@ -149,8 +149,6 @@ def check_store_file(path: str) -> None:
     """Refuse to replace a file that is not an earlier flash store (``--store-dir`` pointing at user data)."""
     if not os.path.lexists(path):
         return
-    from moejax import safetensors_io
-
     try:
         ours = safetensors_io.SafetensorsFile(path).metadata.get("format") == STORE_FORMAT
     except Exception:  # unreadable, not safetensors: certainly not ours
@@ -175,22 +173,48 @@ class ExpertStore:
         self.moe_ids = [i for i in range(cfg.num_layers) if cfg.moe_layers[i]]
         self.dtype = params["embed"].dtype
         self._tmp = None
-        full = [{k: np.asarray(params["layers"][i]["moe"][k]) for k in EXPERT_KEYS} for i in self.moe_ids]
-        self.expert_bytes = sum(full[0][k][0].nbytes for k in EXPERT_KEYS)
-        if store == "flash":
-            full = self._to_flash(full, store_dir)
-        self.full = [{k: [self._place(layer[k][e]) for e in range(cfg.n_experts)] for k in EXPERT_KEYS}
-                     for layer in full]
+        self._stacks = None  # the checkpoint's expert stacks, when pages come straight from its files
+        self.flip: tuple[str, ...] = ()  # matrices stored transposed (HF [out, in]): flipped on the device
+        layers = [{k: params["layers"][i]["moe"][k] for k in EXPERT_KEYS} for i in self.moe_ids]
+        lazy = all(isinstance(x, weights.ExpertStack) for layer in layers for x in layer.values())
+        n = cfg.n_experts
+        if lazy and store == "flash":  # the checkpoint's own files are the flash tier: no copy, no file
+            self._stacks = layers
+            self.flip = tuple(k for k in EXPERT_KEYS if layers[0][k].transposed)
+            self.full = [{k: [layer[k].stored(e) for e in range(n)] for k in EXPERT_KEYS} for layer in layers]
+            self.expert_bytes = sum(layers[0][k].stored_expert_nbytes for k in EXPERT_KEYS)
+        elif lazy:  # host memory, read once from the files, one expert at a time
+            self.full = [{k: [self._place(layer[k].read_expert(e)) for e in range(n)] for k in EXPERT_KEYS}
+                         for layer in layers]
+            self.expert_bytes = sum(self.full[0][k][0].nbytes for k in EXPERT_KEYS)
+        else:  # arrays of a model loaded whole
+            full = [{k: np.asarray(layer[k]) for k in EXPERT_KEYS} for layer in layers]
+            self.expert_bytes = sum(full[0][k][0].nbytes for k in EXPERT_KEYS)
+            if store == "flash":
+                full = self._to_flash(full, store_dir)
+            self.full = [{k: [self._place(layer[k][e]) for e in range(n)] for k in EXPERT_KEYS} for layer in full]
         self.low: dict[int, list] = {}
         self.low_bytes: dict[int, int] = {}
         for b in bits:
-            layers = []
-            for i in self.moe_ids:
-                q = quant.quantize_experts(params["layers"][i]["moe"], b, group_size)
-                layers.append({k: [jax.tree.map(self._place, quant.take(q[k], e)) for e in range(cfg.n_experts)]
-                               for k in EXPERT_KEYS})
+            low_layers = []
+            for layer in layers:  # a lazy layer is read whole for quantising, then dropped
+                moe = {k: weights.materialize(x) for k, x in layer.items()}
+                q = quant.quantize_experts(moe, b, group_size)
+                low_layers.append({k: [jax.tree.map(self._place, quant.take(q[k], e)) for e in range(n)]
+                                   for k in EXPERT_KEYS})
                 self.low_bytes[b] = quant.expert_nbytes({k: q[k] for k in EXPERT_KEYS})
-            self.low[b] = layers
+            self.low[b] = low_layers
+
+    @property
+    def pages_from_files(self) -> bool:
+        return self._stacks is not None
+
+    def release(self, moe_index: int, expert: int) -> None:
+        """After a page from the checkpoint's files is on the device: drop its mapped pages from this
+        process (they stay in the page cache), so paging never grows the resident set."""
+        if self._stacks is not None:
+            for k in EXPERT_KEYS:
+                self._stacks[moe_index][k].release(expert)
 
     def _place(self, a):
         if self.host_sharding is not None:
@@ -198,9 +222,8 @@ class ExpertStore:
         return np.asarray(a)
 
     def _to_flash(self, full: list, store_dir: str | None) -> list:
-        """Write the experts to one safetensors file and map it back: reads come from the file."""
-        from moejax import safetensors_io
-
+        """A model loaded whole has no checkpoint file to page from: write its experts to one safetensors
+        file (``store_dir``, else a temporary folder removed at exit) and map it back."""
         folder = store_dir or tempfile.mkdtemp(prefix="moejax-flash-")
         self._tmp = None if store_dir else folder
         if self._tmp:  # removed when the store is collected or the interpreter exits (normally or by an error)
@@ -223,6 +246,20 @@ class ExpertStore:
 
     def nbytes_of(self, bits: int) -> int:
         return self.expert_bytes if bits == 0 else self.low_bytes[bits]
+
+
+def expert_store(params: dict, cfg: ModelConfig, offload: OffloadConfig, tiers: tuple = (),
+                 group_size: int | None = None, stores: dict | None = None) -> ExpertStore:
+    """The ``ExpertStore`` for these settings, reused from ``stores`` (a model's own cache) when there:
+    a host store reads the experts once per model, not once per call."""
+    key = (offload.store, offload.store_dir, tiers, group_size, id(params))
+    if stores is not None and key in stores:
+        return stores[key]
+    store = ExpertStore(params, cfg, offload.store, tiers, group_size, offload.store_dir)
+    if stores is not None:
+        stores.clear()  # one store per model at a time: a second set of host copies would double memory
+        stores[key] = store
+    return store
 
 
 def split_params(params: dict, cfg: ModelConfig) -> dict:
@@ -255,15 +292,20 @@ def fill_slots(slots, store: ExpertStore, cache_state: cache_lib.CacheState):
         s = int(slot[layer, expert])
         data = jax.device_put(store.get(int(layer), int(expert)), store.target)
         if cache_state.scope == "global":
-            slots = _write_slot(slots, data, s)
+            slots = _write_slot(slots, data, s, store.flip)
         else:
-            slots[layer] = _write_slot(slots[layer], data, s)
+            slots[layer] = _write_slot(slots[layer], data, s, store.flip)
+        if store.pages_from_files:
+            jax.block_until_ready(slots)
+            store.release(int(layer), int(expert))
     return slots
 
 
-@functools.partial(jax.jit, donate_argnums=(0,))
-def _write_slot(buf: dict, data: dict, s):
-    return {k: jax.lax.dynamic_update_index_in_dim(buf[k], data[k].astype(buf[k].dtype), s, 0) for k in buf}
+@functools.partial(jax.jit, donate_argnums=(0,), static_argnames=("flip",))
+def _write_slot(buf: dict, data: dict, s, flip: tuple[str, ...] = ()):
+    """Write one expert into slot ``s`` (cast to the slots' dtype; ``flip``: matrices stored transposed)."""
+    return {k: jax.lax.dynamic_update_index_in_dim(buf[k], (data[k].T if k in flip else data[k]).astype(buf[k].dtype),
+                                                   s, 0) for k in buf}
 
 
 def slot_changes(before: np.ndarray, after: np.ndarray) -> list[tuple[int, int, int]]:
@@ -361,13 +403,14 @@ class PagingStats:
 class HostPager:
     """Host-driven offloaded decoding (module docstring): states as explicit values, stages jitted."""
 
-    def __init__(self, params: dict, cfg: ModelConfig, router_state: dict, offload: OffloadConfig):
+    def __init__(self, params: dict, cfg: ModelConfig, router_state: dict, offload: OffloadConfig,
+                 stores: dict | None = None):
         cs = router_state["cache"]
         check_capacity(cfg, cs)
         self.cfg, self.offload = cfg, offload
         self.miss = cs.miss
         self.tiers = tuple(sorted(set(cs.miss.bits))) if cs.miss.mode == "cascade" else ()
-        self.store = ExpertStore(params, cfg, offload.store, self.tiers, cs.miss.group_size, offload.store_dir)
+        self.store = expert_store(params, cfg, offload, self.tiers, cs.miss.group_size, stores)
         self.device = self.store.device
         self.params = jax.device_put(split_params(params, cfg), self.device)
         self.dtype = params["embed"].dtype
@@ -430,7 +473,7 @@ class HostPager:
             data = jax.device_put(self.store.get(moe_index, expert, bits), self.store.target)
             done = self.link.schedule(self.store.nbytes_of(bits), now)
             self.stats.bytes_moved += self.store.nbytes_of(bits)
-            out.append((moe_index, s, data))
+            out.append((moe_index, expert, s, data))
         return out, done
 
     def _complete(self, issued, done_time, t_issue, timed: bool = True):
@@ -442,15 +485,20 @@ class HostPager:
         if self.link.emulated:
             self.link.wait_until(done_time)
         else:
-            jax.block_until_ready([d for _, _, d in issued])
+            jax.block_until_ready([d for *_, d in issued])
             if timed:
                 self.stats.transfer_s += time.perf_counter() - t_issue
                 self.stats.timed_bytes += sum(self.store.nbytes_of(0) for _ in issued)
-        for moe_index, s, data in issued:
+        flip = self.store.flip
+        for moe_index, _, s, data in issued:
             if self.global_scope:
-                self.slots = _write_slot(self.slots, data, s)
+                self.slots = _write_slot(self.slots, data, s, flip)
             else:
-                self.slots[moe_index] = _write_slot(self.slots[moe_index], data, s)
+                self.slots[moe_index] = _write_slot(self.slots[moe_index], data, s, flip)
+        if self.store.pages_from_files:
+            jax.block_until_ready(self.slots)
+            for moe_index, expert, _, _ in issued:
+                self.store.release(moe_index, expert)
 
     def step(self, token, pos, kv, key, sampling, record: list | None = None):
         """One token through every layer with paging; returns (next token, logits, kv, key).
@@ -511,12 +559,13 @@ class HostPager:
         return nxt_token, logits, kv, key
 
 
-def host_forward(params, cfg: ModelConfig, tokens, router_state: dict, offload: OffloadConfig) -> dict:
+def host_forward(params, cfg: ModelConfig, tokens, router_state: dict, offload: OffloadConfig,
+                 stores: dict | None = None) -> dict:
     """Teacher-forced pass with real paging, token by token (evaluation with ``--offload``): every
     token's experts are paged in exactly as when decoding. Returns logits [T, V], experts / weights / hits
     [L, T, K], the router state after the pass and the offload statistics."""
     tokens = np.asarray(tokens, np.int32)
-    pager = HostPager(params, cfg, router_state, offload)
+    pager = HostPager(params, cfg, router_state, offload, stores)
     kv = model_lib.init_kv(cfg, tokens.size, params["embed"].dtype)
     key = jax.random.PRNGKey(0)
     logits, rec = [], []
@@ -542,7 +591,7 @@ def stack_records(rec: list, n_tokens: int, n_moe: int) -> dict:
 def host_generate(params, cfg: ModelConfig, prompt_ids, router_state: dict, offload: OffloadConfig, *,
                   max_new_tokens: int, sampling: decode.Sampling = decode.Sampling(), seed: int = 0,
                   stop_at_eos: bool = True, on_tokens: Callable[[list[int]], None] | None = None,
-                  prefill_policy=None, warmup: bool = True) -> decode.GenerateResult:
+                  prefill_policy=None, warmup: bool = True, stores: dict | None = None) -> decode.GenerateResult:
     """Offloaded generation with host-driven paging; same sampling and key schedule as ``decode.generate``,
     so with the same policy the tokens are the simulation's. The prompt is routed token by token."""
     prompt = np.asarray(prompt_ids, dtype=np.int32)
@@ -558,7 +607,7 @@ def host_generate(params, cfg: ModelConfig, prompt_ids, router_state: dict, offl
     decode_policy = router_state["policy"]
     if prefill_policy is not None:
         router_state = {**router_state, "policy": prefill_policy}
-    pager = HostPager(params, cfg, router_state, offload)
+    pager = HostPager(params, cfg, router_state, offload, stores)
     dtype = params["embed"].dtype
     kv = model_lib.init_kv(cfg, prompt.size + max_new_tokens + 1, dtype)
 
@@ -647,8 +696,9 @@ def host_memory_params(params: dict, cfg: ModelConfig) -> dict:
     for i, lp in enumerate(params["layers"]):
         if cfg.moe_layers[i]:
             moe = dict(lp["moe"])
-            for k in EXPERT_KEYS:
-                moe[k] = jax.device_put(moe[k], sharding) if sharding is not None else moe[k]
+            for k in EXPERT_KEYS:  # experts left in the files are read once, a stack at a time
+                stack = moe[k].read() if isinstance(moe[k], weights.ExpertStack) else moe[k]
+                moe[k] = jax.device_put(stack, sharding) if sharding is not None else jnp.asarray(stack)
             lp = {**lp, "moe": moe}
         layers.append(lp)
     return {**params, "layers": layers}
@@ -760,16 +810,18 @@ def jit_router_state(params, cfg: ModelConfig, router_state: dict) -> dict:
 
 def jit_generate(params, cfg: ModelConfig, prompt_ids, router_state: dict, offload: OffloadConfig, *,
                  max_new_tokens: int, sampling: decode.Sampling = decode.Sampling(), seed: int = 0,
-                 stop_at_eos: bool = True, on_tokens=None, prefill_policy=None) -> decode.GenerateResult:
+                 stop_at_eos: bool = True, on_tokens=None, prefill_policy=None,
+                 stores: dict | None = None) -> decode.GenerateResult:
     """Offloaded generation with in-jit paging: ``decode.generate`` with the ``JitPager`` hook."""
     cs = router_state["cache"]
     k = cfg.top_k
     max_changes = k + cs.prefetcher.count(k, cfg.n_experts)
     pager = JitPager(cfg.gating, max_changes)
-    state = jit_router_state(params, cfg, router_state)
+    check_capacity(cfg, cs)
+    host_params = host_memory_params(params, cfg)
+    state = jit_router_state(host_params, cfg, router_state)
     state["pending"] = jax.tree.map(
         lambda a: jnp.zeros((max_changes,), a.dtype) if a.ndim else a, state["pending"])
-    host_params = host_memory_params(params, cfg)
     result = decode.generate(host_params, cfg, prompt_ids, max_new_tokens=max_new_tokens, sampling=sampling,
                              seed=seed, router=pager, router_state=state, stop_at_eos=stop_at_eos,
                              on_tokens=on_tokens, prefill_policy=prefill_policy)

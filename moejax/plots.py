@@ -36,6 +36,8 @@ from typing import Any, Callable, Iterable, Sequence
 
 import numpy as np
 
+from moejax import interrupts
+
 KIND_ORDER = ("original", "pruning", "max-rank", "cumsum", "cache-prior", "learned-prior", "drop", "random-replace")
 KIND_COLORS = {
     "original": "black", "pruning": "tab:gray", "max-rank": "tab:blue", "cumsum": "tab:green",
@@ -1208,6 +1210,7 @@ def trace_heatmap(trace_path_or_dict, layer: int, capacity, stem, eviction: str 
 
 
 def main(argv: list[str] | None = None) -> int:
+    interrupts.exit_cleanly_on_signals()
     parser = argparse.ArgumentParser(prog="python -m moejax.plots", description=__doc__.split("\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
     hp = sub.add_parser("heatmap", help="routing-trace heat map of one layer (paper figure 7)")

@@ -31,6 +31,7 @@ import warnings
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
+from moejax import interrupts
 from moejax import plots
 from moejax.plots import (PlotError, cache_of, capacity_of, eviction_of, fmt_num, fmt_pct, fmt_value, group_by,
                           is_belady, kind_of, kind_rank, md_table, n_experts_of, num, policy_param, routing_label,
@@ -804,6 +805,7 @@ def _parse_trace(spec: str) -> tuple[str, str | None]:
 
 
 def main(argv: list[str] | None = None) -> int:
+    interrupts.exit_cleanly_on_signals()
     p = argparse.ArgumentParser(prog="python -m moejax.report", description=__doc__.split("\n")[0])
     p.add_argument("results", nargs="+", metavar="RESULTS.jsonl")
     p.add_argument("--out", default=None, help="report path (default: REPORT.md beside the first results file)")

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import mmap
 import os
 import struct
 from typing import Iterable
@@ -55,7 +56,12 @@ class SafetensorsFile:
         for key, info in header.items():
             _check_entry(path, key, info, data_size)
         self._header = header
-        self._mmap = np.memmap(path, dtype=np.uint8, mode="r") if size > self._offset else None
+        self._map = None  # the file's read-only memory map (MAP_SHARED): pages come from the page cache
+        self._mmap = None
+        if size > self._offset:
+            with open(path, "rb") as f:
+                self._map = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+            self._mmap = np.frombuffer(self._map, np.uint8)
 
     def keys(self) -> list[str]:
         return list(self._header)
@@ -80,6 +86,25 @@ class SafetensorsFile:
             return np.zeros(shape, dtype)
         raw = self._mmap[self._offset + start : self._offset + end]
         return raw.view(dtype).reshape(shape)
+
+    def byte_range(self, key: str) -> tuple[int, int]:
+        """Where tensor ``key``'s bytes lie in the file (absolute offsets)."""
+        start, end = self._header[key]["data_offsets"]
+        return self._offset + start, self._offset + end
+
+    def release(self, view: np.ndarray) -> None:
+        """Drop the mapped pages under ``view`` (a contiguous view from ``get``) from this process's memory.
+
+        The data stays in the page cache (reclaimable) and is read again on the next touch, so paging an
+        expert out of a mapped checkpoint does not grow the resident set by the bytes it touched."""
+        if self._map is None or view.size == 0:
+            return
+        start = view.__array_interface__["data"][0] - self._mmap.__array_interface__["data"][0]
+        if not 0 <= start <= len(self._map) - view.nbytes:
+            raise ValueError(f"{self.path}: release() of an array that is not a view of this file")
+        page = mmap.PAGESIZE
+        lo, hi = start // page * page, min(-(-(start + view.nbytes) // page) * page, len(self._map))
+        self._map.madvise(mmap.MADV_DONTNEED, lo, hi - lo)
 
 
 def _check_entry(path: str, key: str, info, data_size: int) -> None:

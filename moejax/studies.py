@@ -52,6 +52,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from moejax import interrupts
 from moejax import api, sweep
 from moejax.gating import descending_order
 
@@ -461,6 +462,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    interrupts.exit_cleanly_on_signals()
     args = build_parser().parse_args(argv)
     chosen = [s.strip() for item in args.only for s in item.split(",") if s.strip()] or list(STUDIES)
     unknown = [s for s in chosen if s not in RUNNERS]

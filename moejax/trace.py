@@ -36,6 +36,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from moejax import interrupts
 from moejax import cache as cache_lib
 from moejax import router as router_lib
 from moejax import routing as routing_lib
@@ -337,6 +338,7 @@ def _gating_from_args(args, trace: Trace):
 
 
 def main(argv: list[str] | None = None) -> int:
+    interrupts.exit_cleanly_on_signals()
     parser = argparse.ArgumentParser(prog="python -m moejax.trace", description=__doc__.split("\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
     rp = sub.add_parser("replay", help="replay a trace through an expert cache")

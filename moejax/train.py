@@ -33,6 +33,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from moejax import interrupts
 from moejax import checkpoint, data
 from moejax import model as M
 from moejax.config import ModelConfig, from_hf
@@ -691,6 +692,7 @@ def _steps_arg(text: str):
 
 
 def main(argv: list[str] | None = None) -> int:
+    interrupts.exit_cleanly_on_signals()
     args = build_parser().parse_args(argv)
     args.data_dir = os.path.abspath(os.path.expanduser(args.data_dir))
     args.corpus_dir = os.path.abspath(os.path.expanduser(args.corpus_dir))

@@ -45,6 +45,7 @@ import numpy as np
 import optax
 from jax import lax
 
+from moejax import interrupts
 from moejax import api, data
 from moejax import cache as cache_lib
 from moejax import prior as prior_lib
@@ -415,6 +416,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    interrupts.exit_cleanly_on_signals()
     from moejax.checkpoint import CheckpointError
     from moejax.config import UnsupportedModelError
     from moejax.trace import json_safe

@@ -94,7 +94,7 @@ def roundtrip(tmp_path_factory):
 @pytest.mark.parametrize("name", ROUNDTRIP)
 def test_hf_moejax_hf_roundtrip_is_bit_exact(name, roundtrip):
     src, mj, back = roundtrip(name)
-    assert checkpoint.is_moejax_folder(mj) and os.path.isdir(os.path.join(mj, "params"))
+    assert checkpoint.is_moejax_folder(mj) and os.path.isfile(os.path.join(mj, "params.safetensors"))
     a, b = read_tensors(src), read_tensors(back)
     assert sorted(a) == sorted(b)
     for k in a:
@@ -361,7 +361,7 @@ def test_interrupted_hf_export_leaves_nothing(tmp_path, monkeypatch, exc):
     mj = get_moejax_model("mixtral")
     target = tmp_path / "out" / "model"
     target.parent.mkdir()
-    monkeypatch.setattr(safetensors_io, "write", _fail_on_call(3, safetensors_io.write, exc))
+    monkeypatch.setattr(safetensors_io, "write_stream", _fail_on_call(3, safetensors_io.write_stream, exc))
     with pytest.raises(exc, match="simulated crash"):
         checkpoint.save_hf(mj.params, mj.cfg, str(target), max_shard_bytes=32 << 10)
     assert os.listdir(target.parent) == []  # no target, no temporary folder
@@ -371,7 +371,7 @@ def test_interrupted_moejax_conversion_leaves_nothing(tmp_path, monkeypatch):
     src = get_hf_model("olmoe").folder
     target = tmp_path / "out" / "model"
     target.parent.mkdir()
-    # crash after orbax has written the params, while writing moejax.json
+    # crash after the params are written, while writing moejax.json
     monkeypatch.setattr(checkpoint, "write_json_atomic", _fail_on_call(1, checkpoint.write_json_atomic))
     with pytest.raises(RuntimeError, match="simulated crash"):
         checkpoint.convert_hf_to_moejax(src, str(target))

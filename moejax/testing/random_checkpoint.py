@@ -28,6 +28,7 @@ import zlib
 import ml_dtypes
 import numpy as np
 
+from moejax import interrupts
 from moejax import checkpoint, hf_keys, safetensors_io
 from moejax.config import UnsupportedModelError, from_hf
 
@@ -197,6 +198,7 @@ def _size_line(name: str) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
+    interrupts.exit_cleanly_on_signals()
     p = build_parser()
     args = p.parse_args(argv)
     try:

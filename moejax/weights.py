@@ -1,0 +1,221 @@
+"""Weights that stay where they are: tensors left in a checkpoint's own files until placed.
+
+A checkpoint opened lazily is the usual parameter tree whose leaves are ``LazyTensor`` (one tensor, a
+read-only view into its safetensors file's memory map) and ``ExpertStack`` (one MoE layer's routed experts
+for one matrix, ``[N, in, out]`` in moejax's orientation, one view per expert — in whatever orientation
+the file stores them: HF keeps ``[out, in]`` per expert, so those views are transposed). Nothing is read
+until a leaf is placed, and every read releases the mapped pages it touched again, so the process's
+resident set holds what was placed, not the file.
+
+Placement (``place``) puts every non-expert tensor on the device (embeddings, attention, norms, routers,
+shared experts, dense layers, LM head) and the routed experts either on the device too (simulation: one
+stacked array per layer and matrix, built one stack at a time) or nowhere (``experts="lazy"``: the expert
+stacks stay in the files; the offload store pages them from there, one expert at a time).
+
+Streaming writers (``chunks``) take any leaf — a lazy one, a numpy or a jax array — and yield it piece by
+piece in moejax's orientation, so conversions never hold more than one expert (or one non-expert tensor).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Iterator
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from moejax.safetensors_io import SafetensorsFile
+
+EXPERTS_PLACEMENTS = ("device", "lazy")
+
+
+def _take(view: np.ndarray, transposed: bool, coords: tuple) -> np.ndarray:
+    """Elements at moejax-orientation ``coords`` of a stored view (the last two axes swapped if transposed)."""
+    if transposed:
+        coords = (*coords[:-2], coords[-1], coords[-2])
+    return view[coords]
+
+
+class LazyTensor:
+    """One tensor in a checkpoint file, read (as ``dtype``, in moejax's orientation) only when placed."""
+
+    def __init__(self, file: SafetensorsFile, view: np.ndarray, transposed: bool = False, dtype=None):
+        self.file, self.view, self.transposed = file, view, transposed
+        self.stored_dtype = view.dtype
+        self.dtype = np.dtype(dtype or view.dtype)
+        self.shape = tuple(reversed(view.shape)) if transposed else tuple(view.shape)
+
+    @property
+    def ndim(self) -> int:
+        return len(self.shape)
+
+    @property
+    def nbytes(self) -> int:
+        return int(np.prod(self.shape, dtype=np.int64)) * self.dtype.itemsize
+
+    def astype(self, dtype) -> "LazyTensor":
+        return LazyTensor(self.file, self.view, self.transposed, dtype)
+
+    def read(self) -> np.ndarray:
+        """A copy in host memory (the mapped pages are released again)."""
+        out = np.array(self.view.T if self.transposed else self.view, dtype=self.dtype, order="C")
+        self.file.release(self.view)
+        return out
+
+    def take_flat(self, idx: np.ndarray) -> np.ndarray:
+        """Elements at these indices of the flattened (moejax-orientation) tensor, as ``dtype``."""
+        coords = np.unravel_index(idx, self.shape)
+        return np.asarray(_take(self.view, self.transposed, coords), dtype=self.dtype)
+
+    def __repr__(self) -> str:
+        return f"LazyTensor({self.shape}, {self.dtype}, {self.file.path})"
+
+
+class ExpertStack:
+    """The routed experts of one MoE layer and matrix, ``[N, in, out]`` in moejax's orientation, left in
+    the checkpoint files: ``stored(e)`` is expert ``e``'s bytes as the file holds them (a contiguous
+    read-only view; transposed when ``transposed``), ``read_expert(e)`` a host copy in moejax's layout."""
+
+    def __init__(self, parts: list[tuple[SafetensorsFile, np.ndarray]], transposed: bool, dtype=None):
+        if not parts:
+            raise ValueError("an expert stack needs at least one expert")
+        shapes = {v.shape for _, v in parts}
+        if len(shapes) != 1:
+            raise ValueError(f"experts of one stack differ in shape: {sorted(shapes)}")
+        self.parts, self.transposed = parts, transposed
+        view = parts[0][1]
+        self.stored_dtype = view.dtype
+        self.dtype = np.dtype(dtype or view.dtype)
+        one = tuple(reversed(view.shape)) if transposed else tuple(view.shape)
+        self.shape = (len(parts), *one)
+
+    @property
+    def ndim(self) -> int:
+        return len(self.shape)
+
+    @property
+    def n_experts(self) -> int:
+        return self.shape[0]
+
+    @property
+    def nbytes(self) -> int:
+        return int(np.prod(self.shape, dtype=np.int64)) * self.dtype.itemsize
+
+    @property
+    def stored_expert_nbytes(self) -> int:
+        """Bytes of one expert as stored (what paging it from the file moves)."""
+        return self.parts[0][1].nbytes
+
+    def astype(self, dtype) -> "ExpertStack":
+        return ExpertStack(self.parts, self.transposed, dtype)
+
+    def stored(self, e: int) -> np.ndarray:
+        return self.parts[e][1]
+
+    def release(self, e: int) -> None:
+        file, view = self.parts[e]
+        file.release(view)
+
+    def read_expert(self, e: int) -> np.ndarray:
+        view = self.stored(e)
+        out = np.array(view.T if self.transposed else view, dtype=self.dtype, order="C")
+        self.release(e)
+        return out
+
+    def read(self) -> np.ndarray:
+        """The whole stack in host memory (one copy; each expert's pages released after it is copied)."""
+        out = np.empty(self.shape, self.dtype)
+        for e in range(self.n_experts):
+            view = self.stored(e)
+            out[e] = view.T if self.transposed else view
+            self.release(e)
+        return out
+
+    def take_flat(self, idx: np.ndarray) -> np.ndarray:
+        e, *rest = np.unravel_index(idx, self.shape)
+        out = np.empty(idx.shape, self.dtype)
+        for j in np.unique(e):
+            sel = e == j
+            out[sel] = _take(self.stored(int(j)), self.transposed, tuple(r[sel] for r in rest))
+        return out
+
+    def __repr__(self) -> str:
+        files = sorted({f.path for f, _ in self.parts})
+        return f"ExpertStack({self.shape}, {self.dtype}, {len(files)} file(s), transposed={self.transposed})"
+
+
+LAZY_TYPES = (LazyTensor, ExpertStack)
+
+
+def is_lazy(x: Any) -> bool:
+    return isinstance(x, LAZY_TYPES)
+
+
+def _is_leaf(x: Any) -> bool:
+    return is_lazy(x)
+
+
+def tree_map(fn, tree):
+    """``jax.tree.map`` that treats lazy leaves as leaves."""
+    return jax.tree.map(fn, tree, is_leaf=_is_leaf)
+
+
+def leaves(tree) -> list:
+    return jax.tree.leaves(tree, is_leaf=_is_leaf)
+
+
+def has_lazy_experts(params: dict) -> bool:
+    """True when any routed expert stack of ``params`` is still in its files (a model loaded for offload)."""
+    return any(isinstance(x, ExpertStack) for x in leaves(params))
+
+
+def with_dtype(tree, dtype):
+    """Every leaf as ``dtype`` (lazy leaves convert when read; arrays now); None keeps the stored dtypes."""
+    if dtype is None:
+        return tree
+    return tree_map(lambda x: x.astype(dtype), tree)
+
+
+def place(tree, experts: str = "device"):
+    """Non-expert tensors on the default device; routed expert stacks on the device too (``"device"``) or
+    left in their files (``"lazy"``). Reads one tensor (one stack) at a time: the host never holds more."""
+    if experts not in EXPERTS_PLACEMENTS:
+        raise ValueError(f"unknown expert placement {experts!r}; expected one of {EXPERTS_PLACEMENTS}")
+
+    def one(x):
+        if isinstance(x, ExpertStack):
+            return x if experts == "lazy" else jnp.asarray(x.read())
+        if isinstance(x, LazyTensor):
+            return jnp.asarray(x.read())
+        return x
+
+    return tree_map(one, tree)
+
+
+def materialize(tree):
+    """Every leaf on the device (what a simulation needs); the expert stacks one at a time."""
+    return place(tree, "device")
+
+
+def chunks(x) -> Iterator[np.ndarray]:
+    """A leaf's data in moejax's orientation, in pieces whose concatenation (row-major) is the leaf: one
+    expert at a time for an expert stack, the whole tensor otherwise."""
+    if isinstance(x, ExpertStack):
+        for e in range(x.n_experts):
+            yield x.read_expert(e)
+    elif isinstance(x, LazyTensor):
+        yield x.read()
+    else:
+        yield np.asarray(x)
+
+
+def expert_matrix(x, e: int) -> np.ndarray:
+    """Expert ``e`` of a stacked leaf (lazy or an array) as a host array in moejax's orientation."""
+    return x.read_expert(e) if isinstance(x, ExpertStack) else np.asarray(x[e])
+
+
+def sample_flat(x, idx: np.ndarray) -> np.ndarray:
+    """Elements ``idx`` of the flattened leaf, reading only those (lazy leaves) — for fingerprints."""
+    if is_lazy(x):
+        return x.take_flat(idx)
+    return np.asarray(x).reshape(-1)[idx]
