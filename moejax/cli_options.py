@@ -59,8 +59,11 @@ def add_offload_args(p: argparse.ArgumentParser) -> None:
                    help="host: host-driven between jitted stages (everywhere, bandwidth emulation); "
                         "jit: inside the scanned decode loop from host-memory arrays")
     g.add_argument("--expert-store", choices=("host", "flash"), default="host",
-                   help="host: pinned host memory; flash: a memory-mapped file (see --store-dir)")
-    g.add_argument("--store-dir", default=None, help="folder for the flash tier's expert file (default: temp)")
+                   help="host: host memory (pinned_host where the backend has it), read once from the checkpoint; "
+                        "flash: paged straight from the checkpoint's own files through their memory map")
+    g.add_argument("--store-dir", default=None,
+                   help="API only: where a model loaded whole writes its flash-tier file (default: a temporary "
+                        "folder); the command-line --offload pages from the checkpoint and writes nothing")
     g.add_argument("--bandwidth-gbps", type=float, default=None,
                    help="emulate a host→device link of this bandwidth (GB/s), e.g. 2 (flash), 25 (PCIe)")
     g.add_argument("--latency-us", type=float, default=0.0, help="emulated per-transfer latency (µs)")

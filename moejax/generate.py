@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import time
 import os
 import sys
 
@@ -116,7 +117,9 @@ def run(args: argparse.Namespace) -> dict:
     dtype = None if args.dtype is None else {"float32": "float32", "bfloat16": "bfloat16",
                                              "float16": "float16"}[args.dtype]
     offload = cli_options.offload_from_args(args)  # with --offload the routed experts never reach the device
+    t_load = time.perf_counter()
     model = api.load(args.model, dtype=dtype, offload=offload)
+    load_time = time.perf_counter() - t_load
     ids = prompt_token_ids(model, args)
     if args.max_new_tokens < 0:
         raise ValueError(f"--max-new-tokens must be >= 0, got {args.max_new_tokens}")
@@ -137,6 +140,7 @@ def run(args: argparse.Namespace) -> dict:
                             on_tokens=streamer, routing=routing, cache=cache, offload=offload)
     raw_text = model.decode(result.token_ids)
     text = render(raw_text)
+    result.stats["load_time_s"] = load_time
     if "cache" in result.stats:
         result.stats["cache"].update(cli_options.describe(args), capacity=cache.capacity(model.cfg),
                                      layers=model.cfg.n_moe_layers, experts_per_token=model.cfg.top_k,

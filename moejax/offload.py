@@ -389,6 +389,19 @@ def _embed(embed, token):
 # ------------------------------------------------------------------------------------------ host-driven
 
 
+def storage_read_bytes() -> int | None:
+    """Bytes this process has read from storage so far (Linux ``/proc/self/io`` ``read_bytes``: page-cache
+    hits do not count), or None where the kernel does not say."""
+    try:
+        with open("/proc/self/io") as f:
+            for line in f:
+                if line.startswith("read_bytes:"):
+                    return int(line.split()[1])
+    except OSError:
+        return None
+    return None
+
+
 @dataclasses.dataclass
 class PagingStats:
     tokens: int = 0
@@ -613,8 +626,10 @@ def host_generate(params, cfg: ModelConfig, prompt_ids, router_state: dict, offl
 
     t_compile = time.perf_counter()
     if warmup:  # compile every stage on throwaway copies of the states (no transfers counted)
-        saved = (pager.state, jax.tree.map(jnp.copy, pager.slots), dataclasses.replace(pager.stats),
-                 pager.link.__dict__.copy(), {b: dict(v) for b, v in pager.staging.items()})
+        # the slots are not copied (that would double the largest buffer): afterwards whatever the saved
+        # cache state names as resident is paged in again, so the slots hold exactly what it says
+        saved = (pager.state, dataclasses.replace(pager.stats), pager.link.__dict__.copy(),
+                 {b: dict(v) for b, v in pager.staging.items()})
         warm_kv = model_lib.init_kv(cfg, kv[0][next(iter(kv[0]))].shape[0], dtype)
         link = pager.link
         pager.link = Link()
@@ -627,12 +642,14 @@ def host_generate(params, cfg: ModelConfig, prompt_ids, router_state: dict, offl
             for pos in range(2, 4):
                 _, _, warm_kv, warm_key = pager.step(int(prompt[0]), jnp.int32(pos), warm_kv, warm_key, sampling)
         jax.block_until_ready(pager.slots)
-        pager.state, pager.slots, pager.stats, _, pager.staging = saved
+        pager.state, pager.stats, _, pager.staging = saved
+        pager.slots = fill_slots(pager.slots, pager.store, pager.state["cache"])
         pager.link = link
     compile_time = time.perf_counter() - t_compile
 
     key = jax.random.PRNGKey(seed)
     rec: list = []
+    read0 = storage_read_bytes()
     t0 = time.perf_counter()
     for pos, tok in enumerate(prompt.tolist()):
         nxt, logits, kv, key_after = pager.step(tok, jnp.int32(pos), kv, key, sampling, record=rec)
@@ -649,6 +666,7 @@ def host_generate(params, cfg: ModelConfig, prompt_ids, router_state: dict, offl
     finished = not tokens or first in eos
     pos = prompt.size
     token = first
+    read_decode = storage_read_bytes()
     t_decode = time.perf_counter()
     while not finished and len(tokens) < max_new_tokens:
         token_arr, _, kv, key = pager.step(token, jnp.int32(pos), kv, key, sampling, record=rec)
@@ -666,6 +684,10 @@ def host_generate(params, cfg: ModelConfig, prompt_ids, router_state: dict, offl
     summary.pop("tokens_per_s")
     summary["bytes_moved_prefill"] = moved_prefill
     summary["bytes_per_decode_token"] = (pager.stats.bytes_moved - moved_prefill) / max(n_decode, 1)
+    read_end = storage_read_bytes()
+    if read0 is not None and read_end is not None:  # what really came from storage (page-cache misses)
+        summary["storage_read_bytes_prefill"] = read_decode - read0
+        summary["storage_read_per_decode_token"] = (read_end - read_decode) / max(n_decode, 1)
     stats = {
         "prompt_tokens": int(prompt.size),
         "generated_tokens": len(tokens),

@@ -274,3 +274,27 @@ def pytest_terminal_summary(terminalreporter):
     for family in sorted(PARITY_ERRORS):
         errs = PARITY_ERRORS[family]
         terminalreporter.write_line(f"{family:12s} " + "  ".join(f"{k}={v:.2e}" for k, v in sorted(errs.items())))
+
+
+# ------------------------------------------------------------- the AVX2 pass of the numerics tests
+def _cpu_has_avx512() -> bool:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return any(line.startswith("flags") and " avx512f" in line for line in f)
+    except OSError:
+        return True  # unknown: run the pass
+
+
+def pytest_collection_modifyitems(config, items):
+    """CI runs the numerics tests a second time with ``XLA_FLAGS=--xla_cpu_max_isa=AVX2`` so that a
+    difference between AVX-512 and AVX2 code paths shows on any machine. On a CPU without AVX-512 the main
+    pass already ran the AVX2 code: the second pass would repeat it exactly, so it is deselected (saves
+    CI minutes on such machines, loses nothing)."""
+    flags = os.environ.get("XLA_FLAGS", "")
+    if "--xla_cpu_max_isa=AVX2" not in flags.replace(" ", "") or _cpu_has_avx512():
+        return
+    if config.getoption("-m", default="") and "numerics" in config.getoption("-m"):
+        config.hook.pytest_deselected(items=list(items))
+        items[:] = []
+        print("\nnumerics AVX2 pass: this CPU has no AVX-512, so the main pass already ran the AVX2 code paths; "
+              "nothing to repeat")

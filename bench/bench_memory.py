@@ -1,0 +1,117 @@
+"""Memory bounds of loading, offloading and converting a model, measured (peak RSS of a fresh process each).
+
+    python bench/bench_memory.py --model /work/scale/olmoe [--convert-to /work/scale/olmoe-mj] [--out FILE]
+
+Bounds checked (issue 12, GB = 2**30 bytes here):
+
+- ``moejax.load(path)`` (everything on the device; CPU: host memory)   ≤ model bytes + 1.5 GB (no second copy)
+- ``generate --offload --expert-store host``                           ≤ all weights once + 1.5 GB
+  (+ the cache slots on a CPU, where "device" memory is the same host memory)
+- ``generate --offload --expert-store flash``                          ≤ non-expert + slots + KV + 1.5 GB
+- ``python -m moejax.convert hf-to-moejax``                            ≤ largest stacked tensor + 1.5 GB
+
+Each runs after dropping the page cache, without a memory budget (``bench/memlimit.py``; root needed for
+dropping caches). The converted folder is removed again unless ``--keep``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import sys
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+
+import memlimit  # noqa: E402
+
+GiB = 1 << 30
+SLACK = 1.5 * GiB
+
+
+def sizes(model: str) -> dict:
+    """Model bytes, routed-expert bytes and the largest stacked expert tensor, from the folder's headers."""
+    from moejax import checkpoint, weights
+
+    tree, cfg = checkpoint.open_params(model)
+    leaves = weights.leaves(tree)
+    stacks = [x for x in leaves if isinstance(x, weights.ExpertStack)]
+    return {"model_bytes": sum(x.nbytes for x in leaves), "expert_bytes": sum(x.nbytes for x in stacks),
+            "largest_stack_bytes": max(x.nbytes for x in stacks), "n_experts": cfg.n_experts}
+
+
+def _cpu() -> bool:
+    import jax
+
+    return jax.default_backend() == "cpu"
+
+
+def run(name: str, cmd: list[str], bound: float, timeout: float) -> dict:
+    m = memlimit.run_measured(cmd, drop_caches=True, timeout=timeout)
+    row = {"case": name, "command": " ".join(cmd), "returncode": m["returncode"], "wall_s": m["wall_s"],
+           "peak_rss_bytes": m["peak_rss_bytes"], "bound_bytes": bound,
+           "within_bound": m["returncode"] == 0 and m["peak_rss_bytes"] <= bound}
+    if m["returncode"] != 0:
+        row["error"] = (m["stderr"] or "").strip().splitlines()[-3:]
+    elif name.startswith("generate"):
+        off = json.loads(m["stdout"])["stats"]["offload"]["device_memory"]
+        row["accounted"] = off
+    print(f"{name:28s} peak RSS {row['peak_rss_bytes'] / GiB:6.2f} GiB  bound {bound / GiB:6.2f} GiB  "
+          f"{'OK' if row['within_bound'] else 'OVER' if m['returncode'] == 0 else 'FAILED'}  ({m['wall_s']:.0f} s)",
+          flush=True)
+    return row
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", required=True)
+    p.add_argument("--convert-to", default=None, help="where the conversion writes (default: skip it)")
+    p.add_argument("--keep", action="store_true", help="keep the converted folder")
+    p.add_argument("--cache-size", default="0.25")
+    p.add_argument("--timeout", type=float, default=3600)
+    p.add_argument("--out", default=None)
+    args = p.parse_args(argv)
+    s = sizes(args.model)
+    print(f"model {args.model}: {s['model_bytes'] / GiB:.2f} GiB, experts {s['expert_bytes'] / GiB:.2f} GiB, "
+          f"largest stack {s['largest_stack_bytes'] / GiB:.3f} GiB")
+    py = sys.executable
+    gen = [py, "-m", "moejax.generate", "--model", args.model, "--prompt-ids", "11,12,13,14", "--max-new-tokens",
+           "4", "--ignore-eos", "--offload", "--cache-size", args.cache_size, "--json"]
+    rows = [run("load (no offload)", [py, "-c", f"import moejax; moejax.load({args.model!r})"],
+                s["model_bytes"] + SLACK, args.timeout)]
+    host = run("generate --expert-store host", gen + ["--expert-store", "host"], s["model_bytes"] + SLACK,
+               args.timeout)
+    if "accounted" in host and _cpu():
+        host["bound_bytes"] += host["accounted"]["slots"]
+        host["within_bound"] = host["peak_rss_bytes"] <= host["bound_bytes"]
+        print(f"{'':28s} (CPU: + slots in the same memory = {host['bound_bytes'] / GiB:.2f} GiB: "
+              f"{'OK' if host['within_bound'] else 'OVER'})")
+    rows.append(host)
+    flash = run("generate --expert-store flash", gen + ["--expert-store", "flash"], 0, args.timeout)
+    if "accounted" in flash:
+        acc = flash["accounted"]
+        flash["bound_bytes"] = acc["non_expert_weights"] + acc["slots"] + acc["kv_cache"] + SLACK
+        flash["within_bound"] = flash["peak_rss_bytes"] <= flash["bound_bytes"]
+        print(f"{'':28s} (flash bound = non-expert + slots + KV + 1.5 GiB = {flash['bound_bytes'] / GiB:.2f} GiB: "
+              f"{'OK' if flash['within_bound'] else 'OVER'})")
+    rows.append(flash)
+    if args.convert_to:
+        if os.path.exists(args.convert_to):
+            print(f"error: {args.convert_to} exists", file=sys.stderr)
+            return 2
+        rows.append(run("convert hf-to-moejax", [py, "-m", "moejax.convert", "hf-to-moejax", args.model,
+                                                 args.convert_to], s["largest_stack_bytes"] + SLACK, args.timeout))
+        if not args.keep:
+            shutil.rmtree(args.convert_to, ignore_errors=True)
+    if args.out:
+        with open(args.out + ".tmp", "w") as f:
+            json.dump({"model": args.model, **s, "rows": rows, "time": time.strftime("%Y-%m-%d %H:%M:%S")}, f, indent=1)
+        os.replace(args.out + ".tmp", args.out)
+    return 0 if all(r["within_bound"] for r in rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,158 @@
+"""The paper's on-device setting on this machine: a model larger than memory, decoded under a memory budget.
+
+    python bench/bench_ondevice.py --model /work/scale/qwen --budget-gb 12 --sizes 8,4,2 \
+        --routings original,cache-prior [--new-tokens 8] [--llama-cpp] [--out bench/results/ondevice-qwen.json]
+
+Each configuration runs ``python -m moejax.generate --offload --expert-store flash`` in a fresh process inside
+a cgroup-v1 memory cgroup of ``--budget-gb`` (created and removed by ``bench/memlimit.py``; the page cache is
+charged to it, so expert pages that do not fit really come from storage), after dropping the page cache.
+Reported per run: load time, time to first token, decode tokens/s, expert bytes requested per decode token
+(what the cache asked for), bytes actually read from storage per decode token (``/proc/self/io``
+``read_bytes`` inside the process, decode phase only), peak RSS (rusage) against the issue's bound
+(non-expert weights + cache slots + KV cache + 1.5 GB), and the miss rate. ``--sizes 8,4,2`` means C = N/8,
+N/4, N/2 per layer. ``--budget-gb 0`` runs without a budget. With ``--llama-cpp`` the same folder is
+converted to a bf16 GGUF (once) and ``llama-bench`` runs under the same budget (``bench/llamacpp.py``;
+skipped with a message when llama.cpp is not built). Needs root for the cgroup and for dropping caches.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+
+import memlimit  # noqa: E402
+
+GiB = 1 << 30
+
+
+def model_config(folder: str) -> dict:
+    with open(os.path.join(folder, "config.json")) as f:
+        return json.load(f)
+
+
+def n_experts(cfg: dict) -> int:
+    for key in ("num_experts", "num_local_experts", "n_routed_experts"):
+        if cfg.get(key):
+            return int(cfg[key])
+    raise ValueError("config.json names no expert count")
+
+
+def moejax_run(model: str, size: int, routing: str, budget: int | None, prompt: list[int], new_tokens: int,
+               lam: float, dtype: str | None, timeout: float) -> dict:
+    cmd = [sys.executable, "-m", "moejax.generate", "--model", model, "--prompt-ids", ",".join(map(str, prompt)),
+           "--max-new-tokens", str(new_tokens), "--ignore-eos", "--offload", "--expert-store", "flash",
+           "--cache-size", str(size), "--routing", routing, "--json"]
+    if routing == "cache-prior":
+        cmd += ["--lam", str(lam)]
+    if dtype:
+        cmd += ["--dtype", dtype]
+    env = {**os.environ, "XLA_FLAGS": os.environ.get("XLA_FLAGS", ""), "TF_CPP_MIN_LOG_LEVEL": "2"}
+    m = memlimit.run_measured(cmd, limit_bytes=budget, env=env, drop_caches=True, timeout=timeout)
+    row = {"engine": "moejax", "routing": routing, "capacity": size, "budget_bytes": budget,
+           "returncode": m["returncode"], "wall_s": m["wall_s"], "peak_rss_bytes": m["peak_rss_bytes"],
+           "process_read_bytes": m["read_bytes"], "cgroup_peak_bytes": m.get("cgroup_peak_bytes"),
+           "oom_killed": m.get("oom_killed"), "command": " ".join(cmd)}
+    if m["returncode"] != 0:
+        row["error"] = (m["stderr"] or "").strip().splitlines()[-3:]
+        return row
+    out = json.loads(m["stdout"])
+    s, off, cache = out["stats"], out["stats"]["offload"], out["stats"]["cache"]
+    mem = off["device_memory"]
+    bound = mem["non_expert_weights"] + mem["slots"] + mem["kv_cache"] + 1.5 * GiB
+    row.update(
+        load_s=s["load_time_s"], ttft_s=s["time_to_first_token_s"], compile_s=s["compile_time_s"],
+        decode_tokens_per_s=s["tokens_per_s"], generated=s["generated_tokens"],
+        expert_bytes_per_decode_token=off["bytes_per_decode_token"],
+        storage_read_per_decode_token=off.get("storage_read_per_decode_token"),
+        storage_read_prefill=off.get("storage_read_bytes_prefill"),
+        miss_rate=cache["miss_rate"], non_expert_bytes=mem["non_expert_weights"], slot_bytes=mem["slots"],
+        kv_bytes=mem["kv_cache"], rss_bound_bytes=bound, rss_within_bound=m["peak_rss_bytes"] <= bound,
+        all_expert_bytes=mem["all_experts_on_host"])
+    return row
+
+
+def llama_run(model: str, gguf: str | None, budget: int | None, new_tokens: int) -> dict:
+    import llamacpp
+
+    if llamacpp.find_llama_cpp() is None:
+        return {"engine": "llama.cpp", "skipped": "llama.cpp is not built (see bench/llamacpp.py: "
+                                                  "python bench/llamacpp.py --help)"}
+    gguf = gguf or os.path.join(os.path.dirname(os.path.abspath(model)),
+                                os.path.basename(os.path.abspath(model)) + ".bf16.gguf")
+    llamacpp.ensure_tokenizer(model)
+    llamacpp.convert_to_gguf(model, gguf)
+    r = llamacpp.bench(gguf, threads=2, n_gen=new_tokens, limit_bytes=budget, drop_caches=True)
+    return {"engine": "llama.cpp", "budget_bytes": budget, **r}
+
+
+def fmt(row: dict) -> str:
+    if row.get("skipped"):
+        return f"{row['engine']:9s} skipped: {row['skipped']}"
+    if row["engine"] == "llama.cpp":
+        return (f"llama.cpp  decode {row.get('tg_tokens_per_s') or 0:.3f} tok/s  peak RSS "
+                f"{(row.get('peak_rss_bytes') or 0) / GiB:.2f} GiB  storage read/token "
+                f"{(row.get('read_bytes_per_token') or 0) / 1e6:.0f} MB")
+    if row["returncode"] != 0:
+        return (f"moejax {row['routing']:11s} C={row['capacity']:3d}  FAILED rc={row['returncode']} "
+                f"oom={row.get('oom_killed')} {row.get('error')}")
+    return (f"moejax {row['routing']:11s} C={row['capacity']:3d}  load {row['load_s']:.1f}s  ttft {row['ttft_s']:.1f}s  "
+            f"decode {row['decode_tokens_per_s']:.3f} tok/s  miss {row['miss_rate']:.3f}  requested "
+            f"{row['expert_bytes_per_decode_token'] / 1e6:.0f} MB/tok  storage "
+            f"{(row['storage_read_per_decode_token'] or 0) / 1e6:.0f} MB/tok  peak RSS "
+            f"{row['peak_rss_bytes'] / GiB:.2f} GiB (bound {row['rss_bound_bytes'] / GiB:.2f})")
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", required=True, help="a Hugging Face or moejax folder (e.g. a random checkpoint)")
+    p.add_argument("--budget-gb", type=float, default=12.0, help="memory budget in GiB (0: none)")
+    p.add_argument("--sizes", default="8,4,2", help="cache sizes as divisors of N (C = N/8, N/4, N/2)")
+    p.add_argument("--routings", default="original,cache-prior")
+    p.add_argument("--lam", type=float, default=0.5)
+    p.add_argument("--prompt-len", type=int, default=8)
+    p.add_argument("--new-tokens", type=int, default=8)
+    p.add_argument("--dtype", default=None, help="compute dtype (default: the checkpoint's)")
+    p.add_argument("--timeout", type=float, default=1800)
+    p.add_argument("--llama-cpp", action="store_true", help="also run llama.cpp on the same weights")
+    p.add_argument("--gguf", default=None, help="the GGUF to use/write (default: beside the model folder)")
+    p.add_argument("--out", default=None, help="write every row as JSON here")
+    args = p.parse_args(argv)
+    ok, why = memlimit.cgroup_v1_memory_available()
+    budget = int(args.budget_gb * GiB) if args.budget_gb > 0 else None
+    if budget and not ok:
+        print(f"error: no memory budget possible here: {why}", file=sys.stderr)
+        return 2
+    cfg = model_config(args.model) if os.path.isfile(os.path.join(args.model, "config.json")) else \
+        json.load(open(os.path.join(args.model, "moejax.json")))["hf_config"]
+    n = n_experts(cfg)
+    prompt = [(7 * i + 3) % 1000 + 10 for i in range(args.prompt_len)]
+    rows = []
+    print(f"model {args.model}: N={n}, budget {args.budget_gb:g} GiB, {args.new_tokens} new tokens")
+    for div in (int(x) for x in args.sizes.split(",")):
+        for routing in args.routings.split(","):
+            row = moejax_run(args.model, max(n // div, 1), routing, budget, prompt, args.new_tokens, args.lam,
+                             args.dtype, args.timeout)
+            row["size"] = f"N/{div}"
+            rows.append(row)
+            print(fmt(row), flush=True)
+    if args.llama_cpp:
+        row = llama_run(args.model, args.gguf, budget, args.new_tokens)
+        rows.append(row)
+        print(fmt(row), flush=True)
+    if args.out:
+        tmp = args.out + ".tmp"
+        with open(tmp, "w") as f:
+            json.dump({"model": os.path.abspath(args.model), "budget_gb": args.budget_gb, "rows": rows,
+                       "time": time.strftime("%Y-%m-%d %H:%M:%S")}, f, indent=1)
+        os.replace(tmp, args.out)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
