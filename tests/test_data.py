@@ -10,7 +10,7 @@ import pytest
 
 from moejax import data, textproc
 from moejax.api import Tokenizer
-from tests.train_fixtures import write_corpus
+from train_fixtures import write_corpus
 
 
 @pytest.fixture(scope="module")

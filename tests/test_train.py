@@ -13,7 +13,7 @@ import pytest
 
 from moejax import api, checkpoint, data, train
 from moejax.config import from_hf
-from tests.train_fixtures import write_corpus
+from train_fixtures import write_corpus
 
 
 @pytest.fixture(scope="module")
