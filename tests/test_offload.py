@@ -39,7 +39,9 @@ def _both(m, cc, routing="cache-prior", offload_cfg=offload.OffloadConfig(), **k
     return ref, off
 
 
-@pytest.mark.parametrize("eviction,scope,size", [(e, "layer", "3") for e in ("lru", "lfu", "fld", "score", "least-stale")]
+@pytest.mark.parametrize("eviction,scope,size", [(e, "layer", "3") if e in ("lru", "lfu") else
+                                                  pytest.param(e, "layer", "3", marks=pytest.mark.slow)
+                                                  for e in ("lru", "lfu", "fld", "score", "least-stale")]
                          + [("least-stale", "global", "0.25")])
 def test_offload_generates_the_simulation_tokens_for_every_eviction(eviction, scope, size):
     m = _model()
@@ -70,7 +72,7 @@ def test_in_jit_paging_generates_the_simulation_tokens_and_bytes():
     CacheConfig(size="5", prefetch=1.5),
     pytest.param(CacheConfig(size="6", prefetch_percentile=70.0), marks=pytest.mark.slow),
     pytest.param(CacheConfig(size="0.3", scope="global", prefetch=1.0, eviction="least-stale"), marks=pytest.mark.slow),
-    CacheConfig(size="5", miss="drop"),
+    pytest.param(CacheConfig(size="5", miss="drop"), marks=pytest.mark.slow),
     CacheConfig(size="5", miss="substitute"),
     CacheConfig(size="5", miss="cascade", miss_rank=(1, 3), cascade_bits=(8, 4)),
 ], ids=["prefetch", "percentile", "global-prefetch", "drop", "substitute", "cascade"])

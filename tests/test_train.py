@@ -147,7 +147,7 @@ def test_export_loads_in_moejax_and_transformers(dirs, baseline, tmp_path):
     out, _ = baseline
     folder = train.export(out, str(tmp_path / "model"))
     files = set(os.listdir(folder))
-    assert {"moejax.json", "params", "tokenizer.json", "tokenizer_config.json", "generation_config.json",
+    assert {"moejax.json", "params.safetensors", "tokenizer.json", "tokenizer_config.json", "generation_config.json",
             "README.md", "training.json"} <= files
     gen = json.load(open(os.path.join(folder, "generation_config.json")))
     assert gen["text_style"] == "wikitext" and gen["eos_token_id"] == 0
