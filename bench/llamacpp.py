@@ -53,7 +53,7 @@ llama.cpp is not built. Build it (CPU, ~20 minutes on 2 busy cores) with:
     cd /work/llama.cpp
     cmake -B build -DGGML_NATIVE=ON -DLLAMA_CURL=OFF -DLLAMA_BUILD_TESTS=OFF -DCMAKE_BUILD_TYPE=Release
     nice -n 10 cmake --build build -j2 --target llama-bench llama-cli
-    pip install --no-deps -e /work/llama.cpp/gguf-py && pip install --no-deps sentencepiece
+    pip install --no-deps sentencepiece   # (not gguf-py: the converter uses its own copy)
 
 (or point MOEJAX_LLAMA_CPP at a llama.cpp folder that has build/bin/llama-bench)."""
 
