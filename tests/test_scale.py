@@ -247,3 +247,16 @@ def test_sigterm_during_a_conversion_leaves_nothing(tiny, tmp_path):
     proc.send_signal(signal.SIGTERM)
     assert proc.wait(timeout=120) == 128 + signal.SIGTERM
     assert os.listdir(out) == []  # neither the target nor its temporary folder
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("how", ["cascade", "jit"])
+def test_cascade_and_in_jit_paging_with_experts_left_in_the_files(how):
+    cache = CacheConfig(size="0.5", miss="cascade", miss_rank=(1,), cascade_bits=(8,)) if how == "cascade" \
+        else CacheConfig(size="0.5")
+    load = "flash" if how == "cascade" else offload.OffloadConfig(paging="jit")
+    ref = moejax.load("default").generate(PROMPT, max_new_tokens=4, stop_at_eos=False, cache=cache,
+                                          routing="original")
+    got = moejax.load("default", offload=load).generate(PROMPT, max_new_tokens=4, stop_at_eos=False, cache=cache,
+                                                        routing="original")
+    assert got.token_ids == ref.token_ids
