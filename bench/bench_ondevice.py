@@ -32,8 +32,12 @@ GiB = 1 << 30
 
 
 def model_config(folder: str) -> dict:
-    with open(os.path.join(folder, "config.json")) as f:
-        return json.load(f)
+    """The HF config of a Hugging Face folder (config.json) or a moejax one (moejax.json's hf_config)."""
+    if os.path.isfile(os.path.join(folder, "config.json")):
+        with open(os.path.join(folder, "config.json")) as f:
+            return json.load(f)
+    with open(os.path.join(folder, "moejax.json")) as f:
+        return json.load(f)["hf_config"]
 
 
 def n_experts(cfg: dict) -> int:
@@ -52,7 +56,7 @@ def moejax_run(model: str, size: int, routing: str, budget: int | None, prompt: 
         cmd += ["--lam", str(lam)]
     if dtype:
         cmd += ["--dtype", dtype]
-    env = {**os.environ, "XLA_FLAGS": os.environ.get("XLA_FLAGS", ""), "TF_CPP_MIN_LOG_LEVEL": "2"}
+    env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2"}
     m = memlimit.run_measured(cmd, limit_bytes=budget, env=env, drop_caches=True, timeout=timeout)
     row = {"engine": "moejax", "routing": routing, "capacity": size, "budget_bytes": budget,
            "returncode": m["returncode"], "wall_s": m["wall_s"], "peak_rss_bytes": m["peak_rss_bytes"],
@@ -128,9 +132,7 @@ def main(argv: list[str] | None = None) -> int:
     if budget and not ok:
         print(f"error: no memory budget possible here: {why}", file=sys.stderr)
         return 2
-    cfg = model_config(args.model) if os.path.isfile(os.path.join(args.model, "config.json")) else \
-        json.load(open(os.path.join(args.model, "moejax.json")))["hf_config"]
-    n = n_experts(cfg)
+    n = n_experts(model_config(args.model))
     prompt = [(7 * i + 3) % 1000 + 10 for i in range(args.prompt_len)]
     rows = []
     print(f"model {args.model}: N={n}, budget {args.budget_gb:g} GiB, {args.new_tokens} new tokens")

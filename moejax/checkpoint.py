@@ -329,9 +329,10 @@ def write_sharded(folder: str, stem: str, specs: list[tuple[str, np.dtype, tuple
     ``{stem}-00001-of-0000n.safetensors`` with ``{stem}.safetensors.index.json`` (the hub's layout),
     streaming: ``data(key)`` yields each tensor's pieces, so no tensor is ever held whole by the writer."""
     shards: list[list] = [[]]
-    size = 0
+    size = total = 0
     for spec in specs:
         nbytes = int(np.prod(spec[2], dtype=np.int64)) * np.dtype(spec[1]).itemsize
+        total += nbytes
         if shards[-1] and size + nbytes > max_shard_bytes:
             shards.append([])
             size = 0
@@ -341,30 +342,20 @@ def write_sharded(folder: str, stem: str, specs: list[tuple[str, np.dtype, tuple
         names = [f"{stem}.safetensors"]
     else:
         names = [f"{stem}-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
-    total = 0
     for name, shard in zip(names, shards):
-        total += safetensors_io.write_stream(os.path.join(folder, name), shard, data, metadata)
+        safetensors_io.write_stream(os.path.join(folder, name), shard, data, metadata)
     if len(shards) > 1:
         weight_map = {key: name for name, shard in zip(names, shards) for key, _, _ in shard}
-        size = sum(int(np.prod(s[2], dtype=np.int64)) * np.dtype(s[1]).itemsize for s in specs)
         write_json_atomic(os.path.join(folder, f"{stem}.safetensors.index.json"),
-                          {"metadata": {"total_size": size}, "weight_map": weight_map})
+                          {"metadata": {"total_size": total}, "weight_map": weight_map})
     return names
 
 
 # ----------------------------------------------------------------------------------- Hugging Face out
 def _hf_value(params: dict, e: hf_keys.Entry) -> np.ndarray:
     leaf = _get(params, e.path)
-    if e.expert is not None:
-        value = weights.expert_matrix(leaf, e.expert)
-    else:
-        value = np.concatenate([c.reshape(-1) for c in weights.chunks(leaf)]).reshape(leaf.shape)
+    value = weights.expert_matrix(leaf, e.expert) if e.expert is not None else weights.to_host(leaf)
     return np.ascontiguousarray(value.T if e.transpose else value)
-
-
-def hf_tensors(params: dict, cfg: ModelConfig) -> Iterator[tuple[str, np.ndarray]]:
-    for e in hf_keys.entries(cfg):
-        yield e.hf_key, _hf_value(params, e)
 
 
 def save_hf(params: dict, cfg: ModelConfig, folder: str, *, tokenizer_from: str | None = None,
@@ -496,11 +487,6 @@ def open_params(folder: str, dtype=None) -> tuple[dict, ModelConfig]:
         cfg = from_hf(read_hf_config(folder))
         tree = hf_tree(folder, cfg)
     return weights.with_dtype(tree, dtype or stored_dtype(tree)), cfg
-
-
-def read_moejax(folder: str, dtype=None, experts: str = "device") -> tuple[dict, ModelConfig]:
-    tree, cfg = open_params(folder, dtype)
-    return weights.place(tree, experts), cfg
 
 
 def load_params(folder: str, dtype=None, experts: str = "device") -> tuple[dict, ModelConfig]:

@@ -12,9 +12,9 @@ from __future__ import annotations
 
 import argparse
 import json
-import time
 import os
 import sys
+import time
 
 from moejax import interrupts
 from moejax import api, cli_options, gating, textproc

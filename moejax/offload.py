@@ -198,8 +198,7 @@ class ExpertStore:
         for b in bits:
             low_layers = []
             for layer in layers:  # a lazy layer is read whole for quantising, then dropped
-                moe = {k: weights.materialize(x) for k, x in layer.items()}
-                q = quant.quantize_experts(moe, b, group_size)
+                q = quant.quantize_experts(weights.place(layer), b, group_size)
                 low_layers.append({k: [jax.tree.map(self._place, quant.take(q[k], e)) for e in range(n)]
                                    for k in EXPERT_KEYS})
                 self.low_bytes[b] = quant.expert_nbytes({k: q[k] for k in EXPERT_KEYS})

@@ -29,6 +29,13 @@ from moejax.safetensors_io import SafetensorsFile
 EXPERTS_PLACEMENTS = ("device", "lazy")
 
 
+def _copy(file: SafetensorsFile, view: np.ndarray, transposed: bool, dtype) -> np.ndarray:
+    """A host copy of a stored view in moejax's orientation, as ``dtype``; the mapped pages are released."""
+    out = np.array(view.T if transposed else view, dtype=dtype, order="C")
+    file.release(view)
+    return out
+
+
 def _take(view: np.ndarray, transposed: bool, coords: tuple) -> np.ndarray:
     """Elements at moejax-orientation ``coords`` of a stored view (the last two axes swapped if transposed)."""
     if transposed:
@@ -58,9 +65,7 @@ class LazyTensor:
 
     def read(self) -> np.ndarray:
         """A copy in host memory (the mapped pages are released again)."""
-        out = np.array(self.view.T if self.transposed else self.view, dtype=self.dtype, order="C")
-        self.file.release(self.view)
-        return out
+        return _copy(self.file, self.view, self.transposed, self.dtype)
 
     def take_flat(self, idx: np.ndarray) -> np.ndarray:
         """Elements at these indices of the flattened (moejax-orientation) tensor, as ``dtype``."""
@@ -117,10 +122,8 @@ class ExpertStack:
         file.release(view)
 
     def read_expert(self, e: int) -> np.ndarray:
-        view = self.stored(e)
-        out = np.array(view.T if self.transposed else view, dtype=self.dtype, order="C")
-        self.release(e)
-        return out
+        file, view = self.parts[e]
+        return _copy(file, view, self.transposed, self.dtype)
 
     def read(self) -> np.ndarray:
         """The whole stack in host memory (one copy; each expert's pages released after it is copied)."""
@@ -151,17 +154,13 @@ def is_lazy(x: Any) -> bool:
     return isinstance(x, LAZY_TYPES)
 
 
-def _is_leaf(x: Any) -> bool:
-    return is_lazy(x)
-
-
 def tree_map(fn, tree):
     """``jax.tree.map`` that treats lazy leaves as leaves."""
-    return jax.tree.map(fn, tree, is_leaf=_is_leaf)
+    return jax.tree.map(fn, tree, is_leaf=is_lazy)
 
 
 def leaves(tree) -> list:
-    return jax.tree.leaves(tree, is_leaf=_is_leaf)
+    return jax.tree.leaves(tree, is_leaf=is_lazy)
 
 
 def has_lazy_experts(params: dict) -> bool:
@@ -192,9 +191,9 @@ def place(tree, experts: str = "device"):
     return tree_map(one, tree)
 
 
-def materialize(tree):
-    """Every leaf on the device (what a simulation needs); the expert stacks one at a time."""
-    return place(tree, "device")
+def to_host(x) -> np.ndarray:
+    """A leaf (lazy or an array) whole in host memory, in moejax's orientation."""
+    return x.read() if is_lazy(x) else np.asarray(x)
 
 
 def chunks(x) -> Iterator[np.ndarray]:
@@ -203,10 +202,8 @@ def chunks(x) -> Iterator[np.ndarray]:
     if isinstance(x, ExpertStack):
         for e in range(x.n_experts):
             yield x.read_expert(e)
-    elif isinstance(x, LazyTensor):
-        yield x.read()
     else:
-        yield np.asarray(x)
+        yield to_host(x)
 
 
 def expert_matrix(x, e: int) -> np.ndarray:
