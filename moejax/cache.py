@@ -12,8 +12,9 @@ layer therefore equals the token index, in both scopes. ``clock`` ticks once per
 recency (LRU); in global scope all L entries of ``clock`` hold the same value (one shared clock).
 
 Same-step ordering (DESIGN §2, paper §4.2). The K experts of one step arrive highest weight first and get
-increasing ticks, so the higher-weighted one is *older*; every policy except Belady evicts experts selected
-in the current step only after all others, in that LRU order — with capacity < K the lowest-weighted
+increasing ticks, so the higher-weighted one is *older*; every policy evicts experts selected in the
+current step only after all others (Belady included: it is the bound of caches that must hold a token's
+K experts at once, as the offload engine must), in that LRU order — with capacity < K the lowest-weighted
 selected experts stay. Evictions happen after all K are inserted, never in between.
 
 Eviction policies (static ``eviction``), smallest key evicted first, ties by LRU tick:
@@ -27,7 +28,11 @@ Eviction policies (static ``eviction``), smallest key evicted first, ties by LRU
                FIFO by layer position (lower layer first, which is "left of the execution point" first),
                then by last touch. Per-layer scope: current = prefetched for this pass, otherwise LRU.
   belady       offline oracle: the entry whose next use is farthest (``next_use`` supplied by the caller
-               from a recorded trace). It may evict even this step's experts, so it is a true lower bound.
+               from a recorded trace), this step's experts last (among them, farthest next use first).
+               The optimal eviction under the same co-residency rule as every online policy: the bound.
+  belady-bypass  the looser classic variant: may evict this step's experts right after inserting them, as
+               if a token's misses could stream through a transient buffer beside the C slots. Models
+               no engine here; reported under its own name, never as "the Belady bound".
 
 Metrics (``CacheStats``, per layer, attributed to the routing layer, evictions/lifetimes to the evicted
 entry's layer): accesses (+K per step even when pruning drops slots), misses, compulsory misses (first
@@ -48,7 +53,9 @@ import jax.numpy as jnp
 from jax import lax
 
 SCOPES = ("layer", "global")
-EVICTIONS = ("lru", "lfu", "fld", "score", "least-stale", "belady")
+EVICTIONS = ("lru", "lfu", "fld", "score", "least-stale", "belady", "belady-bypass")
+OFFLINE_EVICTIONS = ("belady", "belady-bypass")  # need next_use from a recorded trace
+ONLINE_EVICTIONS = tuple(e for e in EVICTIONS if e not in OFFLINE_EVICTIONS)
 INITS = ("empty", "random")
 NEVER = 2**31 - 1  # next_use of an entry that is never used again; "infinitely far" key
 MISS_MODES = ("fetch", "drop", "substitute", "cascade")
@@ -175,7 +182,7 @@ class CacheState:
     load_pass: jax.Array  # int32 pass at which the current residency began
     touch_pass: jax.Array  # int32 pass of the last access / the pass a prefetch was made for
     evict_pass: jax.Array  # int32 pass of the last eviction, -1 if never (collision misses)
-    next_use: jax.Array  # int32 next use index (Belady only), NEVER otherwise
+    next_use: jax.Array  # int32 next use index (Belady variants only), NEVER otherwise
     seen: jax.Array  # bool: ever loaded (compulsory misses)
     token: jax.Array  # [L] int32 pass index each layer last routed, -1 before any
     clock: jax.Array  # [L] int32 recency clock (equal across layers in global scope)
@@ -341,9 +348,11 @@ def _eviction_keys(st: CacheState, row, now: jax.Array, pass_now) -> tuple[jax.A
     Every tuple ends with the recency tick, so ties go to the least recently used."""
     if st.eviction == "lru":  # this step's experts already hold the newest ticks
         return (st.last_touch,)
-    if st.eviction == "belady":
+    if st.eviction == "belady-bypass":
         return (-st.next_use, st.last_touch)
     protect = now.astype(jnp.int32)  # this step's experts go after every other entry
+    if st.eviction == "belady":
+        return (protect, -st.next_use, st.last_touch)
     n_rows = st.resident.shape[0]
     layer_pos = jnp.broadcast_to(jnp.arange(n_rows, dtype=jnp.int32)[:, None], st.resident.shape)
     if st.eviction == "lfu":
@@ -490,8 +499,8 @@ def access(state: CacheState, layer, experts: jax.Array, weights: jax.Array, val
     experts = jnp.asarray(experts, jnp.int32)
     valid = (experts >= 0) if valid is None else (valid & (experts >= 0))
     tier = jnp.zeros(experts.shape, jnp.int32) if tier is None else jnp.asarray(tier, jnp.int32)
-    if state.eviction == "belady" and next_use is None:
-        raise ValueError("belady eviction needs next_use (it is an offline oracle over a recorded trace)")
+    if state.eviction in OFFLINE_EVICTIONS and next_use is None:
+        raise ValueError(f"{state.eviction} eviction needs next_use (it is an offline oracle over a recorded trace)")
     if state.scope == "global":
         return _pool_access(state, layer, experts, weights, valid, next_use, tier)
     row, hits = _pool_access(row_view(state, layer), 0, experts, weights, valid, next_use, tier)

@@ -26,7 +26,7 @@ def add_routing_args(p: argparse.ArgumentParser) -> None:
                    help="capacity: a count ('6') or, with a decimal point, a fraction of N ('0.5'); "
                         "in global scope of all L·N experts (default 0.5 when a cache is on)")
     c.add_argument("--cache-scope", choices=cache_lib.SCOPES, default="layer")
-    c.add_argument("--eviction", choices=[e for e in cache_lib.EVICTIONS if e != "belady"], default="lru",
+    c.add_argument("--eviction", choices=cache_lib.ONLINE_EVICTIONS, default="lru",
                    help="eviction policy (Belady is an offline oracle: use `moejax.trace replay`)")
     c.add_argument("--cache-init", choices=cache_lib.INITS, default="empty")
     c.add_argument("--cache-seed", type=int, default=0, help="seed of --cache-init random")

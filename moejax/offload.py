@@ -83,8 +83,9 @@ def check_capacity(cfg: ModelConfig, cache_state: cache_lib.CacheState) -> None:
     if cap < cfg.top_k:
         raise ValueError(f"offload needs a cache of at least K={cfg.top_k} experts (one token's experts must "
                          f"all be on the device), got capacity {cap}")
-    if cache_state.eviction == "belady":
-        raise ValueError("belady is an offline oracle over a recorded trace; it cannot drive real offloading")
+    if cache_state.eviction in cache_lib.OFFLINE_EVICTIONS:
+        raise ValueError(f"{cache_state.eviction} is an offline oracle over a recorded trace; "
+                         "it cannot drive real offloading")
 
 
 # ------------------------------------------------------------------------------------------ emulated link

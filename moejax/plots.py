@@ -48,7 +48,7 @@ KIND_PARAM = {"pruning": "prune_h", "max-rank": "max_rank", "cumsum": "cumsum_p"
               "learned-prior": "lam", "drop": "drop_rank", "random-replace": "random_rank"}
 PARAM_SYMBOL = {"lam": "λ", "prune_h": "h", "max_rank": "M", "cumsum_p": "p", "random_rank": "k", "drop_rank": "k",
                 "top_j": "J", "delta": "Δ"}
-EVICTION_ORDER = ("lru", "lfu", "fld", "score", "least-stale", "belady")
+EVICTION_ORDER = ("lru", "lfu", "fld", "score", "least-stale", "belady", "belady-bypass")
 PPL_TOLERANCES = (0.01, 0.05, 0.10)  # cache-size ablation and headlines: +1 / +5 / +10 % perplexity
 PPL_VIEWS = (0.01, 0.02, 0.05, 0.10, 0.30)  # Pareto-plot zoom levels: perplexity up to +x % over original
 PPL_VIEW_SHARE = 0.85  # the zoom keeps at least this share of a panel's points in view
@@ -1072,7 +1072,7 @@ def _heat_replay_fn():
         def step(cs, x):
             layer, e, w, nu = x
             before = cache_lib.resident_mask(cs, layer)
-            cs, hits = cache_lib.access(cs, layer, e, w, None, nu if cs.eviction == "belady" else None)
+            cs, hits = cache_lib.access(cs, layer, e, w, None, nu if cs.eviction in cache_lib.OFFLINE_EVICTIONS else None)
             return cs, (before, hits)
 
         return lax.scan(step, state, (layers, experts, weights, next_use))
@@ -1114,7 +1114,7 @@ def classify_trace(trace, layer: int, capacity, eviction: str = "lru", scope: st
     if eviction == "score" and tr.weights is None:
         raise trace_lib.TraceError("score-based eviction needs trace 'weights' [T, L, K]; this trace has none")
     weights = tr.weights if tr.weights is not None else np.zeros(tr.shape, np.float32)
-    next_use = (trace_lib.next_use_indices(tr.experts, scope) if eviction == "belady"
+    next_use = (trace_lib.next_use_indices(tr.experts, scope) if eviction in cache_lib.OFFLINE_EVICTIONS
                 else np.zeros(tr.shape, np.int32))
     state = cache_lib.init_cache(n_layers, n, cap, scope, eviction, init, seed)
     if scope == "layer":
@@ -1217,7 +1217,7 @@ def main(argv: list[str] | None = None) -> int:
     hp.add_argument("traces", nargs="+", metavar="TRACE.npz", help="one or more traces (stacked panels)")
     hp.add_argument("--layer", type=int, default=0)
     hp.add_argument("--cache-size", required=True, help="count ('16') or fraction of N ('0.5')")
-    hp.add_argument("--eviction", choices=("lru", "lfu", "fld", "score", "least-stale", "belady"), default="lru")
+    hp.add_argument("--eviction", choices=EVICTION_ORDER, default="lru")
     hp.add_argument("--scope", choices=("layer", "global"), default="layer")
     hp.add_argument("--cache-init", choices=("empty", "random"), default="empty")
     hp.add_argument("--seed", type=int, default=0, help="seed of --cache-init random")

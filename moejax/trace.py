@@ -16,7 +16,7 @@ across layers, so their replay is ``vmap`` over layers of a ``lax.scan`` over to
 expert's next use (tokens for per-layer scope, t·L + l for global scope).
 
     python -m moejax.trace replay FILE.npz --cache-size C [--scope layer|global]
-        [--eviction lru|lfu|fld|score|least-stale|belady] [--routing KIND --lam ... --top-j ...] [--json]
+        [--eviction lru|lfu|fld|score|least-stale|belady|belady-bypass] [--routing KIND --lam ... --top-j ...] [--json]
     python -m moejax.trace synth OUT.npz --tokens T --layers L --experts N --top-k K [--logits]
 """
 
@@ -192,7 +192,7 @@ def _replay_layers(state, experts, weights, next_use):
     def one_layer(cs, e_l, w_l, nu_l):
         def step(cs, x):
             e, w, nu = x
-            cs, _ = cache_lib.access(cs, 0, e, w, None, nu if cs.eviction == "belady" else None)
+            cs, _ = cache_lib.access(cs, 0, e, w, None, nu if cs.eviction in cache_lib.OFFLINE_EVICTIONS else None)
             return cs, None
 
         return lax.scan(step, cs, (e_l, w_l, nu_l))[0]
@@ -209,7 +209,7 @@ def _replay_global(state, experts, weights, next_use):
 
     def step(cs, x):
         layer, e, w, nu = x
-        cs, _ = cache_lib.access(cs, layer, e, w, None, nu if cs.eviction == "belady" else None)
+        cs, _ = cache_lib.access(cs, layer, e, w, None, nu if cs.eviction in cache_lib.OFFLINE_EVICTIONS else None)
         return cs, None
 
     flat = lambda a: a.reshape(t_len * n_layers, k)  # noqa: E731
@@ -237,8 +237,8 @@ def replay_state(trace: Trace, cache_size, scope: str = "layer", eviction: str =
     if policy is not None:
         if trace.logits is None:
             raise TraceError("re-routing needs trace 'logits' [T, L, N]; this trace has none")
-        if eviction == "belady":
-            raise ValueError("belady is an oracle over fixed selections; it cannot be combined with re-routing")
+        if eviction in cache_lib.OFFLINE_EVICTIONS:
+            raise ValueError(f"{eviction} is an oracle over fixed selections; it cannot be combined with re-routing")
         if gating is None:
             if trace.gating is None:
                 raise ValueError("re-routing needs a gating: store 'gating' in the trace or pass --gating")
@@ -249,7 +249,7 @@ def replay_state(trace: Trace, cache_size, scope: str = "layer", eviction: str =
     if eviction == "score" and trace.weights is None:
         raise TraceError("score-based eviction needs trace 'weights' [T, L, K]; this trace has none")
     weights = trace.weights if trace.weights is not None else np.zeros(trace.shape, np.float32)
-    if eviction == "belady":
+    if eviction in cache_lib.OFFLINE_EVICTIONS:
         next_use = next_use_indices(trace.experts, scope)
     else:
         next_use = np.zeros((1, 1, 1), np.int32)

@@ -395,7 +395,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", required=True, help="folder for the recording and one checkpoint per weight")
     p.add_argument("--model", default=api.DEFAULT_MODEL_NAME)
     p.add_argument("--cache-size", default="0.5", help="LRU capacity per layer: a count or a fraction of N")
-    p.add_argument("--eviction", choices=[e for e in cache_lib.EVICTIONS if e != "belady"], default="lru")
+    p.add_argument("--eviction", choices=cache_lib.ONLINE_EVICTIONS, default="lru")
     p.add_argument("--weights", default="0.1,0.3,1,3", help="comma-separated trade-off weights w")
     p.add_argument("--corpus", default=data.DEFAULT_CORPUS_DIR, help="corpus folder (moejax.data layout)")
     p.add_argument("--shards", default="0", help="training shard numbers, comma-separated (07 is held out)")

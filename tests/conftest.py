@@ -23,6 +23,22 @@ import pytest
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
+
+def _share_compiled_programs() -> None:
+    """One JAX persistent compilation cache for the whole test run: the xdist workers and every CLI
+    subprocess inherit it, so a program that several tests compile (the default model's prefill and decode
+    steps above all) is compiled once. Made by the controlling process, removed when it exits; a
+    ``JAX_COMPILATION_CACHE_DIR`` set by the caller is used as it is."""
+    if os.environ.get("PYTEST_XDIST_WORKER") or os.environ.get("JAX_COMPILATION_CACHE_DIR"):
+        return
+    folder = tempfile.mkdtemp(prefix="moejax-tests-jax-cache-")
+    atexit.register(shutil.rmtree, folder, True)
+    os.environ["JAX_COMPILATION_CACHE_DIR"] = folder
+    os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.2")
+
+
+_share_compiled_programs()
+
 ROUTER_SCALE = 12.0
 VOCAB = 96
 
@@ -274,36 +290,3 @@ def pytest_terminal_summary(terminalreporter):
     for family in sorted(PARITY_ERRORS):
         errs = PARITY_ERRORS[family]
         terminalreporter.write_line(f"{family:12s} " + "  ".join(f"{k}={v:.2e}" for k, v in sorted(errs.items())))
-
-
-# ------------------------------------------------------------- the AVX2 pass of the numerics tests
-def _cpu_has_avx512() -> bool:
-    try:
-        with open("/proc/cpuinfo") as f:
-            return any(line.startswith("flags") and " avx512f" in line for line in f)
-    except OSError:
-        return True  # unknown: run the pass
-
-
-def _repeated_avx2_pass(config) -> bool:
-    flags = os.environ.get("XLA_FLAGS", "").replace(" ", "")
-    marker = config.getoption("-m", default="") or ""
-    return "--xla_cpu_max_isa=AVX2" in flags and "numerics" in marker and not _cpu_has_avx512()
-
-
-def pytest_sessionfinish(session, exitstatus):
-    """The deselected AVX2 pass collects nothing: that is success, not pytest's "no tests ran" (5)."""
-    if exitstatus == 5 and _repeated_avx2_pass(session.config):
-        session.exitstatus = 0
-
-
-def pytest_collection_modifyitems(config, items):
-    """CI runs the numerics tests a second time with ``XLA_FLAGS=--xla_cpu_max_isa=AVX2`` so that a
-    difference between AVX-512 and AVX2 code paths shows on any machine. On a CPU without AVX-512 the main
-    pass already ran the AVX2 code: the second pass would repeat it exactly, so it is deselected (saves
-    CI minutes on such machines, loses nothing)."""
-    if _repeated_avx2_pass(config):
-        config.hook.pytest_deselected(items=list(items))
-        items[:] = []
-        print("\nnumerics AVX2 pass: this CPU has no AVX-512, so the main pass already ran the AVX2 code paths; "
-              "nothing to repeat")

@@ -4,7 +4,9 @@ and as the replay benchmark's baseline.
 Same semantics as moejax.cache (DESIGN §2): steps in token-sequential order (token t, layers 0..L-1); in a
 step the experts arrive highest weight first; all are inserted, then entries are evicted while over
 capacity; this step's experts go last, the higher-weighted of them first (it counts as older); LFU counts
-accesses over the whole history and breaks ties by least recent use.
+accesses over the whole history and breaks ties by least recent use. Belady evicts the entry whose next
+use is farthest (ties: least recent), this step's experts last like every policy; ``belady-bypass`` lets
+this step's experts go first too (the classic bound with a transient buffer).
 """
 
 from __future__ import annotations
@@ -24,6 +26,15 @@ def simulate(experts, capacity: int, scope: str = "layer", eviction: str = "lru"
     freq = {}
     seen = set()
     evicted_in_pass = {}  # (layer, expert) -> token whose forward pass evicted it
+
+    def next_use(entry, t, layer):
+        """Position of the next step after (t, layer) that uses entry: per pool's own step order."""
+        lay, e = entry
+        start = t + 1 if (scope == "layer" or lay <= layer) else t
+        for u in range(start, n_tokens):
+            if e in [int(x) for x in experts[u][lay]]:
+                return u if scope == "layer" else u * n_layers + lay
+        return float("inf")
 
     def pool_of(layer):
         key = layer if scope == "layer" else 0
@@ -51,6 +62,10 @@ def simulate(experts, capacity: int, scope: str = "layer", eviction: str = "lru"
                 elif eviction == "lfu":
                     order = {e: i for i, e in enumerate(pool)}
                     victim = min(pool, key=lambda e: (e in step, 0 if e in step else freq[e], order[e]))
+                elif eviction in ("belady", "belady-bypass"):
+                    order = {e: i for i, e in enumerate(pool)}
+                    protect = (lambda e: e in step) if eviction == "belady" else (lambda e: False)
+                    victim = min(pool, key=lambda e: (protect(e), -next_use(e, t, layer), order[e]))
                 else:
                     raise ValueError(f"reference has no eviction {eviction!r}")
                 del pool[victim]

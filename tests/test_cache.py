@@ -183,7 +183,7 @@ def test_summarize_lifetimes():
 
 
 @pytest.mark.parametrize("scope", ["layer", "global"])
-@pytest.mark.parametrize("eviction", ["lru", "lfu"])
+@pytest.mark.parametrize("eviction", ["lru", "lfu", "belady", "belady-bypass"])
 @SETTINGS
 @given(seed=st.integers(0, 2**31 - 1), capacity=st.integers(1, N))
 def test_matches_reference_simulator(scope, eviction, seed, capacity):

@@ -1,0 +1,377 @@
+"""Teacher-forced pass of the default model: moejax vs transformers on the same weights (issue 13 benchmark).
+
+    python bench/bench_teacher_forced.py [--chunks 8] [--context 1024] [--repeats 2] [--lam 0.5]
+                                         [--cache-size 0.5] [--out bench/results/teacher_forced.json]
+
+The embedded default model (``moejax.load("default")``, 4 layers, 32 experts, top-4) is exported with
+``moejax.convert moejax-to-hf`` (fp32) into a temporary folder and loaded in ``transformers``; moejax
+loads it as fp32 too. Both run the same chunks: the first ``--chunks`` chunks of ``--context`` tokens of
+the WikiText-2 raw test text, cut exactly as ``moejax.evaluate`` cuts them ([BOS] + context-1 tokens).
+torch uses ``--threads`` intra-op threads and the process is pinned to that many CPUs; transformers runs
+its experts with its own default implementation (5.x: ``grouped_mm``, the fastest on CPU here; ``--hf-experts``
+picks another). Run it on a quiet machine: torch's OpenMP threads slow down 10× and more when another
+process holds one of the cores, XLA's far less, which inflates the ratios.
+
+1. Plain pass (goal ≥ 2×): moejax ``model.forward(ids).logits`` (jit-compiled) vs transformers
+   ``model(ids).logits`` under ``torch.no_grad()``, original routing, no cache.
+2. Cache-aware pass (goal ≥ 3×): cache-prior routing (λ = ``--lam``, top-J = the paper's default for K)
+   with a per-layer LRU expert cache of ``--cache-size`` (fraction of N), simulated for every token:
+   moejax's teacher-forced simulation path (``model.forward(ids, state=...)``, the layer-parallel route)
+   vs transformers with a Python forward hook on each MoE router (``mlp.gate``) that re-routes its
+   tokens one at a time with the same rule and keeps the layer's LRU cache in an ``OrderedDict`` — the
+   hook researchers write today. As in ``moejax.evaluate``, the cache and the running Δ (mean logit range)
+   carry across chunks; every timed repeat starts from an empty cache and Δ state.
+
+Times: each engine runs the whole set of chunks once to warm up (moejax compiles), then ``--repeats``
+times; the minimum is reported as tokens/s (tokens = chunks × context, BOS included). Perplexity (mean
+next-token NLL over the chunks) and, for the cache pass, miss rate are reported for both engines and must
+agree: a loud warning is printed when they do not.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import platform
+import sys
+import tempfile
+import time
+from collections import OrderedDict
+
+import numpy as np
+
+PPL_RTOL = 1e-3  # perplexities of the two engines must agree to this relative tolerance
+MISS_ATOL = 1e-3  # and miss rates to this absolute tolerance
+
+
+# ------------------------------------------------------------------------------------------ setup
+
+
+def pin_cpus(threads: int) -> list[int]:
+    """Restrict the process (JAX's thread pool included) to ``threads`` CPUs; returns the CPUs used."""
+    if not hasattr(os, "sched_getaffinity"):
+        return []
+    cpus = sorted(os.sched_getaffinity(0))
+    if len(cpus) > threads:
+        cpus = cpus[:threads]
+        os.sched_setaffinity(0, cpus)
+    return cpus
+
+
+def cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def wikitext_chunks(model, n_chunks: int, context: int) -> list[np.ndarray]:
+    """The first ``n_chunks`` chunks of the WikiText-2 test text, as ``moejax.evaluate`` tokenises and cuts it."""
+    from moejax import evaluate
+
+    text = evaluate.load_wikitext()
+    ids = np.asarray(model.tokenizer.encode(text, add_special_tokens=False), np.int32)
+    chunks = evaluate.chunk_tokens(ids, context, model.cfg.bos_token_id)[:n_chunks]
+    if len(chunks) < n_chunks or len(chunks[-1]) != context:
+        raise ValueError(f"WikiText-2 test has too few tokens for {n_chunks} full chunks of {context}")
+    return chunks
+
+
+def load_transformers(folder: str, experts_implementation: str | None = None):
+    import torch
+    import transformers
+
+    options = {} if experts_implementation is None else {"experts_implementation": experts_implementation}
+    return transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, **options).eval()
+
+
+def mean_nll(logits: list[np.ndarray], chunks: list[np.ndarray]) -> float:
+    from moejax import evaluate
+
+    nll = np.concatenate([evaluate.token_nll(z, c) for z, c in zip(logits, chunks)])
+    return float(nll.mean())
+
+
+def timed(run, repeats: int) -> tuple[float, list[float], object]:
+    """Warm up with one run, then time ``repeats`` runs; (min seconds, all times, last run's result)."""
+    result = run()
+    times = []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        result = run()
+        times.append(time.perf_counter() - t)
+    return min(times), times, result
+
+
+# ------------------------------------------------------------------------------------------ moejax
+
+
+def moejax_plain(model, chunks):
+    # Model.forward returns numpy arrays: the jit-compiled pass has finished (block_until_ready) on return
+    return [model.forward(c).logits for c in chunks]
+
+
+def moejax_cache(model, chunks, policy, cache_cfg):
+    """Cache-aware teacher-forced pass; the router state (cache + running Δ) carries across chunks."""
+    state = model.router_state(policy, cache_cfg)
+    logits, experts = [], []
+    for c in chunks:
+        out = model.forward(c, state=state)
+        state = out.state
+        logits.append(out.logits)
+        experts.append(out.experts)  # [L, T, K]
+    return logits, np.concatenate(experts, axis=1), out.stats
+
+
+# ------------------------------------------------------------------------------------------ transformers
+
+
+def transformers_logits(hf_model, chunks):
+    import torch
+
+    with torch.no_grad():
+        return [hf_model(torch.as_tensor(c, dtype=torch.long)[None], use_cache=False).logits[0].numpy()
+                for c in chunks]
+
+
+class CachePriorLRUHook:
+    """Forward hook on one Qwen3-MoE router (``Qwen3MoeTopKRouter``, ``mlp.gate``): re-routes its tokens one
+    by one with cache-prior and keeps the layer's LRU expert cache, counting misses.
+
+    Per token (moejax.routing / moejax.router / moejax.cache semantics, re-written in plain Python):
+    fold the logit range max(z) - min(z) into the running mean Δ (the current token included, float32);
+    z' = z + λ·Δ on the cached experts and the top-J of z; choose the first K of z' (ties: lower index);
+    weigh them with the router's softmax of the ORIGINAL logits, renormalised over the K (summed in the
+    original ranking's order); look them up highest weight first, then evict least recently used entries
+    down to the capacity (this token's experts are the newest, the highest-weighted of them oldest).
+    """
+
+    def __init__(self, n_experts: int, top_k: int, capacity: int, lam: float, top_j: int, normalize: bool):
+        self.n, self.k, self.capacity = n_experts, top_k, capacity
+        self.lam, self.top_j, self.normalize = np.float32(lam), top_j, normalize
+        self.reset()
+
+    def reset(self):
+        self.lru: OrderedDict[int, None] = OrderedDict()  # least recently used first
+        self.resident = np.zeros(self.n, bool)
+        self.delta_sum = np.float32(0.0)
+        self.delta_count = np.float32(0.0)
+        self.accesses = self.misses = 0
+        self.seconds = 0.0  # time spent in this hook
+        self.experts: list[np.ndarray] = []  # [T, K] per call, highest weight first
+
+    def route(self, z: np.ndarray, probs: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        self.delta_sum = np.float32(self.delta_sum + (z.max() - z.min()))
+        self.delta_count = np.float32(self.delta_count + 1)
+        delta = np.float32(self.delta_sum / self.delta_count)
+        ranking = np.argsort(-z, kind="stable")
+        boosted = self.resident.copy()
+        boosted[ranking[:self.top_j]] = True
+        z_prior = np.where(boosted, z + self.lam * delta, z)
+        chosen = np.argsort(-z_prior, kind="stable")[:self.k]
+        rank_of = np.empty(self.n, np.int64)
+        rank_of[ranking] = np.arange(self.n)
+        chosen = chosen[np.argsort(rank_of[chosen], kind="stable")]
+        w = probs[chosen]
+        if self.normalize:
+            w = w / w.sum()
+        order = np.argsort(-w, kind="stable")
+        chosen, w = chosen[order], w[order]
+        for e in chosen.tolist():
+            if self.resident[e]:
+                self.lru.move_to_end(e)
+            else:
+                self.lru[e] = None
+                self.resident[e] = True
+                self.misses += 1
+        while len(self.lru) > self.capacity:
+            victim, _ = self.lru.popitem(last=False)
+            self.resident[victim] = False
+        self.accesses += self.k
+        return chosen, w
+
+    def __call__(self, module, inputs, output):
+        import torch
+
+        start = time.perf_counter()
+        router_logits = output[0]
+        z = router_logits.detach().float().numpy()
+        probs = torch.softmax(router_logits.detach(), dim=-1, dtype=torch.float).numpy()
+        experts = np.empty((z.shape[0], self.k), np.int64)
+        weights = np.empty((z.shape[0], self.k), np.float32)
+        for t in range(z.shape[0]):
+            experts[t], weights[t] = self.route(z[t], probs[t])
+        self.experts.append(experts)
+        out = router_logits, torch.from_numpy(weights).to(router_logits.dtype), torch.from_numpy(experts)
+        self.seconds += time.perf_counter() - start
+        return out
+
+
+def install_hooks(hf_model, capacity: int, lam: float, top_j: int) -> list[CachePriorLRUHook]:
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBlock
+
+    cfg = hf_model.config
+    hooks = []
+    for layer in hf_model.model.layers:
+        if not isinstance(layer.mlp, Qwen3MoeSparseMoeBlock):
+            continue
+        hook = CachePriorLRUHook(cfg.num_experts, cfg.num_experts_per_tok, capacity, lam, top_j, cfg.norm_topk_prob)
+        layer.mlp.gate.register_forward_hook(hook)
+        hooks.append(hook)
+    return hooks
+
+
+def transformers_cache(hf_model, hooks, chunks):
+    """Cache-aware pass through the hooks; their state carries across chunks, reset once per run."""
+    for h in hooks:
+        h.reset()
+    logits = transformers_logits(hf_model, chunks)
+    experts = np.stack([np.concatenate(h.experts) for h in hooks])  # [L, T_total, K]
+    misses, accesses = sum(h.misses for h in hooks), sum(h.accesses for h in hooks)
+    return logits, experts, {"misses": misses, "accesses": accesses, "miss_rate": misses / accesses,
+                             "hook_s": sum(h.seconds for h in hooks)}
+
+
+# ------------------------------------------------------------------------------------------ report
+
+
+def compare(name: str, mj: dict, hf: dict) -> dict:
+    """Ratios and agreement of one pass; warns loudly when the perplexities (or miss rates) disagree."""
+    out = {"moejax": mj, "transformers": hf, "ratio_moejax_over_transformers": mj["tokens_per_s"] / hf["tokens_per_s"]}
+    rel = abs(mj["ppl"] - hf["ppl"]) / hf["ppl"]
+    out["ppl_rel_diff"] = rel
+    problems = []
+    if not rel <= PPL_RTOL:
+        problems.append(f"perplexity moejax {mj['ppl']:.6f} vs transformers {hf['ppl']:.6f} (rel diff {rel:.2e})")
+    if "miss_rate" in mj:
+        diff = abs(mj["miss_rate"] - hf["miss_rate"])
+        out["miss_rate_abs_diff"] = diff
+        if not diff <= MISS_ATOL:
+            problems.append(f"miss rate moejax {mj['miss_rate']:.6f} vs transformers {hf['miss_rate']:.6f}")
+    out["agree"] = not problems
+    for p in problems:
+        print(f"!!!!!!!! WARNING: {name} pass: {p} — the engines do NOT compute the same thing !!!!!!!!",
+              file=sys.stderr)
+    return out
+
+
+def set_agreement(a: np.ndarray, b: np.ndarray) -> float:
+    """Fraction of (layer, token) routing steps where both engines chose the same expert set."""
+    return float(np.mean(np.all(np.sort(a, -1) == np.sort(b, -1), -1)))
+
+
+def write_json(path: str, result: dict) -> None:
+    folder = os.path.dirname(os.path.abspath(path))
+    os.makedirs(folder, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=folder, prefix=".teacher_forced.", suffix=".tmp")
+    with os.fdopen(fd, "w") as f:
+        json.dump(result, f, indent=2)
+    os.chmod(tmp, 0o644)  # mkstemp makes it private; a results file is meant to be read
+    os.replace(tmp, path)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--chunks", type=int, default=8)
+    ap.add_argument("--context", type=int, default=1024, help="chunk length in tokens, BOS included")
+    ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--lam", type=float, default=0.5, help="cache-prior λ")
+    ap.add_argument("--top-j", type=int, default=None, help="cache-prior top-J (default: moejax.routing.default_top_j)")
+    ap.add_argument("--cache-size", default="0.5", help="per-layer LRU capacity: fraction of N ('0.5') or count")
+    ap.add_argument("--threads", type=int, default=2, help="torch intra-op threads and CPUs the process may use")
+    ap.add_argument("--hf-experts", choices=("eager", "grouped_mm", "batched_mm"), default=None,
+                    help="transformers experts implementation (default: transformers' own, grouped_mm)")
+    ap.add_argument("--out", default="bench/results/teacher_forced.json")
+    args = ap.parse_args()
+    cpus = pin_cpus(args.threads)
+
+    import jax
+    import torch
+    import transformers
+
+    import moejax
+    from moejax import cache as cache_lib
+    from moejax import convert, routing, simulate
+
+    torch.set_num_threads(args.threads)
+    model = moejax.load("default", dtype="float32")
+    cfg = model.cfg
+    chunks = wikitext_chunks(model, args.chunks, args.context)
+    n_tokens = sum(len(c) for c in chunks)
+    top_j = routing.default_top_j(cfg.top_k) if args.top_j is None else args.top_j
+    policy = routing.make_policy("cache-prior", cfg.top_k, lam=args.lam, top_j=top_j)
+    cache_cfg = simulate.CacheConfig(str(args.cache_size), "layer", "lru")
+    capacity = cache_lib.parse_capacity(str(args.cache_size), cfg.n_experts)
+
+    with tempfile.TemporaryDirectory() as tmp:
+        hf_dir = convert.convert("moejax-to-hf", "default", os.path.join(tmp, "hf"), dtype="float32")
+        hf_model = load_transformers(hf_dir, args.hf_experts)
+
+    def figures(seconds, times, logits, extra=None):
+        nll = mean_nll(logits, chunks)
+        return {"seconds": seconds, "times_s": times, "tokens_per_s": n_tokens / seconds, "nll_per_token": nll,
+                "ppl": math.exp(nll), **(extra or {})}
+
+    # 1. plain pass
+    t, ts, mj_logits = timed(lambda: moejax_plain(model, chunks), args.repeats)
+    mj_plain = figures(t, ts, mj_logits)
+    t, ts, hf_logits = timed(lambda: transformers_logits(hf_model, chunks), args.repeats)
+    hf_plain = figures(t, ts, hf_logits)
+    plain = compare("plain", mj_plain, hf_plain)
+    plain["max_abs_logit_diff"] = max(float(np.abs(a - b).max()) for a, b in zip(mj_logits, hf_logits))
+
+    # 2. cache-prior + LRU pass
+    t, ts, (mj_logits, mj_chosen, stats) = timed(lambda: moejax_cache(model, chunks, policy, cache_cfg),
+                                                 args.repeats)
+    mj_cache = figures(t, ts, mj_logits, {"miss_rate": stats["miss_rate"], "misses": stats["misses"],
+                                          "accesses": stats["accesses"]})
+    hooks = install_hooks(hf_model, capacity, args.lam, top_j)
+    t, ts, (hf_logits, hf_chosen, hf_stats) = timed(lambda: transformers_cache(hf_model, hooks, chunks),
+                                                    args.repeats)
+    hf_cache = figures(t, ts, hf_logits, hf_stats)
+    cached = compare("cache-prior + LRU", mj_cache, hf_cache)
+    cached["max_abs_logit_diff"] = max(float(np.abs(a - b).max()) for a, b in zip(mj_logits, hf_logits))
+    cached["same_expert_sets"] = set_agreement(mj_chosen, hf_chosen)
+
+    result = {
+        "benchmark": "teacher-forced pass, default model (qwen3_moe, 4 layers, 32 experts, top-4), fp32, "
+                     "WikiText-2 test chunks",
+        "chunks": args.chunks, "context": args.context, "tokens": n_tokens, "repeats": args.repeats,
+        "routing": {"kind": "cache-prior", "lam": args.lam, "top_j": top_j},
+        "cache": {"size": str(args.cache_size), "capacity_per_layer": capacity, "scope": "layer", "eviction": "lru",
+                  "carried_across_chunks": True},
+        "plain": plain, "cache_prior_lru": cached,
+        "goals": {"plain_ratio_ge_2": plain["ratio_moejax_over_transformers"] >= 2.0,
+                  "cache_ratio_ge_3": cached["ratio_moejax_over_transformers"] >= 3.0},
+        "cpu": cpu_model(), "cpus_used": cpus, "torch_threads": torch.get_num_threads(),
+        "transformers_experts_implementation": getattr(hf_model.config, "_experts_implementation", None),
+        "transformers_attn_implementation": getattr(hf_model.config, "_attn_implementation", None),
+        "versions": {"python": platform.python_version(), "moejax": moejax.__version__, "jax": jax.__version__,
+                     "jax_backend": jax.default_backend(), "torch": torch.__version__,
+                     "transformers": transformers.__version__, "numpy": np.__version__},
+        "machine": f"{platform.machine()}, {os.cpu_count()} cores, {platform.system()}",
+        "command": " ".join(["python", *sys.argv]),
+    }
+    print(f"teacher-forced, {args.chunks} x {args.context} WikiText-2 tokens, fp32, {args.threads} threads, "
+          f"transformers experts: {result['transformers_experts_implementation']}")
+    print(f"{'pass':<20} {'transformers tok/s':>19} {'moejax tok/s':>13} {'ratio':>7} {'ppl tf':>9} "
+          f"{'ppl moejax':>10} {'miss tf':>8} {'miss mj':>8}")
+    for name, r in (("plain", plain), ("cache-prior + LRU", cached)):
+        hf, mj = r["transformers"], r["moejax"]
+        miss = (f"{hf['miss_rate']:8.4f} {mj['miss_rate']:8.4f}" if "miss_rate" in mj else f"{'-':>8} {'-':>8}")
+        print(f"{name:<20} {hf['tokens_per_s']:19.1f} {mj['tokens_per_s']:13.1f} "
+              f"{r['ratio_moejax_over_transformers']:6.2f}x {hf['ppl']:9.3f} {mj['ppl']:10.3f} {miss}")
+    print(f"same expert sets (cache pass): {100 * cached['same_expert_sets']:.3f}% of routing steps | "
+          f"max |Δlogit| plain {plain['max_abs_logit_diff']:.1e}, cache {cached['max_abs_logit_diff']:.1e}")
+    write_json(args.out, result)
+    return 0 if plain["agree"] and cached["agree"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
