@@ -7,7 +7,8 @@ Records the experts original routing picks on the first ``--chunks`` chunks of t
 (the studies' tokens: 8 × 1,023 + BOS at context 1024), concatenates them into one trace (the cache carries
 across chunks, as in the studies), and replays it with per-layer caches of every size C = 1…N under LRU,
 ``belady`` (this step's K experts co-resident and evicted last, like every policy: the bound of the
-caches moejax compares) and ``belady-bypass`` (classic Belady that may evict this step's experts at once).
+caches moejax compares) and ``belady-bypass`` (classic Belady that may evict this step's experts at once);
+then the same for one global pool of 5/10/25/50 % of all L·N experts.
 """
 
 from __future__ import annotations
@@ -51,8 +52,14 @@ def main() -> int:
         rates = {ev: trace_lib.replay(tr, str(c), "layer", ev)["miss_rate"] for ev in ("lru", "belady", "belady-bypass")}
         rows.append({"capacity": c, **rates})
         print(f"{c:3d} {rates['lru']:8.4f} {rates['belady']:8.4f} {rates['belady-bypass']:8.4f}", flush=True)
+    print("one global pool (a share of all L·N experts):")
+    pool = []
+    for size in ("5%", "10%", "25%", "50%"):
+        rates = {ev: trace_lib.replay(tr, size, "global", ev)["miss_rate"] for ev in ("lru", "belady", "belady-bypass")}
+        pool.append({"size": size, **rates})
+        print(f"{size:>4s} {rates['lru']:8.4f} {rates['belady']:8.4f} {rates['belady-bypass']:8.4f}", flush=True)
     result = {"command": " ".join(sys.argv), "tokens": int(tr.shape[0]), "chunks": args.chunks,
-              "context": args.context, "scope": "layer", "rows": rows}
+              "context": args.context, "scope": "layer", "rows": rows, "global": pool}
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out + ".tmp", "w") as f:
         json.dump(result, f, indent=1)
