@@ -86,6 +86,13 @@ class ModelConfig:
     def moe_layer_ids(self) -> tuple[int, ...]:
         return tuple(i for i, m in enumerate(self.moe_layers) if m)
 
+    def check_context(self, context: int, what: str = "context") -> None:
+        """Refuse a window longer than the positions the model was built for (its outputs there are not
+        what it was trained to give, and nothing would say so)."""
+        if context > self.max_position_embeddings:
+            raise ValueError(f"{what} {context} is longer than the model's {self.max_position_embeddings} "
+                             "positions (max_position_embeddings)")
+
     @property
     def expert_params(self) -> int:
         """Parameters of one routed expert (gate, up and down projections)."""

@@ -123,6 +123,20 @@ def check_step(cfg: ModelConfig, router_logits, logits_finite, where: str) -> No
                                     "an overflow in this dtype)")
 
 
+def generation_budget(prompt_tokens: int, max_new_tokens: int, context: int) -> int:
+    """How many new tokens fit: ``max_new_tokens`` (>= 0) capped at the context left after the prompt."""
+    if int(max_new_tokens) != max_new_tokens or max_new_tokens < 0:
+        raise ValueError(f"max_new_tokens must be a whole number >= 0, got {max_new_tokens}")
+    return max(0, min(int(max_new_tokens), context - prompt_tokens))
+
+
+def stop_reason(tokens: list[int], requested: int, eos: tuple) -> str:
+    """Why generation ended: "eos", "max_new_tokens", or "context_length" (the budget ran out first)."""
+    if tokens and tokens[-1] in eos:
+        return "eos"
+    return "max_new_tokens" if len(tokens) >= requested else "context_length"
+
+
 def generate(params, cfg: ModelConfig, prompt_ids, *, max_new_tokens: int, sampling: Sampling = Sampling(),
              seed: int = 0, router=None, router_state=None, stop_at_eos: bool = True, chunk: int = 16,
              on_tokens: Callable[[list[int]], None] | None = None, context: int | None = None,
@@ -140,7 +154,7 @@ def generate(params, cfg: ModelConfig, prompt_ids, *, max_new_tokens: int, sampl
     if np.any(prompt < 0) or np.any(prompt >= cfg.vocab_size):
         bad = prompt[(prompt < 0) | (prompt >= cfg.vocab_size)][0]
         raise ValueError(f"token id {bad} is outside the vocabulary (0..{cfg.vocab_size - 1})")
-    max_new_tokens = max(0, min(max_new_tokens, context - prompt.size))
+    requested, max_new_tokens = max_new_tokens, generation_budget(prompt.size, max_new_tokens, context)
     eos = tuple(cfg.eos_token_ids) if stop_at_eos else ()
     n_chunks = max(0, -(-(max_new_tokens - 1) // chunk))
     dtype = params["embed"].dtype
@@ -214,5 +228,6 @@ def generate(params, cfg: ModelConfig, prompt_ids, *, max_new_tokens: int, sampl
         "total_time_s": total,
         "compile_time_s": compile_time,
         "tokens_per_s": (len(tokens) - 1) / decode_time if len(tokens) > 1 and decode_time > 0 else 0.0,
+        "stopped": stop_reason(tokens, requested, eos),
     }
     return GenerateResult(tokens, stats, records, state.router_state)

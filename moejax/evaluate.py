@@ -122,6 +122,7 @@ def wikitext_perplexity(model: api.Model, text: str, context: int = 1024, max_to
 def perplexity_of_ids(model: api.Model, text: str, ids: np.ndarray, context: int, routing=None, cache=None,
                       progress: bool = False, offload=None) -> dict[str, Any]:
     """``wikitext_perplexity`` of already tokenised ``ids`` (``text``: what they decode to)."""
+    model.cfg.check_context(context)
     bos = model.cfg.bos_token_id
     chunks = chunk_tokens(ids, context, bos)
     simulate = routing is not None or cache is not None or offload is not None
@@ -192,7 +193,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="compute dtype (default: the checkpoint's)")
     p.add_argument("--task", choices=TASK_NAMES, default="wikitext")
     p.add_argument("--data", help="path to the task's data file or folder (default: ../shared/data copy)")
-    p.add_argument("--context", type=int, default=1024, help="WikiText chunk length in tokens, BOS included")
+    p.add_argument("--context", type=int, default=None,
+                   help="WikiText chunk length in tokens, BOS included (default: 1024, or the model's positions "
+                        "if fewer; longer than the model's positions is refused)")
     p.add_argument("--max-tokens", type=int, default=None, help="WikiText: score only the first N text tokens")
     p.add_argument("--limit", type=int, default=None, help="tasks: only the first N examples")
     p.add_argument("--shots", type=int, default=None, help="tasks: few-shot examples (task default: MMLU 5, GSM8K 8)")
@@ -224,7 +227,7 @@ def _check_args(args: argparse.Namespace) -> None:
         value = getattr(args, name)
         if value is not None and value < (0 if name == "shots" else 1):
             raise ValueError(f"--{name.replace('_', '-')} must be >= {0 if name == 'shots' else 1}, got {value}")
-    if args.context < 2:
+    if args.context is not None and args.context < 2:
         raise ValueError(f"--context must be at least 2 tokens, got {args.context}")
 
 
@@ -307,6 +310,9 @@ def main(argv: list[str] | None = None) -> int:
         _check_args(args)
         model = api.load(args.model, dtype=None if args.dtype is None else getattr(jnp, args.dtype),
                          offload=offload_from_args(args))
+        if args.context is None:
+            args.context = min(1024, model.cfg.max_position_embeddings)
+        model.cfg.check_context(args.context, "--context")
         if args.sweep or args.results:
             points = build_points(args, model)
             runner = sweep.Runner(model, results=args.results, batch_size=args.batch_size or sweep.default_batch_size(),

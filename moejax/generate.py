@@ -117,12 +117,23 @@ def run(args: argparse.Namespace) -> dict:
     dtype = None if args.dtype is None else {"float32": "float32", "bfloat16": "bfloat16",
                                              "float16": "float16"}[args.dtype]
     offload = cli_options.offload_from_args(args)  # with --offload the routed experts never reach the device
+    if args.max_new_tokens < 0:
+        raise ValueError(f"--max-new-tokens must be >= 0, got {args.max_new_tokens}")
+    if args.trace_out:  # checked before the work: a generation must not be lost to an unwritable path
+        check_writable(args.trace_out, "--trace-out")
     t_load = time.perf_counter()
     model = api.load(args.model, dtype=dtype, offload=offload)
     load_time = time.perf_counter() - t_load
     ids = prompt_token_ids(model, args)
-    if args.max_new_tokens < 0:
-        raise ValueError(f"--max-new-tokens must be >= 0, got {args.max_new_tokens}")
+    routing = cache = None
+    if cli_options.cache_requested(args):  # every option is validated before anything is printed
+        routing = cli_options.policy_from_args(args, model.cfg.top_k)
+        cache = cli_options.cache_from_args(args)
+        cache.capacity(model.cfg)
+    room = model.cfg.max_position_embeddings - len(ids)
+    if args.max_new_tokens > room:
+        sys.stderr.write(f"note: the context holds {model.cfg.max_position_embeddings} positions and the prompt "
+                         f"takes {len(ids)}: at most {max(room, 0)} new tokens (not {args.max_new_tokens})\n")
     render = textproc.wikitext_detokenize if textproc.is_wikitext_style(model.generation_config) else str
     streamer = None
     if not args.json:
@@ -130,11 +141,6 @@ def run(args: argparse.Namespace) -> dict:
             sys.stdout.write(render(args.prompt if args.prompt is not None else DEFAULT_PROMPT))
             sys.stdout.write(" " if not model.decode(ids[-1:]).endswith(" ") else "")
         streamer = Streamer(model, render)
-    routing = cache = None
-    if cli_options.cache_requested(args):
-        routing = cli_options.policy_from_args(args, model.cfg.top_k)
-        cache = cli_options.cache_from_args(args)
-        cache.capacity(model.cfg)  # a bad --cache-size fails here, before any compilation
     result = model.generate(ids, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
                             top_p=args.top_p, seed=args.seed, stop_at_eos=not args.ignore_eos,
                             on_tokens=streamer, routing=routing, cache=cache, offload=offload)
@@ -160,7 +166,18 @@ def run(args: argparse.Namespace) -> dict:
         if "offload" in s:
             sys.stderr.write(format_offload(s["offload"]) + "\n")
     return {"text": text, "raw_text": raw_text, "token_ids": result.token_ids, "prompt_ids": ids,
-            "stats": trace_lib.json_safe(result.stats)}
+            "stopped": result.stats["stopped"], "stats": trace_lib.json_safe(result.stats)}
+
+
+def check_writable(path: str, flag: str) -> None:
+    """An output file's folder must exist and be writable, and the path must not be a folder."""
+    folder = os.path.dirname(os.path.abspath(path))
+    if os.path.isdir(path):
+        raise ValueError(f"{flag} {path} is a folder; give a file name")
+    if not os.path.isdir(folder):
+        raise ValueError(f"{flag} {path}: the folder {folder} does not exist")
+    if not os.access(folder, os.W_OK):
+        raise ValueError(f"{flag} {path}: the folder {folder} is not writable")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -615,7 +615,7 @@ def host_generate(params, cfg: ModelConfig, prompt_ids, router_state: dict, offl
         raise ValueError(f"the prompt has {prompt.size} tokens, longer than the context of {context}")
     if np.any(prompt < 0) or np.any(prompt >= cfg.vocab_size):
         raise ValueError(f"token ids must be in 0..{cfg.vocab_size - 1}")
-    max_new_tokens = max(0, min(max_new_tokens, context - prompt.size))
+    requested, max_new_tokens = max_new_tokens, decode.generation_budget(prompt.size, max_new_tokens, context)
     eos = tuple(cfg.eos_token_ids) if stop_at_eos else ()
     decode_policy = router_state["policy"]
     if prefill_policy is not None:
@@ -695,6 +695,7 @@ def host_generate(params, cfg: ModelConfig, prompt_ids, router_state: dict, offl
         "total_time_s": total,
         "compile_time_s": compile_time,
         "tokens_per_s": n_decode / decode_time if n_decode and decode_time > 0 else 0.0,
+        "stopped": decode.stop_reason(tokens, requested, eos),
         "offload": summary,
     }
     fed = len(rec) // len(pager.moe_ids)

@@ -632,6 +632,7 @@ def wikitext_input(model, text: str, context: int, max_tokens: int | None) -> Wi
     ids, scored = wikitext_ids(model, text, max_tokens)
     if context < 2:
         raise ValueError(f"context must be at least 2 tokens, got {context}")
+    model.cfg.check_context(context)
     return WikitextInput(scored, ids, context, model.cfg.bos_token_id)
 
 

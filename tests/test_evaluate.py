@@ -162,6 +162,7 @@ def test_cli_table_and_errors(lm, tmp_path, capsys):
         (["--sweep", "cumsum_p=0.5,1.5"], "cumsum p must be in [0, 1]"),
         (["--max-tokens", "0"], "--max-tokens must be >= 1"),
         (["--task", "mmlu", "--limit", "0"], "--limit must be >= 1"),
+        (["--context", str(lm.cfg.max_position_embeddings + 1)], "longer than the model's"),
     ]:
         assert evaluate.main(base + argv) == 2, argv
         assert message in capsys.readouterr().err, argv

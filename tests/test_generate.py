@@ -147,7 +147,7 @@ def test_generation_stops_at_eos():
 def test_prefill_routing_leaves_the_callers_state_usable():
     """The decode loop donates its state; with prefill_routing the decode policy must be a copy."""
     import moejax
-    from moejax import simulate
+    from moejax import routing, simulate
 
     m = moejax.load("default")
     state = m.router_state("cache-prior", simulate.CacheConfig(size="0.5"))
@@ -157,7 +157,9 @@ def test_prefill_routing_leaves_the_callers_state_usable():
     b = m.generate(ids, 20, state=state, prefill_routing="original")
     assert a.token_ids == b.token_ids
     trace = a.trace()
-    ref = m.generate(ids, 20, routing="original", cache=simulate.CacheConfig(size="0.5")).trace()
+    # cache-prior λ = 0 routes as original bit for bit and shares the decode program compiled above
+    ref = m.generate(ids, 20, routing=routing.make_policy("cache-prior", m.cfg.top_k, lam=0.0),
+                     cache=simulate.CacheConfig(size="0.5")).trace()
     np.testing.assert_array_equal(trace["experts"][:len(ids)], ref["experts"][:len(ids)])  # prompt: original
 
 
@@ -190,3 +192,27 @@ def test_nan_routing_is_an_error_naming_the_layer_not_empty_text(capsys, nan_rou
         m.forward([1, 2, 3])
     with pytest.raises(gating.NonFiniteError, match="MoE layer 1"):
         m.forward([1, 2, 3], cache=simulate.CacheConfig(size="0.5"))
+
+
+def test_context_cap_is_said_and_bad_options_fail_before_any_output(capsys, tmp_path, tokenized_model):
+    """Reliability part 7: a generation cut by the context says so (stderr and "stopped" in the JSON);
+    bad options and an unwritable --trace-out fail before anything is printed or computed; the API refuses
+    a negative budget."""
+    import moejax
+
+    folder = get_hf_model("qwen3_moe").folder  # 256 positions
+    rc, out, err = _run(capsys, "--model", folder, "--prompt-ids", "1,2,3", "--max-new-tokens", "300",
+                        "--ignore-eos", "--json")
+    res = json.loads(out)
+    assert rc == 0 and res["stopped"] == "context_length" and len(res["token_ids"]) == 253
+    assert "at most 253 new tokens (not 300)" in err
+    rc, out, _ = _run(capsys, "--model", folder, "--prompt-ids", "1,2,3", "--max-new-tokens", "2", "--json")
+    assert json.loads(out)["stopped"] in ("max_new_tokens", "eos")
+    for argv, message in [(["--cache-size", "0"], "between 1"), (["--cache-size", "2.0"], "(0, 1]"),
+                          (["--trace-out", str(tmp_path / "missing" / "t.npz")], "does not exist"),
+                          (["--trace-out", str(tmp_path)], "is a folder")]:
+        rc, out, err = _run(capsys, "--model", tokenized_model, "--prompt", TEXT.split()[0], "--max-new-tokens", "2",
+                            *argv)
+        assert rc == 2 and out == "" and message in err and "Traceback" not in err, argv
+    with pytest.raises(ValueError, match="max_new_tokens must be"):
+        moejax.load(folder).generate([1, 2, 3], -1)

@@ -33,7 +33,6 @@ from moejax.model import init_kv
 
 from conftest import FAMILIES, HF_CONFIGS, VOCAB, get_hf_model, get_moejax_model, record_parity, router_modules
 
-pytestmark = pytest.mark.numerics  # compared with transformers: also run under AVX2 in CI
 TOL = 1e-4
 # every config HF runs as moejax does (deepseek_v2_norm: HF 5.x ignores norm_topk_prob, tested separately)
 PARITY = [n for n in HF_CONFIGS if n != "deepseek_v2_norm"]
@@ -102,6 +101,7 @@ def _seq_lengths(name: str) -> list[int]:
 
 
 # -------------------------------------------------------------------------------- logits and routing
+@pytest.mark.numerics  # CI also runs the numerics tests under AVX2 (README): logits and incremental decode here
 @pytest.mark.parametrize("name", PARITY)
 def test_logits_router_logits_and_experts_match_hf(name):
     hm, mj = get_hf_model(name), get_moejax_model(name)
@@ -232,6 +232,7 @@ def test_greedy_stops_at_eos_like_hf(name):
 INCR_T = 12
 
 
+@pytest.mark.numerics
 @pytest.mark.parametrize("name", INCREMENTAL)
 @settings(max_examples=3, deadline=None, derandomize=True, suppress_health_check=list(HealthCheck))
 @given(tokens=st.lists(st.integers(0, VOCAB - 1), min_size=INCR_T, max_size=INCR_T), split=st.just(5))

@@ -43,7 +43,8 @@ def test_every_policy_runs_on_every_family_and_paths_agree(family):
     for kind, kw in POLICIES:
         cache = simulate.CacheConfig("0.5", "layer", "lru")
         par = m.forward(toks, routing=routing.make_policy(kind, m.cfg.top_k, **kw), cache=cache)
-        if kind in ("max-rank", "cache-prior"):  # the sequential path compiles slowly: two policies suffice
+        # the sequential path compiles slowly: two policies on the softmax family, one on group-limited gating
+        if kind == "cache-prior" or (kind == "max-rank" and family != "deepseek_v2_group"):
             seq = m.forward(toks, routing=routing.make_policy(kind, m.cfg.top_k, **kw), cache=cache,
                             sequential=True)
             np.testing.assert_array_equal(par.experts, seq.experts, err_msg=f"{family} {kind}")
