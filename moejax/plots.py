@@ -1218,7 +1218,8 @@ def main(argv: list[str] | None = None) -> int:
     hp.add_argument("--layer", type=int, default=0)
     hp.add_argument("--cache-size", required=True, help="count ('16') or fraction of N ('0.5')")
     hp.add_argument("--eviction", choices=EVICTION_ORDER, default="lru")
-    hp.add_argument("--scope", choices=("layer", "global"), default="layer")
+    hp.add_argument("--cache-scope", "--scope", dest="scope", choices=("layer", "global"), default="layer",
+                    help="as in generate/evaluate (--scope is the older spelling)")
     hp.add_argument("--cache-init", choices=("empty", "random"), default="empty")
     hp.add_argument("--seed", type=int, default=0, help="seed of --cache-init random")
     hp.add_argument("--max-tokens", type=int, default=200)

@@ -344,7 +344,8 @@ def main(argv: list[str] | None = None) -> int:
     rp = sub.add_parser("replay", help="replay a trace through an expert cache")
     rp.add_argument("trace")
     rp.add_argument("--cache-size", required=True, help="count ('6'), fraction ('0.5') or percent ('5%%')")
-    rp.add_argument("--scope", choices=cache_lib.SCOPES, default="layer")
+    rp.add_argument("--cache-scope", "--scope", dest="scope", choices=cache_lib.SCOPES, default="layer",
+                    help="as in generate/evaluate (--scope is the older spelling)")
     rp.add_argument("--eviction", choices=cache_lib.EVICTIONS, default="lru")
     rp.add_argument("--cache-init", choices=cache_lib.INITS, default="empty")
     rp.add_argument("--seed", type=int, default=0)

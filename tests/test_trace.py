@@ -116,6 +116,10 @@ def test_cli_end_to_end(tmp_path):
                     "--json")
     assert rerouted.returncode == 0, rerouted.stderr
     assert json.loads(rerouted.stdout)["routing"] == "cache-prior"
+    same = _cli("replay", path, "--cache-size", 4, "--cache-scope", "global", "--routing", "cache-prior", "--lam", 0.5,
+                "--json")  # the spelling generate and evaluate use
+    untimed = lambda r: {k: v for k, v in json.loads(r.stdout).items() if k != "seconds"}  # noqa: E731
+    assert same.returncode == 0 and untimed(same) == untimed(rerouted) and untimed(same)["scope"] == "global"
     table = _cli("replay", path, "--cache-size", 3)
     assert table.returncode == 0 and "miss_rate" in table.stdout and "layer" in table.stdout
     bad = _cli("replay", path, "--cache-size", "9")
