@@ -32,6 +32,7 @@ import numpy as np
 
 from moejax import hf_keys, safetensors_io, weights
 from moejax.config import ModelConfig, UnsupportedModelError, from_hf
+from moejax.tempfiles import make_temp_dir
 
 FORMAT_FILE = "moejax.json"
 FORMAT_VERSION = 2  # written; version 1 (orbax params/) is still read
@@ -113,11 +114,13 @@ def atomic_folder(target: str, overwrite: bool = False, protect: tuple[str, ...]
     check_replaceable(target, overwrite, protect)
     parent = os.path.dirname(target)
     os.makedirs(parent, exist_ok=True)
-    tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(target)}.tmp-", dir=parent)
+    name = os.path.basename(target)
+    tmp = make_temp_dir(f".{name}.tmp-", parent)  # also removes a killed run's half-written folder
     try:
         yield tmp
         if os.path.exists(target):
-            old = tempfile.mkdtemp(prefix=f".{os.path.basename(target)}.old-", dir=parent)
+            # never cleaned automatically: killed between the two renames, it holds the user's old checkpoint
+            old = tempfile.mkdtemp(prefix=f".{name}.old-", dir=parent)
             os.replace(target, os.path.join(old, "x"))
             os.replace(tmp, target)
             shutil.rmtree(old, ignore_errors=True)

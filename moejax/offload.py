@@ -31,7 +31,6 @@ import dataclasses
 import functools
 import os
 import shutil
-import tempfile
 import time
 import weakref
 from typing import Any, Callable
@@ -41,7 +40,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from moejax import cache as cache_lib
-from moejax import decode, quant, safetensors_io, weights
+from moejax import decode, quant, safetensors_io, tempfiles, weights
 from moejax import model as model_lib
 from moejax.config import ModelConfig
 from moejax.router import prefetch_step, router_step
@@ -224,7 +223,7 @@ class ExpertStore:
     def _to_flash(self, full: list, store_dir: str | None) -> list:
         """A model loaded whole has no checkpoint file to page from: write its experts to one safetensors
         file (``store_dir``, else a temporary folder removed at exit) and map it back."""
-        folder = store_dir or tempfile.mkdtemp(prefix="moejax-flash-")
+        folder = store_dir or tempfiles.make_temp_dir("moejax-flash-")  # under MOEJAX_TMPDIR if set
         self._tmp = None if store_dir else folder
         if self._tmp:  # removed when the store is collected or the interpreter exits (normally or by an error)
             self._cleanup = weakref.finalize(self, shutil.rmtree, folder, True)

@@ -249,6 +249,27 @@ def test_sigterm_during_a_conversion_leaves_nothing(tiny, tmp_path):
     assert os.listdir(out) == []  # neither the target nor its temporary folder
 
 
+def test_a_killed_conversion_leaves_one_named_folder_that_the_next_run_removes(tiny, tmp_path):
+    """SIGKILL runs no clean-up: what is left is a hidden folder named after the target and the dead
+    process, and the next conversion to the same target removes it."""
+    src = tiny("olmoe-1b-7b", hidden_size=512, intermediate_size=512, num_experts=32)
+    out = tmp_path / "out"
+    out.mkdir()
+    argv = [sys.executable, "-m", "moejax.convert", "hf-to-moejax", src, str(out / "model")]
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 120
+    while time.time() < deadline and not os.listdir(out) and proc.poll() is None:
+        time.sleep(0.01)
+    assert proc.poll() is None, "the conversion ended before it could be killed"
+    proc.send_signal(signal.SIGKILL)
+    proc.wait(timeout=60)
+    left = os.listdir(out)
+    assert len(left) == 1 and left[0].startswith(f".model.tmp-{proc.pid}-"), left
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert os.listdir(out) == ["model"]
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("how", ["cascade", "jit"])
 def test_cascade_and_in_jit_paging_with_experts_left_in_the_files(how):
