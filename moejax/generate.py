@@ -17,7 +17,7 @@ import sys
 import time
 
 from moejax import interrupts
-from moejax import api, cli_options, gating, textproc
+from moejax import api, cli_options, decode, gating, textproc
 from moejax import trace as trace_lib
 from moejax.checkpoint import CheckpointError
 from moejax.config import UnsupportedModelError
@@ -130,10 +130,11 @@ def run(args: argparse.Namespace) -> dict:
         routing = cli_options.policy_from_args(args, model.cfg.top_k)
         cache = cli_options.cache_from_args(args)
         cache.capacity(model.cfg)
-    room = model.cfg.max_position_embeddings - len(ids)
-    if args.max_new_tokens > room:
-        sys.stderr.write(f"note: the context holds {model.cfg.max_position_embeddings} positions and the prompt "
-                         f"takes {len(ids)}: at most {max(room, 0)} new tokens (not {args.max_new_tokens})\n")
+    positions = model.cfg.max_position_embeddings
+    budget = decode.generation_budget(len(ids), args.max_new_tokens, positions)
+    if budget < args.max_new_tokens:
+        sys.stderr.write(f"note: the context holds {positions} positions and the prompt takes {len(ids)}: "
+                         f"at most {budget} new tokens (not {args.max_new_tokens})\n")
     render = textproc.wikitext_detokenize if textproc.is_wikitext_style(model.generation_config) else str
     streamer = None
     if not args.json:
