@@ -161,6 +161,7 @@ class Context:
     mmlu_limit: int
     gsm8k_limit: int
     evictions: tuple = EVICTIONS
+    lifetimes_max_tokens: int | None = None
 
     @property
     def cfg(self):
@@ -256,11 +257,56 @@ def study_pareto(ctx: Context) -> list[dict]:
     return ctx.runner("pareto").run(pts)
 
 
+def knee_index(miss: list[float], ppl: list[float]) -> int:
+    """Index of a front's knee: the point farthest below the chord from its first to its last point, both axes
+    scaled to [0, 1] (the "kneedle" rule). The points are in grid order (λ ascending: miss rate falling,
+    perplexity rising); a front of fewer than 3 points, or a flat one, has its knee at the middle."""
+    n = len(miss)
+    if n < 3:
+        return n // 2
+    m, q = np.asarray(miss, np.float64), np.asarray(ppl, np.float64)
+    span_m, span_q = np.ptp(m), np.ptp(q)
+    if span_m <= 0 or span_q <= 0:
+        return n // 2
+    x, y = (m[0] - m) / span_m, (q - q[0]) / span_q  # both grow along the front, from (0, 0)
+    x_end, y_end = x[-1], y[-1]
+    dist = (x * y_end - y * x_end) / max(math.hypot(x_end, y_end), 1e-12)  # > 0: below the chord (a good trade)
+    return int(np.argmax(dist))
+
+
+def pareto_knee_lam(ctx: Context, size: int) -> tuple[float, str]:
+    """(λ, how it was chosen): the knee of the cache-prior front at capacity ``size`` in ``pareto.jsonl``
+    (the largest run there, by scored tokens), else 0.5."""
+    recs = [r for r in sweep.load_results(os.path.join(ctx.out, "pareto.jsonl"))
+            if r["routing"]["kind"] == "cache-prior" and r.get("model") == ctx.label and r.get("method") == "forward"
+            and (r.get("cache") or {}).get("capacity") == size and r.get("ppl") is not None
+            and r.get("miss_rate") is not None and r["routing"].get("delta") is None]
+    if len(recs) < 3:
+        return 0.5, "default (no cache-prior front in pareto.jsonl)"
+    tokens_of = lambda r: (r.get("metrics") or {}).get("tokens") or 0  # noqa: E731
+    tokens = max(tokens_of(r) for r in recs)
+    recs = sorted((r for r in recs if tokens_of(r) == tokens), key=lambda r: r["routing"]["lam"])
+    if len(recs) < 3:
+        return 0.5, "default (fewer than 3 cache-prior points in pareto.jsonl)"
+    i = knee_index([r["miss_rate"] for r in recs], [r["ppl"] for r in recs])
+    return float(recs[i]["routing"]["lam"]), f"knee of the pareto front at C = {size} ({len(recs)} points, {tokens} tokens)"
+
+
 def study_lifetimes(ctx: Context) -> list[dict]:
+    """Table 2 on ``--lifetimes-max-tokens`` tokens: original routing (LRU, and the Belady replay of its
+    trace), cache-prior λ = 0.5 and cache-prior at the knee of the pareto front, C = N/2."""
     size = ctx.half()
-    pts = [ctx.point("lifetimes", "original", size, sweep_values={"cache_size": str(size)}),
-           ctx.point("lifetimes", "cache-prior", size, lam=0.5, sweep_values={"cache_size": str(size), "lam": 0.5})]
-    return ctx.runner("lifetimes").run(pts)
+    lctx = dataclasses.replace(ctx, max_tokens=ctx.lifetimes_max_tokens)
+    sv = {"cache_size": str(size)}
+    pts = [lctx.point("lifetimes", "original", size, sweep_values=sv),
+           lctx.point("lifetimes", "original", size, eviction="belady", method="replay", sweep_values=sv),
+           lctx.point("lifetimes", "cache-prior", size, lam=0.5, sweep_values={**sv, "lam": 0.5})]
+    knee, how = pareto_knee_lam(ctx, size)
+    if knee != 0.5:
+        p = lctx.point("lifetimes", "cache-prior", size, lam=knee, sweep_values={**sv, "lam": knee, "knee": True})
+        p.extra["knee"] = how
+        pts.append(p)
+    return lctx.runner("lifetimes").run(pts)
 
 
 def study_init(ctx: Context) -> list[dict]:
@@ -448,6 +494,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--data", default=None, help="WikiText-2 test text (default: ../shared/data copy)")
     p.add_argument("--max-tokens", type=int, default=8184, help="score the first N WikiText tokens (default 8184 "
                    "= 8 chunks of 1023); 0 = all")
+    p.add_argument("--lifetimes-max-tokens", type=int, default=None, help="tokens the lifetimes study scores "
+                   "(default: --max-tokens; 0 = the whole test text, the paper's table 2)")
     p.add_argument("--context", type=int, default=1024)
     p.add_argument("--points", type=int, default=11, help="points per continuous front: cumsum p and λ on that many "
                    "equidistant values in [0, 1] (default 11: steps of 0.1)")
@@ -474,8 +522,9 @@ def main(argv: list[str] | None = None) -> int:
     if bad or not evictions:
         print(f"error: --evictions {args.evictions!r}: expected some of {', '.join(EVICTIONS)}", file=sys.stderr)
         return 2
-    if args.points < 1 or args.context < 2 or args.max_tokens < 0:
-        print("error: --points must be >= 1, --context >= 2, --max-tokens >= 0", file=sys.stderr)
+    if args.points < 1 or args.context < 2 or args.max_tokens < 0 or (args.lifetimes_max_tokens or 0) < 0:
+        print("error: --points must be >= 1, --context >= 2, --max-tokens and --lifetimes-max-tokens >= 0",
+              file=sys.stderr)
         return 2
     try:
         model = api.load(args.model, dtype=getattr(jnp, args.dtype))
@@ -485,7 +534,8 @@ def main(argv: list[str] | None = None) -> int:
     label = sweep.model_label(args.model) + ("" if args.dtype == "bfloat16" else f"@{args.dtype}")
     ctx = Context(model, label, args.out, args.max_tokens or None, args.context, args.points, args.data,
                   args.batch_size or sweep.default_batch_size(), not args.no_progress, args.dtype, args.mmlu_limit,
-                  args.gsm8k_limit, evictions)
+                  args.gsm8k_limit, evictions,
+                  args.max_tokens or None if args.lifetimes_max_tokens is None else args.lifetimes_max_tokens or None)
     os.makedirs(args.out, exist_ok=True)
     status = 0
     timings = {}
@@ -505,18 +555,26 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _write_manifest(args, ctx: Context, timings: dict) -> None:
-    """What the files in ``--out`` were computed with (merged over runs: resumed studies keep earlier entries)."""
+    """What the files in ``--out`` were computed with: the model and settings shared by all studies at the
+    top, and per study (under "studies") the tokens, grid, batch and wall time of its last run — merged over
+    runs, so studies run separately with different budgets each keep their own."""
     path = os.path.join(args.out, "manifest.json")
     manifest = {}
     if os.path.exists(path):
         with open(path) as f:
             manifest = json.load(f)
-    manifest.update(model=ctx.label, dtype=args.dtype, context=args.context, max_tokens=ctx.max_tokens,
-                    points=args.points, batch_size=ctx.batch_size, mmlu_limit=args.mmlu_limit,
-                    gsm8k_limit=args.gsm8k_limit, evictions=list(ctx.evictions), n_experts=ctx.cfg.n_experts,
-                    top_k=ctx.cfg.top_k, moe_layers=ctx.cfg.n_moe_layers, cache_size_lams=list(CACHE_SIZE_LAMS),
-                    ppl_bounds=list(PPL_BOUNDS), global_sizes=list(GLOBAL_SIZES))
-    manifest.setdefault("seconds", {}).update(timings)
+    for stale in ("max_tokens", "points", "batch_size", "mmlu_limit", "gsm8k_limit", "seconds"):
+        manifest.pop(stale, None)  # older manifests kept these once for all studies
+    manifest.update(model=ctx.label, dtype=args.dtype, context=args.context, evictions=list(ctx.evictions),
+                    n_experts=ctx.cfg.n_experts, top_k=ctx.cfg.top_k, moe_layers=ctx.cfg.n_moe_layers,
+                    cache_size_lams=list(CACHE_SIZE_LAMS), ppl_bounds=list(PPL_BOUNDS), global_sizes=list(GLOBAL_SIZES))
+    per_study = manifest.setdefault("studies", {})
+    for name, seconds in timings.items():
+        entry = {"seconds": seconds, "max_tokens": ctx.lifetimes_max_tokens if name == "lifetimes" else ctx.max_tokens,
+                 "points": ctx.points, "batch_size": ctx.batch_size, "finished_at": time.strftime("%Y-%m-%dT%H:%M:%S")}
+        if name == "tasks":
+            entry.update(mmlu_limit=ctx.mmlu_limit, gsm8k_limit=ctx.gsm8k_limit)
+        per_study[name] = entry
     with open(path + ".tmp", "w") as f:
         json.dump(manifest, f, indent=1)
     os.replace(path + ".tmp", path)

@@ -153,7 +153,10 @@ def test_studies_runner_on_a_tiny_budget(lm, data, tmp_path, capsys):
     # reused points: the same key as in pareto, copied rather than recomputed
     pareto_keys = {r["key"] for r in pareto}
     assert files["lifetimes"][0]["key"] in pareto_keys and files["lifetimes"][0]["metrics"]["reused_from"] == "pareto"
-    assert len(files["lifetimes"]) == 2 and files["lifetimes"][1]["routing"]["lam"] == 0.5
+    life = files["lifetimes"]
+    assert len(life) == 3 and life[2]["routing"]["lam"] == 0.5  # 2 grid points: no front to find a knee on
+    assert life[1]["method"] == "replay" and life[1]["cache"]["eviction"] == "belady"
+    assert life[1]["miss_rate"] <= life[0]["miss_rate"] and life[1]["ppl"] == pytest.approx(life[0]["ppl"], rel=1e-5)
     init = {(r["cache"]["init"], r["routing"]["lam"]): r for r in files["init"]}
     assert len(init) == 6 and init[("random", None)]["ppl"] == pytest.approx(init[("empty", None)]["ppl"])
     assert init[("random", None)]["cache"]["seed"] == 0
@@ -232,3 +235,12 @@ def test_tasks_study_and_missing_tasks_module(lm, data, tmp_path, capsys, monkey
     assert [c["limit"] for c in fake.calls] == [3] * 4 + [2] * 4
     assert all(c["cache"].size == "4" for c in fake.calls)
     assert recs[1]["accuracy"] == pytest.approx(0.28) and recs[1]["miss_rate"] == pytest.approx(0.425)
+
+
+def test_knee_of_a_front_is_the_point_farthest_below_its_chord():
+    miss = [0.50, 0.30, 0.20, 0.15, 0.10]
+    assert studies.knee_index(miss, [100, 101, 103, 110, 140]) == 2
+    assert studies.knee_index(miss[:2], [100, 101]) == 1  # too short for a knee: the middle
+    assert studies.knee_index([0.3, 0.3, 0.3], [1, 2, 3]) == 1  # flat in miss rate: the middle
+    # a front already bending the other way (every trade worse than the chord) has its knee at an end
+    assert studies.knee_index(miss, [100, 130, 137, 139, 140]) in (0, 4)
