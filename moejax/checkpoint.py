@@ -30,6 +30,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from moejax.errors import Failure, UsageError
 from moejax import hf_keys, safetensors_io, weights
 from moejax.config import ModelConfig, UnsupportedModelError, from_hf
 from moejax.tempfiles import make_temp_dir
@@ -43,8 +44,12 @@ TOKENIZER_FILES = (
 )
 
 
-class CheckpointError(ValueError):
+class CheckpointError(Failure):
     """A checkpoint folder is missing, malformed or does not match its configuration."""
+
+
+class TargetRefusedError(CheckpointError, UsageError):
+    """An output folder that writing would destroy something in (the source, an unrelated folder)."""
 
 
 # ------------------------------------------------------------------------------------------ helpers
@@ -146,19 +151,19 @@ def check_replaceable(target: str, overwrite: bool, protect: tuple[str, ...] = (
     for p in protect:
         p = os.path.realpath(os.path.abspath(os.path.expanduser(p)))
         if target == p:
-            raise CheckpointError(f"the target {target} is the source itself: choose another target folder")
+            raise TargetRefusedError(f"the target {target} is the source itself: choose another target folder")
         if p.startswith(target.rstrip(os.sep) + os.sep):
-            raise CheckpointError(f"the target {target} contains the source {p}: replacing it would delete the "
+            raise TargetRefusedError(f"the target {target} contains the source {p}: replacing it would delete the "
                                   "source; choose another target folder")
     if not os.path.lexists(target):
         return
     if not overwrite:
         raise FileExistsError(f"{target} already exists (pass overwrite=True / --overwrite to replace it)")
     if not os.path.isdir(target) or os.path.islink(target):
-        raise CheckpointError(f"{target} exists and is not a folder: refusing to replace it")
+        raise TargetRefusedError(f"{target} exists and is not a folder: refusing to replace it")
     if os.listdir(target) and not is_checkpoint_folder(target):
         found = ", ".join(sorted(os.listdir(target))[:5])
-        raise CheckpointError(f"{target} is not a checkpoint folder (it holds {found}...): --overwrite only "
+        raise TargetRefusedError(f"{target} is not a checkpoint folder (it holds {found}...): --overwrite only "
                               "replaces a moejax or Hugging Face checkpoint; remove it yourself or choose "
                               "another target")
 

@@ -14,6 +14,7 @@ from typing import Any
 
 import numpy as np
 
+from moejax.errors import Failure
 from moejax.gating import Gating, GroupLimited, SoftmaxTopK, SparseMixer
 
 SUPPORTED_MODEL_TYPES = ("mixtral", "phimoe", "qwen2_moe", "qwen3_moe", "olmoe", "deepseek_v2")
@@ -21,7 +22,7 @@ SUPPORTED_MODEL_TYPES = ("mixtral", "phimoe", "qwen2_moe", "qwen3_moe", "olmoe",
 _DEFAULT_THETA = {"mixtral": 1e6, "phimoe": 1e6}
 
 
-class UnsupportedModelError(ValueError):
+class UnsupportedModelError(Failure):
     """The folder holds a model moejax cannot run."""
 
 

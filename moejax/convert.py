@@ -20,6 +20,7 @@ import os
 import sys
 import time
 
+from moejax import errors
 from moejax import interrupts
 
 DTYPES = ("float32", "bfloat16", "float16")
@@ -71,15 +72,12 @@ def convert(direction: str, src: str, dst: str, dtype: str | None = None, overwr
 def main(argv: list[str] | None = None) -> int:
     interrupts.exit_cleanly_on_signals()
     args = _parser().parse_args(argv)
-    from moejax.checkpoint import CheckpointError
-    from moejax.config import UnsupportedModelError
 
     t0 = time.perf_counter()
     try:
         out = convert(args.direction, args.src, args.dst, args.dtype, args.overwrite)
-    except (CheckpointError, UnsupportedModelError, FileExistsError, ValueError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 1
+    except errors.HANDLED as e:
+        return errors.report(e)
     print(f"{args.direction}: wrote {out} in {time.perf_counter() - t0:.1f}s")
     return 0
 

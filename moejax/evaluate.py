@@ -30,6 +30,7 @@ from typing import Any
 import jax.numpy as jnp
 import numpy as np
 
+from moejax import errors
 from moejax import interrupts
 from moejax import api, cli_options, sweep
 
@@ -301,8 +302,6 @@ def _print_single(res: dict[str, Any]) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     interrupts.exit_cleanly_on_signals()
-    from moejax.checkpoint import CheckpointError
-    from moejax.config import UnsupportedModelError
     from moejax.trace import json_safe
 
     args = build_parser().parse_args(argv)
@@ -333,9 +332,8 @@ def main(argv: list[str] | None = None) -> int:
             routing, cache = cli_options.policy_from_args(args, model.cfg.top_k), cli_options.cache_from_args(args)
             cache.capacity(model.cfg)
         res = run_task(model, args, routing, cache)
-    except (CheckpointError, UnsupportedModelError, ValueError, FileNotFoundError, FileExistsError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+    except errors.HANDLED as e:
+        return errors.report(e)
     if args.json:
         print(json.dumps(json_safe(res)))
     else:

@@ -20,6 +20,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from moejax.errors import Failure
+
 
 def descending_order(scores: jax.Array) -> jax.Array:
     """Indices that sort ``scores`` from highest to lowest; ties go to the lower index (like torch.topk).
@@ -36,7 +38,7 @@ def descending_order(scores: jax.Array) -> jax.Array:
     return jnp.sum(jnp.where(onehot, idx[None, :], 0), axis=-1).astype(jnp.int32)
 
 
-class NonFiniteError(ValueError):
+class NonFiniteError(Failure):
     """Router logits (or model outputs) that are NaN or infinite: damaged weights or an overflow."""
 
 

@@ -16,12 +16,10 @@ import os
 import sys
 import time
 
+from moejax import errors
 from moejax import interrupts
 from moejax import api, cli_options, decode, gating, textproc
 from moejax import trace as trace_lib
-from moejax.checkpoint import CheckpointError
-from moejax.config import UnsupportedModelError
-from moejax.trace import TraceError
 
 DEFAULT_PROMPT = "The history of the"
 
@@ -186,9 +184,8 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         result = run(args)
-    except (CheckpointError, UnsupportedModelError, TraceError, ValueError, FileExistsError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+    except errors.HANDLED as e:
+        return errors.report(e)
     if args.json:
         print(json.dumps(result))
     return 0

@@ -36,6 +36,7 @@ from typing import Any, Callable, Iterable, Sequence
 
 import numpy as np
 
+from moejax import errors
 from moejax import interrupts
 
 KIND_ORDER = ("original", "pruning", "max-rank", "cumsum", "cache-prior", "learned-prior", "drop", "random-replace")
@@ -1231,9 +1232,8 @@ def main(argv: list[str] | None = None) -> int:
         paths = trace_heatmap(args.traces, args.layer, args.cache_size, args.out, args.eviction, args.max_tokens,
                               start=args.start, scope=args.scope, init=args.cache_init, seed=args.seed,
                               labels=args.label)
-    except (ValueError, OSError) as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 2
+    except errors.HANDLED as err:
+        return errors.report(err)
     for p in paths:
         print(p)
     return 0

@@ -31,6 +31,8 @@ import warnings
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
+from moejax import errors
+from moejax.errors import Failure
 from moejax import interrupts
 from moejax import plots
 from moejax.plots import (PlotError, cache_of, capacity_of, eviction_of, fmt_num, fmt_pct, fmt_value, group_by,
@@ -45,7 +47,7 @@ STRING_FIELDS = ("key", "study", "task", "model", "finished_at")
 DETAILS_ROWS = 25  # longer tables fold into <details>
 
 
-class ResultsError(ValueError):
+class ResultsError(Failure):
     """A results file that cannot be read; the message names the file (and line)."""
 
 
@@ -826,9 +828,8 @@ def main(argv: list[str] | None = None) -> int:
         text = build_report(args.results, out, fig_dir, [_parse_trace(t) for t in args.trace], args.trace_layer,
                             args.trace_cache_size, args.trace_eviction, args.trace_tokens, command, args.trace_note)
         plots.atomic_write(out, lambda f: f.write(text), binary=False)
-    except (ResultsError, ValueError, OSError) as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 2
+    except errors.HANDLED as err:
+        return errors.report(err)
     print(f"wrote {out}" + (f" (figures in {fig_dir})" if fig_dir else ""))
     return 0
 

@@ -17,6 +17,8 @@ from typing import Iterable
 import ml_dtypes
 import numpy as np
 
+from moejax.errors import Failure
+
 _DTYPES = {
     "F64": np.float64, "F32": np.float32, "F16": np.float16, "BF16": ml_dtypes.bfloat16,
     "I64": np.int64, "I32": np.int32, "I16": np.int16, "I8": np.int8, "U8": np.uint8, "BOOL": np.bool_,
@@ -25,7 +27,7 @@ _DTYPES = {
 _NAMES = {np.dtype(v): k for k, v in _DTYPES.items()}
 
 
-class SafetensorsError(ValueError):
+class SafetensorsError(Failure):
     """A safetensors file is malformed."""
 
 

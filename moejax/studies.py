@@ -52,6 +52,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from moejax import errors
 from moejax import interrupts
 from moejax import api, sweep
 from moejax.gating import descending_order
@@ -528,9 +529,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     try:
         model = api.load(args.model, dtype=getattr(jnp, args.dtype))
-    except Exception as e:  # noqa: BLE001 - one line, not a traceback
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+    except errors.HANDLED as e:
+        return errors.report(e)
     label = sweep.model_label(args.model) + ("" if args.dtype == "bfloat16" else f"@{args.dtype}")
     ctx = Context(model, label, args.out, args.max_tokens or None, args.context, args.points, args.data,
                   args.batch_size or sweep.default_batch_size(), not args.no_progress, args.dtype, args.mmlu_limit,
@@ -543,9 +543,9 @@ def main(argv: list[str] | None = None) -> int:
         start = time.perf_counter()
         try:
             records = RUNNERS[name](ctx)
-        except (ValueError, FileNotFoundError, ImportError) as e:
-            print(f"error: study {name}: {e}", file=sys.stderr)
-            status = 1
+        except (*errors.HANDLED, ImportError) as e:
+            status = max(status, errors.report(e, f"study {name}: ") if not isinstance(e, ImportError) else
+                         errors.report(errors.Failure(str(e)), f"study {name}: "))
             continue
         timings[name] = round(time.perf_counter() - start, 1)
         print(summarize(name, records), flush=True)

@@ -56,6 +56,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from moejax import errors
 from moejax import cache as cache_lib
 from moejax import gating
 from moejax import routing as routing_lib
@@ -358,7 +359,7 @@ def _parse_lines(path: str, data: bytes) -> tuple[list[dict], int]:
                 if torn and not complete:  # a write cut short by a crash: ignore it
                     return records, good_end
                 what = "line" if terminated else "last line"
-                raise ValueError(f"{path}:{i + 1}: not a moejax results file (malformed {what}: {e}); "
+                raise errors.Failure(f"{path}:{i + 1}: not a moejax results file (malformed {what}: {e}); "
                                  "fix or remove that line, or choose another results path") from None
             records.append(rec)
         good_end = end
@@ -444,7 +445,7 @@ def make_record(point: Point, result: dict, time_s: float) -> dict:
 def wikitext_ids(model, text: str, max_tokens: int | None) -> tuple[np.ndarray, str]:
     """Token ids of ``text`` (the first ``max_tokens``) and the text they decode to (what is scored)."""
     if model.tokenizer is None:
-        raise ValueError(f"{model.path} has no tokenizer.json: WikiText evaluation needs one")
+        raise errors.Failure(f"{model.path} has no tokenizer.json: WikiText evaluation needs one")
     ids = np.asarray(model.tokenizer.encode(text, add_special_tokens=False), np.int32)
     if max_tokens is not None:
         if max_tokens < 1:
@@ -733,7 +734,7 @@ class Runner:
         try:
             from moejax import tasks
         except ImportError as e:
-            raise ValueError(f"task {point.record['task']!r} needs moejax.tasks, which is not available ({e})") from e
+            raise errors.Failure(f"task {point.record['task']!r} needs moejax.tasks, which is not available ({e})") from e
         o = point.task_options
         options = {} if point.offload is None else {"offload": point.offload}
         return tasks.evaluate_task(self.model, point.record["task"], o.get("data"), limit=o.get("limit"),

@@ -36,6 +36,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from moejax import errors
+from moejax.errors import Failure
 from moejax import interrupts
 from moejax import cache as cache_lib
 from moejax import router as router_lib
@@ -57,7 +59,7 @@ class Trace:
         return self.experts.shape
 
 
-class TraceError(ValueError):
+class TraceError(Failure):
     """A malformed trace; the message names the offending array."""
 
 
@@ -396,9 +398,8 @@ def main(argv: list[str] | None = None) -> int:
         stats = replay(trace, args.cache_size, args.scope, args.eviction, policy=policy, gating=gating,
                        init=args.cache_init, seed=args.seed, expert_bytes=args.expert_bytes)
         stats["seconds"] = time.perf_counter() - start
-    except (ValueError, OSError) as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 2
+    except errors.HANDLED as err:
+        return errors.report(err)
     print(json.dumps(json_safe(stats)) if args.json else format_table(stats))
     return 0
 

@@ -33,6 +33,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from moejax import errors
 from moejax import interrupts
 from moejax import checkpoint, data
 from moejax import model as M
@@ -441,8 +442,6 @@ def train(args: argparse.Namespace) -> dict:
     sc = step_config(args)
     opt, train_step, eval_step = _compiled(cfg, sc)
     auto_steps = args.steps == "auto"
-    if auto_steps and not args.time_budget_min:
-        raise SystemExit("--steps auto needs --time-budget-min (the run's length is what the budget allows)")
     # planned length of the LR schedule: fixed, or (auto) set once the speed is measured after warmup
     total_steps = int(run_prev.get("planned_steps") or 0) if auto_steps else int(args.steps)
     rng = jax.random.key(args.seed)
@@ -700,10 +699,11 @@ def main(argv: list[str] | None = None) -> int:
         if args.export:
             print(export(args.out, args.export, overwrite=args.overwrite))
             return 0
+        if args.steps == "auto" and not args.time_budget_min:
+            raise ValueError("--steps auto needs --time-budget-min (the run's length is what the budget allows)")
         train(args)
-    except (FileExistsError, checkpoint.CheckpointError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+    except errors.HANDLED as e:
+        return errors.report(e)
     return 0
 
 

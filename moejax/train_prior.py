@@ -45,6 +45,7 @@ import numpy as np
 import optax
 from jax import lax
 
+from moejax import errors
 from moejax import interrupts
 from moejax import api, data
 from moejax import cache as cache_lib
@@ -417,17 +418,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     interrupts.exit_cleanly_on_signals()
-    from moejax.checkpoint import CheckpointError
-    from moejax.config import UnsupportedModelError
     from moejax.trace import json_safe
 
     args = build_parser().parse_args(argv)
     log = (lambda *a: print(*a, file=sys.stderr)) if args.json else print
     try:
         res = run(args, log=log)
-    except (CheckpointError, UnsupportedModelError, ValueError, FileNotFoundError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+    except errors.HANDLED as e:
+        return errors.report(e)
     if args.json:
         print(json.dumps(json_safe(res)))
     return 0

@@ -399,12 +399,12 @@ def test_existing_target_needs_overwrite(tmp_path, capsys):
     (target / "keep.txt").write_text("precious")
     with pytest.raises(FileExistsError, match="--overwrite"):
         checkpoint.convert_hf_to_moejax(src, str(target))
-    assert convert_cli.main(["hf-to-moejax", src, str(target)]) == 1
+    assert convert_cli.main(["hf-to-moejax", src, str(target)]) == 2  # usage: pass --overwrite
     assert "already exists" in capsys.readouterr().err
     assert (target / "keep.txt").read_text() == "precious"
     assert _siblings(str(target)) == ["out"]
     # reliability part 5: --overwrite replaces checkpoints only, never an unrelated folder
-    assert convert_cli.main(["hf-to-moejax", src, str(target), "--overwrite"]) == 1
+    assert convert_cli.main(["hf-to-moejax", src, str(target), "--overwrite"]) == 2
     assert "not a checkpoint folder" in capsys.readouterr().err
     assert (target / "keep.txt").read_text() == "precious" and _siblings(str(target)) == ["out"]
     (target / "keep.txt").unlink()
@@ -432,7 +432,7 @@ def test_overwrite_never_deletes_the_source_or_its_parent(tmp_path, capsys, dire
     before = _tree(str(tmp_path))
     for dst, message in ((src, "is the source itself"), (str(parent), "contains the source"),
                          (str(tmp_path), "contains the source"), (src + "/../src", "is the source itself")):
-        assert convert_cli.main([direction, src, dst, "--overwrite"]) == 1
+        assert convert_cli.main([direction, src, dst, "--overwrite"]) == 2
         err = capsys.readouterr().err
         assert message in err and err.count("\n") == 1, err
         assert _tree(str(tmp_path)) == before
@@ -476,7 +476,7 @@ def test_cli_end_to_end(tmp_path):
     assert sorted(a) == sorted(b) and all(a[k].tobytes() == b[k].tobytes() for k in a)
     r = subprocess.run([sys.executable, os.path.join(REPO, "convert", "hf_to_moejax.py"), src, mj],
                        capture_output=True, text=True, env=env, cwd=str(tmp_path))
-    assert r.returncode == 1 and "already exists" in r.stderr and "--overwrite" in r.stderr
+    assert r.returncode == 2 and "already exists" in r.stderr and "--overwrite" in r.stderr
 
 
 # ------------------------------------------------------------------ reliability part 7: untrusted headers
@@ -518,9 +518,10 @@ def test_truncated_shard_and_escaping_index_are_named_errors(tmp_path, capsys):
     shutil.copytree(src, cut)
     shard = cut / "model.safetensors"
     shard.write_bytes(shard.read_bytes()[:-1000])
+    capsys.readouterr()  # building the fixture model may print progress
     rc = convert_cli.main(["hf-to-moejax", str(cut), str(tmp_path / "o1")])
     err = capsys.readouterr().err
-    assert rc != 0 and "model.safetensors" in err and "past the file" in err and err.count("\n") == 1
+    assert rc == 1 and "model.safetensors" in err and "past the file" in err and err.count("\n") == 1
     escape = tmp_path / "escape"
     shutil.copytree(src, escape)
     keys = safetensors_io.SafetensorsFile(str(escape / "model.safetensors")).keys()

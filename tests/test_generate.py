@@ -89,19 +89,19 @@ def test_sampling_is_seeded_and_top_p_tiny_is_greedy(capsys):
     assert nucleus["token_ids"] == greedy
 
 
-@pytest.mark.parametrize("argv, message", [
-    (["--model", "/nonexistent/model", "--prompt-ids", "1"], "does not exist"),
-    (["--prompt-ids", ""], "empty"),
-    (["--prompt-ids", "1,x"], "comma-separated"),
-    (["--prompt", "   "], "empty"),
-    (["--prompt-ids", "1,2", "--max-new-tokens", "-1"], "max-new-tokens"),
-    (["--prompt-ids", "99999"], "outside the vocabulary"),
+@pytest.mark.parametrize("argv, message, status", [
+    (["--model", "/nonexistent/model", "--prompt-ids", "1"], "does not exist", 1),  # a missing file: failure
+    (["--prompt-ids", ""], "empty", 2),  # the rest: usage errors
+    (["--prompt-ids", "1,x"], "comma-separated", 2),
+    (["--prompt", "   "], "empty", 2),
+    (["--prompt-ids", "1,2", "--max-new-tokens", "-1"], "max-new-tokens", 2),
+    (["--prompt-ids", "99999"], "outside the vocabulary", 2),
 ])
-def test_errors_are_one_line_with_status_2(capsys, argv, message):
+def test_errors_are_one_line_with_their_status(capsys, argv, message, status):
     if "--model" not in argv:
         argv = ["--model", get_hf_model("qwen3_moe").folder, *argv]
     rc, _, err = _run(capsys, *argv)
-    assert rc == 2 and err.startswith("error:") and message in err and err.count("\n") == 1
+    assert rc == status and err.startswith("error:") and message in err and err.count("\n") == 1
 
 
 def test_prompt_longer_than_context(capsys, tmp_path):
@@ -121,7 +121,7 @@ def test_unsupported_model_type_lists_the_supported_ones(capsys, tmp_path):
     folder.mkdir()
     (folder / "config.json").write_text(json.dumps({"model_type": "llama", "hidden_size": 8}))
     rc, _, err = _run(capsys, "--model", str(folder), "--prompt-ids", "1")
-    assert rc == 2 and "'llama'" in err
+    assert rc == 1 and "'llama'" in err  # a file the command cannot run: a failure, not a usage error
     assert all(t in err for t in SUPPORTED)
 
 

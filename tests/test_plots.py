@@ -422,7 +422,7 @@ def test_heatmap_plot_and_cli(tmp_path):
                        "--start", "10"]) == 0
     assert (tmp_path / "cli.png").stat().st_size > 1000 and (tmp_path / "cli.svg").exists()
     assert plots.main(["heatmap", str(path), "--layer", "5", "--cache-size", "4", "--out", str(tmp_path / "x")]) == 2
-    assert plots.main(["heatmap", str(tmp_path / "missing.npz"), "--cache-size", "4", "--out", str(tmp_path / "x")]) == 2
+    assert plots.main(["heatmap", str(tmp_path / "missing.npz"), "--cache-size", "4", "--out", str(tmp_path / "x")]) == 1
     assert not (tmp_path / "x.png").exists()
 
 
@@ -521,9 +521,9 @@ def test_report_cli_end_to_end(tmp_path):
     bad.write_text('{"key": "a"}\n{"key": 1}\n')
     proc = subprocess.run([sys.executable, "-m", "moejax.report", str(bad), "--out", str(tmp_path / "r2.md")],
                           capture_output=True, text=True)
-    assert proc.returncode == 2 and f"error: {bad}:2: field 'key' must be a string" in proc.stderr
+    assert proc.returncode == 1 and f"error: {bad}:2: field 'key' must be a string" in proc.stderr
     assert not (tmp_path / "r2.md").exists()
-    assert report.main([str(tmp_path / "none.jsonl"), "--out", str(tmp_path / "r2.md")]) == 2
+    assert report.main([str(tmp_path / "none.jsonl"), "--out", str(tmp_path / "r2.md")]) == 1
 
 
 def test_report_default_paths_and_trace_section(tmp_path, capsys):

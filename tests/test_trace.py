@@ -126,4 +126,4 @@ def test_cli_end_to_end(tmp_path):
     assert bad.returncode == 2 and "between 1 and N=8" in bad.stderr
     np.savez(tmp_path / "bad.npz", experts=np.zeros((4, 2), np.int32))
     broken = _cli("replay", tmp_path / "bad.npz", "--cache-size", 1)
-    assert broken.returncode == 2 and "trace 'experts' must be [T, L, K]" in broken.stderr
+    assert broken.returncode == 1 and "trace 'experts' must be [T, L, K]" in broken.stderr

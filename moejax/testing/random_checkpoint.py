@@ -28,9 +28,10 @@ import zlib
 import ml_dtypes
 import numpy as np
 
+from moejax import errors
 from moejax import interrupts
 from moejax import checkpoint, hf_keys, safetensors_io
-from moejax.config import UnsupportedModelError, from_hf
+from moejax.config import from_hf
 
 PRESETS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "presets")
 DTYPES = {"bfloat16": ml_dtypes.bfloat16, "float16": np.float16, "float32": np.float32}
@@ -215,9 +216,8 @@ def main(argv: list[str] | None = None) -> int:
                                   shard_bytes=int(args.shard_gb * 1e9),
                                   overwrite=args.overwrite, progress=lambda s: print(s, file=sys.stderr),
                                   std=args.std)
-    except (ValueError, UnsupportedModelError, FileExistsError, OSError, checkpoint.CheckpointError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2 if isinstance(e, (ValueError, UnsupportedModelError, FileExistsError)) else 1
+    except errors.HANDLED as e:
+        return errors.report(e)
     print(folder)
     return 0
 

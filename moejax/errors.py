@@ -1,0 +1,46 @@
+"""What a command's error means, and the exit status that says it.
+
+Every ``python -m moejax.*`` command prints one line ``error: ...`` (no traceback) and exits with
+  2  usage error: a flag value, name or combination the command cannot mean, or an output that already
+     exists without ``--overwrite`` (argparse's own errors exit 2 too);
+  1  failure: the command line was fine but something it reads, writes or computes is not — a missing,
+     damaged or unsupported file, an unwritable output, non-finite numbers.
+Errors about files derive from ``Failure``; any other ``ValueError`` is a usage error. This module is at
+the bottom of the import graph so that every layer can raise these.
+"""
+
+from __future__ import annotations
+
+import sys
+
+USAGE, FAILURE = 2, 1
+
+
+class Failure(ValueError):
+    """The input was well formed but a file or a result is not (exit status 1). A ``ValueError`` so that
+    callers catching bad values keep catching it."""
+
+
+class UsageError(ValueError):
+    """A request the command refuses as asked (exit status 2), also where it is about a file: replacing
+    a folder that is not a checkpoint, a target that is the source. Checked before ``Failure``."""
+
+
+HANDLED = (ValueError, OSError)  # what a command's main turns into one line and a status
+
+
+def exit_status(err: BaseException) -> int:
+    if isinstance(err, (FileExistsError, UsageError)):
+        return USAGE  # e.g. refused to replace an output: pass --overwrite or another path
+    if isinstance(err, (Failure, OSError)):
+        return FAILURE
+    return USAGE
+
+
+def report(err: BaseException, prefix: str = "") -> int:
+    """Print ``error: <prefix><err>`` on stderr (one line) and return the exit status for ``err``."""
+    text = " ".join(str(err).split("\n")) if str(err) else type(err).__name__
+    if isinstance(err, OSError) and err.filename and str(err.filename) not in text:
+        text = f"{err.filename}: {text}"
+    print(f"error: {prefix}{text}", file=sys.stderr)
+    return exit_status(err)

@@ -1,0 +1,719 @@
+"""Bad inputs and faults against every ``python -m moejax.*`` command (reliability contract, ``moejax.errors``).
+
+Each case runs one command's ``main(argv)`` in process (two cases run the real module as a subprocess) on
+a bad flag value, a damaged or missing file, or an output it cannot write, and checks the contract:
+
+* exit status 2 for a usage error (a flag value, name or combination the command cannot mean, an output
+  that already exists without ``--overwrite``; argparse's own exit 2 counts), 1 for a failure (a missing,
+  damaged or unsupported file, an unwritable output);
+* stderr ends in ONE line ``error: ...`` that names the offending flag or file, and holds no traceback;
+* nothing the user had changes: every file in the case's folder (and the shared tiny checkpoint) keeps
+  its bytes and mtime, and no file or folder is left behind there or in ``TMPDIR``;
+* no bad input reaches the expensive work: the compute entry points (decode, forward passes, training,
+  the prior's recording) are replaced by tripwires, so a value that should have been refused up front
+  fails fast here instead of running.
+
+Cases that break the contract today are marked ``xfail(strict=True, reason="BUG: ...")``: fix the code,
+then remove the mark. The probe that produced these cases is written up in the session's REPORT.md.
+
+Cases already covered elsewhere are not repeated here (results files that are not ours, convert
+--overwrite onto the source or an unrelated folder, train --export/--out reuse, --store-dir, NaN router
+logits, sweep resume after a weights change, untrusted safetensors headers, damaged orbax params, corrupt
+train_prior records, --trace-out into a missing folder, --cache-size 0 / 2.0 / 99999, --max-new-tokens
+past the context, evaluate --context past the positions, signals).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import gzip
+import hashlib
+import importlib
+import io
+import json
+import os
+import shutil
+import struct
+import subprocess
+import sys
+import tempfile
+import traceback
+from contextlib import redirect_stderr, redirect_stdout
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+import pytest
+
+USAGE, FAILURE = 2, 1
+
+CLIS = {
+    "generate": "moejax.generate", "evaluate": "moejax.evaluate", "convert": "moejax.convert",
+    "trace": "moejax.trace", "studies": "moejax.studies", "train": "moejax.train",
+    "train_prior": "moejax.train_prior", "report": "moejax.report", "plots": "moejax.plots",
+    "random_checkpoint": "moejax.testing.random_checkpoint",
+}
+
+# Compute entry points: a bad input must be refused before any of these runs (module, attribute path).
+TRIPWIRES = (
+    ("moejax.decode", "init_kv"),  # generation: after the prompt checks, before compiling
+    ("moejax.model", "init_kv"),  # offloaded generation and forward passes
+    ("moejax.api", "_forward_original"),  # teacher-forced passes (evaluate)
+    ("moejax.simulate", "forward_with_cache"),
+    ("moejax.simulate", "sweep_forward"),
+    ("moejax.offload", "host_forward"),
+    ("moejax.sweep", "Runner._evaluate"),  # sweeps and studies: after planning, before the first point
+    ("moejax.train", "_compiled"),  # training: before compiling the step
+    ("moejax.train_prior", "training_tokens"),  # the prior: before recording
+)
+
+TINY_SETTINGS = {  # a 2-layer qwen3_moe at toy sizes: loads in a fraction of a second
+    "vocab_size": 256, "max_position_embeddings": 64, "hidden_size": 32, "head_dim": 8, "intermediate_size": 32,
+    "moe_intermediate_size": 16, "num_attention_heads": 4, "num_key_value_heads": 2, "num_experts": 8,
+    "num_experts_per_tok": 2, "bos_token_id": 0, "eos_token_id": 1,
+}
+
+
+class ReachedWork(BaseException):
+    """Raised by a tripwire: the command accepted the input and started the real work."""
+
+
+# ------------------------------------------------------------------------------------------ fixtures
+@pytest.fixture(scope="session")
+def tiny(tmp_path_factory) -> str:
+    """One tiny random HF checkpoint per session (never modified: cases that damage a model copy it)."""
+    from moejax.testing import random_checkpoint as rc
+
+    folder = str(tmp_path_factory.mktemp("bad-inputs") / "tiny")
+    config = rc.with_overrides(rc.preset_config("qwen3-30b-a3b"), 2, TINY_SETTINGS, "float32")
+    rc.write_checkpoint(config, folder, dtype="float32", seed=1)
+    return folder
+
+
+def _snapshot(*roots: Path) -> dict:
+    """Every file (bytes and mtime) and folder under ``roots``."""
+    snap = {}
+    for root in roots:
+        for d, dirs, files in os.walk(root):
+            snap[d] = "dir"
+            for name in files:
+                path = os.path.join(d, name)
+                st = os.lstat(path)
+                if os.path.islink(path):
+                    snap[path] = ("link", os.readlink(path))
+                    continue
+                with open(path, "rb") as f:
+                    digest = hashlib.sha1(f.read()).hexdigest()
+                snap[path] = (st.st_size, st.st_mtime_ns, digest)
+    return snap
+
+
+def _diff(before: dict, after: dict) -> list[str]:
+    problems = [f"left behind: {p}" for p in sorted(set(after) - set(before))]
+    problems += [f"removed: {p}" for p in sorted(set(before) - set(after))]
+    problems += [f"modified: {p}" for p in sorted(set(before) & set(after)) if before[p] != after[p]]
+    return problems
+
+
+def _trip(*_, **__):
+    raise ReachedWork()
+
+
+def _invoke(cli: str, argv: list[str]) -> tuple[object, str, str]:
+    """``main(argv)`` of a command, as the interpreter would run it: (exit status, stdout, stderr)."""
+    mod = importlib.import_module(CLIS[cli])
+    out, err = io.StringIO(), io.StringIO()
+    with redirect_stdout(out), redirect_stderr(err):
+        try:
+            rc = mod.main(argv)
+        except SystemExit as e:
+            rc = 0 if e.code is None else e.code if isinstance(e.code, int) else 1
+            if not isinstance(e.code, (int, type(None))):
+                print(e.code, file=sys.stderr)
+        except ReachedWork:
+            rc = "ran"
+        except Exception:  # noqa: BLE001 - an uncaught exception is a traceback and exit 1
+            traceback.print_exc()
+            rc = 1
+    return rc, out.getvalue(), err.getvalue()
+
+
+def _run_process(cli: str, argv: list[str], env: dict) -> tuple[object, str, str]:
+    try:
+        p = subprocess.run([sys.executable, "-m", CLIS[cli], *argv], capture_output=True, env=env, timeout=120)
+    except subprocess.TimeoutExpired:
+        return "hang", "", ""
+    return p.returncode, p.stdout.decode(errors="replace"), p.stderr.decode(errors="replace")
+
+
+# ------------------------------------------------------------------------------------------ set-ups
+def _write(rel: str, content: str | bytes) -> Callable:
+    def setup(tmp: Path, tiny: str) -> None:
+        path = tmp / rel
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(content.encode() if isinstance(content, str) else content)
+    return setup
+
+
+def _mkdir(rel: str) -> Callable:
+    return lambda tmp, tiny: (tmp / rel).mkdir(parents=True, exist_ok=True)
+
+
+def _both(*setups: Callable) -> Callable:
+    def setup(tmp: Path, tiny: str) -> None:
+        for s in setups:
+            s(tmp, tiny)
+    return setup
+
+
+def _model(edit: Callable[[Path], None] | None = None, rel: str = "model", src: str | None = None) -> Callable:
+    """A copy of the tiny checkpoint (or ``src``: "default") at ``tmp/rel``, then ``edit(folder)``."""
+    def setup(tmp: Path, tiny: str) -> None:
+        if src == "default":
+            from moejax import assets
+
+            shutil.copytree(assets.default_model_path(), tmp / rel)
+        else:
+            shutil.copytree(tiny, tmp / rel)
+        if edit is not None:
+            edit(tmp / rel)
+    return setup
+
+
+def _config(**changes) -> Callable[[Path], None]:
+    def edit(folder: Path) -> None:
+        cfg = json.loads((folder / "config.json").read_text())
+        for k, v in changes.items():
+            if v is _DROP:
+                cfg.pop(k)
+            else:
+                cfg[k] = v
+        (folder / "config.json").write_text(json.dumps(cfg))
+    return edit
+
+
+_DROP = object()
+
+
+def _config_text(text: str) -> Callable[[Path], None]:
+    return lambda folder: (folder / "config.json").write_text(text)
+
+
+def _header(edit: Callable[[dict], None]) -> Callable[[Path], None]:
+    """Rewrite the safetensors header of the model file (same data bytes)."""
+    def fn(folder: Path) -> None:
+        path = folder / "model.safetensors"
+        raw = path.read_bytes()
+        n = struct.unpack("<Q", raw[:8])[0]
+        header = json.loads(raw[8:8 + n])
+        edit(header)
+        new = json.dumps(header).encode()
+        new += b" " * (-len(new) % 8)
+        path.write_bytes(struct.pack("<Q", len(new)) + new + raw[8 + n:])
+    return fn
+
+
+def _first_expert_key(header: dict) -> str:
+    return sorted(k for k in header if ".experts." in k and k.endswith("gate_proj.weight"))[0]
+
+
+def _set_dtype(dtype: str) -> Callable[[dict], None]:
+    def edit(h: dict) -> None:
+        h[_first_expert_key(h)]["dtype"] = dtype
+    return edit
+
+
+def _reshape_embed(h: dict) -> None:
+    e = h["model.embed_tokens.weight"]
+    e["shape"] = [e["shape"][1], e["shape"][0]]  # same bytes, transposed shape: 32 x 256 for 256 x 32
+
+
+def _tensors(edit: Callable[[dict], None]) -> Callable[[Path], None]:
+    def fn(folder: Path) -> None:
+        from safetensors.numpy import load_file, save_file
+
+        path = str(folder / "model.safetensors")
+        tensors = load_file(path)
+        edit(tensors)
+        save_file(tensors, path)
+    return fn
+
+
+def _drop_tensor(t: dict) -> None:
+    t.pop("model.layers.1.self_attn.o_proj.weight")
+
+
+def _trace(rel: str = "t.npz", tokens: int = 24, **override) -> Callable:
+    def setup(tmp: Path, tiny: str) -> None:
+        from moejax import trace as trace_lib
+
+        tr = trace_lib.synthetic_trace(tokens, 2, 8, 2, seed=0, with_logits=True)
+        arrays = {"experts": tr.experts, "weights": tr.weights, "logits": tr.logits,
+                  "n_experts": np.int64(8), "gating": np.asarray(json.dumps(tr.gating))}
+        for k, v in override.items():
+            if v is None:
+                arrays.pop(k)
+            else:
+                arrays[k] = v(arrays[k]) if callable(v) else v
+        (tmp / rel).parent.mkdir(parents=True, exist_ok=True)
+        with open(tmp / rel, "wb") as f:
+            np.savez(f, **arrays)
+    return setup
+
+
+def _corpus(rel: str = "corpus", shards: int = 2) -> Callable:
+    def setup(tmp: Path, tiny: str) -> None:
+        folder = tmp / rel
+        folder.mkdir(parents=True, exist_ok=True)
+        for s in range(shards):
+            with gzip.open(folder / f"enwiki-2015-wikitext-style-{s:02d}.txt.gz", "wt", encoding="utf-8") as f:
+                for d in range(4):
+                    f.write(f" \n = Article {s} {d} = \n \n The city was built in 1900 , with 1 @,@ 200 people . \n")
+    return setup
+
+
+_RECORD = {"key": "k1", "study": "pareto", "task": "wikitext", "model": "m", "method": "forward", "ppl": 10.0,
+           "miss_rate": 0.5, "routing": {"kind": "original"}, "cache": {"capacity": 2, "size": "2"}}
+_RESULTS = _write("r.jsonl", json.dumps(_RECORD) + "\n")
+
+
+# ------------------------------------------------------------------------------------------ cases
+@dataclasses.dataclass(frozen=True)
+class Case:
+    id: str
+    cli: str
+    argv: tuple[str, ...]  # {tmp}: the case's folder, {tiny}: the shared tiny checkpoint
+    status: int  # USAGE (2) or FAILURE (1)
+    names: tuple[str, ...]  # the error line must contain one of these (a flag or a path)
+    setup: Callable | None = None
+    bug: str | None = None  # today's behaviour, when it breaks the contract
+    process: bool = False  # run ``python -m`` for real (argv bytes, exit status and traceback as a user sees them)
+    tripwires: bool = True  # False: the value is only refused while tracing the model, which is cheap here
+
+
+def G(*extra: str, model: str = "{tiny}") -> tuple[str, ...]:
+    """generate on the tiny model, one new token."""
+    return ("--model", model, "--prompt-ids", "1,2,3", "--max-new-tokens", "1", *extra)
+
+
+def E(*extra: str) -> tuple[str, ...]:
+    """evaluate on the default model (it has a tokenizer) over a small text file."""
+    return ("--model", "default", "--data", "{tmp}/text.txt", "--context", "16", "--max-tokens", "8",
+            "--no-progress", *extra)
+
+
+TEXT = _write("text.txt", "The history of the city began in 1900 . It was built by the river .\n")
+BYSTANDER = _write("mine/notes.txt", "precious")
+R = ("{tmp}/r.jsonl", "--no-figures", "--out", "{tmp}/REPORT.md")
+RT = ("{tmp}/r.jsonl", "--out", "{tmp}/REPORT.md", "--figures", "{tmp}/figs")  # with figures: --trace needs them
+H = ("heatmap", "{tmp}/t.npz", "--cache-size", "4", "--out", "{tmp}/fig")
+TP = ("--out", "{tmp}/priors", "--model", "default", "--corpus", "{tmp}/corpus", "--shards", "0")
+TR = ("--out", "{tmp}/run", "--config", "tiny", "--data-dir", "{tmp}/data", "--corpus-dir", "{tmp}/corpus")
+RC = ("qwen3-30b-a3b", "{tmp}/rc", "--layers", "1", *[f"--set={k}={v}" for k, v in TINY_SETTINGS.items()])
+
+CASES = [
+    # ----------------------------------------------------------------------------- generate: flags
+    Case("generate-prompt-ids-negative", "generate", G()[:2] + ("--prompt-ids=-1,2",) + G()[4:], USAGE,
+         ("--prompt-ids", "-1")),
+    Case("generate-prompt-id-equal-to-vocab", "generate", G()[:3] + ("5,256",) + G()[4:], USAGE, ("256",)),
+    Case("generate-prompt-ids-float", "generate", G()[:3] + ("1.5,2",) + G()[4:], USAGE, ("--prompt-ids",)),
+    Case("generate-temperature-negative", "generate", G("--temperature", "-1"), USAGE, ("--temperature", "temperature")),
+    Case("generate-temperature-nan", "generate", G("--temperature", "nan"), USAGE, ("--temperature", "temperature")),
+    Case("generate-top-p-zero", "generate", G("--temperature", "1", "--top-p", "0"), USAGE, ("--top-p", "top_p")),
+    Case("generate-top-p-above-one", "generate", G("--temperature", "1", "--top-p", "1.5"), USAGE, ("--top-p", "top_p")),
+    Case("generate-seed-not-int", "generate", G("--seed", "abc"), USAGE, ("--seed",)),
+    Case("generate-dtype-unknown", "generate", G("--dtype", "int8"), USAGE, ("--dtype",)),
+    Case("generate-cache-size-not-a-number", "generate", G("--cache-size", "abc"), USAGE, ("--cache-size", "abc")),
+    Case("generate-cache-size-negative-fraction", "generate", G("--cache-size", "-0.5"), USAGE,
+         ("--cache-size", "-0.5")),
+    Case("generate-lam-nan", "generate", G("--routing", "cache-prior", "--lam", "nan"), USAGE, ("--lam", "lambda", "λ")),
+    Case("generate-top-j-zero", "generate", G("--routing", "cache-prior", "--top-j", "0"), USAGE, ("--top-j", "top_j")),
+    Case("generate-max-rank-zero", "generate", G("--routing", "max-rank", "--max-rank", "0"), USAGE,
+         ("--max-rank", "max_rank")),
+    Case("generate-prune-h-zero", "generate", G("--routing", "pruning", "--prune-h", "0"), USAGE,
+         ("--prune-h", "prune_h", "h=0")),
+    Case("generate-cumsum-p-above-one", "generate", G("--routing", "cumsum", "--cumsum-p", "1.5"), USAGE,
+         ("--cumsum-p", "cumsum")),
+    Case("generate-delta-negative", "generate", G("--routing", "cache-prior", "--delta", "-1"), USAGE, ("--delta",)),
+    Case("generate-miss-rank-not-int", "generate", G("--miss", "drop", "--miss-rank", "x"), USAGE, ("--miss-rank",)),
+    Case("generate-cascade-bits-3", "generate", G("--miss", "cascade", "--cascade-bits", "3"), USAGE,
+         ("--cascade-bits", "cascade bit")),
+    Case("generate-quant-group-zero", "generate", G("--miss", "cascade", "--quant-group", "0"), USAGE,
+         ("--quant-group", "group_size"), tripwires=False),
+    Case("generate-prefetch-negative", "generate", G("--prefetch", "-1"), USAGE, ("--prefetch", "prefetch overfetch")),
+    Case("generate-prefetch-percentile-150", "generate", G("--prefetch-percentile", "150"), USAGE,
+         ("--prefetch-percentile", "prefetch percentile")),
+    Case("generate-offload-cache-below-k", "generate", G("--offload", "--cache-size", "1"), USAGE,
+         ("--cache-size", "K=2")),
+    Case("generate-bandwidth-zero", "generate", G("--offload", "--bandwidth-gbps", "0"), USAGE, ("--bandwidth-gbps", "bandwidth")),
+    Case("generate-latency-negative", "generate", G("--offload", "--latency-us", "-5"), USAGE, ("--latency-us", "latency")),
+    Case("generate-trace-out-is-a-folder", "generate", G("--trace-out", "{tmp}/mine"), USAGE,
+         ("--trace-out",), BYSTANDER),
+    Case("generate-prior-without-learned-prior", "generate", G("--prior", "{tmp}/mine"), USAGE,
+         ("--prior", "learned-prior"), BYSTANDER),
+    # ----------------------------------------------------------------------------- generate: model files
+    Case("generate-model-is-a-file", "generate", G(model="{tmp}/mine/notes.txt"), FAILURE,
+         ("{tmp}/mine/notes.txt",), BYSTANDER),
+    Case("generate-model-empty-folder", "generate", G(model="{tmp}/mine"), FAILURE, ("{tmp}/mine",), BYSTANDER),
+    Case("generate-config-not-json", "generate", G(model="{tmp}/model"), FAILURE, ("{tmp}/model",),
+         _model(_config_text("{not json"))),
+    Case("generate-config-is-a-list", "generate", G(model="{tmp}/model"), FAILURE, ("{tmp}/model",),
+         _model(_config_text("[1, 2, 3]"))),
+    Case("generate-config-not-utf8", "generate", G(model="{tmp}/model"), FAILURE, ("{tmp}/model",),
+         _model(lambda f: (f / "config.json").write_bytes(b'{"model_type": "qwen3_moe\xff"}'))),
+    Case("generate-config-no-model-type", "generate", G(model="{tmp}/model"), FAILURE, ("model_type",),
+         _model(_config(model_type=_DROP))),
+    Case("generate-config-negative-hidden-size", "generate", G(model="{tmp}/model"), FAILURE, ("hidden_size",),
+         _model(_config(hidden_size=-32))),
+    Case("generate-config-zero-experts", "generate", G(model="{tmp}/model"), FAILURE, ("missing tensors",),
+         _model(_config(num_experts=0))),
+    Case("generate-config-top-k-above-experts", "generate", G(model="{tmp}/model"), FAILURE,
+         ("num_experts_per_tok",), _model(_config(num_experts_per_tok=9))),
+    Case("generate-config-size-is-a-string", "generate", G(model="{tmp}/model"), FAILURE, ("hidden_size",),
+         _model(_config(hidden_size="32"))),
+    Case("generate-config-without-weights", "generate", G(model="{tmp}/model"), FAILURE, ("{tmp}/model",),
+         _model(lambda f: (f / "model.safetensors").unlink())),
+    Case("generate-weights-empty-file", "generate", G(model="{tmp}/model"), FAILURE, ("model.safetensors",),
+         _model(lambda f: (f / "model.safetensors").write_bytes(b""))),
+    Case("generate-weights-unknown-dtype", "generate", G(model="{tmp}/model"), FAILURE, ("F33", "model.safetensors"),
+         _model(_header(_set_dtype("F33")))),
+    Case("generate-weights-integer-dtype", "generate", G(model="{tmp}/model"), FAILURE,
+         ("I32", "int32", "model.safetensors"), _model(_header(_set_dtype("I32")))),
+    Case("generate-weights-wrong-shape", "generate", G(model="{tmp}/model"), FAILURE, ("embed_tokens",),
+         _model(_header(_reshape_embed))),
+    Case("generate-weights-missing-tensor", "generate", G(model="{tmp}/model"), FAILURE, ("o_proj",),
+         _model(_tensors(_drop_tensor))),
+    Case("generate-generation-config-not-json", "generate", G(model="{tmp}/model"), FAILURE,
+         ("generation_config.json",), _model(lambda f: (f / "generation_config.json").write_text("{oops"))),
+    Case("generate-tokenizer-json-damaged", "generate", ("--model", "{tmp}/model", "--prompt", "hello"), FAILURE,
+         ("tokenizer.json",), _model(lambda f: (f / "tokenizer.json").write_text("{oops"))),
+    Case("generate-chat-template-broken", "generate", ("--model", "{tmp}/model", "--prompt", "hi", "--chat",
+                                                        "--max-new-tokens", "1"), FAILURE,
+         ("tokenizer_config.json", "chat template"), _model(lambda f: (f / "tokenizer_config.json").write_text(
+             json.dumps({"chat_template": "{% for m in messages %}{{ m['content'] }"})), src="default")),
+    Case("generate-prompt-not-utf8", "generate", ("--model", "default", "--prompt", "caf\udce9", "--max-new-tokens", "1", "--json"), USAGE,
+         ("--prompt", "UTF-8"), process=True),
+    # ----------------------------------------------------------------------------- evaluate
+    Case("evaluate-data-empty-file", "evaluate", E(), FAILURE, ("{tmp}/text.txt",), _write("text.txt", "")),
+    Case("evaluate-data-whitespace-only", "evaluate", E(), FAILURE, ("{tmp}/text.txt",),
+         _write("text.txt", " \n\n \t\n")),
+    Case("evaluate-data-not-utf8", "evaluate", E(), FAILURE, ("{tmp}/text.txt",),
+         _write("text.txt", b"\xff\xfe\x00binary\x80\x81" * 20)),
+    Case("evaluate-data-is-a-folder", "evaluate", E()[:3] + ("{tmp}/mine",) + E()[4:], FAILURE, ("{tmp}/mine",),
+         BYSTANDER),
+    Case("evaluate-gsm8k-data-not-utf8", "evaluate", ("--model", "default", "--task", "gsm8k", "--data",
+                                                      "{tmp}/gsm.jsonl", "--limit", "1", "--shots", "0"), FAILURE,
+         ("{tmp}/gsm.jsonl",), _write("gsm.jsonl", b'{"question": "\xff\xfe", "answer": "#### 1"}\n')),
+    Case("evaluate-context-1", "evaluate", E("--context", "1"), USAGE, ("--context",), TEXT),
+    Case("evaluate-batch-size-zero", "evaluate", E("--batch-size", "0"), USAGE, ("--batch-size",), TEXT),
+    Case("evaluate-shots-negative", "evaluate", ("--model", "default", "--task", "mmlu", "--shots", "-1"), USAGE,
+         ("--shots",)),
+    Case("evaluate-results-is-a-folder", "evaluate", E("--results", "{tmp}/mine"), FAILURE, ("{tmp}/mine",),
+         _both(TEXT, BYSTANDER)),
+    Case("evaluate-sweep-unknown-parameter", "evaluate", E("--sweep", "foo=1,2"), USAGE, ("foo",), TEXT),
+    Case("evaluate-sweep-without-values", "evaluate", E("--sweep", "lam="), USAGE, ("lam=",), TEXT),
+    Case("evaluate-mmlu-data-empty-folder", "evaluate", ("--model", "default", "--task", "mmlu", "--data",
+                                                          "{tmp}/mine", "--limit", "1"), FAILURE, ("{tmp}/mine",),
+         BYSTANDER),
+    Case("evaluate-model-is-a-file", "evaluate", ("--model", "{tmp}/mine/notes.txt", "--max-tokens", "8"), FAILURE,
+         ("{tmp}/mine/notes.txt",), BYSTANDER),
+    # ----------------------------------------------------------------------------- trace
+    Case("trace-replay-empty-file", "trace", ("replay", "{tmp}/t.npz", "--cache-size", "2"), FAILURE,
+         ("{tmp}/t.npz",), _write("t.npz", b"")),
+    Case("trace-replay-text-file", "trace", ("replay", "{tmp}/t.npz", "--cache-size", "2"), FAILURE,
+         ("{tmp}/t.npz",), _write("t.npz", "experts: 1 2 3\n"), process=True),
+    Case("trace-replay-a-folder", "trace", ("replay", "{tmp}/mine", "--cache-size", "2"), FAILURE, ("{tmp}/mine",),
+         BYSTANDER),
+    Case("trace-replay-npy-not-npz", "trace", ("replay", "{tmp}/t.npy", "--cache-size", "2"), FAILURE,
+         ("{tmp}/t.npy",), lambda tmp, tiny: np.save(tmp / "t.npy", np.zeros((4, 2, 2), np.int32))),
+    Case("trace-replay-truncated-npz", "trace", ("replay", "{tmp}/cut.npz", "--cache-size", "2"), FAILURE,
+         ("{tmp}/cut.npz",), _both(_trace(), lambda tmp, tiny: (tmp / "cut.npz").write_bytes(
+             (tmp / "t.npz").read_bytes()[:-300]))),
+    Case("trace-replay-expert-id-below-minus-one", "trace", ("replay", "{tmp}/t.npz", "--cache-size", "2"), FAILURE,
+         ("'experts'",), _trace(experts=lambda e: np.where(e == 0, -5, e))),
+    Case("trace-replay-zero-tokens", "trace", ("replay", "{tmp}/t.npz", "--cache-size", "2"), FAILURE,
+         ("'experts'",), _trace(experts=np.zeros((0, 2, 2), np.int32), weights=None, logits=None)),
+    Case("trace-replay-nan-logits-rerouted", "trace", ("replay", "{tmp}/t.npz", "--cache-size", "2", "--routing",
+                                                       "cache-prior"), FAILURE, ("'logits'",),
+         _trace(logits=lambda z: np.where(z > 1, np.nan, z).astype(np.float32))),
+    Case("trace-replay-gating-not-an-object", "trace", ("replay", "{tmp}/t.npz", "--cache-size", "2", "--routing",
+                                                        "cache-prior"), FAILURE, ("'gating'",),
+         _trace(gating=np.asarray("[1, 2]"))),
+    Case("trace-replay-cache-size-not-a-number", "trace", ("replay", "{tmp}/t.npz", "--cache-size", "abc"), USAGE,
+         ("abc", "cache size"), _trace()),
+    Case("trace-replay-routing-needs-logits", "trace", ("replay", "{tmp}/t.npz", "--cache-size", "2", "--routing",
+                                                        "cache-prior"), FAILURE, ("'logits'",), _trace(logits=None)),
+    Case("trace-replay-top-k-above-experts", "trace", ("replay", "{tmp}/t.npz", "--cache-size", "2", "--routing",
+                                                       "original", "--top-k", "99"), USAGE, ("--top-k", "top_k", "99"),
+         _trace()),
+    Case("trace-replay-expert-bytes-negative", "trace", ("replay", "{tmp}/t.npz", "--cache-size", "2",
+                                                         "--expert-bytes", "-1"), USAGE, ("--expert-bytes",), _trace()),
+    Case("trace-synth-zero-tokens", "trace", ("synth", "{tmp}/s.npz", "--tokens", "0"), USAGE, ("--tokens", "'experts'")),
+    Case("trace-synth-zero-experts", "trace", ("synth", "{tmp}/s.npz", "--experts", "0"), USAGE, ("--experts",)),
+    Case("trace-synth-top-k-above-experts", "trace", ("synth", "{tmp}/s.npz", "--experts", "4", "--top-k", "5"),
+         USAGE, ("--top-k",)),
+    Case("trace-synth-rho-above-one", "trace", ("synth", "{tmp}/s.npz", "--rho", "2"), USAGE, ("--rho",)),
+    Case("trace-synth-into-missing-folder", "trace", ("synth", "{tmp}/nope/s.npz",), FAILURE, ("{tmp}/nope",)),
+    Case("trace-synth-onto-a-folder", "trace", ("synth", "{tmp}/dir.npz",), FAILURE, ("{tmp}/dir.npz",),
+         _both(_mkdir("dir.npz"), _write("dir.npz/notes.txt", "mine"))),
+    # ----------------------------------------------------------------------------- plots heatmap
+    Case("plots-heatmap-garbage-trace", "plots", H, FAILURE, ("{tmp}/t.npz",), _write("t.npz", b"PK\x03\x04garbage")),
+    Case("plots-heatmap-out-under-a-file", "plots", H[:-1] + ("{tmp}/mine/notes.txt/fig",), FAILURE,
+         ("{tmp}/mine/notes.txt",), _both(_trace(), BYSTANDER)),
+    Case("plots-heatmap-max-tokens-zero", "plots", H + ("--max-tokens", "0"), USAGE, ("--max-tokens", "max_tokens"), _trace()),
+    Case("plots-heatmap-start-past-the-end", "plots", H + ("--start", "500"), USAGE, ("--start", "start 500"), _trace()),
+    Case("plots-heatmap-layer-negative", "plots", H + ("--layer", "-1"), USAGE, ("--layer", "layer -1"), _trace()),
+    Case("plots-heatmap-labels-mismatch", "plots", H + ("--label", "a", "--label", "b"), USAGE, ("--label", "labels"),
+         _trace()),
+    Case("plots-heatmap-cache-size-not-a-number", "plots", H[:2] + ("--cache-size", "abc") + H[4:], USAGE,
+         ("abc", "cache size"), _trace()),
+    # ----------------------------------------------------------------------------- report
+    Case("report-results-empty-file", "report", R, FAILURE, ("{tmp}/r.jsonl",), _write("r.jsonl", "")),
+    Case("report-results-is-a-folder", "report", ("{tmp}/mine",) + R[1:], FAILURE, ("{tmp}/mine",), BYSTANDER),
+    Case("report-results-not-utf8", "report", R, FAILURE, ("{tmp}/r.jsonl",), _write("r.jsonl", b"\xff\xfe\x00\x01" * 8)),
+    Case("report-out-is-a-folder", "report", R[:-1] + ("{tmp}/mine",), FAILURE, ("{tmp}/mine",),
+         _both(_RESULTS, BYSTANDER)),
+    Case("report-out-under-a-file", "report", R[:-1] + ("{tmp}/mine/notes.txt/REPORT.md",), FAILURE,
+         ("{tmp}/mine/notes.txt",), _both(_RESULTS, BYSTANDER)),
+    Case("report-figures-is-a-file", "report", ("{tmp}/r.jsonl", "--out", "{tmp}/REPORT.md", "--figures",
+                                                "{tmp}/mine/notes.txt"), USAGE, ("{tmp}/mine/notes.txt",),
+         _both(_RESULTS, BYSTANDER)),
+    Case("report-trace-missing", "report", RT + ("--trace", "{tmp}/nope.npz"), FAILURE, ("{tmp}/nope.npz",), _RESULTS),
+    Case("report-trace-cache-size-not-a-number", "report", RT + ("--trace", "{tmp}/t.npz", "--trace-cache-size", "abc"),
+         USAGE, ("abc", "--trace-cache-size"), _both(_RESULTS, _trace())),
+    Case("report-trace-tokens-zero", "report", RT + ("--trace", "{tmp}/t.npz", "--trace-tokens", "0"), USAGE,
+         ("--trace-tokens",), _both(_RESULTS, _trace())),
+    Case("report-trace-layer-out-of-range", "report", RT + ("--trace", "{tmp}/t.npz", "--trace-layer", "9"), USAGE,
+         ("--trace-layer", "layer 9"), _both(_RESULTS, _trace())),
+    # ----------------------------------------------------------------------------- studies
+    Case("studies-only-unknown", "studies", ("--only", "bogus", "--out", "{tmp}/s"), USAGE, ("bogus",)),
+    Case("studies-points-zero", "studies", ("--points", "0", "--out", "{tmp}/s"), USAGE, ("--points",)),
+    Case("studies-evictions-unknown", "studies", ("--evictions", "lru,nope", "--out", "{tmp}/s"), USAGE,
+         ("--evictions",)),
+    Case("studies-context-1", "studies", ("--context", "1", "--out", "{tmp}/s"), USAGE, ("--context",)),
+    Case("studies-batch-size-zero", "studies", ("--batch-size", "0", "--only", "pareto", "--model", "default",
+                                                "--out", "{tmp}/s", "--data", "{tmp}/text.txt"), USAGE,
+         ("--batch-size",), TEXT),
+    Case("studies-model-missing", "studies", ("--model", "{tmp}/nope", "--out", "{tmp}/s"), FAILURE, ("{tmp}/nope",)),
+    Case("studies-out-is-a-file", "studies", ("--model", "{tiny}", "--only", "pareto", "--out",
+                                              "{tmp}/mine/notes.txt"), USAGE, ("{tmp}/mine/notes.txt",), BYSTANDER),
+    Case("studies-data-missing", "studies", ("--model", "default", "--only", "pareto", "--out", "{tmp}/s", "--data",
+                                             "{tmp}/nope.txt"), FAILURE, ("{tmp}/nope.txt",), tripwires=False),
+    # ----------------------------------------------------------------------------- train
+    Case("train-steps-zero", "train", TR + ("--steps", "0"), USAGE, ("--steps",)),
+    Case("train-config-unknown", "train", TR + ("--config", "huge"), USAGE, ("--config",)),
+    Case("train-lr-negative", "train", TR + ("--lr", "-1"), USAGE, ("--lr",), _corpus()),
+    Case("train-batch-zero", "train", TR + ("--batch", "0"), USAGE, ("--batch",), _corpus()),
+    Case("train-seq-len-zero", "train", TR + ("--seq-len", "0"), USAGE, ("--seq-len",), _corpus()),
+    Case("train-steps-auto-without-budget", "train", TR + ("--steps", "auto"), USAGE, ("--time-budget-min",),
+         _corpus()),
+    Case("train-corpus-empty-folder", "train", TR, FAILURE, ("{tmp}/corpus",), _mkdir("corpus")),
+    Case("train-out-is-a-file", "train", ("--out", "{tmp}/mine/notes.txt") + TR[2:], USAGE,
+         ("{tmp}/mine/notes.txt",), _both(BYSTANDER, _corpus())),
+    Case("train-export-without-a-run", "train", ("--out", "{tmp}/mine", "--export", "{tmp}/exported"), FAILURE,
+         ("{tmp}/mine",), BYSTANDER),
+    Case("train-resume-run-json-garbage", "train", TR + ("--resume",), FAILURE, ("run.json",),
+         _both(_corpus(), _write("run/run.json", "{garbage"))),
+    # ----------------------------------------------------------------------------- train_prior
+    Case("train-prior-weights-not-numbers", "train_prior", TP + ("--weights", "a,b"), USAGE, ("--weights",), _corpus()),
+    Case("train-prior-holdout-above-one", "train_prior", TP + ("--holdout", "1.5"), USAGE, ("--holdout",), _corpus()),
+    Case("train-prior-shards-not-numbers", "train_prior", TP[:-1] + ("x",), USAGE, ("--shards",), _corpus()),
+    Case("train-prior-shard-missing", "train_prior", TP[:-1] + ("5",), USAGE, ("shard 5",), _corpus()),
+    Case("train-prior-cache-size-zero", "train_prior", TP + ("--cache-size", "0"), USAGE, ("--cache-size", "cache size"),
+         _corpus()),
+    Case("train-prior-lr-negative", "train_prior", TP + ("--lr", "-1"), USAGE, ("--lr",), _corpus()),
+    Case("train-prior-corpus-missing", "train_prior", TP, FAILURE, ("{tmp}/corpus",)),
+    Case("train-prior-model-missing", "train_prior", TP[:2] + ("--model", "{tmp}/nope") + TP[4:], FAILURE,
+         ("{tmp}/nope",), _corpus()),
+    Case("train-prior-out-is-a-file", "train_prior", ("--out", "{tmp}/mine/notes.txt") + TP[2:], USAGE,
+         ("{tmp}/mine/notes.txt",), _both(BYSTANDER, _corpus())),
+    # ----------------------------------------------------------------------------- convert
+    Case("convert-src-index-not-json", "convert", ("hf-to-moejax", "{tmp}/model", "{tmp}/out"), FAILURE,
+         ("model.safetensors.index.json",),
+         _model(lambda f: (f / "model.safetensors.index.json").write_text("{garbage"))),
+    Case("convert-dst-is-a-file", "convert", ("hf-to-moejax", "{tiny}", "{tmp}/mine/notes.txt"), USAGE,
+         ("{tmp}/mine/notes.txt",), BYSTANDER),
+    Case("convert-dst-is-a-file-overwrite", "convert", ("hf-to-moejax", "{tiny}", "{tmp}/mine/notes.txt",
+                                                        "--overwrite"), FAILURE, ("{tmp}/mine/notes.txt",), BYSTANDER),
+    Case("convert-dst-under-a-file", "convert", ("hf-to-moejax", "{tiny}", "{tmp}/mine/notes.txt/out"), FAILURE,
+         ("{tmp}/mine/notes.txt",), BYSTANDER),
+    Case("convert-src-is-a-file", "convert", ("hf-to-moejax", "{tmp}/mine/notes.txt", "{tmp}/out"), FAILURE,
+         ("{tmp}/mine/notes.txt",), BYSTANDER),
+    Case("convert-src-config-not-json", "convert", ("hf-to-moejax", "{tmp}/model", "{tmp}/out"), FAILURE,
+         ("{tmp}/model",), _model(_config_text("{not json"))),
+    Case("convert-src-weights-unknown-dtype", "convert", ("hf-to-moejax", "{tmp}/model", "{tmp}/out"), FAILURE,
+         ("F33", "model.safetensors"), _model(_header(_set_dtype("F33")))),
+    Case("convert-moejax-json-garbage", "convert", ("moejax-to-hf", "{tmp}/mj", "{tmp}/out"), FAILURE,
+         ("moejax.json",), _model(lambda f: (f / "moejax.json").write_text("{garbage"), rel="mj")),
+    # ----------------------------------------------------------------------------- random_checkpoint
+    Case("random-checkpoint-layers-zero", "random_checkpoint", RC[:2] + ("--layers", "0") + RC[4:], USAGE,
+         ("--layers",)),
+    Case("random-checkpoint-layers-negative", "random_checkpoint", RC[:2] + ("--layers", "-1") + RC[4:], USAGE,
+         ("--layers",)),
+    Case("random-checkpoint-set-negative-size", "random_checkpoint", RC + ("--set", "hidden_size=-32"), USAGE,
+         ("hidden_size",)),
+    Case("random-checkpoint-set-size-not-a-number", "random_checkpoint", RC + ("--set", "hidden_size=big"), USAGE,
+         ("hidden_size",)),
+    Case("random-checkpoint-std-negative", "random_checkpoint", RC + ("--std", "-1"), USAGE, ("--std",)),
+    Case("random-checkpoint-std-nan", "random_checkpoint", RC + ("--std", "nan"), USAGE, ("--std",)),
+    Case("random-checkpoint-seed-negative", "random_checkpoint", RC + ("--seed", "-1"), USAGE, ("--seed",)),
+    Case("random-checkpoint-preset-file-not-json", "random_checkpoint", ("{tmp}/cfg.json",) + RC[1:], FAILURE,
+         ("{tmp}/cfg.json",), _write("cfg.json", "{not json")),
+    Case("random-checkpoint-shard-gb-nan", "random_checkpoint", RC + ("--shard-gb", "nan"), USAGE, ("--shard-gb",)),
+]
+
+_FILE_EXISTS = ("a path component is a file: os.makedirs' FileExistsError comes out as '[Errno 17] File exists' with "
+                "exit 2 (errors.exit_status maps every FileExistsError to usage); an unwritable output is 1")
+_SAFETENSORS = "safetensors_io.SafetensorsError is a plain ValueError, not errors.Failure: a damaged weights file exits 2"
+_REPORT_FIGS = "report.build_report writes the study figures (figs/pareto.png, .svg) before it checks --trace; they stay"
+_TRAIN_UNCHECKED = ("not validated by train.main/train: trains a tokenizer into --data-dir, writes --out/tokenizer, "
+                    "reaches the compile of the training step")
+
+# case id -> what it does today (probe of the working tree of 2026-11-23; REPORT.md has the commands)
+BUGS: dict[str, str] = {
+    "generate-temperature-nan": "BUG: --temperature nan accepted, generation runs, exit 0 (decode.Sampling checks only < 0)",
+    "generate-top-j-zero": "BUG: --top-j 0 accepted (routing.make_policy), generation runs, exit 0",
+    "generate-max-rank-zero": "BUG: --max-rank 0 accepted (routing.make_policy), generation runs, exit 0",
+    "generate-delta-negative": "BUG: --delta -1 accepted (routing.make_policy), generation runs, exit 0",
+    "generate-config-is-a-list": "BUG: config.json holding a JSON list: AttributeError traceback in config.from_hf",
+    "generate-config-not-utf8": "BUG: non-UTF-8 config.json: UnicodeDecodeError passes checkpoint.read_hf_config "
+                                "(it catches JSONDecodeError only): exit 2, no file named",
+    "generate-config-negative-hidden-size": "BUG: hidden_size -32 not validated (config.from_hf): the error blames "
+                                            "tensor embed_tokens 'expected (256, -32)', not config.json",
+    "generate-config-top-k-above-experts": "BUG: num_experts_per_tok 9 > num_experts 8 accepted by config.from_hf; "
+                                           "generation runs, exit 0",
+    "generate-config-size-is-a-string": "BUG: hidden_size \"32\" (a string) not validated: the error blames the "
+                                        "tensor, 'expected (256, '32')'",
+    "generate-weights-empty-file": "BUG: " + _SAFETENSORS,
+    "generate-weights-unknown-dtype": "BUG: " + _SAFETENSORS,
+    "generate-weights-integer-dtype": "BUG: an expert tensor stored as I32 is cast to float and used; generation "
+                                      "runs, exit 0",
+    "generate-generation-config-not-json": "BUG: api.load reads generation_config.json with a bare json.load: exit 2, "
+                                           "'Expecting property name ...' names no file",
+    "generate-tokenizer-json-damaged": "BUG: damaged tokenizer.json: the tokenizers Exception escapes "
+                                       "api.Tokenizer.__init__: traceback",
+    "generate-chat-template-broken": "BUG: jinja2 TemplateSyntaxError traceback from api.Tokenizer.apply_chat_template",
+    "generate-prompt-not-utf8": "BUG: a --prompt that is not valid UTF-8: TypeError 'TextInputSequence must be str' "
+                                "traceback from api.Tokenizer.encode, exit 1",
+    "evaluate-data-empty-file": "BUG: an empty --data file is scored: exit 0, ppl 1.0 over 0 tokens "
+                                "(evaluate.wikitext_perplexity)",
+    "evaluate-data-whitespace-only": "BUG: a --data file without a word is scored (words 0, ppl_word reported)",
+    "evaluate-data-not-utf8": "BUG: UnicodeDecodeError from evaluate.load_wikitext: exit 2, no file named",
+    "evaluate-gsm8k-data-not-utf8": "BUG: UnicodeDecodeError from the tasks loader: exit 2, no file named",
+    "trace-replay-empty-file": "BUG: EOFError traceback from np.load in trace.load_trace",
+    "trace-replay-text-file": "BUG: np.load's 'contains pickled (object) data' message for a text file (misleading), "
+                              "exit 2, no file named",
+    "trace-replay-npy-not-npz": "BUG: TypeError traceback in trace.load_trace (an .npy array is not a context manager)",
+    "trace-replay-truncated-npz": "BUG: zipfile.BadZipFile traceback from np.load in trace.load_trace",
+    "trace-replay-nan-logits-rerouted": "BUG: NaN router logits pass trace.validate_trace (weights are checked, logits "
+                                        "not); re-routing runs, exit 0",
+    "trace-replay-top-k-above-experts": "BUG: --top-k 99 with 8 experts is ignored; replay runs, exit 0",
+    "trace-replay-expert-bytes-negative": "BUG: --expert-bytes -1 accepted: bytes_moved -34, exit 0",
+    "trace-synth-zero-tokens": "BUG: IndexError traceback in trace.synthetic_trace",
+    "trace-synth-zero-experts": "BUG: numpy's 'zero-size array to reduction operation maximum' names no flag",
+    "trace-synth-top-k-above-experts": "BUG: --top-k 5 --experts 4 writes a K=4 trace, exit 0",
+    "trace-synth-rho-above-one": "BUG: --rho 2: a RuntimeWarning, then 'trace weights must be finite' exit 1; "
+                                 "--rho is not named and it is a usage error",
+    "plots-heatmap-garbage-trace": "BUG: zipfile.BadZipFile traceback from plots.load_trace_data",
+    "plots-heatmap-out-under-a-file": "BUG: " + _FILE_EXISTS,
+    "report-out-under-a-file": "BUG: " + _FILE_EXISTS,
+    "convert-dst-under-a-file": "BUG: " + _FILE_EXISTS,
+    "report-trace-missing": "BUG: " + _REPORT_FIGS,
+    "report-trace-cache-size-not-a-number": "BUG: " + _REPORT_FIGS,
+    "report-trace-tokens-zero": "BUG: " + _REPORT_FIGS + "; the message names max_tokens/start, not --trace-tokens",
+    "report-trace-layer-out-of-range": "BUG: " + _REPORT_FIGS,
+    "studies-batch-size-zero": "BUG: --batch-size 0 not checked by studies.main: the sweep runs (the real run "
+                               "computes the whole study and exits 0)",
+    "studies-out-is-a-file": "BUG: FileExistsError traceback from os.makedirs(--out) in studies.main",
+    "studies-data-missing": "BUG: exit 1 with the right message, but --out and its manifest.json are left behind "
+                            "(studies.main creates them whatever the studies did)",
+    "train-lr-negative": "BUG: --lr -1 " + _TRAIN_UNCHECKED,
+    "train-batch-zero": "BUG: --batch 0 " + _TRAIN_UNCHECKED,
+    "train-seq-len-zero": "BUG: --seq-len 0 " + _TRAIN_UNCHECKED,
+    "train-corpus-empty-folder": "BUG: right error, but the empty --out and --data-dir folders made by train.train "
+                                 "(before data.split_shards) are left behind",
+    "train-resume-run-json-garbage": "BUG: bare json.load of run.json in train.train: exit 2, 'Expecting property "
+                                     "name ...' names no file",
+    "train-prior-lr-negative": "BUG: --lr -1 not validated by train_prior.run: creates --out and starts recording",
+    "convert-src-weights-unknown-dtype": "BUG: " + _SAFETENSORS,
+    "random-checkpoint-set-negative-size": "BUG: 'tensor ... got 0 bytes, its shape needs -16384': hidden_size not "
+                                           "named",
+    "random-checkpoint-set-size-not-a-number": "BUG: \"invalid literal for int() with base 10: np.str_('big')\": the "
+                                               "key is not named",
+    "random-checkpoint-std-negative": "BUG: --std -1 accepted, a checkpoint is written, exit 0",
+    "random-checkpoint-std-nan": "BUG: --std nan accepted: an all-NaN checkpoint is written, exit 0",
+    "random-checkpoint-seed-negative": "BUG: numpy's 'expected non-negative integer' names no flag",
+    "random-checkpoint-preset-file-not-json": "BUG: a damaged config.json given as PRESET exits 2 (ValueError), "
+                                              "not 1",
+    "random-checkpoint-shard-gb-nan": "BUG: 'cannot convert float NaN to integer' names no flag (the <= 0 check "
+                                      "misses NaN)",
+}
+
+
+def _params():
+    for case in CASES:
+        reason = BUGS.get(case.id) or case.bug
+        marks = [pytest.mark.xfail(strict=True, reason=reason)] if reason else []
+        yield pytest.param(case, id=case.id, marks=marks)
+
+
+def check(case: Case, tmp: Path, tiny: str, monkeypatch) -> list[str]:
+    """Run one case and return its contract violations (empty: the case behaves)."""
+    fmt = lambda s: s.format(tmp=tmp, tiny=tiny)  # noqa: E731
+    tmpdir = tmp / "TMPDIR"
+    tmpdir.mkdir(parents=True, exist_ok=True)
+    if case.setup is not None:
+        case.setup(tmp, tiny)
+    monkeypatch.setenv("TMPDIR", str(tmpdir))
+    monkeypatch.setenv("MOEJAX_TMPDIR", str(tmpdir))
+    monkeypatch.setattr(tempfile, "tempdir", str(tmpdir))
+    before = _snapshot(tmp, Path(tiny))
+    argv = [fmt(a) for a in case.argv]
+    if case.process:
+        env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+        rc, out, err = _run_process(case.cli, argv, env)
+    else:
+        if case.tripwires and not os.environ.get("MOEJAX_PROBE_NO_TRIPWIRES"):
+            for module, attr in TRIPWIRES:
+                target = importlib.import_module(module)
+                *owners, name = attr.split(".")
+                for o in owners:
+                    target = getattr(target, o)
+                monkeypatch.setattr(target, name, _trip)
+        rc, out, err = _invoke(case.cli, argv)
+    after = _snapshot(tmp, Path(tiny))
+    problems = []
+    if rc == "ran":
+        problems.append("accepted the input and started the real work (a tripwire fired)")
+    elif rc == "hang":
+        problems.append("no exit within 120 s")
+    elif rc != case.status:
+        problems.append(f"exit status {rc}, expected {case.status}")
+    if "Traceback" in err:
+        problems.append("traceback on stderr")
+    lines = [ln for ln in err.splitlines() if ln.strip()]
+    errors = [ln for ln in lines if "error:" in ln]
+    if rc not in ("ran", "hang", 0):
+        if not lines or "error:" not in lines[-1]:
+            problems.append("stderr does not end in an 'error: ...' line")
+        elif len(errors) != 1:
+            problems.append(f"{len(errors)} error lines, expected one")
+        elif not any(fmt(n) in lines[-1] for n in case.names):
+            problems.append(f"the error line names none of {[fmt(n) for n in case.names]}")
+    problems += _diff(before, after)
+    check.last = {"rc": rc, "stderr": err, "stdout": out, "argv": argv}
+    return problems
+
+
+@pytest.mark.parametrize("case", list(_params()))
+def test_bad_input(case, tmp_path, tiny, monkeypatch):
+    problems = check(case, tmp_path, tiny, monkeypatch)
+    last = check.last
+    tail = "\n".join(last["stderr"].strip().splitlines()[-6:])
+    assert not problems, f"{case.cli} {' '.join(last['argv'])}\n  " + "\n  ".join(problems) + f"\n--- stderr tail:\n{tail}"
+
+
+def test_case_ids_are_unique_and_numerous():
+    ids = [c.id for c in CASES]
+    assert len(ids) == len(set(ids)) and len(ids) >= 55
+    assert set(BUGS) <= set(ids)
