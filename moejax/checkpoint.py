@@ -447,9 +447,16 @@ def _read_orbax(folder: str, cfg: ModelConfig, stored) -> dict:
     """Version 1 folders: the whole tree restored with orbax (not lazily; re-save to get version 2)."""
     import orbax.checkpoint as ocp
 
+    path = os.path.join(os.path.abspath(folder), "params")
+    if not os.path.isdir(path):
+        raise CheckpointError(f"{path} does not exist: a version 1 moejax folder keeps its weights there")
     ckpt = ocp.StandardCheckpointer()
     try:
-        return ckpt.restore(os.path.join(os.path.abspath(folder), "params"), abstract_params(cfg, stored))
+        return ckpt.restore(path, abstract_params(cfg, stored))
+    except Exception as e:  # noqa: BLE001 - orbax/tensorstore raise many types for damaged data; one line instead
+        first = (str(e).strip().splitlines() or [type(e).__name__])[0][:300]
+        raise CheckpointError(f"{path}: the version 1 parameters cannot be restored (damaged or incomplete: "
+                              f"{type(e).__name__}: {first}); re-convert the model from its source") from None
     finally:
         ckpt.close()
 

@@ -38,6 +38,7 @@ import json
 import os
 import sys
 import time
+import zipfile
 
 import jax
 import jax.numpy as jnp
@@ -257,15 +258,25 @@ def _train_key(args, weight: float, record_key: dict) -> dict:
 
 
 def _load_record(out: str, key: dict):
+    """The recorded routing of an earlier run with the same ``key`` (None: none, or another key). A damaged
+    record is only a cache of work: it is reported on stderr and recorded again, never a traceback."""
     meta_path, path = os.path.join(out, RECORD_META), os.path.join(out, RECORD_FILE)
     if not (os.path.isfile(meta_path) and os.path.isfile(path)):
         return None
-    with open(meta_path) as f:
-        meta = json.load(f)
-    if meta.get("key") != key:
+    try:
+        with open(meta_path) as f:
+            meta = json.load(f)
+        if not isinstance(meta, dict) or meta.get("key") != key:
+            return None
+        with np.load(path, allow_pickle=False) as f:
+            rec = {"z": np.asarray(f["z"]), "m": np.asarray(f["m"]), "miss_rate": float(meta["miss_rate"])}
+        if rec["z"].shape != rec["m"].shape or rec["z"].ndim != 3 or list(rec["z"].shape) != meta.get("shape"):
+            raise ValueError(f"arrays of shapes {rec['z'].shape} and {rec['m'].shape} do not match")
+        return rec
+    except (OSError, ValueError, KeyError, TypeError, EOFError, zipfile.BadZipFile) as e:
+        print(f"note: {path}: damaged routing record ignored, recording again ({type(e).__name__}: "
+              f"{(str(e).splitlines() or [''])[0][:200]})", file=sys.stderr)
         return None
-    with np.load(path, allow_pickle=False) as f:
-        return {"z": f["z"], "m": f["m"], "miss_rate": meta["miss_rate"]}
 
 
 def _save_record(out: str, key: dict, rec: dict, seconds: float) -> None:

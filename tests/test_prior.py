@@ -227,6 +227,14 @@ def test_train_prior_cli_records_trains_saves_and_resumes(model, tmp_path, capsy
     assert prior_lib.shape_of(params) == (4, 32, 8)
     assert train_prior.main(argv + ["--resume"]) == 0
     assert json.loads(capsys.readouterr().out)["priors"][0]["skipped"] is True
+    # a damaged record (reliability part 7: was a traceback) is reported and recorded again
+    good = (out / "record.npz").read_bytes()
+    (out / "record.npz").write_bytes(good[: len(good) // 2])
+    assert train_prior.main(argv + ["--resume"]) == 0
+    captured = capsys.readouterr()
+    assert "damaged routing record ignored" in captured.err and "Traceback" not in captured.err
+    with np.load(out / "record.npz") as f:
+        assert f["z"].shape == (128, 4, 32)
     assert train_prior.main(["--out", str(out), "--shards", "7"]) == 2
     assert "held-out" in capsys.readouterr().err
 

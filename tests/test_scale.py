@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -205,6 +206,15 @@ def test_version_1_moejax_folders_still_load(tiny, tmp_path):
                                                 "hf_config": cfg.hf}))
     old = moejax.load(str(v1))
     jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), np.asarray(b)), old.params, params)
+    # damaged array data (reliability part 7: was a ~100-line orbax traceback): one line naming the folder
+    data = sorted((p for p in (v1 / "params").rglob("*") if p.is_file() and p.stat().st_size > 64),
+                  key=lambda p: p.stat().st_size)[-1]
+    data.write_bytes(b"\xff" * data.stat().st_size)
+    with pytest.raises(checkpoint.CheckpointError, match="params: the version 1 parameters cannot be restored"):
+        moejax.load(str(v1))
+    shutil.rmtree(v1 / "params")
+    with pytest.raises(checkpoint.CheckpointError, match="params does not exist"):
+        moejax.load(str(v1))
 
 
 def test_unknown_moejax_version_is_a_clear_error(tiny, tmp_path):
