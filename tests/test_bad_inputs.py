@@ -4,9 +4,10 @@ Each case runs one command's ``main(argv)`` in process (two cases run the real m
 a bad flag value, a damaged or missing file, or an output it cannot write, and checks the contract:
 
 * exit status 2 for a usage error (a flag value, name or combination the command cannot mean, an output
-  that already exists without ``--overwrite``; argparse's own exit 2 counts), 1 for a failure (a missing,
-  damaged or unsupported file, an unwritable output);
-* stderr ends in ONE line ``error: ...`` that names the offending flag or file, and holds no traceback;
+  that already exists or that ``--overwrite`` refuses to replace; argparse's own exit 2 counts), 1 for a
+  failure (a missing, damaged or unsupported file, an unwritable output);
+* stderr ends in ONE line ``error: ...`` that names the offending flag or file (a parameter named in
+  words, e.g. "temperature must be >= 0", counts), and holds no traceback;
 * nothing the user had changes: every file in the case's folder (and the shared tiny checkpoint) keeps
   its bytes and mtime, and no file or folder is left behind there or in ``TMPDIR``;
 * no bad input reaches the expensive work: the compute entry points (decode, forward passes, training,
@@ -14,7 +15,8 @@ a bad flag value, a damaged or missing file, or an output it cannot write, and c
   fails fast here instead of running.
 
 Cases that break the contract today are marked ``xfail(strict=True, reason="BUG: ...")``: fix the code,
-then remove the mark. The probe that produced these cases is written up in the session's REPORT.md.
+then remove the mark. The probe that produced these cases, with a command that reproduces each BUG, is
+/work/probe/REPORT.md (outside the repository).
 
 Cases already covered elsewhere are not repeated here (results files that are not ours, convert
 --overwrite onto the source or an unrelated folder, train --export/--out reuse, --store-dir, NaN router
@@ -82,6 +84,8 @@ class ReachedWork(BaseException):
 @pytest.fixture(scope="session")
 def tiny(tmp_path_factory) -> str:
     """One tiny random HF checkpoint per session (never modified: cases that damage a model copy it)."""
+    import matplotlib  # noqa: F401 - imported before any case points TMPDIR at its folder (a config dir may go there)
+
     from moejax.testing import random_checkpoint as rc
 
     folder = str(tmp_path_factory.mktemp("bad-inputs") / "tiny")
@@ -317,24 +321,29 @@ CASES = [
          ("--prompt-ids", "-1")),
     Case("generate-prompt-id-equal-to-vocab", "generate", G()[:3] + ("5,256",) + G()[4:], USAGE, ("256",)),
     Case("generate-prompt-ids-float", "generate", G()[:3] + ("1.5,2",) + G()[4:], USAGE, ("--prompt-ids",)),
-    Case("generate-temperature-negative", "generate", G("--temperature", "-1"), USAGE, ("--temperature", "temperature")),
+    Case("generate-temperature-negative", "generate", G("--temperature", "-1"), USAGE,
+         ("--temperature", "temperature")),
     Case("generate-temperature-nan", "generate", G("--temperature", "nan"), USAGE, ("--temperature", "temperature")),
     Case("generate-top-p-zero", "generate", G("--temperature", "1", "--top-p", "0"), USAGE, ("--top-p", "top_p")),
-    Case("generate-top-p-above-one", "generate", G("--temperature", "1", "--top-p", "1.5"), USAGE, ("--top-p", "top_p")),
+    Case("generate-top-p-above-one", "generate", G("--temperature", "1", "--top-p", "1.5"), USAGE,
+         ("--top-p", "top_p")),
     Case("generate-seed-not-int", "generate", G("--seed", "abc"), USAGE, ("--seed",)),
     Case("generate-dtype-unknown", "generate", G("--dtype", "int8"), USAGE, ("--dtype",)),
     Case("generate-cache-size-not-a-number", "generate", G("--cache-size", "abc"), USAGE, ("--cache-size", "abc")),
     Case("generate-cache-size-negative-fraction", "generate", G("--cache-size", "-0.5"), USAGE,
          ("--cache-size", "-0.5")),
-    Case("generate-lam-nan", "generate", G("--routing", "cache-prior", "--lam", "nan"), USAGE, ("--lam", "lambda", "λ")),
-    Case("generate-top-j-zero", "generate", G("--routing", "cache-prior", "--top-j", "0"), USAGE, ("--top-j", "top_j")),
-    Case("generate-max-rank-zero", "generate", G("--routing", "max-rank", "--max-rank", "0"), USAGE,
-         ("--max-rank", "max_rank")),
+    Case("generate-lam-nan", "generate", G("--routing", "cache-prior", "--lam", "nan"), USAGE,
+         ("--lam", "lambda", "λ")),
+    Case("generate-top-j-above-k", "generate", G("--routing", "cache-prior", "--top-j", "3"), USAGE,
+         ("--top-j", "top-J")),
+    Case("generate-max-rank-negative", "generate", G("--routing", "max-rank", "--max-rank", "-1"), USAGE,
+         ("--max-rank", "max-rank M")),
     Case("generate-prune-h-zero", "generate", G("--routing", "pruning", "--prune-h", "0"), USAGE,
          ("--prune-h", "prune_h", "h=0")),
     Case("generate-cumsum-p-above-one", "generate", G("--routing", "cumsum", "--cumsum-p", "1.5"), USAGE,
          ("--cumsum-p", "cumsum")),
-    Case("generate-delta-negative", "generate", G("--routing", "cache-prior", "--delta", "-1"), USAGE, ("--delta",)),
+    Case("generate-delta-nan", "generate", G("--routing", "cache-prior", "--delta", "nan"), USAGE,
+         ("--delta", "delta")),
     Case("generate-miss-rank-not-int", "generate", G("--miss", "drop", "--miss-rank", "x"), USAGE, ("--miss-rank",)),
     Case("generate-cascade-bits-3", "generate", G("--miss", "cascade", "--cascade-bits", "3"), USAGE,
          ("--cascade-bits", "cascade bit")),
@@ -345,8 +354,10 @@ CASES = [
          ("--prefetch-percentile", "prefetch percentile")),
     Case("generate-offload-cache-below-k", "generate", G("--offload", "--cache-size", "1"), USAGE,
          ("--cache-size", "K=2")),
-    Case("generate-bandwidth-zero", "generate", G("--offload", "--bandwidth-gbps", "0"), USAGE, ("--bandwidth-gbps", "bandwidth")),
-    Case("generate-latency-negative", "generate", G("--offload", "--latency-us", "-5"), USAGE, ("--latency-us", "latency")),
+    Case("generate-bandwidth-zero", "generate", G("--offload", "--bandwidth-gbps", "0"), USAGE,
+         ("--bandwidth-gbps", "bandwidth")),
+    Case("generate-latency-negative", "generate", G("--offload", "--latency-us", "-5"), USAGE,
+         ("--latency-us", "latency")),
     Case("generate-trace-out-is-a-folder", "generate", G("--trace-out", "{tmp}/mine"), USAGE,
          ("--trace-out",), BYSTANDER),
     Case("generate-prior-without-learned-prior", "generate", G("--prior", "{tmp}/mine"), USAGE,
@@ -391,7 +402,8 @@ CASES = [
                                                         "--max-new-tokens", "1"), FAILURE,
          ("tokenizer_config.json", "chat template"), _model(lambda f: (f / "tokenizer_config.json").write_text(
              json.dumps({"chat_template": "{% for m in messages %}{{ m['content'] }"})), src="default")),
-    Case("generate-prompt-not-utf8", "generate", ("--model", "default", "--prompt", "caf\udce9", "--max-new-tokens", "1", "--json"), USAGE,
+    Case("generate-prompt-not-utf8", "generate", ("--model", "default", "--prompt", "caf\udce9", "--max-new-tokens",
+                                                   "1", "--json"), USAGE,
          ("--prompt", "UTF-8"), process=True),
     # ----------------------------------------------------------------------------- evaluate
     Case("evaluate-data-empty-file", "evaluate", E(), FAILURE, ("{tmp}/text.txt",), _write("text.txt", "")),
@@ -444,11 +456,15 @@ CASES = [
     Case("trace-replay-routing-needs-logits", "trace", ("replay", "{tmp}/t.npz", "--cache-size", "2", "--routing",
                                                         "cache-prior"), FAILURE, ("'logits'",), _trace(logits=None)),
     Case("trace-replay-top-k-above-experts", "trace", ("replay", "{tmp}/t.npz", "--cache-size", "2", "--routing",
-                                                       "original", "--top-k", "99"), USAGE, ("--top-k", "top_k", "99"),
+                                                       "original", "--gating", "softmax", "--top-k", "99"), USAGE,
+         ("--top-k", "top_k", "top-k"), _trace()),
+    Case("trace-replay-top-k-without-gating", "trace", ("replay", "{tmp}/t.npz", "--cache-size", "2", "--routing",
+                                                        "original", "--top-k", "3"), USAGE, ("--top-k", "--gating"),
          _trace()),
     Case("trace-replay-expert-bytes-negative", "trace", ("replay", "{tmp}/t.npz", "--cache-size", "2",
                                                          "--expert-bytes", "-1"), USAGE, ("--expert-bytes",), _trace()),
-    Case("trace-synth-zero-tokens", "trace", ("synth", "{tmp}/s.npz", "--tokens", "0"), USAGE, ("--tokens", "'experts'")),
+    Case("trace-synth-zero-tokens", "trace", ("synth", "{tmp}/s.npz", "--tokens", "0"), USAGE,
+         ("--tokens", "'experts'")),
     Case("trace-synth-zero-experts", "trace", ("synth", "{tmp}/s.npz", "--experts", "0"), USAGE, ("--experts",)),
     Case("trace-synth-top-k-above-experts", "trace", ("synth", "{tmp}/s.npz", "--experts", "4", "--top-k", "5"),
          USAGE, ("--top-k",)),
@@ -460,8 +476,10 @@ CASES = [
     Case("plots-heatmap-garbage-trace", "plots", H, FAILURE, ("{tmp}/t.npz",), _write("t.npz", b"PK\x03\x04garbage")),
     Case("plots-heatmap-out-under-a-file", "plots", H[:-1] + ("{tmp}/mine/notes.txt/fig",), FAILURE,
          ("{tmp}/mine/notes.txt",), _both(_trace(), BYSTANDER)),
-    Case("plots-heatmap-max-tokens-zero", "plots", H + ("--max-tokens", "0"), USAGE, ("--max-tokens", "max_tokens"), _trace()),
-    Case("plots-heatmap-start-past-the-end", "plots", H + ("--start", "500"), USAGE, ("--start", "start 500"), _trace()),
+    Case("plots-heatmap-max-tokens-zero", "plots", H + ("--max-tokens", "0"), USAGE,
+         ("--max-tokens", "max_tokens"), _trace()),
+    Case("plots-heatmap-start-past-the-end", "plots", H + ("--start", "500"), USAGE,
+         ("--start", "start 500"), _trace()),
     Case("plots-heatmap-layer-negative", "plots", H + ("--layer", "-1"), USAGE, ("--layer", "layer -1"), _trace()),
     Case("plots-heatmap-labels-mismatch", "plots", H + ("--label", "a", "--label", "b"), USAGE, ("--label", "labels"),
          _trace()),
@@ -470,7 +488,8 @@ CASES = [
     # ----------------------------------------------------------------------------- report
     Case("report-results-empty-file", "report", R, FAILURE, ("{tmp}/r.jsonl",), _write("r.jsonl", "")),
     Case("report-results-is-a-folder", "report", ("{tmp}/mine",) + R[1:], FAILURE, ("{tmp}/mine",), BYSTANDER),
-    Case("report-results-not-utf8", "report", R, FAILURE, ("{tmp}/r.jsonl",), _write("r.jsonl", b"\xff\xfe\x00\x01" * 8)),
+    Case("report-results-not-utf8", "report", R, FAILURE,
+         ("{tmp}/r.jsonl",), _write("r.jsonl", b"\xff\xfe\x00\x01" * 8)),
     Case("report-out-is-a-folder", "report", R[:-1] + ("{tmp}/mine",), FAILURE, ("{tmp}/mine",),
          _both(_RESULTS, BYSTANDER)),
     Case("report-out-under-a-file", "report", R[:-1] + ("{tmp}/mine/notes.txt/REPORT.md",), FAILURE,
@@ -519,7 +538,8 @@ CASES = [
     Case("train-prior-holdout-above-one", "train_prior", TP + ("--holdout", "1.5"), USAGE, ("--holdout",), _corpus()),
     Case("train-prior-shards-not-numbers", "train_prior", TP[:-1] + ("x",), USAGE, ("--shards",), _corpus()),
     Case("train-prior-shard-missing", "train_prior", TP[:-1] + ("5",), USAGE, ("shard 5",), _corpus()),
-    Case("train-prior-cache-size-zero", "train_prior", TP + ("--cache-size", "0"), USAGE, ("--cache-size", "cache size"),
+    Case("train-prior-cache-size-zero", "train_prior", TP + ("--cache-size", "0"), USAGE,
+         ("--cache-size", "cache size"),
          _corpus()),
     Case("train-prior-lr-negative", "train_prior", TP + ("--lr", "-1"), USAGE, ("--lr",), _corpus()),
     Case("train-prior-corpus-missing", "train_prior", TP, FAILURE, ("{tmp}/corpus",)),
@@ -564,16 +584,17 @@ CASES = [
 
 _FILE_EXISTS = ("a path component is a file: os.makedirs' FileExistsError comes out as '[Errno 17] File exists' with "
                 "exit 2 (errors.exit_status maps every FileExistsError to usage); an unwritable output is 1")
-_REPORT_FIGS = "report.build_report writes the study figures (figs/pareto.png, .svg) before it checks --trace; they stay"
+_REPORT_FIGS = ("report.build_report writes the study figures (figs/pareto.png, .svg) before it checks --trace; "
+                "they stay")
 _TRAIN_UNCHECKED = ("not validated by train.main/train: trains a tokenizer into --data-dir, writes --out/tokenizer, "
                     "reaches the compile of the training step")
 
-# case id -> what it does today (probe of the working tree of 2026-11-23; REPORT.md has the commands)
+# case id -> what it does today (probed at commit eefa0cc, 2026-11-23; REPORT.md has the commands)
 BUGS: dict[str, str] = {
-    "generate-temperature-nan": "BUG: --temperature nan accepted, generation runs, exit 0 (decode.Sampling checks only < 0)",
-    "generate-top-j-zero": "BUG: --top-j 0 accepted (routing.make_policy), generation runs, exit 0",
-    "generate-max-rank-zero": "BUG: --max-rank 0 accepted (routing.make_policy), generation runs, exit 0",
-    "generate-delta-negative": "BUG: --delta -1 accepted (routing.make_policy), generation runs, exit 0",
+    "generate-temperature-nan": "BUG: --temperature nan accepted, generation runs, exit 0 (decode.Sampling checks only "
+                                "< 0)",
+    "generate-delta-nan": "BUG: --delta nan accepted (routing.make_policy checks lam, not delta), generation runs, "
+                          "exit 0",
     "generate-config-is-a-list": "BUG: config.json holding a JSON list: AttributeError traceback in config.from_hf",
     "generate-config-not-utf8": "BUG: non-UTF-8 config.json: UnicodeDecodeError passes checkpoint.read_hf_config "
                                 "(it catches JSONDecodeError only): exit 2, no file named",
@@ -604,7 +625,10 @@ BUGS: dict[str, str] = {
     "trace-replay-truncated-npz": "BUG: zipfile.BadZipFile traceback from np.load in trace.load_trace",
     "trace-replay-nan-logits-rerouted": "BUG: NaN router logits pass trace.validate_trace (weights are checked, logits "
                                         "not); re-routing runs, exit 0",
-    "trace-replay-top-k-above-experts": "BUG: --top-k 99 with 8 experts is ignored; replay runs, exit 0",
+    "trace-replay-top-k-above-experts": "BUG: --gating softmax --top-k 99 with 8 experts: JAX's 'Incompatible shapes "
+                                        "for broadcasting: shapes=[(99,), (8,), ()]' names no flag",
+    "trace-replay-top-k-without-gating": "BUG: --top-k (and --normalize/--scale/...) without --gating is silently "
+                                         "ignored by trace._gating_from_args; replay runs, exit 0",
     "trace-replay-expert-bytes-negative": "BUG: --expert-bytes -1 accepted: bytes_moved -34, exit 0",
     "trace-synth-zero-tokens": "BUG: IndexError traceback in trace.synthetic_trace",
     "trace-synth-zero-experts": "BUG: numpy's 'zero-size array to reduction operation maximum' names no flag",
@@ -706,7 +730,10 @@ def test_bad_input(case, tmp_path, tiny, monkeypatch):
     problems = check(case, tmp_path, tiny, monkeypatch)
     last = check.last
     tail = "\n".join(last["stderr"].strip().splitlines()[-6:])
-    assert not problems, f"{case.cli} {' '.join(last['argv'])}\n  " + "\n  ".join(problems) + f"\n--- stderr tail:\n{tail}"
+    head = f"{case.cli} {' '.join(last['argv'])}\n  "
+    message = head + "\n  ".join(problems) + f"\n--- stderr tail:\n{tail}"
+    # argv may hold lone surrogates (a non-UTF-8 prompt): pytest-xdist cannot send those to the controller
+    assert not problems, message.encode("utf-8", "backslashreplace").decode("utf-8")
 
 
 def test_case_ids_are_unique_and_numerous():
