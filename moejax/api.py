@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import json
 import os
 from typing import Any
 
@@ -39,19 +38,32 @@ class Tokenizer:
     def __init__(self, folder: str):
         from tokenizers import Tokenizer as _Tok
 
-        self._tok = _Tok.from_file(os.path.join(folder, "tokenizer.json"))
+        path = os.path.join(folder, "tokenizer.json")
+        try:
+            self._tok = _Tok.from_file(path)
+        except Exception as e:  # the tokenizers library raises its own Exception type for a damaged file
+            raise checkpoint.CheckpointError(f"{path} is not a tokenizers file: {e}") from None
         self.config: dict[str, Any] = {}
         path = os.path.join(folder, "tokenizer_config.json")
         if os.path.isfile(path):
-            with open(path) as f:
-                self.config = json.load(f)
+            self.config = checkpoint.read_json_object(path, "a tokenizer configuration")
         self.chat_template = self.config.get("chat_template")
+        self.chat_template_path = path
         jinja = os.path.join(folder, "chat_template.jinja")
         if os.path.isfile(jinja):
-            with open(jinja) as f:
-                self.chat_template = f.read()
+            try:
+                with open(jinja, encoding="utf-8") as f:
+                    self.chat_template = f.read()
+            except UnicodeDecodeError as e:
+                raise checkpoint.CheckpointError(f"{jinja} is not UTF-8 text: {e}") from None
+            self.chat_template_path = jinja
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError:  # lone surrogates: bytes that were not UTF-8 on the command line
+            raise ValueError(f"the text is not valid UTF-8 (at character {len(text.encode('utf-8', 'ignore'))}): "
+                             f"{text[:40]!r}") from None
         return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
 
     def decode(self, ids, skip_special_tokens: bool = True) -> str:
@@ -74,9 +86,16 @@ class Tokenizer:
         env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
                                             extensions=["jinja2.ext.loopcontrols"])
         env.globals["raise_exception"] = raise_exception
-        return env.from_string(self.chat_template).render(
-            messages=messages, add_generation_prompt=add_generation_prompt,
-            bos_token=self._special("bos_token"), eos_token=self._special("eos_token"))
+        try:
+            template = env.from_string(self.chat_template)
+        except jinja2.TemplateSyntaxError as e:
+            raise checkpoint.CheckpointError(f"{self.chat_template_path}: the chat template is not valid Jinja "
+                                             f"(line {e.lineno}: {e.message})") from None
+        try:
+            return template.render(messages=messages, add_generation_prompt=add_generation_prompt,
+                                   bos_token=self._special("bos_token"), eos_token=self._special("eos_token"))
+        except jinja2.TemplateError as e:  # raise_exception(...) in the template: it refuses these messages
+            raise ValueError(f"the chat template of {self.chat_template_path} refused the messages: {e}") from None
 
 
 @functools.partial(jax.jit, static_argnames=("cfg",))
@@ -291,6 +310,5 @@ def load(path: str, dtype=None, offload=None) -> Model:
     gen_path = os.path.join(folder, "generation_config.json")
     generation_config = {}
     if os.path.isfile(gen_path):
-        with open(gen_path) as f:
-            generation_config = json.load(f)
+        generation_config = checkpoint.read_json_object(gen_path, "a generation configuration")
     return Model(params, cfg, tokenizer, folder, generation_config, offload)

@@ -199,11 +199,20 @@ def read_hf_config(folder: str) -> dict:
         raise CheckpointError(f"model folder {folder} does not exist")
     if not os.path.isfile(path):
         raise CheckpointError(f"{folder} has no config.json (nor {FORMAT_FILE}): not a model folder")
+    return read_json_object(path, "a model configuration")
+
+
+def read_json_object(path: str, what: str) -> dict:
+    """A checkpoint's JSON file (config, generation config, tokenizer config) as a dict, or a
+    ``CheckpointError`` naming the file when it is not UTF-8 JSON holding an object."""
     try:
-        with open(path) as f:
-            return json.load(f)
-    except json.JSONDecodeError as e:
-        raise CheckpointError(f"{path} is not valid JSON: {e}") from e
+        with open(path, encoding="utf-8") as f:
+            value = json.load(f)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise CheckpointError(f"{path} is not valid JSON: {e}") from None
+    if not isinstance(value, dict):
+        raise CheckpointError(f"{path} must hold a JSON object ({what}), not a {type(value).__name__}")
+    return value
 
 
 def _open_shards(folder: str, index_name: str = "model.safetensors.index.json",
@@ -265,6 +274,14 @@ def _check_shape(key: str, got: tuple, want: tuple) -> None:
         raise CheckpointError(f"tensor {key!r} has shape {tuple(got)}, expected {tuple(want)} for this config")
 
 
+def _check_float(file: safetensors_io.SafetensorsFile, key: str) -> None:
+    """A hub checkpoint's weights are floating point; integers would be cast and run as garbage."""
+    dtype = file.dtype(key)
+    if dtype.kind in "biu":  # bool / signed / unsigned integers
+        raise CheckpointError(f"tensor {key!r} in {file.path} is stored as {dtype.name}; hub checkpoints must "
+                              "hold floating-point weights (quantized checkpoints are not read here)")
+
+
 def hf_tree(folder: str, cfg: ModelConfig) -> dict:
     """The parameter tree of a hub checkpoint with every leaf left in the files (``weights.LazyTensor``,
     ``weights.ExpertStack``), after checking every key and shape. Reads both the hub's one-tensor-per-expert
@@ -277,6 +294,8 @@ def hf_tree(folder: str, cfg: ModelConfig) -> dict:
         if cfg.moe_layers[i] and gate_up in tensors and down in tensors:
             _check_shape(gate_up, tensors[gate_up].shape(gate_up), (n, 2 * f, d))
             _check_shape(down, tensors[down].shape(down), (n, d, f))
+            _check_float(tensors[gate_up], gate_up)
+            _check_float(tensors[down], down)
             fused[i] = (gate_up, down)
     used, missing = set(), []
     tree: dict = {}
@@ -291,6 +310,7 @@ def hf_tree(folder: str, cfg: ModelConfig) -> dict:
         used.add(key)
         _check_shape(key, tensors[key].shape(key), e.shape)
         file = tensors[key]
+        _check_float(file, key)
         if e.expert is None:
             _set(tree, e.path, weights.LazyTensor(file, file.get(key), e.transpose))
         else:

@@ -205,10 +205,33 @@ def from_hf(hf: dict[str, Any]) -> ModelConfig:
         raise UnsupportedModelError(
             f"model_type {mt!r} is not supported; supported model types: {', '.join(SUPPORTED_MODEL_TYPES)}"
         )
+    _check_sizes(hf)
     try:
-        return _from_hf(hf, mt)
+        cfg = _from_hf(hf, mt)
     except KeyError as e:
         raise UnsupportedModelError(f"config.json of a {mt} model lacks the key {e.args[0]!r}") from e
+    if not 1 <= cfg.gating.top_k <= cfg.gating.n_experts:
+        raise UnsupportedModelError(f"config.json: num_experts_per_tok={cfg.gating.top_k} must be in "
+                                    f"[1, {cfg.gating.n_experts}] (the number of routed experts)")
+    return cfg
+
+
+# sizes and counts: where present they must be positive integers (0 allowed where a family uses it to switch
+# a part off), so that a damaged config.json is blamed, not the first tensor whose shape it gets wrong
+_POSITIVE_INT_KEYS = ("vocab_size", "hidden_size", "num_attention_heads", "num_hidden_layers", "num_key_value_heads",
+                      "head_dim", "intermediate_size", "moe_intermediate_size", "num_experts", "num_local_experts",
+                      "n_routed_experts", "num_experts_per_tok", "max_position_embeddings", "qk_nope_head_dim",
+                      "qk_rope_head_dim", "v_head_dim", "kv_lora_rank")
+_NON_NEGATIVE_INT_KEYS = ("shared_expert_intermediate_size", "n_shared_experts", "first_k_dense_replace",
+                          "q_lora_rank", "decoder_sparse_step")
+
+
+def _check_sizes(hf: dict[str, Any]) -> None:
+    for keys, low in ((_POSITIVE_INT_KEYS, 1), (_NON_NEGATIVE_INT_KEYS, 0)):
+        for k in keys:
+            v = hf.get(k)
+            if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < low):
+                raise UnsupportedModelError(f"config.json: {k} must be an integer >= {low}, got {v!r}")
 
 
 def _first(hf: dict[str, Any], *keys: str) -> Any:

@@ -30,9 +30,9 @@ class Sampling:
     top_p: float = 1.0
 
     def __post_init__(self):
-        if self.temperature < 0:
+        if not self.temperature >= 0:  # NaN too
             raise ValueError(f"temperature must be >= 0, got {self.temperature}")
-        if not 0 < self.top_p <= 1:
+        if not 0 < self.top_p <= 1:  # NaN too
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
 
 

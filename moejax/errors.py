@@ -2,7 +2,8 @@
 
 Every ``python -m moejax.*`` command prints one line ``error: ...`` (no traceback) and exits with
   2  usage error: a flag value, name or combination the command cannot mean, or an output that already
-     exists without ``--overwrite`` (argparse's own errors exit 2 too);
+     exists without ``--overwrite`` (argparse's own errors exit 2 too; an ``EEXIST`` from the operating
+     system, e.g. a folder wanted where a file is, is a failure);
   1  failure: the command line was fine but something it reads, writes or computes is not — a missing,
      damaged or unsupported file, an unwritable output, non-finite numbers.
 Errors about files derive from ``Failure``; any other ``ValueError`` is a usage error. This module is at
@@ -30,8 +31,8 @@ HANDLED = (ValueError, OSError)  # what a command's main turns into one line and
 
 
 def exit_status(err: BaseException) -> int:
-    if isinstance(err, (FileExistsError, UsageError)):
-        return USAGE  # e.g. refused to replace an output: pass --overwrite or another path
+    if isinstance(err, UsageError) or (isinstance(err, FileExistsError) and err.errno is None):
+        return USAGE  # refused to replace an output (raised by moejax, no errno): pass --overwrite or another path
     if isinstance(err, (Failure, OSError)):
         return FAILURE
     return USAGE

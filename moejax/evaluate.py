@@ -42,8 +42,14 @@ def load_wikitext(path: str | None = None) -> str:
     """WikiText-2 raw test text from ``path``, the repository's ``../shared/data`` copy, or HF datasets."""
     path = path or os.environ.get("MOEJAX_WIKITEXT") or WIKITEXT_TEST
     if os.path.isfile(path):
-        with open(path, encoding="utf-8") as f:
-            return f.read()
+        try:
+            with open(path, encoding="utf-8") as f:
+                text = f.read()
+        except UnicodeDecodeError as e:
+            raise errors.Failure(f"{path} is not UTF-8 text (byte {e.start}: {e.reason})") from None
+        if not text.strip():
+            raise errors.Failure(f"{path} holds no text to score")
+        return text
     if path != WIKITEXT_TEST:
         raise FileNotFoundError(f"WikiText file {path} does not exist")
     try:  # the usual recipe, where the network is there

@@ -57,6 +57,15 @@ def parse_prompt_ids(text: str) -> list[int]:
     return ids
 
 
+def is_utf8(text: str) -> bool:
+    """False for the lone surrogates Python makes of command-line bytes that are not UTF-8."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
 def prompt_token_ids(model: api.Model, args: argparse.Namespace) -> list[int]:
     if args.prompt_ids is not None:
         return parse_prompt_ids(args.prompt_ids)
@@ -117,6 +126,8 @@ def run(args: argparse.Namespace) -> dict:
     offload = cli_options.offload_from_args(args)  # with --offload the routed experts never reach the device
     if args.max_new_tokens < 0:
         raise ValueError(f"--max-new-tokens must be >= 0, got {args.max_new_tokens}")
+    if args.prompt is not None and not is_utf8(args.prompt):
+        raise ValueError("--prompt is not valid UTF-8 text (the shell passed bytes of another encoding)")
     if args.trace_out:  # checked before the work: a generation must not be lost to an unwritable path
         check_writable(args.trace_out, "--trace-out")
     t_load = time.perf_counter()

@@ -36,8 +36,10 @@ from typing import Any, Callable, Iterable, Sequence
 
 import numpy as np
 
+from moejax import cache as cache_lib
 from moejax import errors
 from moejax import interrupts
+from moejax import trace as trace_lib
 
 KIND_ORDER = ("original", "pruning", "max-rank", "cumsum", "cache-prior", "learned-prior", "drop", "random-replace")
 KIND_COLORS = {
@@ -1027,17 +1029,10 @@ def load_trace_data(src) -> tuple[Any, dict]:
     """(moejax.trace.Trace, extras) from a trace path (.npz), a dict of arrays, or a Trace. Extras are the
     optional ``hits`` [T, L, K] and the recording's cache settings (``capacity``, ``eviction``, ...), which
     the heat map uses to cross-check its replay."""
-    from moejax import trace as trace_lib
-
     if isinstance(src, trace_lib.Trace):
         return src, {}
     if isinstance(src, (str, os.PathLike)):
-        try:
-            with np.load(src, allow_pickle=False) as f:
-                arrays = {k: f[k] for k in f.files}
-        except (OSError, ValueError) as err:
-            raise trace_lib.TraceError(f"cannot read trace {src}: {err}") from None
-        where = str(src)
+        arrays, where = trace_lib.read_npz(src), str(src)
     elif isinstance(src, dict):
         arrays, where = dict(src), "trace dict"
     else:
@@ -1066,8 +1061,6 @@ def _heat_replay_fn():
     import jax
     from jax import lax
 
-    from moejax import cache as cache_lib
-
     @jax.jit
     def run(state, layers, experts, weights, next_use):
         def step(cs, x):
@@ -1082,6 +1075,25 @@ def _heat_replay_fn():
 
 
 _HEAT_REPLAY = None
+
+
+def _check_layer(layer: int, n_layers: int) -> None:
+    if not 0 <= int(layer) < n_layers:
+        raise ValueError(f"layer {layer} out of range: the trace has {n_layers} MoE layers")
+
+
+def check_heatmap(traces: Sequence, layer: int, capacity, scope: str = "layer",
+                  flags: tuple[str, str] = ("--layer", "--cache-size")) -> None:
+    """Read every trace and check ``layer`` and ``capacity`` against it, before any replay or figure; the
+    message names the flag (``flags``: layer, cache size) of a bad value."""
+    for t in traces:
+        tr, _ = load_trace_data(t)
+        if not 0 <= int(layer) < tr.shape[1]:
+            raise ValueError(f"{flags[0]} {layer} is out of range: {t} has {tr.shape[1]} MoE layers")
+        try:
+            cache_lib.parse_capacity(capacity, tr.n_experts, tr.shape[1], scope)
+        except ValueError as err:
+            raise ValueError(f"{flags[1]}: {err}") from None
 
 
 def classify_trace(trace, layer: int, capacity, eviction: str = "lru", scope: str = "layer",
@@ -1102,14 +1114,10 @@ def classify_trace(trace, layer: int, capacity, eviction: str = "lru", scope: st
     global _HEAT_REPLAY
     import jax.numpy as jnp
 
-    from moejax import cache as cache_lib
-    from moejax import trace as trace_lib
-
     tr, extras = load_trace_data(trace)
     n_tokens, n_layers, k = tr.shape
     n = tr.n_experts
-    if not 0 <= int(layer) < n_layers:
-        raise ValueError(f"layer {layer} out of range: the trace has {n_layers} MoE layers")
+    _check_layer(layer, n_layers)
     layer = int(layer)
     cap = cache_lib.parse_capacity(capacity, n, n_layers, scope)
     if eviction == "score" and tr.weights is None:
@@ -1229,6 +1237,7 @@ def main(argv: list[str] | None = None) -> int:
     hp.add_argument("--out", required=True, help="output stem: writes STEM.png and STEM.svg")
     args = parser.parse_args(argv)
     try:
+        check_heatmap(args.traces, args.layer, args.cache_size, args.scope)
         paths = trace_heatmap(args.traces, args.layer, args.cache_size, args.out, args.eviction, args.max_tokens,
                               start=args.start, scope=args.scope, init=args.cache_init, seed=args.seed,
                               labels=args.label)

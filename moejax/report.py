@@ -757,9 +757,22 @@ def render_heatmap_section(traces: Sequence[tuple[str, str | None]], layer: int,
         _figure_md(paths, out_dir, "routing trace heat map") + "\n"])
 
 
+def check_traces(traces: Sequence[tuple[str, str | None]], fig_dir: Path | None, layer: int, cache_size: str,
+                 tokens: int) -> None:
+    """Refuse the --trace options and unreadable traces before any figure is written."""
+    if not traces:
+        return
+    if fig_dir is None:
+        raise ValueError("--trace needs a figures folder (drop --no-figures)")
+    if tokens < 1:
+        raise ValueError(f"--trace-tokens must be >= 1, got {tokens}")
+    plots.check_heatmap([p for p, _ in traces], layer, cache_size, flags=("--trace-layer", "--trace-cache-size"))
+
+
 def build_report(paths: Sequence, out: Path, fig_dir: Path | None, traces: Sequence[tuple[str, str | None]] = (),
                  trace_layer: int = 0, trace_cache_size: str = "0.5", trace_eviction: str = "lru",
                  trace_tokens: int = 200, command: str | None = None, trace_note: str | None = None) -> str:
+    check_traces(traces, fig_dir, trace_layer, trace_cache_size, trace_tokens)
     notes: list[str] = []
     per_file: dict = {}
     records = load_records(paths, notes, per_file)
@@ -789,8 +802,6 @@ def _build(records, notes, per_file, out, fig_dir, traces, trace_layer, trace_ca
     for name, rs in groups.items():
         lines.append(render_section(name, rs, fig_dir, out_dir))
     if traces:
-        if fig_dir is None:
-            raise ValueError("--trace needs a figures folder")
         lines.append(render_heatmap_section(traces, trace_layer, trace_cache_size, trace_eviction, trace_tokens,
                                             fig_dir, out_dir, trace_note))
     return re.sub(r"\n{3,}", "\n\n", "\n".join(lines)).rstrip() + "\n"  # no runs of blank lines
@@ -825,6 +836,8 @@ def main(argv: list[str] | None = None) -> int:
     fig_dir = None if args.no_figures else (Path(args.figures) if args.figures else out.parent / "figures")
     command = shlex.join(["python", "-m", "moejax.report", *(argv if argv is not None else sys.argv[1:])])
     try:
+        if fig_dir is not None and fig_dir.exists() and not fig_dir.is_dir():
+            raise errors.UsageError(f"--figures {fig_dir} is a file, not a folder")
         text = build_report(args.results, out, fig_dir, [_parse_trace(t) for t in args.trace], args.trace_layer,
                             args.trace_cache_size, args.trace_eviction, args.trace_tokens, command, args.trace_note)
         plots.atomic_write(out, lambda f: f.write(text), binary=False)

@@ -510,24 +510,29 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def main(argv: list[str] | None = None) -> int:
-    interrupts.exit_cleanly_on_signals()
-    args = build_parser().parse_args(argv)
+def check_args(args: argparse.Namespace) -> tuple[list[str], tuple[str, ...]]:
+    """(studies to run, eviction policies) from the flags; a ``ValueError`` naming the flag it refuses."""
     chosen = [s.strip() for item in args.only for s in item.split(",") if s.strip()] or list(STUDIES)
     unknown = [s for s in chosen if s not in RUNNERS]
     if unknown:
-        print(f"error: unknown study {unknown}; expected some of {', '.join(STUDIES)}", file=sys.stderr)
-        return 2
+        raise ValueError(f"unknown study {unknown}; expected some of {', '.join(STUDIES)}")
     evictions = tuple(e.strip() for e in args.evictions.split(",") if e.strip())
-    bad = [e for e in evictions if e not in EVICTIONS]
-    if bad or not evictions:
-        print(f"error: --evictions {args.evictions!r}: expected some of {', '.join(EVICTIONS)}", file=sys.stderr)
-        return 2
+    if not evictions or any(e not in EVICTIONS for e in evictions):
+        raise ValueError(f"--evictions {args.evictions!r}: expected some of {', '.join(EVICTIONS)}")
     if args.points < 1 or args.context < 2 or args.max_tokens < 0 or (args.lifetimes_max_tokens or 0) < 0:
-        print("error: --points must be >= 1, --context >= 2, --max-tokens and --lifetimes-max-tokens >= 0",
-              file=sys.stderr)
-        return 2
+        raise ValueError("--points must be >= 1, --context >= 2, --max-tokens and --lifetimes-max-tokens >= 0")
+    if args.batch_size is not None and args.batch_size < 1:
+        raise ValueError(f"--batch-size must be >= 1, got {args.batch_size}")
+    if os.path.lexists(args.out) and not os.path.isdir(args.out):
+        raise errors.UsageError(f"--out {args.out} exists and is not a folder")
+    return chosen, evictions
+
+
+def main(argv: list[str] | None = None) -> int:
+    interrupts.exit_cleanly_on_signals()
+    args = build_parser().parse_args(argv)
     try:
+        chosen, evictions = check_args(args)
         model = api.load(args.model, dtype=getattr(jnp, args.dtype))
     except errors.HANDLED as e:
         return errors.report(e)
@@ -536,22 +541,28 @@ def main(argv: list[str] | None = None) -> int:
                   args.batch_size or sweep.default_batch_size(), not args.no_progress, args.dtype, args.mmlu_limit,
                   args.gsm8k_limit, evictions,
                   args.max_tokens or None if args.lifetimes_max_tokens is None else args.lifetimes_max_tokens or None)
-    os.makedirs(args.out, exist_ok=True)
-    status = 0
-    timings = {}
-    for name in [s for s in STUDIES if s in chosen]:
+    existed = os.path.isdir(args.out)
+    timings, status = run_studies(ctx, [s for s in STUDIES if s in chosen])
+    if timings or (not existed and os.path.isdir(args.out)):  # something was computed (studies make --out)
+        _write_manifest(args, ctx, timings)
+    return status
+
+
+def run_studies(ctx: Context, names: list[str]) -> tuple[dict, int]:
+    """Run the studies in turn, each failure reported and the next one tried: ({study: seconds}, status)."""
+    status, timings = 0, {}
+    for name in names:
         start = time.perf_counter()
         try:
             records = RUNNERS[name](ctx)
         except (*errors.HANDLED, ImportError) as e:
-            status = max(status, errors.report(e, f"study {name}: ") if not isinstance(e, ImportError) else
-                         errors.report(errors.Failure(str(e)), f"study {name}: "))
+            status = max(status, errors.report(e if not isinstance(e, ImportError) else errors.Failure(str(e)),
+                                               f"study {name}: "))
             continue
         timings[name] = round(time.perf_counter() - start, 1)
         print(summarize(name, records), flush=True)
         print(f"   ({timings[name]} s)", flush=True)
-    _write_manifest(args, ctx, timings)
-    return status
+    return timings, status
 
 
 def _write_manifest(args, ctx: Context, timings: dict) -> None:
@@ -559,6 +570,7 @@ def _write_manifest(args, ctx: Context, timings: dict) -> None:
     top, and per study (under "studies") the tokens, grid, batch and wall time of its last run — merged over
     runs, so studies run separately with different budgets each keep their own."""
     path = os.path.join(args.out, "manifest.json")
+    os.makedirs(args.out, exist_ok=True)
     manifest = {}
     if os.path.exists(path):
         with open(path) as f:

@@ -63,6 +63,7 @@ process's memory maps (XLA:CPU) they are dropped (``ProgramBudget``; ``compile_c
 
 from __future__ import annotations
 
+import contextlib
 import csv
 import dataclasses
 import json
@@ -75,6 +76,8 @@ from decimal import Decimal, InvalidOperation
 from typing import Any, Callable
 
 import numpy as np
+
+from moejax import errors
 
 TASKS = ("mmlu", "gsm8k", "truthfulqa", "nq_open")
 
@@ -235,10 +238,20 @@ def _multiple_choice(subject: str, row: list, where: str) -> MultipleChoice:
 
 
 # ---------------------------------------------------------------------------------------- file readers
+@contextlib.contextmanager
+def _open_text(path: str, newline: str | None = None):
+    """A data file opened as UTF-8 text; bytes that are not UTF-8 become a ``Failure`` naming the file."""
+    with open(path, encoding="utf-8", newline=newline) as f:
+        try:
+            yield f
+        except UnicodeDecodeError as e:
+            raise errors.Failure(f"{path} is not UTF-8 text ({e.reason} at byte {e.start} of a read)") from None
+
+
 def read_jsonl(path: str, parse: Callable[[Any, str], Any], n: int | None = None) -> list:
     """Rows of a JSON-lines file through ``parse(obj, where)``; blank lines skipped; stops after ``n``."""
     rows = []
-    with open(path, encoding="utf-8") as f:
+    with _open_text(path) as f:
         for lineno, line in enumerate(f, 1):
             if n is not None and len(rows) >= n:
                 break
@@ -256,7 +269,7 @@ def read_jsonl(path: str, parse: Callable[[Any, str], Any], n: int | None = None
 def read_mmlu_csv(path: str, subject: str) -> list[MultipleChoice]:
     """An MMLU csv (optional ``question,choice0..choice3,answer`` header; answer 0-3 or A-D)."""
     rows: list[MultipleChoice] = []
-    with open(path, newline="", encoding="utf-8") as f:
+    with _open_text(path, newline="") as f:
         reader = csv.reader(f)
         start = 1
         try:
@@ -275,7 +288,7 @@ def read_mmlu_csv(path: str, subject: str) -> list[MultipleChoice]:
 
 def read_truthfulqa(path: str) -> list[TruthfulQuestion]:
     """``mc_task.json``: a JSON list of ``{question, mc1_targets, mc2_targets}``."""
-    with open(path, encoding="utf-8") as f:
+    with _open_text(path) as f:
         try:
             items = json.load(f)
         except json.JSONDecodeError as e:

@@ -29,6 +29,8 @@ import math
 import json
 import sys
 import time
+import zipfile
+import zlib
 from typing import Any
 
 import jax
@@ -136,15 +138,44 @@ def save_trace(path, experts, weights=None, logits=None, n_experts=None, gating:
     return tr
 
 
+def _check_npz_header(path) -> None:
+    """Refuse a file that is not a zip archive (empty, a bare .npy array, text) before ``np.load``."""
+    try:
+        with open(path, "rb") as f:
+            head = f.read(6)
+    except OSError as err:
+        raise TraceError(f"cannot read trace {path}: {err.strerror or err}") from None
+    if not head:
+        raise TraceError(f"trace {path} is empty (0 bytes); expected an .npz archive")
+    if head.startswith(b"\x93NUMPY"):
+        raise TraceError(f"trace {path} is a single .npy array, not an .npz archive of named arrays")
+    if not head.startswith((b"PK\x03\x04", b"PK\x05\x06")):
+        raise TraceError(f"trace {path} is not an .npz archive (no zip header)")
+
+
+def read_npz(path) -> dict[str, np.ndarray]:
+    """Every array of an .npz file (``allow_pickle=False``); ``TraceError`` naming ``path`` if damaged."""
+    _check_npz_header(path)
+    try:
+        with np.load(path, allow_pickle=False) as f:
+            return {k: f[k] for k in f.files}
+    except OSError as err:
+        raise TraceError(f"cannot read trace {path}: {err.strerror or err}") from None
+    except (EOFError, ValueError, zipfile.BadZipFile, zlib.error) as err:
+        raise TraceError(f"trace {path} is unreadable (damaged, truncated or pickled data): {err}") from None
+
+
 def load_trace(path) -> Trace:
-    with np.load(path, allow_pickle=False) as f:
-        if "experts" not in f.files:
-            raise TraceError(f"trace {path} has no 'experts' array (found {sorted(f.files)})")
-        unknown = sorted(set(f.files) - set(TRACE_KEYS))
-        if unknown:
-            raise TraceError(f"trace {path} has unknown arrays {unknown}; expected some of {TRACE_KEYS}")
-        get = lambda k: f[k] if k in f.files else None  # noqa: E731
-        return validate_trace(get("experts"), get("weights"), get("logits"), get("n_experts"), get("gating"))
+    arrays = read_npz(path)
+    if "experts" not in arrays:
+        raise TraceError(f"trace {path} has no 'experts' array (found {sorted(arrays)})")
+    unknown = sorted(set(arrays) - set(TRACE_KEYS))
+    if unknown:
+        raise TraceError(f"trace {path} has unknown arrays {unknown}; expected some of {TRACE_KEYS}")
+    try:
+        return validate_trace(*(arrays.get(k) for k in TRACE_KEYS))
+    except TraceError as err:
+        raise TraceError(f"{path}: {err}") from None
 
 
 def gating_from_spec(spec: dict, n_experts: int):
@@ -227,6 +258,14 @@ def _reroute(state, routing_state, logits, policy, gating):
     return out[0], out[3]
 
 
+def check_finite_logits(trace: Trace) -> None:
+    """Re-routing needs finite router logits; ``TraceError`` at the first NaN or inf."""
+    bad = np.argwhere(~np.isfinite(trace.logits))
+    if bad.size:
+        where = tuple(int(i) for i in bad[0][:2])
+        raise TraceError(f"trace 'logits' must be finite to re-route: {len(bad)} NaN/inf value(s), the first at "
+                         f"(token, layer) = {where}")
+
 
 def replay_state(trace: Trace, cache_size, scope: str = "layer", eviction: str = "lru", *, policy=None,
                  gating=None, init: str = "empty", seed: int = 0, state: cache_lib.CacheState | None = None):
@@ -239,6 +278,7 @@ def replay_state(trace: Trace, cache_size, scope: str = "layer", eviction: str =
     if policy is not None:
         if trace.logits is None:
             raise TraceError("re-routing needs trace 'logits' [T, L, N]; this trace has none")
+        check_finite_logits(trace)
         if eviction in cache_lib.OFFLINE_EVICTIONS:
             raise ValueError(f"{eviction} is an oracle over fixed selections; it cannot be combined with re-routing")
         if gating is None:
@@ -325,9 +365,39 @@ def json_safe(x):
     return x
 
 
+GATING_FLAGS = ("top_k", "normalize", "scale", "n_group", "topk_group", "jitter_eps")
+
+
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def _check_replay_args(args) -> None:
+    """Refuse replay flag values and combinations before the trace is read."""
+    if args.expert_bytes is not None and args.expert_bytes < 1:
+        raise ValueError(f"--expert-bytes must be a positive byte count, got {args.expert_bytes}")
+    given = [_flag(n) for n in GATING_FLAGS if getattr(args, n) is not None]
+    if given and args.gating is None:
+        raise ValueError(f"{' '.join(given)} given without --gating: name the re-routing gating with --gating "
+                         "(softmax, group-limited or sparsemixer)")
+    if args.gating is not None and args.routing is None:
+        raise ValueError("--gating only applies to re-routing: pass --routing too")
+
+
+def _check_gating_flags(args, n: int) -> None:
+    """--top-k, --n-group and --topk-group against the trace's N experts."""
+    if args.top_k is not None and not 1 <= args.top_k <= n:
+        raise ValueError(f"--top-k {args.top_k} must be between 1 and the trace's {n} experts")
+    if args.n_group is not None and (args.n_group < 1 or n % args.n_group):
+        raise ValueError(f"--n-group {args.n_group} must be >= 1 and divide the trace's {n} experts")
+    if args.topk_group is not None and args.topk_group < 1:
+        raise ValueError(f"--topk-group must be >= 1, got {args.topk_group}")
+
+
 def _gating_from_args(args, trace: Trace):
     if args.gating is None:
         return None
+    _check_gating_flags(args, trace.n_experts)
     spec = dict(trace.gating or {})
     spec["kind"] = args.gating
     spec["top_k"] = args.top_k if args.top_k is not None else spec.get("top_k", trace.shape[2])
@@ -337,6 +407,42 @@ def _gating_from_args(args, trace: Trace):
         if getattr(args, name) is not None:
             spec[name] = getattr(args, name)
     return gating_from_spec(spec, trace.n_experts)
+
+
+def _check_synth_args(args) -> None:
+    """Refuse synth sizes, --seed and --rho before any work."""
+    for name in ("tokens", "layers", "experts"):
+        if getattr(args, name) < 1:
+            raise ValueError(f"--{name} must be >= 1, got {getattr(args, name)}")
+    if not 1 <= args.top_k <= args.experts:
+        raise ValueError(f"--top-k {args.top_k} must be between 1 and --experts {args.experts}")
+    if not -1.0 <= args.rho <= 1.0:
+        raise ValueError(f"--rho must be a correlation in [-1, 1], got {args.rho}")
+    if args.seed < 0:
+        raise ValueError(f"--seed must be >= 0, got {args.seed}")
+
+
+def _synth(args) -> int:
+    _check_synth_args(args)
+    tr = synthetic_trace(args.tokens, args.layers, args.experts, args.top_k, args.seed, args.rho, args.logits)
+    save_trace(args.out, tr.experts, tr.weights, tr.logits, tr.n_experts, tr.gating)
+    print(f"wrote {args.out}: experts {tr.shape}")
+    return 0
+
+
+def _replay(args, trace: Trace) -> dict:
+    gating = _gating_from_args(args, trace)
+    policy = None
+    if args.routing is not None:
+        k = gating.top_k if gating is not None else int((trace.gating or {}).get("top_k", trace.shape[2]))
+        policy = routing_lib.make_policy(args.routing, k, lam=args.lam, top_j=args.top_j,
+                                         max_rank=args.max_rank, cumsum_p=args.cumsum_p,
+                                         prune_h=args.prune_h, delta=args.delta)
+    start = time.perf_counter()
+    stats = replay(trace, args.cache_size, args.scope, args.eviction, policy=policy, gating=gating,
+                   init=args.cache_init, seed=args.seed, expert_bytes=args.expert_bytes)
+    stats["seconds"] = time.perf_counter() - start
+    return stats
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -382,22 +488,13 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         if args.command == "synth":
-            tr = synthetic_trace(args.tokens, args.layers, args.experts, args.top_k, args.seed, args.rho, args.logits)
-            save_trace(args.out, tr.experts, tr.weights, tr.logits, tr.n_experts, tr.gating)
-            print(f"wrote {args.out}: experts {tr.shape}")
-            return 0
+            return _synth(args)
+        _check_replay_args(args)
         trace = load_trace(args.trace)
-        gating = _gating_from_args(args, trace)
-        policy = None
-        if args.routing is not None:
-            k = gating.top_k if gating is not None else int((trace.gating or {}).get("top_k", trace.shape[2]))
-            policy = routing_lib.make_policy(args.routing, k, lam=args.lam, top_j=args.top_j,
-                                             max_rank=args.max_rank, cumsum_p=args.cumsum_p,
-                                             prune_h=args.prune_h, delta=args.delta)
-        start = time.perf_counter()
-        stats = replay(trace, args.cache_size, args.scope, args.eviction, policy=policy, gating=gating,
-                       init=args.cache_init, seed=args.seed, expert_bytes=args.expert_bytes)
-        stats["seconds"] = time.perf_counter() - start
+        try:
+            stats = _replay(args, trace)
+        except TraceError as err:
+            raise TraceError(f"{args.trace}: {err}") from None
     except errors.HANDLED as err:
         return errors.report(err)
     print(json.dumps(json_safe(stats)) if args.json else format_table(stats))

@@ -21,6 +21,7 @@ import argparse
 import dataclasses
 import functools
 import json
+import math
 import os
 import platform
 import shutil
@@ -382,8 +383,7 @@ def restore_state(path: str, params_like, opt_state_like, rng_like):
 
 def load_trained_params(out: str) -> tuple[dict, ModelConfig, dict]:
     """Parameters of the latest checkpoint of a run folder, its config and the run record."""
-    with open(os.path.join(out, "run.json")) as f:
-        run = json.load(f)
+    run = read_run(os.path.join(out, "run.json"))
     cfg = from_hf(run["hf_config"])
     path = latest_checkpoint(out)
     if path is None:
@@ -409,27 +409,46 @@ def _log_jsonl(path: str, record: dict) -> None:
         f.write(json.dumps(record) + "\n")
 
 
+RESUMED_ARGS = ("config", "batch", "seq_len", "lr", "seed", "steps", "warmup", "aux_coef", "weight_decay", "clip",
+                "capacity_factor", "data_dir", "corpus_dir", "vocab_size", "z_coef", "router_lr_scale",
+                "compute_dtype", "attention", "min_lr_ratio", "time_budget_min", "aux_coef_start",
+                "aux_decay_steps", "offset_coef")
+
+
+def read_run(path: str) -> dict:
+    """A run's ``run.json``, or a ``Failure`` naming it when it is damaged."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            run = json.load(f)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise errors.Failure(f"{path} is not valid JSON: {e}") from None
+    if not isinstance(run, dict) or not isinstance(run.get("args"), dict):
+        raise errors.Failure(f"{path} is not a training run record (a JSON object with \"args\")")
+    return run
+
+
+def resume_args(args: argparse.Namespace, run_path: str) -> dict:
+    """The previous run's record; its settings replace those of ``args`` (a resumed run continues as begun)."""
+    run = read_run(run_path)
+    for k in RESUMED_ARGS:
+        if k in run["args"]:
+            setattr(args, k, run["args"][k])
+    return run
+
+
 def train(args: argparse.Namespace) -> dict:
     """Run (or resume) training; returns a summary. Every step's metrics go to ``OUT/metrics.jsonl``."""
     from tqdm import tqdm
 
     out = os.path.abspath(args.out)
     check_out_folder(out, args.resume, args.overwrite)
+    run_path = os.path.join(out, "run.json")
+    run_prev = resume_args(args, run_path) if args.resume and os.path.isfile(run_path) else {}
+    data.split_shards(args.corpus_dir)  # no corpus: fail before creating or deleting anything
     if args.overwrite and not args.resume:
         remove_run(out)
     os.makedirs(out, exist_ok=True)
-    run_path = os.path.join(out, "run.json")
-    run_prev: dict = {}
     log = lambda s: tqdm.write(s, file=sys.stderr)  # noqa: E731
-    if args.resume and os.path.isfile(run_path):
-        with open(run_path) as f:
-            saved = run_prev = json.load(f)
-        for k in ("config", "batch", "seq_len", "lr", "seed", "steps", "warmup", "aux_coef", "weight_decay",
-                  "clip", "capacity_factor", "data_dir", "corpus_dir", "vocab_size", "z_coef", "router_lr_scale",
-                  "compute_dtype", "attention", "min_lr_ratio", "time_budget_min", "aux_coef_start",
-                  "aux_decay_steps", "offset_coef"):
-            if k in saved["args"]:
-                setattr(args, k, saved["args"][k])
     ds = data.TokenData(args.data_dir, args.corpus_dir, args.vocab_size, args.seq_len, args.seed, log=log)
     hf = hf_config(args.config, ds.vocab_size, max_len=max(1024, args.seq_len), eos_id=ds.eos_id)
     cfg = from_hf(hf)
@@ -690,6 +709,30 @@ def _steps_arg(text: str):
     return value
 
 
+_INTS = {"batch": 1, "seq_len": 1, "eval_seqs": 1, "vocab_size": 1, "warmup": 0, "aux_decay_steps": 0,
+         "eval_every": 0, "ckpt_every": 0}  # name -> smallest value
+_POSITIVE_FLOATS = ("lr", "clip", "time_budget_min")
+_NON_NEGATIVE_FLOATS = ("weight_decay", "min_lr_ratio", "aux_coef", "aux_coef_start", "z_coef", "offset_coef",
+                        "router_lr_scale", "capacity_factor", "eval_capacity_factor", "ckpt_minutes")
+
+
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def check_args(args: argparse.Namespace) -> None:
+    """Refuse flag values training cannot run with (NaN included), before anything is created."""
+    for name, low in _INTS.items():
+        if getattr(args, name) < low:
+            raise ValueError(f"{_flag(name)} must be >= {low}, got {getattr(args, name)}")
+    for name in _POSITIVE_FLOATS + _NON_NEGATIVE_FLOATS:
+        value, strict = getattr(args, name), name in _POSITIVE_FLOATS
+        if value is not None and not (math.isfinite(value) and (value > 0 if strict else value >= 0)):
+            raise ValueError(f"{_flag(name)} must be a finite number {'>' if strict else '>='} 0, got {value}")
+    if args.steps == "auto" and not args.time_budget_min:
+        raise ValueError("--steps auto needs --time-budget-min (the run's length is what the budget allows)")
+
+
 def main(argv: list[str] | None = None) -> int:
     interrupts.exit_cleanly_on_signals()
     args = build_parser().parse_args(argv)
@@ -699,8 +742,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.export:
             print(export(args.out, args.export, overwrite=args.overwrite))
             return 0
-        if args.steps == "auto" and not args.time_budget_min:
-            raise ValueError("--steps auto needs --time-budget-min (the run's length is what the budget allows)")
+        check_args(args)
         train(args)
     except errors.HANDLED as e:
         return errors.report(e)

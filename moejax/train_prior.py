@@ -314,13 +314,24 @@ def parse_shards(text: str, corpus_dir: str) -> list[str]:
     return out
 
 
-def run(args: argparse.Namespace, log=print) -> dict:
-    weights = parse_weights(args.weights)
+def check_args(args: argparse.Namespace) -> None:
+    """Refuse flag values the recording or training cannot run with (NaN included)."""
     for name in ("tokens", "context", "steps", "batch", "hidden"):
         if getattr(args, name) < 1:
             raise ValueError(f"--{name} must be >= 1, got {getattr(args, name)}")
     if not 0.0 <= args.holdout < 1.0:
         raise ValueError(f"--holdout must be in [0, 1), got {args.holdout}")
+    if not (np.isfinite(args.lr) and args.lr > 0):
+        raise ValueError(f"--lr must be a finite number > 0, got {args.lr}")
+    if not (np.isfinite(args.weight_decay) and args.weight_decay >= 0):
+        raise ValueError(f"--weight-decay must be a finite number >= 0, got {args.weight_decay}")
+    if os.path.lexists(args.out) and not os.path.isdir(args.out):
+        raise errors.UsageError(f"--out {args.out} exists and is not a folder")
+
+
+def run(args: argparse.Namespace, log=print) -> dict:
+    weights = parse_weights(args.weights)
+    check_args(args)
     shard_paths = parse_shards(args.shards, args.corpus)
     model = api.load(args.model)
     cfg = model.cfg

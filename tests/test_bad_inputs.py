@@ -14,9 +14,8 @@ a bad flag value, a damaged or missing file, or an output it cannot write, and c
   the prior's recording) are replaced by tripwires, so a value that should have been refused up front
   fails fast here instead of running.
 
-Cases that break the contract today are marked ``xfail(strict=True, reason="BUG: ...")``: fix the code,
-then remove the mark. The probe that produced these cases, with a command that reproduces each BUG, is
-/work/probe/REPORT.md (outside the repository).
+A case that breaks the contract goes into ``BUGS`` (a strict xfail, "BUG: what happens today"): fix the
+code, then remove the entry. The 52 found when these cases were written (2026-11-23) are fixed.
 
 Cases already covered elsewhere are not repeated here (results files that are not ours, convert
 --overwrite onto the source or an unrelated folder, train --export/--out reuse, --store-dir, NaN router
@@ -376,7 +375,7 @@ CASES = [
          _model(_config(model_type=_DROP))),
     Case("generate-config-negative-hidden-size", "generate", G(model="{tmp}/model"), FAILURE, ("hidden_size",),
          _model(_config(hidden_size=-32))),
-    Case("generate-config-zero-experts", "generate", G(model="{tmp}/model"), FAILURE, ("missing tensors",),
+    Case("generate-config-zero-experts", "generate", G(model="{tmp}/model"), FAILURE, ("num_experts",),
          _model(_config(num_experts=0))),
     Case("generate-config-top-k-above-experts", "generate", G(model="{tmp}/model"), FAILURE,
          ("num_experts_per_tok",), _model(_config(num_experts_per_tok=9))),
@@ -582,91 +581,9 @@ CASES = [
     Case("random-checkpoint-shard-gb-nan", "random_checkpoint", RC + ("--shard-gb", "nan"), USAGE, ("--shard-gb",)),
 ]
 
-_FILE_EXISTS = ("a path component is a file: os.makedirs' FileExistsError comes out as '[Errno 17] File exists' with "
-                "exit 2 (errors.exit_status maps every FileExistsError to usage); an unwritable output is 1")
-_REPORT_FIGS = ("report.build_report writes the study figures (figs/pareto.png, .svg) before it checks --trace; "
-                "they stay")
-_TRAIN_UNCHECKED = ("not validated by train.main/train: trains a tokenizer into --data-dir, writes --out/tokenizer, "
-                    "reaches the compile of the training step")
-
-# case id -> what it does today (probed at commit eefa0cc, 2026-11-23; REPORT.md has the commands)
+# case id -> what it does today, for a case that breaks the contract (strict xfail until the code is fixed);
+# the 52 found by the probe of 2026-11-23 (commit eefa0cc) were fixed on 2026-11-24
 BUGS: dict[str, str] = {
-    "generate-temperature-nan": "BUG: --temperature nan accepted, generation runs, exit 0 (decode.Sampling checks only "
-                                "< 0)",
-    "generate-delta-nan": "BUG: --delta nan accepted (routing.make_policy checks lam, not delta), generation runs, "
-                          "exit 0",
-    "generate-config-is-a-list": "BUG: config.json holding a JSON list: AttributeError traceback in config.from_hf",
-    "generate-config-not-utf8": "BUG: non-UTF-8 config.json: UnicodeDecodeError passes checkpoint.read_hf_config "
-                                "(it catches JSONDecodeError only): exit 2, no file named",
-    "generate-config-negative-hidden-size": "BUG: hidden_size -32 not validated (config.from_hf): the error blames "
-                                            "tensor embed_tokens 'expected (256, -32)', not config.json",
-    "generate-config-top-k-above-experts": "BUG: num_experts_per_tok 9 > num_experts 8 accepted by config.from_hf; "
-                                           "generation runs, exit 0",
-    "generate-config-size-is-a-string": "BUG: hidden_size \"32\" (a string) not validated: the error blames the "
-                                        "tensor, 'expected (256, '32')'",
-    "generate-weights-integer-dtype": "BUG: an expert tensor stored as I32 is cast to float and used; generation "
-                                      "runs, exit 0",
-    "generate-generation-config-not-json": "BUG: api.load reads generation_config.json with a bare json.load: exit 2, "
-                                           "'Expecting property name ...' names no file",
-    "generate-tokenizer-json-damaged": "BUG: damaged tokenizer.json: the tokenizers Exception escapes "
-                                       "api.Tokenizer.__init__: traceback",
-    "generate-chat-template-broken": "BUG: jinja2 TemplateSyntaxError traceback from api.Tokenizer.apply_chat_template",
-    "generate-prompt-not-utf8": "BUG: a --prompt that is not valid UTF-8: TypeError 'TextInputSequence must be str' "
-                                "traceback from api.Tokenizer.encode, exit 1",
-    "evaluate-data-empty-file": "BUG: an empty --data file is scored: exit 0, ppl 1.0 over 0 tokens "
-                                "(evaluate.wikitext_perplexity)",
-    "evaluate-data-whitespace-only": "BUG: a --data file without a word is scored (words 0, ppl_word reported)",
-    "evaluate-data-not-utf8": "BUG: UnicodeDecodeError from evaluate.load_wikitext: exit 2, no file named",
-    "evaluate-gsm8k-data-not-utf8": "BUG: UnicodeDecodeError from the tasks loader: exit 2, no file named",
-    "trace-replay-empty-file": "BUG: EOFError traceback from np.load in trace.load_trace",
-    "trace-replay-text-file": "BUG: np.load's 'contains pickled (object) data' message for a text file (misleading), "
-                              "exit 2, no file named",
-    "trace-replay-npy-not-npz": "BUG: TypeError traceback in trace.load_trace (an .npy array is not a context manager)",
-    "trace-replay-truncated-npz": "BUG: zipfile.BadZipFile traceback from np.load in trace.load_trace",
-    "trace-replay-nan-logits-rerouted": "BUG: NaN router logits pass trace.validate_trace (weights are checked, logits "
-                                        "not); re-routing runs, exit 0",
-    "trace-replay-top-k-above-experts": "BUG: --gating softmax --top-k 99 with 8 experts: JAX's 'Incompatible shapes "
-                                        "for broadcasting: shapes=[(99,), (8,), ()]' names no flag",
-    "trace-replay-top-k-without-gating": "BUG: --top-k (and --normalize/--scale/...) without --gating is silently "
-                                         "ignored by trace._gating_from_args; replay runs, exit 0",
-    "trace-replay-expert-bytes-negative": "BUG: --expert-bytes -1 accepted: bytes_moved -34, exit 0",
-    "trace-synth-zero-tokens": "BUG: IndexError traceback in trace.synthetic_trace",
-    "trace-synth-zero-experts": "BUG: numpy's 'zero-size array to reduction operation maximum' names no flag",
-    "trace-synth-top-k-above-experts": "BUG: --top-k 5 --experts 4 writes a K=4 trace, exit 0",
-    "trace-synth-rho-above-one": "BUG: --rho 2: a RuntimeWarning, then 'trace weights must be finite' exit 1; "
-                                 "--rho is not named and it is a usage error",
-    "plots-heatmap-garbage-trace": "BUG: zipfile.BadZipFile traceback from plots.load_trace_data",
-    "plots-heatmap-out-under-a-file": "BUG: " + _FILE_EXISTS,
-    "report-out-under-a-file": "BUG: " + _FILE_EXISTS,
-    "convert-dst-under-a-file": "BUG: " + _FILE_EXISTS,
-    "report-trace-missing": "BUG: " + _REPORT_FIGS,
-    "report-trace-cache-size-not-a-number": "BUG: " + _REPORT_FIGS,
-    "report-trace-tokens-zero": "BUG: " + _REPORT_FIGS + "; the message names max_tokens/start, not --trace-tokens",
-    "report-trace-layer-out-of-range": "BUG: " + _REPORT_FIGS,
-    "studies-batch-size-zero": "BUG: --batch-size 0 not checked by studies.main: the sweep runs (the real run "
-                               "computes the whole study and exits 0)",
-    "studies-out-is-a-file": "BUG: FileExistsError traceback from os.makedirs(--out) in studies.main",
-    "studies-data-missing": "BUG: exit 1 with the right message, but --out and its manifest.json are left behind "
-                            "(studies.main creates them whatever the studies did)",
-    "train-lr-negative": "BUG: --lr -1 " + _TRAIN_UNCHECKED,
-    "train-batch-zero": "BUG: --batch 0 " + _TRAIN_UNCHECKED,
-    "train-seq-len-zero": "BUG: --seq-len 0 " + _TRAIN_UNCHECKED,
-    "train-corpus-empty-folder": "BUG: right error, but the empty --out and --data-dir folders made by train.train "
-                                 "(before data.split_shards) are left behind",
-    "train-resume-run-json-garbage": "BUG: bare json.load of run.json in train.train: exit 2, 'Expecting property "
-                                     "name ...' names no file",
-    "train-prior-lr-negative": "BUG: --lr -1 not validated by train_prior.run: creates --out and starts recording",
-    "random-checkpoint-set-negative-size": "BUG: 'tensor ... got 0 bytes, its shape needs -16384': hidden_size not "
-                                           "named",
-    "random-checkpoint-set-size-not-a-number": "BUG: \"invalid literal for int() with base 10: np.str_('big')\": the "
-                                               "key is not named",
-    "random-checkpoint-std-negative": "BUG: --std -1 accepted, a checkpoint is written, exit 0",
-    "random-checkpoint-std-nan": "BUG: --std nan accepted: an all-NaN checkpoint is written, exit 0",
-    "random-checkpoint-seed-negative": "BUG: numpy's 'expected non-negative integer' names no flag",
-    "random-checkpoint-preset-file-not-json": "BUG: a damaged config.json given as PRESET exits 2 (ValueError), "
-                                              "not 1",
-    "random-checkpoint-shard-gb-nan": "BUG: 'cannot convert float NaN to integer' names no flag (the <= 0 check "
-                                      "misses NaN)",
 }
 
 

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import shutil
 import sys
@@ -57,11 +58,15 @@ def preset_config(name: str) -> dict:
     with open(path) as f:
         try:
             config = json.load(f)
-        except json.JSONDecodeError as e:
-            raise ValueError(f"{path}: not valid JSON ({e})") from None
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise errors.Failure(f"{path}: not valid JSON ({e})") from None
     if not isinstance(config, dict):
-        raise ValueError(f"{path}: a config.json holds a JSON object")
+        raise errors.Failure(f"{path}: a config.json holds a JSON object")
     return config
+
+
+_SIZE_SUFFIXES = ("_size", "_dim", "_rank", "_position_embeddings", "_heads")
+_MAY_BE_ZERO = ("shared_expert_intermediate_size", "n_shared_experts", "q_lora_rank", "num_nextn_predict_layers")
 
 
 def parse_sets(items: list[str]) -> dict:
@@ -75,7 +80,18 @@ def parse_sets(items: list[str]) -> dict:
             out[key] = json.loads(value)
         except json.JSONDecodeError:
             out[key] = value
+        _check_size(item, key, out[key])
     return out
+
+
+def _check_size(item: str, key: str, value) -> None:
+    """A size or count (``hidden_size``, ``num_experts``, ...) is null or an integer >= 1 (>= 0 where a
+    family uses 0 to switch a part off)."""
+    if value is None or not (key.endswith(_SIZE_SUFFIXES) or key.startswith(("num_", "n_"))):
+        return
+    low = 0 if key in _MAY_BE_ZERO else 1
+    if isinstance(value, bool) or not isinstance(value, int) or value < low:
+        raise ValueError(f"--set {item!r}: {key} must be an integer >= {low}")
 
 
 def with_overrides(config: dict, layers: int | None = None, sets: dict | None = None, dtype: str = "bfloat16") -> dict:
@@ -191,6 +207,16 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def check_args(args: argparse.Namespace) -> None:
+    """Refuse flag values no checkpoint can be written with (NaN included)."""
+    if not (math.isfinite(args.shard_gb) and args.shard_gb > 0):
+        raise ValueError(f"--shard-gb must be a finite number > 0, got {args.shard_gb}")
+    if not (math.isfinite(args.std) and args.std >= 0):
+        raise ValueError(f"--std must be a finite number >= 0, got {args.std}")
+    if args.seed < 0:
+        raise ValueError(f"--seed must be >= 0, got {args.seed}")
+
+
 def _size_line(name: str) -> str:
     cfg = from_hf(preset_config(name))
     n = sum(int(np.prod(s, dtype=np.int64)) for _, s, _ in tensor_plan(preset_config(name)))
@@ -209,8 +235,7 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         if not args.preset or not args.out:
             p.error("PRESET and OUT are required (or --list)")
-        if args.shard_gb <= 0:
-            p.error("--shard-gb must be > 0")
+        check_args(args)
         config = with_overrides(preset_config(args.preset), args.layers, parse_sets(args.set), args.dtype)
         folder = write_checkpoint(config, args.out, dtype=args.dtype, seed=args.seed,
                                   shard_bytes=int(args.shard_gb * 1e9),
