@@ -430,6 +430,7 @@ def test_overwrite_never_deletes_the_source_or_its_parent(tmp_path, capsys, dire
         checkpoint.convert_hf_to_moejax(get_hf_model("mixtral").folder, src)
     (parent / "sibling.txt").write_text("mine")
     before = _tree(str(tmp_path))
+    capsys.readouterr()  # building the shared mixtral checkpoint (first use in this worker) prints progress
     for dst, message in ((src, "is the source itself"), (str(parent), "contains the source"),
                          (str(tmp_path), "contains the source"), (src + "/../src", "is the source itself")):
         assert convert_cli.main([direction, src, dst, "--overwrite"]) == 2
