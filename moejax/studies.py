@@ -18,7 +18,9 @@ Studies (paper: cache-conditional-experts.md; SpecMD: specmd-expert-caching-poli
   cache_size   C = 1..N: LRU and Belady miss rates of original routing (trace replay), cache-prior on a λ
                grid, and per perplexity bound (+1/5/10 %) the grid point with the lowest miss rate within
                it (records with ``method: "selection"``). Figure 10.
-  lifetimes    lifetime mean/std and miss rate, original vs cache-prior λ = 0.5, C = N/2. Table 2.
+  lifetimes    lifetime mean/std and miss rate at C = N/2 on ``--lifetimes-max-tokens`` (0 = the whole text):
+               original routing (LRU, and its trace replayed with Belady), cache-prior λ = 0.5 and
+               cache-prior at the knee of the pareto front (run pareto first). Table 2.
   sensitivity  no cache: drop all experts ranked >= k; replace the rank-k expert by a random one (router
                hooks below), k = 1..K, and the unmodified baseline. Figure 2.
   init         initial cache empty vs random (seeded), original and cache-prior λ = 0.5 / 0.8, C = N/2;
