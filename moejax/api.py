@@ -294,17 +294,21 @@ def offload_config(offload) -> "offload_lib.OffloadConfig | None":
     raise TypeError(f"offload must be None, True, 'host', 'flash' or an offload.OffloadConfig, got {offload!r}")
 
 
-def load(path: str, dtype=None, offload=None) -> Model:
+def load(path: str, dtype=None, offload=None, layout: str = "serving") -> Model:
     """Load a moejax checkpoint folder, a Hugging Face folder (read in place), or ``"default"``.
 
     Non-expert weights go to the device one tensor at a time. Without ``offload`` the routed experts do
     too (every pass can then simulate any cache). With ``offload`` (True, "host", "flash" or an
     ``offload.OffloadConfig``) they never reach the device: they stay in the checkpoint's files, and
     forward/generate page them into the cache's device slots — from host memory (read once) or straight
-    from the files' memory maps ("flash": no copy, no temporary file)."""
+    from the files' memory maps ("flash": no copy, no temporary file).
+
+    ``layout``: "serving" (default: matrices ``[out, in]``, one buffer per expert, read in place in their
+    stored dtype: see ``moejax.layout``) or "canonical" (``x @ W``, experts stacked: what training and the
+    checkpoint formats use). Both compute the same model."""
     path = resolve_model_path(path)
     offload = offload_config(offload)
-    params, cfg = checkpoint.load_params(path, dtype, "lazy" if offload is not None else "device")
+    params, cfg = checkpoint.load_params(path, dtype, "lazy" if offload is not None else "device", layout)
     folder = os.path.abspath(os.path.expanduser(path))
     tokenizer = Tokenizer(folder) if os.path.isfile(os.path.join(folder, "tokenizer.json")) else None
     gen_path = os.path.join(folder, "generation_config.json")

@@ -31,7 +31,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from moejax.errors import Failure, UsageError
-from moejax import hf_keys, safetensors_io, weights
+from moejax import hf_keys, layout, safetensors_io, weights
 from moejax.config import ModelConfig, UnsupportedModelError, from_hf
 from moejax.tempfiles import make_temp_dir
 
@@ -96,6 +96,7 @@ def params_fingerprint(params, full_below: int = 1 << 20, samples: int = 1 << 16
     weights at a path changed (re-exported, re-trained, damaged) recomputes instead of reporting old numbers,
     without reading all of a model larger than memory."""
     h = hashlib.sha1()
+    params = layout.canonical_view(params)  # one model, one hash, whatever its layout
     for path, leaf in jax.tree_util.tree_flatten_with_path(params, is_leaf=weights.is_lazy)[0]:
         size = int(np.prod(leaf.shape, dtype=np.int64))
         h.update(f"{jax.tree_util.keystr(path)}:{tuple(leaf.shape)}:{np.dtype(leaf.dtype)};".encode())
@@ -389,7 +390,8 @@ def _hf_value(params: dict, e: hf_keys.Entry) -> np.ndarray:
 def save_hf(params: dict, cfg: ModelConfig, folder: str, *, tokenizer_from: str | None = None,
             overwrite: bool = False, max_shard_bytes: int = 4 << 30, protect: tuple[str, ...] = ()) -> str:
     """Write a Hugging Face folder (safetensors shards + index, config.json) that transformers loads,
-    tensor by tensor (``params`` may be lazy: a conversion holds one tensor at a time)."""
+    tensor by tensor (``params`` may be lazy: a conversion holds one tensor at a time; or serving-layout)."""
+    params = layout.canonical_view(params)
     dtype = _leaf_dtype(params["embed"])
     table = {e.hf_key: e for e in hf_keys.entries(cfg)}
     specs = [(key, dtype, e.shape) for key, e in table.items()]
@@ -429,7 +431,8 @@ def save_moejax(params: dict, cfg: ModelConfig, folder: str, *, tokenizer_from: 
                 overwrite: bool = False, protect: tuple[str, ...] = (), max_shard_bytes: int = 4 << 30) -> str:
     """Write a moejax folder (format version 2): every tensor in safetensors shards under its tree path,
     each MoE layer's experts as one ``[N, in, out]`` stack per matrix (one expert = one contiguous slice,
-    so offloading pages it straight from the file). Streams: ``params`` may be lazy."""
+    so offloading pages it straight from the file). Streams: ``params`` may be lazy (or serving-layout)."""
+    params = layout.canonical_view(params)
     paths = tree_paths(cfg)
     leaves = {tensor_key(p): _get(params, p) for p in paths}
     dtype = _leaf_dtype(params["embed"])
@@ -524,11 +527,13 @@ def open_params(folder: str, dtype=None) -> tuple[dict, ModelConfig]:
     return weights.with_dtype(tree, dtype or stored_dtype(tree)), cfg
 
 
-def load_params(folder: str, dtype=None, experts: str = "device") -> tuple[dict, ModelConfig]:
+def load_params(folder: str, dtype=None, experts: str = "device",
+                arrangement: str = "canonical") -> tuple[dict, ModelConfig]:
     """Parameters and config from a moejax or Hugging Face folder, placed: non-expert weights on the
-    device, routed experts on the device (``"device"``) or left in the files (``"lazy"``, for offload)."""
+    device, routed experts on the device (``"device"``) or left in the files (``"lazy"``, for offload);
+    in the canonical or the serving layout (``moejax.layout``)."""
     tree, cfg = open_params(folder, dtype)
-    return weights.place(tree, experts), cfg
+    return weights.place(tree, experts, arrangement), cfg
 
 
 def convert_hf_to_moejax(src: str, dst: str, dtype=None, overwrite: bool = False) -> str:

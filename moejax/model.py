@@ -30,6 +30,7 @@ from typing import Any, Callable
 import jax
 import jax.numpy as jnp
 
+from moejax import layout
 from moejax.config import ModelConfig
 from moejax.gating import original_routing
 
@@ -65,8 +66,9 @@ def _activate(act: str, x: jax.Array) -> jax.Array:
     return jax.nn.gelu(x, approximate=act != "gelu")
 
 
-def linear(x: jax.Array, w: jax.Array, b: jax.Array | None = None) -> jax.Array:
-    y = x @ w
+def linear(x: jax.Array, w, b: jax.Array | None = None) -> jax.Array:
+    """``x @ w (+ b)`` for a canonical ``[in, out]`` matrix or a serving-layout ``layout.OutIn``."""
+    y = layout.matmul(x, w)
     return y if b is None else y + b
 
 
@@ -176,9 +178,9 @@ def mla_attention(p: dict, cfg: ModelConfig, layer: int, x: jax.Array, cos, sin,
     T, H = x.shape[0], cfg.num_heads
     nope, rope_d, vd, r = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim, cfg.kv_lora_rank
     if cfg.q_lora_rank is None:
-        q = x @ p["q"]
+        q = linear(x, p["q"])
     else:
-        q = rms(linear(x, p["q_a"], p.get("q_a_bias")), p["q_a_norm"], 1e-6) @ p["q_b"]
+        q = linear(rms(linear(x, p["q_a"], p.get("q_a_bias")), p["q_a_norm"], 1e-6), p["q_b"])
     q = q.reshape(T, H, nope + rope_d)
     q_nope, q_pe = q[..., :nope], q[..., nope:]
     ckv = linear(x, p["kv_a"], p.get("kv_a_bias"))
@@ -218,6 +220,8 @@ def routed_experts(p: dict, cfg: ModelConfig, x: jax.Array, experts: jax.Array, 
     (``sorted_routed_experts``: on the default model 2.1x faster than dense at T = 128, 2.8x at 1024);
     otherwise every expert runs on every token in one einsum (``dense_routed_experts``: at most twice the
     needed work when N ≤ 2K, and for a few tokens it costs little and compiles faster)."""
+    if "experts" in p:  # serving layout (layout.ExpertList): every path reads the experts in place
+        return switched_routed_experts(p["experts"], cfg, x, experts, weights)
     T, K = experts.shape
     n = p["gate"].shape[0]
     if T == 1:
@@ -350,6 +354,122 @@ def _sorted_dispatch(act: str, p: dict, x, experts, weights, block_rows: int | N
     return out.astype(x.dtype)
 
 
+# ------------------------------------------------------------------------------- serving-layout experts
+def switched_routed_experts(experts_list: layout.ExpertList, cfg: ModelConfig, x, experts, weights,
+                            block_rows: int | None = None):
+    """``routed_experts`` for the serving layout: each expert's matrices are their own buffers and
+    ``lax.switch`` on the expert id hands them to the matmuls, so nothing is gathered or copied and the
+    bytes read are those of the experts chosen (in their stored dtype).
+
+    One token (decode): a loop over its K experts. More tokens: the T·K assignments are sorted by expert
+    and a loop over the experts runs each one's rows in chunks of ``block_rows`` (a dynamic number of
+    chunks: an unused expert costs nothing, a used one is read once per chunk). Exact; results are
+    combined in float32. Under ``jax.vmap`` with shared weights the mapped axis is folded into the tokens
+    (a mapped ``lax.switch`` would run every expert on every lane). Not differentiable (the chunk loop has
+    a traced trip count): training uses the canonical layout."""
+    return _switched_op(cfg.hidden_act, block_rows)(experts_list, x, experts, weights)
+
+
+def grouped_block_rows(T: int, K: int, n: int) -> int:
+    """Rows per chunk of the grouped loop: twice the mean assignments per expert as a power of two, in
+    [8, 64] (most experts then run in one chunk, i.e. their weights are read once; 64 rows already make a
+    compute-efficient matmul)."""
+    mean = max(1, -(-2 * T * K // n))
+    return int(min(64, max(8, 1 << (mean - 1).bit_length())))
+
+
+def _expert_rows(act: str, rows: jax.Array, gate_up: jax.Array, down: jax.Array) -> jax.Array:
+    """One serving-layout expert on rows [R, D] -> [R, D] float32; rounded after each matmul to the rows'
+    dtype as the canonical path (and Hugging Face) round."""
+    f = gate_up.shape[0] // 2
+    gu = layout.nt_dot(rows, gate_up).astype(rows.dtype)
+    h = _activate(act, gu[:, :f]) * gu[:, f:]
+    return layout.nt_dot(h, down).astype(rows.dtype).astype(jnp.float32)
+
+
+def _expert_branches(act: str, n: int) -> list:
+    """``lax.switch`` branches: expert e's computation on (rows, ExpertList); branch n returns zeros."""
+    def one(e):
+        return lambda rows, el: _expert_rows(act, rows, *el.expert(e))
+
+    def none(rows, el):
+        return jnp.zeros((rows.shape[0], el.down[0].shape[0]), jnp.float32)
+
+    return [one(e) for e in range(n)] + [none]
+
+
+def _switched_one_token(act: str, el: layout.ExpertList, x, experts, weights):
+    n, K = el.n_experts, experts.shape[1]
+    branches = _expert_branches(act, n)
+
+    def body(k, acc):
+        e = experts[0, k]
+        y = jax.lax.switch(jnp.where(e >= 0, e, n), branches, x, el)
+        return acc + y * weights[0, k].astype(jnp.float32)
+
+    out = jax.lax.fori_loop(0, K, body, jnp.zeros((1, x.shape[-1]), jnp.float32))
+    return out.astype(x.dtype)
+
+
+def _switched_grouped(act: str, el: layout.ExpertList, x, experts, weights, block_rows: int | None):
+    T, K = experts.shape
+    n, D = el.n_experts, x.shape[-1]
+    B = block_rows or grouped_block_rows(T, K, n)
+    A = T * K
+    flat = experts.reshape(-1)
+    key = jnp.where(flat >= 0, flat, n)  # invalid sort last and belong to no expert
+    order = jnp.argsort(key, stable=True)
+    counts = jnp.zeros(n + 1, jnp.int32).at[key].add(1)
+    starts = jnp.cumsum(counts) - counts
+    tok = order // K
+    xs = jnp.concatenate([x[tok], jnp.zeros((B, D), x.dtype)])  # a chunk may read past the last row
+    branches = _expert_branches(act, n)[:n]
+
+    def per_expert(e, y):
+        start_e, end_e = starts[e], starts[e] + counts[e]
+
+        def chunk(j, y):
+            start = start_e + j * B
+            rows = jax.lax.dynamic_slice_in_dim(xs, start, B)
+            out = jax.lax.switch(e, branches, rows, el)
+            keep = (start + jnp.arange(B) < end_e)[:, None]  # rows past this expert's run are the next's
+            return jax.lax.dynamic_update_slice_in_dim(
+                y, jnp.where(keep, out, jax.lax.dynamic_slice_in_dim(y, start, B)), start, 0)
+
+        return jax.lax.fori_loop(0, (counts[e] + B - 1) // B, chunk, y)
+
+    y = jax.lax.fori_loop(0, n, per_expert, jnp.zeros((A + B, D), jnp.float32))[:A]
+    w = jnp.where(flat >= 0, weights.reshape(-1), 0)[order].astype(jnp.float32)
+    out = jnp.zeros((T, D), jnp.float32).at[tok].add(y * w[:, None])
+    return out.astype(x.dtype)
+
+
+@functools.lru_cache(maxsize=None)
+def _switched_op(act: str, block_rows: int | None):
+    """The serving-layout dispatch with the lane-folding batching rule (as ``_sorted_dispatch_op``)."""
+
+    def plain(el, x, experts, weights):
+        if experts.shape[0] == 1:
+            return _switched_one_token(act, el, x, experts, weights)
+        return _switched_grouped(act, el, x, experts, weights, block_rows)
+
+    op = jax.custom_batching.custom_vmap(plain)
+
+    @op.def_vmap
+    def _fold_lanes(axis_size, in_batched, el, x, experts, weights):
+        el_b, x_b, e_b, g_b = in_batched
+        if any(jax.tree.leaves(el_b)):  # weights differ per lane: nothing to share, map the plain function
+            axes = (jax.tree.map(lambda b: 0 if b else None, el_b), *(0 if b else None for b in (x_b, e_b, g_b)))
+            return jax.vmap(plain, in_axes=axes)(el, x, experts, weights), True
+        lanes = [a if b else jnp.broadcast_to(a, (axis_size, *a.shape)) for a, b in ((x, x_b), (experts, e_b),
+                                                                                      (weights, g_b))]
+        x, experts, weights = (a.reshape(axis_size * a.shape[1], *a.shape[2:]) for a in lanes)
+        y = op(el, x, experts, weights)
+        return y.reshape(axis_size, -1, y.shape[-1]), True
+
+    return op
+
+
 def capacity_experts(p: dict, cfg: ModelConfig, x: jax.Array, experts: jax.Array, weights: jax.Array,
                      capacity: int) -> tuple[jax.Array, jax.Array]:
     """Capacity-based sparse MoE over S tokens (training; drops assignments past the capacity): x [S, D], experts/weights [S, K].
@@ -385,6 +505,20 @@ def shared_experts(p: dict, cfg: ModelConfig, x: jax.Array) -> jax.Array:
     if "shared_gate" in p:
         y = jax.nn.sigmoid(x @ p["shared_gate"]) * y
     return y
+
+
+def embed(params: Params, tokens: jax.Array) -> jax.Array:
+    """The embedding rows of ``tokens``. XLA:CPU gathers bf16 from an f32 conversion of the table (fused:
+    only the rows gathered are converted), but inside a loop it hoists that conversion out as loop-
+    invariant: an f32 copy of the whole table every decode chunk (80 ms at a 50k vocabulary). Tying the
+    table to the tokens in one optimisation barrier keeps the conversion in the loop, fused."""
+    table, tokens = jax.lax.optimization_barrier((params["embed"], tokens))
+    return table[tokens]
+
+
+def lm_head(params: Params, cfg: ModelConfig):
+    """The output projection: ``lm_head``, or the embedding (``[V, D]``, already ``[out, in]``) when tied."""
+    return layout.OutIn(params["embed"]) if cfg.tie_word_embeddings else params["lm_head"]
 
 
 # ------------------------------------------------------------------------------------------- forward
@@ -433,7 +567,7 @@ def forward(
     T = tokens.shape[0]
     positions = jnp.asarray(pos0, jnp.int32) + jnp.arange(T, dtype=jnp.int32)
     cos, sin = rope_tables(cfg, positions)
-    x = params["embed"][tokens]
+    x = embed(params, tokens)
     attend = mla_attention if cfg.mla else gqa_attention
     new_kv, zs, es, ws, recs = [], [], [], [], []
     moe_index = 0
@@ -470,8 +604,7 @@ def forward(
             y = dense_mlp(lp["mlp"], cfg, h)
         x = x + y
     x = norm(x, params["final_norm"], cfg)
-    head = params["embed"].T if cfg.tie_word_embeddings else params["lm_head"]
-    logits = linear(x, head, params.get("lm_head_bias")).astype(jnp.float32)
+    logits = linear(x, lm_head(params, cfg), params.get("lm_head_bias")).astype(jnp.float32)
     records = jax.tree.map(lambda *r: jnp.stack(r), *recs) if recs and recs[0] else {}
     return ForwardOutput(
         logits=logits,

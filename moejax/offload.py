@@ -40,7 +40,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from moejax import cache as cache_lib
-from moejax import decode, quant, safetensors_io, tempfiles, weights
+from moejax import decode, layout, quant, safetensors_io, tempfiles, weights
 from moejax import model as model_lib
 from moejax.config import ModelConfig
 from moejax.router import prefetch_step, router_step
@@ -175,7 +175,7 @@ class ExpertStore:
         self._tmp = None
         self._stacks = None  # the checkpoint's expert stacks, when pages come straight from its files
         self.flip: tuple[str, ...] = ()  # matrices stored transposed (HF [out, in]): flipped on the device
-        layers = [{k: params["layers"][i]["moe"][k] for k in EXPERT_KEYS} for i in self.moe_ids]
+        layers = [expert_stacks(params["layers"][i]["moe"]) for i in self.moe_ids]
         lazy = all(isinstance(x, weights.ExpertStack) for layer in layers for x in layer.values())
         n = cfg.n_experts
         if lazy and store == "flash":  # the checkpoint's own files are the flash tier: no copy, no file
@@ -188,7 +188,7 @@ class ExpertStore:
                          for layer in layers]
             self.expert_bytes = sum(self.full[0][k][0].nbytes for k in EXPERT_KEYS)
         else:  # arrays of a model loaded whole
-            full = [{k: np.asarray(layer[k]) for k in EXPERT_KEYS} for layer in layers]
+            full = [{k: weights.to_host(layer[k]) for k in EXPERT_KEYS} for layer in layers]
             self.expert_bytes = sum(full[0][k][0].nbytes for k in EXPERT_KEYS)
             if store == "flash":
                 full = self._to_flash(full, store_dir)
@@ -247,6 +247,14 @@ class ExpertStore:
         return self.expert_bytes if bits == 0 else self.low_bytes[bits]
 
 
+def expert_stacks(moe: dict) -> dict:
+    """A MoE layer's routed experts as canonical ``gate``/``up``/``down`` stacks: the arrays, the stacks left
+    in the files, or canonical views of a serving-layout ``ExpertList`` (read one expert at a time)."""
+    if "experts" in moe:
+        return {k: layout.CanonicalExpertView(moe["experts"], k) for k in EXPERT_KEYS}
+    return {k: moe[k] for k in EXPERT_KEYS}
+
+
 def expert_store(params: dict, cfg: ModelConfig, offload: OffloadConfig, tiers: tuple = (),
                  group_size: int | None = None, stores: dict | None = None) -> ExpertStore:
     """The ``ExpertStore`` for these settings, reused from ``stores`` (a model's own cache) when there:
@@ -266,7 +274,7 @@ def split_params(params: dict, cfg: ModelConfig) -> dict:
     layers = []
     for i, lp in enumerate(params["layers"]):
         if cfg.moe_layers[i]:
-            lp = {**lp, "moe": {k: v for k, v in lp["moe"].items() if k not in EXPERT_KEYS}}
+            lp = {**lp, "moe": {k: v for k, v in lp["moe"].items() if k not in (*EXPERT_KEYS, "experts")}}
         layers.append(lp)
     return {**params, "layers": layers}
 
@@ -374,8 +382,7 @@ def _stage_b(p, cfg: ModelConfig, x, h, slots, staging, experts, weights, tier, 
 @functools.partial(jax.jit, static_argnames=("cfg", "sampling"))
 def _head(params, cfg: ModelConfig, x, key, sampling):
     x = model_lib.norm(x, params["final_norm"], cfg)
-    head = params["embed"].T if cfg.tie_word_embeddings else params["lm_head"]
-    logits = model_lib.linear(x, head, params.get("lm_head_bias")).astype(jnp.float32)
+    logits = model_lib.linear(x, model_lib.lm_head(params, cfg), params.get("lm_head_bias")).astype(jnp.float32)
     key, sub = jax.random.split(key)
     return decode.sample(logits[0], sub, sampling), logits[0], key
 
@@ -717,9 +724,10 @@ def host_memory_params(params: dict, cfg: ModelConfig) -> dict:
     layers = []
     for i, lp in enumerate(params["layers"]):
         if cfg.moe_layers[i]:
-            moe = dict(lp["moe"])
-            for k in EXPERT_KEYS:  # experts left in the files are read once, a stack at a time
-                stack = moe[k].read() if isinstance(moe[k], weights.ExpertStack) else moe[k]
+            stacks = expert_stacks(lp["moe"])
+            moe = {k: v for k, v in lp["moe"].items() if k != "experts"}
+            for k in EXPERT_KEYS:  # experts left in the files (or in a serving layout) are read a stack at a time
+                stack = weights.to_host(stacks[k]) if weights.is_lazy(stacks[k]) else stacks[k]
                 moe[k] = jax.device_put(stack, sharding) if sharding is not None else jnp.asarray(stack)
             lp = {**lp, "moe": moe}
         layers.append(lp)

@@ -21,6 +21,7 @@ import jax
 import jax.numpy as jnp
 
 from moejax import cache as cache_lib
+from moejax import layout
 from moejax import routing as routing_lib
 from moejax.config import ModelConfig
 from moejax.gating import Gating
@@ -63,6 +64,9 @@ def lowbit_experts(p: dict, ids: jax.Array | None, bits: int, group_size: int | 
     first (one token), None keeps all N. Quantisation is per expert, so gathering first is the same."""
     from moejax import quant
 
+    if "experts" in p:  # serving layout: canonical stacks of the experts needed
+        p = layout.canonical_experts(p["experts"]) if ids is None else layout.gather_experts(p["experts"], ids)
+        ids = None
     out = {}
     for name in ("gate", "up", "down"):
         w = p[name] if ids is None else p[name][ids]

@@ -24,6 +24,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from moejax import layout
 from moejax.safetensors_io import SafetensorsFile
 
 EXPERTS_PLACEMENTS = ("device", "lazy")
@@ -147,7 +148,8 @@ class ExpertStack:
         return f"ExpertStack({self.shape}, {self.dtype}, {len(files)} file(s), transposed={self.transposed})"
 
 
-LAZY_TYPES = (LazyTensor, ExpertStack)
+# leaves read on demand: tensors in their files, and canonical views of serving-layout arrays
+LAZY_TYPES = (LazyTensor, ExpertStack, *layout.VIEW_TYPES)
 
 
 def is_lazy(x: Any) -> bool:
@@ -175,20 +177,55 @@ def with_dtype(tree, dtype):
     return tree_map(lambda x: x.astype(dtype), tree)
 
 
-def place(tree, experts: str = "device"):
+def place(tree, experts: str = "device", arrangement: str = "canonical"):
     """Non-expert tensors on the default device; routed expert stacks on the device too (``"device"``) or
-    left in their files (``"lazy"``). Reads one tensor (one stack) at a time: the host never holds more."""
+    left in their files (``"lazy"``). Reads one tensor (one stack, or one expert) at a time: the host never
+    holds more. ``arrangement="serving"`` places the tree in ``layout``'s serving layout (matrices
+    ``[out, in]``, one buffer per expert), reading Hugging Face files' ``[out, in]`` bytes as they are."""
     if experts not in EXPERTS_PLACEMENTS:
         raise ValueError(f"unknown expert placement {experts!r}; expected one of {EXPERTS_PLACEMENTS}")
+    if arrangement not in layout.ARRANGEMENTS:
+        raise ValueError(f"unknown layout {arrangement!r}; expected one of {layout.ARRANGEMENTS}")
 
     def one(x):
         if isinstance(x, ExpertStack):
             return x if experts == "lazy" else jnp.asarray(x.read())
-        if isinstance(x, LazyTensor):
+        if is_lazy(x):  # a tensor in its file, or a canonical view of serving-layout arrays
             return jnp.asarray(x.read())
         return x
 
-    return tree_map(one, tree)
+    if arrangement == "canonical":
+        return tree_map(one, tree)
+
+    def arrange_experts(moe: dict):
+        stacks = {k: moe[k] for k in layout.EXPERT_MATRICES}
+        if experts == "lazy":
+            return stacks
+        return layout.expert_list(int(stacks["gate"].shape[0]), lambda e: expert_out_in(stacks, e))
+
+    return layout.arrange(tree, read_out_in, arrange_experts, one)
+
+
+def read_out_in(x) -> np.ndarray:
+    """A 2-D leaf (lazy or an array, canonical ``[in, out]``) as an ``[out, in]`` host array: a
+    Hugging Face file's bytes as they are stored, anything else transposed."""
+    if isinstance(x, LazyTensor):
+        return _copy(x.file, x.view, not x.transposed, x.dtype)
+    return np.ascontiguousarray(np.asarray(x).T)
+
+
+def _expert_out_in(stack, e: int) -> np.ndarray:
+    if isinstance(stack, ExpertStack):
+        file, view = stack.parts[e]
+        return _copy(file, view, not stack.transposed, stack.dtype)
+    return np.ascontiguousarray(np.asarray(stack[e]).T)
+
+
+def expert_out_in(stacks: dict, e: int) -> tuple[np.ndarray, np.ndarray]:
+    """Expert ``e`` of canonical ``gate``/``up``/``down`` stacks (lazy or arrays) in the serving layout:
+    ``(gate_up [2F, D], down [D, F])``."""
+    gate, up = _expert_out_in(stacks["gate"], e), _expert_out_in(stacks["up"], e)
+    return np.concatenate([gate, up]), _expert_out_in(stacks["down"], e)
 
 
 def to_host(x) -> np.ndarray:
@@ -199,16 +236,17 @@ def to_host(x) -> np.ndarray:
 def chunks(x) -> Iterator[np.ndarray]:
     """A leaf's data in moejax's orientation, in pieces whose concatenation (row-major) is the leaf: one
     expert at a time for an expert stack, the whole tensor otherwise."""
-    if isinstance(x, ExpertStack):
-        for e in range(x.n_experts):
+    if hasattr(x, "read_expert"):
+        for e in range(x.shape[0]):
             yield x.read_expert(e)
     else:
         yield to_host(x)
 
 
 def expert_matrix(x, e: int) -> np.ndarray:
-    """Expert ``e`` of a stacked leaf (lazy or an array) as a host array in moejax's orientation."""
-    return x.read_expert(e) if isinstance(x, ExpertStack) else np.asarray(x[e])
+    """Expert ``e`` of a stacked leaf (lazy, a canonical view or an array) as a host array in moejax's
+    orientation."""
+    return x.read_expert(e) if hasattr(x, "read_expert") else np.asarray(x[e])
 
 
 def sample_flat(x, idx: np.ndarray) -> np.ndarray:

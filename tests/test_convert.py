@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 from safetensors.numpy import load_file, save_file
 
 import moejax
-from moejax import checkpoint, safetensors_io
+from moejax import checkpoint, layout, safetensors_io
 from moejax import convert as convert_cli
 from moejax.checkpoint import CheckpointError
 from moejax.config import SUPPORTED_MODEL_TYPES, UnsupportedModelError
@@ -169,7 +169,7 @@ def test_any_shard_size_reads_back_identically(tmp_path_factory, shard_bytes):
     params = checkpoint.read_hf_params(folder, mj.cfg)
     import jax
 
-    leaves_a, tree_a = jax.tree.flatten(mj.params)
+    leaves_a, tree_a = jax.tree.flatten(layout.to_canonical(mj.params))
     leaves_b, tree_b = jax.tree.flatten(params)
     assert tree_a == tree_b
     for x, y in zip(leaves_a, leaves_b):

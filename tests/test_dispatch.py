@@ -18,6 +18,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from moejax import layout
 from moejax import model as M
 from moejax.model import forward as model_forward
 from moejax.model import original_router
@@ -133,23 +134,28 @@ def test_dispatcher_picks_the_sparse_path_for_long_inputs_unless_n_is_at_most_2k
     assert not any(op in jaxpr(p, x, e, w) for op in loops)
 
 
-def _sorted_router(cfg):
-    """The architecture's routing, with the routed experts computed by the sorted path (the hook's
-    ``compute`` attribute is the model's documented extension point)."""
+def _forced_router(cfg, path: str):
+    """The architecture's routing, with the routed experts computed by one given path in small blocks
+    (the hook's ``compute`` attribute is the model's documented extension point): the canonical layout's
+    sorted blocks, or the serving layout's grouped chunks."""
     hook = original_router(cfg)
 
     def compute(moe_index, p, cfg, h, experts, weights, record, state):
-        return M.sorted_routed_experts(p, cfg, h, experts, weights, block_rows=4), state
+        if path == "sorted":
+            return M.sorted_routed_experts(p, cfg, h, experts, weights, block_rows=4), state
+        return M.switched_routed_experts(p["experts"], cfg, h, experts, weights, block_rows=4), state
 
     hook.compute = compute
     return hook
 
 
+@pytest.mark.parametrize("path", ["sorted", "grouped"])
 @pytest.mark.parametrize("name", FAMILIES)
-def test_every_family_through_the_sorted_path_matches_hf(name):
+def test_every_family_through_the_sparse_paths_matches_hf(name, path):
     hm, mj = get_hf_model(name), get_moejax_model(name)
+    params = layout.to_canonical(mj.params) if path == "sorted" else mj.params
     ids = np.random.default_rng(7).integers(3, VOCAB, size=24).astype(np.int32)
     ref = hf_forward(hm.model, ids)
-    run = jax.jit(lambda params, ids: model_forward(params, mj.cfg, ids, router=_sorted_router(mj.cfg)).logits)
-    got = np.asarray(run(mj.params, jnp.asarray(ids)))
+    run = jax.jit(lambda params, ids: model_forward(params, mj.cfg, ids, router=_forced_router(mj.cfg, path)).logits)
+    got = np.asarray(run(params, jnp.asarray(ids)))
     np.testing.assert_allclose(got, ref.logits, atol=1e-4, rtol=1e-4)

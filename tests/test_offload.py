@@ -21,7 +21,7 @@ import pytest
 from conftest import get_moejax_model
 
 from moejax import cache as cache_lib
-from moejax import offload, router, simulate
+from moejax import offload, router, simulate, weights
 from moejax.gating import SoftmaxTopK
 from moejax.simulate import CacheConfig
 
@@ -104,7 +104,8 @@ def test_slots_always_hold_what_the_cache_state_names():
                 for k in ("gate", "up", "down"):
                     np.testing.assert_array_equal(
                         np.asarray(buf[k][slot[layer, expert]]),
-                        np.asarray(m.params["layers"][moe_ids[layer]]["moe"][k][expert]))
+                        weights.expert_matrix(offload.expert_stacks(m.params["layers"][moe_ids[layer]]["moe"])[k],
+                                              int(expert)))
 
 
 def test_random_initial_cache_is_paged_in_before_the_first_token():

@@ -1,0 +1,328 @@
+"""The serving layout: weights arranged so that inference reads each one in place, in its stored dtype.
+
+Why another layout. moejax's canonical parameters (``model.py``: ``x @ W``, experts stacked ``[N, in, out]``)
+are what training, conversion and the checkpoint formats use. On XLA:CPU two things about them cost a
+bandwidth-bound decode step most of its speed (measured in bench/RESULTS.md, "decode at the bandwidth
+limit"):
+
+- a product with a bf16 matrix and one row of activations goes to XLA's f32 matrix-vector emitter, which
+  first writes an f32 copy of the whole matrix (read 2 bytes, write 4, read 4 per weight);
+- an expert picked by a traced id (``stack[e]``, a gather or a dynamic slice) is copied out of the stack
+  before any matmul reads it.
+
+In the serving layout
+
+- every matrix that ``model.linear`` multiplies by is stored ``[out, in]`` (Hugging Face's own orientation)
+  and wrapped in ``OutIn``: ``y = x · wᵀ`` contracts the minor axes of both operands, which XLA hands to
+  its matmul library (YNNPACK) in the stored dtype; rows are padded to ``MIN_ROWS`` for 16-bit types (one
+  row would go to the f32 emitter). f32 weights keep one row: the f32 emitter is at the memory
+  bandwidth there.
+- the routed experts of a MoE layer are an ``ExpertList``: one array per expert and matrix (gate and up
+  fused, ``[2F, D]``; down ``[D, F]``), so ``lax.switch(e, ...)`` gives expert ``e``'s own buffer to its
+  matmul, read in place (``model.switched_routed_experts``).
+
+Everything else (embeddings, norms, routers, biases, MLA's ``kv_b``, Qwen's ``shared_gate``) keeps its
+canonical form. ``to_serving``/``to_canonical`` convert whole trees; ``arrange`` builds the serving tree
+from any leaves through caller-given readers (``weights.place`` reads checkpoint files straight into it).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+ARRANGEMENTS = ("canonical", "serving")
+MIN_ROWS = 4  # rows of a 16-bit matmul: YNNPACK takes >= 2 (one row goes to the f32 emitter); 4 read fastest
+
+# matrices that model.py multiplies through linear(), by where they sit in the tree
+ATTENTION_MATRICES = ("q", "k", "v", "o", "q_a", "q_b", "kv_a")
+MLP_MATRICES = ("gate", "up", "down")
+EXPERT_MATRICES = ("gate", "up", "down")
+
+
+@jax.tree_util.register_pytree_node_class
+class OutIn:
+    """A matrix stored ``[out, in]``: ``linear(x, OutIn(w))`` computes ``x @ w.T`` reading ``w`` in place."""
+
+    def __init__(self, w):
+        self.w = w
+
+    def tree_flatten(self):
+        return (self.w,), None
+
+    @classmethod
+    def tree_unflatten(cls, aux, children):
+        return cls(*children)
+
+    @property
+    def dtype(self):
+        return self.w.dtype
+
+    def __repr__(self) -> str:
+        return f"OutIn({getattr(self.w, 'shape', '?')}, {getattr(self.w, 'dtype', '?')})"
+
+
+@jax.tree_util.register_pytree_node_class
+class ExpertList:
+    """The routed experts of one MoE layer, one buffer each: ``gate_up[e]`` ``[2F, D]`` (gate rows first),
+    ``down[e]`` ``[D, F]``."""
+
+    def __init__(self, gate_up: tuple, down: tuple):
+        self.gate_up, self.down = tuple(gate_up), tuple(down)
+        if len(self.gate_up) != len(self.down) or not self.gate_up:
+            raise ValueError(f"an expert list needs as many gate_up as down matrices (>= 1), got "
+                             f"{len(self.gate_up)} and {len(self.down)}")
+
+    def tree_flatten(self):
+        return (self.gate_up, self.down), None
+
+    @classmethod
+    def tree_unflatten(cls, aux, children):
+        return cls(*children)
+
+    @property
+    def n_experts(self) -> int:
+        return len(self.gate_up)
+
+    @property
+    def dtype(self):
+        return self.gate_up[0].dtype
+
+    def expert(self, e: int) -> tuple:
+        return self.gate_up[e], self.down[e]
+
+    def __repr__(self) -> str:
+        return f"ExpertList({self.n_experts} x ({self.gate_up[0].shape}, {self.down[0].shape}), {self.dtype})"
+
+
+def is_serving(params: dict) -> bool:
+    """True when ``params`` is in the serving layout (any MoE layer holds an ``ExpertList``, or any
+    attention matrix is an ``OutIn``)."""
+    for lp in params["layers"]:
+        if isinstance(lp.get("moe", {}).get("experts"), ExpertList) or isinstance(lp["attn"].get("q"), OutIn):
+            return True
+        if isinstance(lp["attn"].get("q_a"), OutIn) or isinstance(lp["attn"].get("kv_a"), OutIn):
+            return True
+    return False
+
+
+# ------------------------------------------------------------------------------------------- compute
+def nt_dot(x: jax.Array, w: jax.Array) -> jax.Array:
+    """``x @ w.T`` for ``x [..., in]``, ``w [out, in]``, accumulated and returned in float32.
+
+    16-bit operands with fewer than ``MIN_ROWS`` rows are padded with zero rows so the product stays in
+    the matmul library (bf16 read in place) instead of XLA's f32 matrix-vector emitter."""
+    lead, k = x.shape[:-1], x.shape[-1]
+    rows = x.reshape(-1, k)
+    n = rows.shape[0]
+    if rows.dtype != w.dtype:
+        rows = rows.astype(w.dtype)
+    if w.dtype.itemsize < 4 and n < MIN_ROWS:
+        rows = jnp.concatenate([rows, jnp.zeros((MIN_ROWS - n, k), rows.dtype)])
+    y = jax.lax.dot_general(rows, w, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+    return y[:n].reshape(*lead, w.shape[0])
+
+
+def matmul(x: jax.Array, w) -> jax.Array:
+    """``x @ w`` for a canonical ``[in, out]`` matrix or an ``OutIn``; result in x's dtype."""
+    if isinstance(w, OutIn):
+        return nt_dot(x, w.w).astype(x.dtype)
+    return x @ w
+
+
+# ------------------------------------------------------------------------------------------- conversion
+Reader = Callable[[Any], Any]
+
+
+def _expert_reader_from_stacks(moe: dict) -> Callable[[int], tuple]:
+    def read(e: int):
+        g, u, d = (np.asarray(moe[k][e]) for k in EXPERT_MATRICES)
+        return np.concatenate([g.T, u.T]), np.ascontiguousarray(d.T)
+    return read
+
+
+def arrange(params: dict, out_in: Reader, experts: Callable[[dict], Any], put: Reader = jnp.asarray) -> dict:
+    """The serving tree of a canonical tree (whose leaves may be anything ``out_in``/``put`` can read).
+
+    ``out_in(leaf)``: the leaf as an ``[out, in]`` host array; ``experts(moe)``: the layer's experts as an
+    ``ExpertList`` (or left as they are, e.g. in their files for offload); ``put``: any other leaf placed.
+    Placed one tensor at a time, so the host never holds more than one."""
+    def mat(w):
+        return OutIn(jnp.asarray(out_in(w)))
+
+    def mlp(p):
+        return {k: (mat(v) if k in MLP_MATRICES else put(v)) for k, v in p.items()}
+
+    layers = []
+    for i, lp in enumerate(params["layers"]):
+        new = {k: jax.tree.map(put, v) for k, v in lp.items() if k not in ("attn", "mlp", "moe")}
+        new["attn"] = {k: (mat(v) if k in ATTENTION_MATRICES else put(v)) for k, v in lp["attn"].items()}
+        if "mlp" in lp:
+            new["mlp"] = mlp(lp["mlp"])
+        if "moe" in lp:
+            moe = {k: v for k, v in lp["moe"].items() if k not in EXPERT_MATRICES}
+            moe = {k: (mlp(v) if k == "shared" else put(v)) for k, v in moe.items()}
+            arranged = experts(lp["moe"])
+            if isinstance(arranged, ExpertList):
+                moe["experts"] = arranged
+            else:
+                moe.update(arranged)
+            new["moe"] = moe
+        layers.append(new)
+    out = {k: jax.tree.map(put, v) for k, v in params.items() if k not in ("layers", "lm_head")}
+    out["layers"] = layers
+    if "lm_head" in params:
+        out["lm_head"] = mat(params["lm_head"])
+    return out
+
+
+def expert_list(n: int, read: Callable[[int], tuple], put: Reader = jnp.asarray) -> ExpertList:
+    """An ``ExpertList`` of ``n`` experts, ``read(e) -> (gate_up [2F, D], down [D, F])`` one at a time."""
+    gate_up, down = [], []
+    for e in range(n):
+        gu, d = read(e)
+        gate_up.append(put(gu))
+        down.append(put(d))
+    return ExpertList(tuple(gate_up), tuple(down))
+
+
+def to_serving(params: dict) -> dict:
+    """Canonical (arrays) -> serving layout. Copies every matrix once (transposed)."""
+    if is_serving(params):
+        return params
+
+    def experts(moe):
+        return expert_list(int(moe["gate"].shape[0]), _expert_reader_from_stacks(moe))
+
+    return arrange(params, lambda w: np.ascontiguousarray(np.asarray(w).T), experts)
+
+
+def _canonical_matrix(w):
+    return w.w.T if isinstance(w, OutIn) else w
+
+
+def to_canonical(params: dict) -> dict:
+    """Serving -> canonical (``x @ W`` matrices, experts stacked ``[N, in, out]``): for checkpoint writers,
+    training and anything that needs the stacks. Copies."""
+    def walk(tree):
+        if isinstance(tree, OutIn):
+            return jnp.asarray(tree.w).T
+        if isinstance(tree, dict):
+            out = {}
+            for k, v in tree.items():
+                if isinstance(v, ExpertList):
+                    out.update(canonical_experts(v))
+                else:
+                    out[k] = walk(v)
+            return out
+        if isinstance(tree, list):
+            return [walk(v) for v in tree]
+        return tree
+
+    return walk(params)
+
+
+def canonical_experts(experts: ExpertList) -> dict:
+    """``{"gate", "up", "down"}`` stacks ``[N, D, F]``/``[N, F, D]`` of an ``ExpertList`` (a copy)."""
+    f = experts.gate_up[0].shape[0] // 2
+    gate = jnp.stack([gu[:f].T for gu in experts.gate_up])
+    up = jnp.stack([gu[f:].T for gu in experts.gate_up])
+    down = jnp.stack([d.T for d in experts.down])
+    return {"gate": gate, "up": up, "down": down}
+
+
+def gather_experts(experts: ExpertList, ids: jax.Array) -> dict:
+    """Canonical ``gate``/``up``/``down`` stacks ``[K, ...]`` of the experts ``ids`` [K] (traced ids: one
+    ``lax.switch`` per id copies that expert; for the rare paths that need stacks, e.g. low-bit copies)."""
+    f = experts.gate_up[0].shape[0] // 2
+
+    def branch(e):
+        gu, d = experts.expert(e)
+        return lambda: (gu[:f].T, gu[f:].T, d.T)
+
+    branches = [branch(e) for e in range(experts.n_experts)]
+    parts = [jax.lax.switch(i, branches) for i in ids]
+    return {k: jnp.stack([p[j] for p in parts]) for j, k in enumerate(EXPERT_MATRICES)}
+
+
+class CanonicalExpertView:
+    """One canonical expert stack (``gate``/``up``/``down``, ``[N, in, out]``) of an ``ExpertList``, read
+    on demand: shape, dtype, one expert, or sampled elements (fingerprints) without stacking the layer."""
+
+    def __init__(self, experts: ExpertList, which: str):
+        self.experts, self.which = experts, which
+        gu = experts.gate_up[0]
+        f, d = gu.shape[0] // 2, gu.shape[1]
+        self.dtype = np.dtype(gu.dtype)
+        self.shape = (experts.n_experts, f, d) if which == "down" else (experts.n_experts, d, f)
+
+    @property
+    def ndim(self) -> int:
+        return 3
+
+    def read_expert(self, e: int) -> np.ndarray:
+        """Expert ``e`` as a host array in the canonical orientation."""
+        f = self.shape[2] if self.which != "down" else self.shape[1]
+        if self.which == "down":
+            return np.asarray(self.experts.down[e]).T
+        gu = np.asarray(self.experts.gate_up[e])
+        return (gu[:f] if self.which == "gate" else gu[f:]).T
+
+    def read(self) -> np.ndarray:
+        return np.stack([self.read_expert(e) for e in range(self.shape[0])])
+
+    def take_flat(self, idx: np.ndarray) -> np.ndarray:
+        e, r, c = np.unravel_index(idx, self.shape)
+        out = np.empty(idx.shape, self.dtype)
+        for j in np.unique(e):
+            sel = e == j
+            out[sel] = self.read_expert(int(j))[r[sel], c[sel]]
+        return out
+
+
+class CanonicalMatrixView:
+    """An ``OutIn`` seen as its canonical ``[in, out]`` matrix (shape, dtype, sampled elements)."""
+
+    def __init__(self, w: OutIn):
+        self.w = w.w
+        self.dtype = np.dtype(self.w.dtype)
+        self.shape = tuple(reversed(self.w.shape))
+
+    @property
+    def ndim(self) -> int:
+        return 2
+
+    def read(self) -> np.ndarray:
+        return np.asarray(self.w).T
+
+    def take_flat(self, idx: np.ndarray) -> np.ndarray:
+        r, c = np.unravel_index(idx, self.shape)
+        return np.asarray(self.w)[c, r]
+
+
+def canonical_view(params: dict) -> dict:
+    """The canonical tree of a serving-layout tree without copying: ``OutIn`` leaves as
+    ``CanonicalMatrixView``, ``ExpertList`` as three ``CanonicalExpertView`` stacks (same tree paths and
+    shapes as the canonical tree, so fingerprints and writers see one model whatever its layout)."""
+    def walk(tree):
+        if isinstance(tree, OutIn):
+            return CanonicalMatrixView(tree)
+        if isinstance(tree, dict):
+            out = {}
+            for k, v in tree.items():
+                if isinstance(v, ExpertList):
+                    out.update({m: CanonicalExpertView(v, m) for m in EXPERT_MATRICES})
+                else:
+                    out[k] = walk(v)
+            return out
+        if isinstance(tree, list):
+            return [walk(v) for v in tree]
+        return tree
+
+    return walk(params)
+
+
+VIEW_TYPES = (CanonicalExpertView, CanonicalMatrixView)
