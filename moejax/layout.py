@@ -94,6 +94,12 @@ class ExpertList:
     def expert(self, e: int) -> tuple:
         return self.gate_up[e], self.down[e]
 
+    def replace(self, e: int, gate_up, down) -> "ExpertList":
+        """The list with expert ``e``'s buffers replaced (the others are shared, not copied)."""
+        gu, d = list(self.gate_up), list(self.down)
+        gu[e], d[e] = gate_up, down
+        return ExpertList(tuple(gu), tuple(d))
+
     def __repr__(self) -> str:
         return f"ExpertList({self.n_experts} x ({self.gate_up[0].shape}, {self.down[0].shape}), {self.dtype})"
 

@@ -283,12 +283,18 @@ def tree_nbytes(tree) -> int:
     return int(sum(np.prod(a.shape, dtype=np.int64) * jnp.dtype(a.dtype).itemsize for a in jax.tree.leaves(tree)))
 
 
-def init_slots(cfg: ModelConfig, cache_state: cache_lib.CacheState, dtype) -> list | dict:
-    """Zeroed slot buffers: one [C, D, F]/[C, F, D] set per MoE layer, or one pool for a global cache."""
+def init_slots(cfg: ModelConfig, cache_state: cache_lib.CacheState, dtype, stacked: bool = False):
+    """Zeroed slot buffers, per MoE layer or one pool for a global cache: a ``layout.ExpertList`` of C slots
+    (one buffer per slot, what the host pager computes with: each expert read in place), or with
+    ``stacked`` one ``[C, D, F]``/``[C, F, D]`` set (the in-jit pager writes into stacks)."""
     cap = int(cache_state.capacity)
     d, f = cfg.hidden_size, cfg.moe_intermediate_size
-    one = lambda: {"gate": jnp.zeros((cap, d, f), dtype), "up": jnp.zeros((cap, d, f), dtype),  # noqa: E731
-                   "down": jnp.zeros((cap, f, d), dtype)}
+    if stacked:
+        one = lambda: {"gate": jnp.zeros((cap, d, f), dtype), "up": jnp.zeros((cap, d, f), dtype),  # noqa: E731
+                       "down": jnp.zeros((cap, f, d), dtype)}
+    else:
+        one = lambda: layout.ExpertList(tuple(jnp.zeros((2 * f, d), dtype) for _ in range(cap)),  # noqa: E731
+                                        tuple(jnp.zeros((d, f), dtype) for _ in range(cap)))
     return one() if cache_state.scope == "global" else [one() for _ in range(cfg.n_moe_layers)]
 
 
@@ -299,18 +305,35 @@ def fill_slots(slots, store: ExpertStore, cache_state: cache_lib.CacheState):
         s = int(slot[layer, expert])
         data = jax.device_put(store.get(int(layer), int(expert)), store.target)
         if cache_state.scope == "global":
-            slots = _write_slot(slots, data, s, store.flip)
+            slots = write_slot(slots, data, s, store.flip)
         else:
-            slots[layer] = _write_slot(slots[layer], data, s, store.flip)
+            slots[layer] = write_slot(slots[layer], data, s, store.flip)
         if store.pages_from_files:
             jax.block_until_ready(slots)
             store.release(int(layer), int(expert))
     return slots
 
 
+def write_slot(buf, data: dict, s: int, flip: tuple[str, ...] = ()):
+    """Slot buffers with expert ``data`` (``gate``/``up``/``down`` on the device; ``flip``: matrices stored
+    transposed, i.e. Hugging Face's ``[out, in]``) in slot ``s``: a new buffer for that slot of an
+    ``ExpertList``, or written in place into stacked slots."""
+    if isinstance(buf, layout.ExpertList):
+        gate_up, down = _serving_expert(data, flip, buf.dtype)
+        return buf.replace(s, gate_up, down)
+    return _write_stacked_slot(buf, data, jnp.int32(s), flip)
+
+
+@functools.partial(jax.jit, static_argnames=("flip", "dtype"))
+def _serving_expert(data: dict, flip: tuple[str, ...], dtype):
+    """One expert in the serving layout, ``(gate_up [2F, D], down [D, F])``, from its paged matrices."""
+    out_in = {k: (data[k] if k in flip else data[k].T).astype(dtype) for k in EXPERT_KEYS}
+    return jnp.concatenate([out_in["gate"], out_in["up"]]), out_in["down"]
+
+
 @functools.partial(jax.jit, donate_argnums=(0,), static_argnames=("flip",))
-def _write_slot(buf: dict, data: dict, s, flip: tuple[str, ...] = ()):
-    """Write one expert into slot ``s`` (cast to the slots' dtype; ``flip``: matrices stored transposed)."""
+def _write_stacked_slot(buf: dict, data: dict, s, flip: tuple[str, ...] = ()):
+    """Write one expert into slot ``s`` of stacked slots (cast to their dtype)."""
     return {k: jax.lax.dynamic_update_index_in_dim(buf[k], (data[k].T if k in flip else data[k]).astype(buf[k].dtype),
                                                    s, 0) for k in buf}
 
@@ -367,7 +390,7 @@ def _stage_a(lp, next_lp, cfg: ModelConfig, layer: int, moe_index, x, pos, kv, s
 def _stage_b(p, cfg: ModelConfig, x, h, slots, staging, experts, weights, tier, slot_ids, tiers: tuple):
     """Routed experts from the slot buffers (full precision) and the low-bit staging buffers, + residual."""
     full = (tier == 0) & (experts >= 0)
-    y = model_lib.routed_experts(slots, cfg, h, jnp.where(full, slot_ids, -1)[None],
+    y = model_lib.routed_experts({"experts": slots}, cfg, h, jnp.where(full, slot_ids, -1)[None],
                                  jnp.where(full, weights, 0.0)[None])
     for bits in tiers:
         sel = (tier == bits) & (experts >= 0)
@@ -511,9 +534,9 @@ class HostPager:
         flip = self.store.flip
         for moe_index, _, s, data in issued:
             if self.global_scope:
-                self.slots = _write_slot(self.slots, data, s, flip)
+                self.slots = write_slot(self.slots, data, s, flip)
             else:
-                self.slots[moe_index] = _write_slot(self.slots[moe_index], data, s, flip)
+                self.slots[moe_index] = write_slot(self.slots[moe_index], data, s, flip)
         if self.store.pages_from_files:
             jax.block_until_ready(self.slots)
             for moe_index, expert, _, _ in issued:
@@ -831,7 +854,7 @@ def jit_router_state(params, cfg: ModelConfig, router_state: dict) -> dict:
         raise ValueError("in-jit paging of a global cache with prefetch is not supported (a prefetch lands "
                          "in another layer's row); use paging='host'")
     store = ExpertStore(params, cfg, "host")
-    slots = fill_slots(init_slots(cfg, cs, params["embed"].dtype), store, cs)
+    slots = fill_slots(init_slots(cfg, cs, params["embed"].dtype, stacked=True), store, cs)
     return {**router_state, "slots": slots, "moved": jnp.zeros((), jnp.int32),
             "pending": {"row": jnp.zeros((1,), jnp.int32), "expert": jnp.zeros((1,), jnp.int32),
                         "slot": jnp.zeros((1,), jnp.int32), "valid": jnp.zeros((1,), bool),

@@ -21,7 +21,7 @@ import pytest
 from conftest import get_moejax_model
 
 from moejax import cache as cache_lib
-from moejax import offload, router, simulate, weights
+from moejax import layout, offload, router, simulate, weights
 from moejax.gating import SoftmaxTopK
 from moejax.simulate import CacheConfig
 
@@ -103,7 +103,7 @@ def test_slots_always_hold_what_the_cache_state_names():
                 buf = pager.slots if cc.scope == "global" else pager.slots[layer]
                 for k in ("gate", "up", "down"):
                     np.testing.assert_array_equal(
-                        np.asarray(buf[k][slot[layer, expert]]),
+                        layout.CanonicalExpertView(buf, k).read_expert(int(slot[layer, expert])),
                         weights.expert_matrix(offload.expert_stacks(m.params["layers"][moe_ids[layer]]["moe"])[k],
                                               int(expert)))
 
