@@ -48,7 +48,7 @@ def n_experts(cfg: dict) -> int:
 
 
 def moejax_run(model: str, size: int, routing: str, budget: int | None, prompt: list[int], new_tokens: int,
-               lam: float, dtype: str | None, timeout: float) -> dict:
+               lam: float, dtype: str | None, timeout: float, temperature: float = 0.0, seed: int = 0) -> dict:
     cmd = [sys.executable, "-m", "moejax.generate", "--model", model, "--prompt-ids", ",".join(map(str, prompt)),
            "--max-new-tokens", str(new_tokens), "--ignore-eos", "--offload", "--expert-store", "flash",
            "--cache-size", str(size), "--routing", routing, "--json"]
@@ -56,6 +56,8 @@ def moejax_run(model: str, size: int, routing: str, budget: int | None, prompt: 
         cmd += ["--lam", str(lam)]
     if dtype:
         cmd += ["--dtype", dtype]
+    if temperature > 0:
+        cmd += ["--temperature", str(temperature), "--seed", str(seed)]
     env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2"}
     m = memlimit.run_measured(cmd, limit_bytes=budget, env=env, drop_caches=True, timeout=timeout)
     row = {"engine": "moejax", "routing": routing, "capacity": size, "budget_bytes": budget,
@@ -101,7 +103,7 @@ def fmt(row: dict) -> str:
     if row["engine"] == "llama.cpp":
         return (f"llama.cpp  decode {row.get('tg_tokens_per_s') or 0:.3f} tok/s  peak RSS "
                 f"{(row.get('peak_rss_bytes') or 0) / GiB:.2f} GiB  storage read/token "
-                f"{(row.get('read_bytes_per_token') or 0) / 1e6:.0f} MB")
+                f"{(row.get('read_bytes_after_load_per_token') or 0) / 1e6:.0f} MB (after the load's pass)")
     if row["returncode"] != 0:
         return (f"moejax {row['routing']:11s} C={row['capacity']:3d}  FAILED rc={row['returncode']} "
                 f"oom={row.get('oom_killed')} {row.get('error')}")
@@ -122,6 +124,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--prompt-len", type=int, default=8)
     p.add_argument("--new-tokens", type=int, default=8)
     p.add_argument("--dtype", default=None, help="compute dtype (default: the checkpoint's)")
+    p.add_argument("--temperature", type=float, default=0.0,
+                   help="sample at this temperature (0: greedy; random weights decode greedily into repeats, "
+                        "which flatters original routing's reuse)")
+    p.add_argument("--seed", type=int, default=0)
     p.add_argument("--timeout", type=float, default=1800)
     p.add_argument("--llama-cpp", action="store_true", help="also run llama.cpp on the same weights")
     p.add_argument("--gguf", default=None, help="the GGUF to use/write (default: beside the model folder)")
@@ -139,7 +145,7 @@ def main(argv: list[str] | None = None) -> int:
     for div in (int(x) for x in args.sizes.split(",")):
         for routing in args.routings.split(","):
             row = moejax_run(args.model, max(n // div, 1), routing, budget, prompt, args.new_tokens, args.lam,
-                             args.dtype, args.timeout)
+                             args.dtype, args.timeout, args.temperature, args.seed)
             row["size"] = f"N/{div}"
             rows.append(row)
             print(fmt(row), flush=True)

@@ -70,8 +70,10 @@ def _trace_record(out) -> dict:
 def prefill(params, cfg: ModelConfig, tokens, kv, key, router, router_state, sampling: Sampling):
     """Run the prompt, fill the KV cache, sample the first new token."""
     sequential = router is not None and getattr(router, "token_sequential", lambda s: False)(router_state)
-    run = forward_sequential if sequential else forward
-    out = run(params, cfg, tokens, 0, kv, router, router_state)
+    if sequential:
+        out = forward_sequential(params, cfg, tokens, 0, kv, router, router_state)
+    else:
+        out = forward(params, cfg, tokens, 0, kv, router, router_state, last_logits_only=True)
     key, sub = jax.random.split(key)
     first = sample(out.logits[-1], sub, sampling)
     return first, out.kv, key, out.router_state, _trace_record(out), jnp.isfinite(out.logits[-1]).all()

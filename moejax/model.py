@@ -558,11 +558,14 @@ def forward(
     kv: list | None = None,
     router: RouterHook | None = None,
     router_state: Any = None,
+    last_logits_only: bool = False,
 ) -> ForwardOutput:
     """Run ``tokens`` [T] at positions ``pos0..pos0+T-1``.
 
     With ``kv`` (from ``init_kv``) the new keys/values are written at ``pos0`` and attention covers the
-    cache; without it attention covers ``tokens`` alone (teacher-forced pass)."""
+    cache; without it attention covers ``tokens`` alone (teacher-forced pass). ``last_logits_only``: the
+    logits of the last position only ([1, V]; a prefill needs no more, and the LM head is the largest
+    matrix)."""
     router = router or original_router(cfg)
     T = tokens.shape[0]
     positions = jnp.asarray(pos0, jnp.int32) + jnp.arange(T, dtype=jnp.int32)
@@ -603,7 +606,7 @@ def forward(
         else:
             y = dense_mlp(lp["mlp"], cfg, h)
         x = x + y
-    x = norm(x, params["final_norm"], cfg)
+    x = norm(x[-1:] if last_logits_only else x, params["final_norm"], cfg)
     logits = linear(x, lm_head(params, cfg), params.get("lm_head_bias")).astype(jnp.float32)
     records = jax.tree.map(lambda *r: jnp.stack(r), *recs) if recs and recs[0] else {}
     return ForwardOutput(

@@ -94,6 +94,26 @@ class SafetensorsFile:
         start, end = self._header[key]["data_offsets"]
         return self._offset + start, self._offset + end
 
+    def _range(self, view: np.ndarray) -> tuple[int, int]:
+        start = view.__array_interface__["data"][0] - self._mmap.__array_interface__["data"][0]
+        if not 0 <= start <= len(self._map) - view.nbytes:
+            raise ValueError(f"{self.path}: an array that is not a view of this file")
+        page = mmap.PAGESIZE
+        return start // page * page, min(-(-(start + view.nbytes) // page) * page, len(self._map))
+
+    def read_exactly(self) -> None:
+        """Random access from now on (``MADV_RANDOM``: no readahead around a fault), so that paging one
+        expert reads that expert's bytes, not its neighbours'; pair with ``prefetch``."""
+        if self._map is not None and len(self._map):
+            self._map.madvise(mmap.MADV_RANDOM)
+
+    def prefetch(self, view: np.ndarray) -> None:
+        """Ask the kernel to read ``view``'s pages now, in large requests (``MADV_WILLNEED``)."""
+        if self._map is None or view.size == 0:
+            return
+        lo, hi = self._range(view)
+        self._map.madvise(mmap.MADV_WILLNEED, lo, hi - lo)
+
     def release(self, view: np.ndarray) -> None:
         """Drop the mapped pages under ``view`` (a contiguous view from ``get``) from this process's memory.
 
@@ -101,11 +121,7 @@ class SafetensorsFile:
         expert out of a mapped checkpoint does not grow the resident set by the bytes it touched."""
         if self._map is None or view.size == 0:
             return
-        start = view.__array_interface__["data"][0] - self._mmap.__array_interface__["data"][0]
-        if not 0 <= start <= len(self._map) - view.nbytes:
-            raise ValueError(f"{self.path}: release() of an array that is not a view of this file")
-        page = mmap.PAGESIZE
-        lo, hi = start // page * page, min(-(-(start + view.nbytes) // page) * page, len(self._map))
+        lo, hi = self._range(view)
         self._map.madvise(mmap.MADV_DONTNEED, lo, hi - lo)
 
 

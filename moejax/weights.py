@@ -37,6 +37,17 @@ def _copy(file: SafetensorsFile, view: np.ndarray, transposed: bool, dtype) -> n
     return out
 
 
+def _to_device(file: SafetensorsFile, view: np.ndarray, transposed: bool, dtype) -> jax.Array:
+    """A device array of a stored view in moejax's orientation: straight from the mapped bytes when no
+    transpose or conversion is needed (no host copy in between), else through one; pages released."""
+    if transposed or view.dtype != np.dtype(dtype):
+        return jnp.asarray(_copy(file, view, transposed, dtype))
+    out = jnp.asarray(view)
+    jax.block_until_ready(out)
+    file.release(view)
+    return out
+
+
 def _take(view: np.ndarray, transposed: bool, coords: tuple) -> np.ndarray:
     """Elements at moejax-orientation ``coords`` of a stored view (the last two axes swapped if transposed)."""
     if transposed:
@@ -190,7 +201,9 @@ def place(tree, experts: str = "device", arrangement: str = "canonical"):
     def one(x):
         if isinstance(x, ExpertStack):
             return x if experts == "lazy" else jnp.asarray(x.read())
-        if is_lazy(x):  # a tensor in its file, or a canonical view of serving-layout arrays
+        if isinstance(x, LazyTensor):
+            return _to_device(x.file, x.view, x.transposed, x.dtype)
+        if is_lazy(x):  # a canonical view of serving-layout arrays
             return jnp.asarray(x.read())
         return x
 
@@ -206,11 +219,11 @@ def place(tree, experts: str = "device", arrangement: str = "canonical"):
     return layout.arrange(tree, read_out_in, arrange_experts, one)
 
 
-def read_out_in(x) -> np.ndarray:
-    """A 2-D leaf (lazy or an array, canonical ``[in, out]``) as an ``[out, in]`` host array: a
-    Hugging Face file's bytes as they are stored, anything else transposed."""
+def read_out_in(x):
+    """A 2-D leaf (lazy or an array, canonical ``[in, out]``) as an ``[out, in]`` array: a Hugging Face
+    file's bytes as they are stored (placed straight from the mapping), anything else transposed."""
     if isinstance(x, LazyTensor):
-        return _copy(x.file, x.view, not x.transposed, x.dtype)
+        return _to_device(x.file, x.view, not x.transposed, x.dtype)
     return np.ascontiguousarray(np.asarray(x).T)
 
 
