@@ -27,8 +27,6 @@ from moejax.config import from_hf
 
 from conftest import FAMILIES, get_hf_model, get_moejax_model
 
-pytestmark = pytest.mark.numerics
-
 
 @dataclasses.dataclass(frozen=True)
 class _Act:
@@ -58,6 +56,7 @@ SHAPES = [(1, 4, 16, None), (1, 1, 8, None), (2, 2, 16, None), (37, 2, 8, 1), (5
           (17, 1, 8, 8)]
 
 
+@pytest.mark.numerics
 @settings(max_examples=14, deadline=None)
 @given(seed=st.integers(0, 2**31 - 1), shape=st.sampled_from(SHAPES), drop=st.sampled_from([0.0, 0.3, 1.0]),
        act=st.sampled_from(["silu", "gelu_pytorch_tanh"]))
@@ -71,6 +70,7 @@ def test_switched_equals_dense(seed, shape, drop, act):
         assert not np.asarray(got).any()
 
 
+@pytest.mark.numerics
 @pytest.mark.parametrize("T", [1, 40])
 def test_switched_bf16_is_within_rounding_of_f32(T):
     p, x, e, w = _problem(3, T, 4, 16, D=64, F=32, drop=0.1)
@@ -108,6 +108,7 @@ def test_a_mapped_step_runs_the_chosen_experts_only():
     assert "cond[" not in str(jax.make_jaxpr(plain_vmap)(jnp.stack([e, e])))  # what the test would catch
 
 
+@pytest.mark.numerics
 @pytest.mark.parametrize("name", FAMILIES)
 def test_every_family_serving_equals_canonical(name):
     """Same model, two layouts: teacher-forced logits, a decode step with a KV cache, and greedy tokens."""
@@ -150,6 +151,7 @@ def _bf16_errors(folder, arrangement, ids):
     return d.max(), d.mean()
 
 
+@pytest.mark.numerics
 @pytest.mark.parametrize("name", FAMILIES)
 def test_bf16_serving_is_as_close_to_f32_as_the_canonical_path(name):
     """bf16 paths cannot agree bit for bit (other matmul kernels, other summation orders; greedy tokens of
