@@ -206,29 +206,28 @@ def to_serving(params: dict) -> dict:
     return arrange(params, lambda w: np.ascontiguousarray(np.asarray(w).T), experts)
 
 
-def _canonical_matrix(w):
-    return w.w.T if isinstance(w, OutIn) else w
+def _map_serving(params, matrix: Callable, experts: Callable[[ExpertList], dict]):
+    """The tree with every ``OutIn`` replaced by ``matrix(it)`` and every ``ExpertList`` by the
+    ``gate``/``up``/``down`` entries of ``experts(it)`` (the canonical tree's paths)."""
+    if isinstance(params, OutIn):
+        return matrix(params)
+    if isinstance(params, dict):
+        out = {}
+        for k, v in params.items():
+            if isinstance(v, ExpertList):
+                out.update(experts(v))
+            else:
+                out[k] = _map_serving(v, matrix, experts)
+        return out
+    if isinstance(params, list):
+        return [_map_serving(v, matrix, experts) for v in params]
+    return params
 
 
 def to_canonical(params: dict) -> dict:
     """Serving -> canonical (``x @ W`` matrices, experts stacked ``[N, in, out]``): for checkpoint writers,
     training and anything that needs the stacks. Copies."""
-    def walk(tree):
-        if isinstance(tree, OutIn):
-            return jnp.asarray(tree.w).T
-        if isinstance(tree, dict):
-            out = {}
-            for k, v in tree.items():
-                if isinstance(v, ExpertList):
-                    out.update(canonical_experts(v))
-                else:
-                    out[k] = walk(v)
-            return out
-        if isinstance(tree, list):
-            return [walk(v) for v in tree]
-        return tree
-
-    return walk(params)
+    return _map_serving(params, lambda m: jnp.asarray(m.w).T, canonical_experts)
 
 
 def canonical_experts(experts: ExpertList) -> dict:
@@ -313,22 +312,8 @@ def canonical_view(params: dict) -> dict:
     """The canonical tree of a serving-layout tree without copying: ``OutIn`` leaves as
     ``CanonicalMatrixView``, ``ExpertList`` as three ``CanonicalExpertView`` stacks (same tree paths and
     shapes as the canonical tree, so fingerprints and writers see one model whatever its layout)."""
-    def walk(tree):
-        if isinstance(tree, OutIn):
-            return CanonicalMatrixView(tree)
-        if isinstance(tree, dict):
-            out = {}
-            for k, v in tree.items():
-                if isinstance(v, ExpertList):
-                    out.update({m: CanonicalExpertView(v, m) for m in EXPERT_MATRICES})
-                else:
-                    out[k] = walk(v)
-            return out
-        if isinstance(tree, list):
-            return [walk(v) for v in tree]
-        return tree
-
-    return walk(params)
+    return _map_serving(params, CanonicalMatrixView,
+                        lambda el: {m: CanonicalExpertView(el, m) for m in EXPERT_MATRICES})
 
 
 VIEW_TYPES = (CanonicalExpertView, CanonicalMatrixView)

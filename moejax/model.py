@@ -281,17 +281,16 @@ def sorted_routed_experts(p: dict, cfg: ModelConfig, x, experts, weights, block_
     return _sorted_dispatch_op(cfg.hidden_act, block_rows)(stack, x, experts, weights)
 
 
-@functools.lru_cache(maxsize=None)
-def _sorted_dispatch_op(act: str, block_rows: int | None):
-    """``_sorted_dispatch`` with the lane-folding batching rule and a reverse-mode rule (``custom_vmap``
-    alone has none): the backward pass is the plain function's own VJP."""
+def lane_folding(plain, again):
+    """``plain(w, x, experts, weights)`` as a ``custom_vmap`` whose batching rule folds the mapped axis into
+    the tokens when the weights ``w`` are shared by every lane (a sweep over routing policies, a training
+    batch): one dispatch over all lanes' assignments, each expert's weights read once for all lanes
+    (mapping the dispatch instead would gather a copy of the weights per lane, or turn a ``lax.switch`` into
+    running every expert). ``again()`` is what the folded call runs (the final op, so an outer vmap folds
+    its lanes in as well); weights that differ per lane map ``plain``."""
+    op = jax.custom_batching.custom_vmap(plain)
 
-    def plain(w, x, experts, weights):
-        return _sorted_dispatch(act, w, x, experts, weights, block_rows)
-
-    folding = jax.custom_batching.custom_vmap(plain)
-
-    @folding.def_vmap
+    @op.def_vmap
     def _fold_lanes(axis_size, in_batched, w, x, experts, weights):
         w_b, x_b, e_b, g_b = in_batched
         if any(jax.tree.leaves(w_b)):  # weights differ per lane: nothing to share, map the plain function
@@ -300,8 +299,21 @@ def _sorted_dispatch_op(act: str, block_rows: int | None):
         lanes = [a if b else jnp.broadcast_to(a, (axis_size, *a.shape)) for a, b in ((x, x_b), (experts, e_b),
                                                                                       (weights, g_b))]
         x, experts, weights = (a.reshape(axis_size * a.shape[1], *a.shape[2:]) for a in lanes)
-        y = op(w, x, experts, weights)  # op, not plain: an outer vmap folds its lanes in as well
+        y = again()(w, x, experts, weights)
         return y.reshape(axis_size, -1, y.shape[-1]), True
+
+    return op
+
+
+@functools.lru_cache(maxsize=None)
+def _sorted_dispatch_op(act: str, block_rows: int | None):
+    """``_sorted_dispatch`` with the lane-folding batching rule and a reverse-mode rule (``custom_vmap``
+    alone has none): the backward pass is the plain function's own VJP."""
+
+    def plain(w, x, experts, weights):
+        return _sorted_dispatch(act, w, x, experts, weights, block_rows)
+
+    folding = lane_folding(plain, lambda: op)  # op, not plain: an outer vmap folds its lanes in as well
 
     def fwd(w, x, experts, weights):
         return folding(w, x, experts, weights), (w, x, experts, weights)
@@ -446,27 +458,14 @@ def _switched_grouped(act: str, el: layout.ExpertList, x, experts, weights, bloc
 
 @functools.lru_cache(maxsize=None)
 def _switched_op(act: str, block_rows: int | None):
-    """The serving-layout dispatch with the lane-folding batching rule (as ``_sorted_dispatch_op``)."""
+    """The serving-layout dispatch with the lane-folding batching rule (``lane_folding``)."""
 
     def plain(el, x, experts, weights):
         if experts.shape[0] == 1:
             return _switched_one_token(act, el, x, experts, weights)
         return _switched_grouped(act, el, x, experts, weights, block_rows)
 
-    op = jax.custom_batching.custom_vmap(plain)
-
-    @op.def_vmap
-    def _fold_lanes(axis_size, in_batched, el, x, experts, weights):
-        el_b, x_b, e_b, g_b = in_batched
-        if any(jax.tree.leaves(el_b)):  # weights differ per lane: nothing to share, map the plain function
-            axes = (jax.tree.map(lambda b: 0 if b else None, el_b), *(0 if b else None for b in (x_b, e_b, g_b)))
-            return jax.vmap(plain, in_axes=axes)(el, x, experts, weights), True
-        lanes = [a if b else jnp.broadcast_to(a, (axis_size, *a.shape)) for a, b in ((x, x_b), (experts, e_b),
-                                                                                      (weights, g_b))]
-        x, experts, weights = (a.reshape(axis_size * a.shape[1], *a.shape[2:]) for a in lanes)
-        y = op(el, x, experts, weights)
-        return y.reshape(axis_size, -1, y.shape[-1]), True
-
+    op = lane_folding(plain, lambda: op)
     return op
 
 

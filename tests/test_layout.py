@@ -10,7 +10,6 @@ compiled program's temporary memory is below one expert matrix).
 
 from __future__ import annotations
 
-import dataclasses
 import re
 
 import jax
@@ -26,22 +25,7 @@ from moejax import model as M
 from moejax.config import from_hf
 
 from conftest import FAMILIES, get_hf_model, get_moejax_model
-
-
-@dataclasses.dataclass(frozen=True)
-class _Act:
-    hidden_act: str = "silu"
-
-
-def _problem(seed, T, K, N, D=16, F=8, drop=0.2, dtype=jnp.float32):
-    rng = np.random.default_rng(seed)
-    p = {k: jnp.asarray(rng.normal(size=s) * 0.5, dtype) for k, s in
-         (("gate", (N, D, F)), ("up", (N, D, F)), ("down", (N, F, D)))}
-    x = jnp.asarray(rng.normal(size=(T, D)), dtype)
-    e = np.stack([rng.choice(N, K, replace=False) for _ in range(T)]).astype(np.int32)
-    e[rng.random((T, K)) < drop] = -1
-    w = np.where(e >= 0, rng.random((T, K)), 0).astype(np.float32)
-    return p, x, jnp.asarray(e), jnp.asarray(w)
+from test_dispatch import _Act, _problem
 
 
 def _as_list(p) -> layout.ExpertList:
