@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from moejax import checkpoint, decode, gating, weights
+from moejax import checkpoint, decode, gating, textproc, weights
 from moejax import offload as offload_lib
 from moejax.config import ModelConfig
 from moejax.model import forward as model_forward
@@ -124,7 +124,7 @@ class Model:
     def _offload(self, offload):
         """The offload settings of a call: its own (``False``: none), else the model's; refuses to simulate
         a model whose experts were left in the files (that would read them all onto the device)."""
-        offload = None if offload is False else offload if offload is not None else self.offload
+        offload = None if offload is False else offload_config(offload) if offload is not None else self.offload
         if offload is None and weights.has_lazy_experts(self.params):
             raise ValueError("this model was loaded with offload (moejax.load(path, offload=...)): its routed "
                              "experts are in the checkpoint files, not on the device; pass offload=... to this "
@@ -230,16 +230,28 @@ class Model:
             return " ".join(str(i) for i in ids)
         return self.tokenizer.decode(ids)
 
+    def text(self, ids) -> str:
+        """``ids`` as text for a reader: decoded, with WikiText spacing undone for wikitext-style models."""
+        raw = self.decode(ids)
+        return textproc.wikitext_detokenize(raw) if textproc.is_wikitext_style(self.generation_config) else raw
+
     def generate(self, prompt_ids, max_new_tokens: int = 64, temperature: float = 0.0, top_p: float = 1.0,
                  seed: int = 0, stop_at_eos: bool = True, on_tokens=None, chunk: int = 16,
                  routing=None, cache=None, state: dict | None = None,
-                 prefill_routing=None, offload=None) -> decode.GenerateResult:
+                 prefill_routing=None, offload=None, stop=(), cancelled=None,
+                 bucketed: bool = False) -> decode.GenerateResult:
         """Prefill + scan decode. With ``routing``/``cache``/``state`` the expert cache is simulated for
         every token (prompt included) and ``result.stats["cache"]`` holds its metrics. ``prefill_routing``
         routes the prompt with another policy (e.g. "original": the policy then acts during generation
         only, as in the paper's GSM8K protocol). ``offload`` (``offload.OffloadConfig``): experts in host
-        memory, misses paged into device slots for real; ``result.stats["offload"]`` has what moved."""
+        memory, misses paged into device slots for real; ``result.stats["offload"]`` has what moved.
+
+        ``stop``: stop strings, matched on ``self.text`` of the new tokens; the tokens end with the one that
+        completes the first match (``decode.cut_at_stops(model.text(ids), stop)`` is the text before it)
+        and ``stats["stopped"]`` is "stop". ``cancelled()`` is polled between chunks ("cancelled").
+        ``bucketed``: compile-friendly shapes for long-running callers (``decode.generate``)."""
         cfg = dataclasses.replace(self.cfg, eos_token_ids=self.eos_token_ids)
+        stop = decode.Stop(tuple(stop), self.text if stop else None, cancelled)
         router = None
         offload = self._offload(offload)
         if offload is not None:
@@ -250,7 +262,8 @@ class Model:
             result = offload_lib.generate(self.params, cfg, prompt_ids, state, offload,
                                           max_new_tokens=max_new_tokens, sampling=decode.Sampling(temperature, top_p),
                                           seed=seed, stop_at_eos=stop_at_eos, on_tokens=on_tokens,
-                                          prefill_policy=prefill_policy, stores=self._stores)
+                                          prefill_policy=prefill_policy, stores=self._stores, stop=stop,
+                                          bucketed=bucketed)
             result.stats["cache"] = simulate.summarize(result.router_state, self.params, self.cfg)
             return result
         if routing is not None or cache is not None or state is not None:
@@ -264,7 +277,8 @@ class Model:
         result = decode.generate(self.params, cfg, prompt_ids, max_new_tokens=max_new_tokens,
                                  sampling=decode.Sampling(temperature, top_p), seed=seed,
                                  stop_at_eos=stop_at_eos, on_tokens=on_tokens, chunk=chunk, router=router,
-                                 router_state=state, prefill_policy=prefill_policy)
+                                 router_state=state, prefill_policy=prefill_policy, stop=stop,
+                                 bucketed=bucketed)
         if router is not None:
             from moejax import simulate
 

@@ -67,13 +67,13 @@ def _trace_record(out) -> dict:
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "router", "sampling"), donate_argnames=("kv",))
-def prefill(params, cfg: ModelConfig, tokens, kv, key, router, router_state, sampling: Sampling):
-    """Run the prompt, fill the KV cache, sample the first new token."""
+def prefill(params, cfg: ModelConfig, tokens, kv, key, router, router_state, sampling: Sampling, pos0=0):
+    """Run the prompt (or a piece of it starting at ``pos0``), fill the KV cache, sample the next token."""
     sequential = router is not None and getattr(router, "token_sequential", lambda s: False)(router_state)
     if sequential:
-        out = forward_sequential(params, cfg, tokens, 0, kv, router, router_state)
+        out = forward_sequential(params, cfg, tokens, pos0, kv, router, router_state)
     else:
-        out = forward(params, cfg, tokens, 0, kv, router, router_state, last_logits_only=True)
+        out = forward(params, cfg, tokens, pos0, kv, router, router_state, last_logits_only=True)
     key, sub = jax.random.split(key)
     first = sample(out.logits[-1], sub, sampling)
     return first, out.kv, key, out.router_state, _trace_record(out), jnp.isfinite(out.logits[-1]).all()
@@ -125,6 +125,23 @@ def check_step(cfg: ModelConfig, router_logits, logits_finite, where: str) -> No
                                     "an overflow in this dtype)")
 
 
+MIN_KV_BUCKET = 64
+
+
+def kv_bucket(rows: int) -> int:
+    """``rows`` rounded up to a power of two (at least ``MIN_KV_BUCKET``): with KV caches of these lengths
+    the decode chunk compiles once per bucket instead of once per prompt length (positions past the
+    current one are masked, so the length changes nothing else)."""
+    return max(MIN_KV_BUCKET, 1 << (int(rows) - 1).bit_length())
+
+
+def prompt_pieces(n: int) -> list[int]:
+    """``n`` as distinct powers of two, largest first (37 -> [32, 4, 1]). A prompt prefilled in these
+    pieces (each attending to the KV cache of the ones before) needs at most log2(context) + 1 programs
+    whatever its length; the result equals a one-piece prefill up to float reassociation."""
+    return [1 << b for b in reversed(range(int(n).bit_length())) if n >> b & 1]
+
+
 def generation_budget(prompt_tokens: int, max_new_tokens: int, context: int) -> int:
     """How many new tokens fit: ``max_new_tokens`` (>= 0) capped at the context left after the prompt."""
     if int(max_new_tokens) != max_new_tokens or max_new_tokens < 0:
@@ -132,21 +149,74 @@ def generation_budget(prompt_tokens: int, max_new_tokens: int, context: int) -> 
     return max(0, min(int(max_new_tokens), context - prompt_tokens))
 
 
-def stop_reason(tokens: list[int], requested: int, eos: tuple) -> str:
-    """Why generation ended: "eos", "max_new_tokens", or "context_length" (the budget ran out first)."""
+def stop_reason(tokens: list[int], requested: int, eos: tuple, ended_by: str | None = None) -> str:
+    """Why generation ended: "eos", "max_new_tokens", "context_length" (the budget ran out first), or what
+    ``Stop`` ended it with ("stop": a stop string, "cancelled")."""
+    if ended_by is not None:
+        return ended_by
     if tokens and tokens[-1] in eos:
         return "eos"
     return "max_new_tokens" if len(tokens) >= requested else "context_length"
 
 
+def cut_at_stops(text: str, strings) -> str:
+    """``text`` up to the earliest of the stop ``strings`` (all of it when none occurs)."""
+    return text[:min((i for i in (text.find(s) for s in strings if s) if i >= 0), default=len(text))]
+
+
+@dataclasses.dataclass(frozen=True)
+class Stop:
+    """Ends a generation besides EOS and the token budget; checked between decode chunks (a chunk's later
+    tokens are computed, and seen by the expert cache, but not returned).
+
+    ``strings``: stop strings, matched on ``render(new token ids)`` (the text the caller shows; the prompt is
+    not searched). The generation keeps the shortest run of tokens whose text contains one (so the text,
+    cut with ``cut_at_stops``, ends just before it), and stops with ``"stopped": "stop"``.
+    ``cancelled``: polled after every chunk; True ends the generation there (``"stopped": "cancelled"``),
+    e.g. when a streaming client went away."""
+
+    strings: tuple[str, ...] = ()
+    render: Callable[[list[int]], str] | None = None
+    cancelled: Callable[[], bool] | None = None
+
+    def __post_init__(self):
+        if isinstance(self.strings, str):
+            raise TypeError("Stop.strings is a sequence of strings, not one string")
+        if any(not isinstance(s, str) or not s for s in self.strings):
+            raise ValueError("stop strings must be non-empty strings")
+        if self.strings and self.render is None:
+            raise ValueError("stop strings need a render function (token ids -> text): a tokenizer")
+
+    def check(self, tokens: list[int], checked: int) -> tuple[int | None, str | None]:
+        """(tokens to keep, why) once ``tokens`` (``checked`` of them already seen without a stop) end the
+        generation; (None, None) otherwise."""
+        if self.strings and len(tokens) > checked:
+            text = self.render(tokens)
+            if any(s in text for s in self.strings):
+                keep = checked + 1
+                while keep < len(tokens) and not any(s in self.render(tokens[:keep]) for s in self.strings):
+                    keep += 1
+                return keep, "stop"
+        if self.cancelled is not None and self.cancelled():
+            return len(tokens), "cancelled"
+        return None, None
+
+
+NO_STOP = Stop()
+
+
 def generate(params, cfg: ModelConfig, prompt_ids, *, max_new_tokens: int, sampling: Sampling = Sampling(),
              seed: int = 0, router=None, router_state=None, stop_at_eos: bool = True, chunk: int = 16,
              on_tokens: Callable[[list[int]], None] | None = None, context: int | None = None,
-             prefill_policy=None) -> GenerateResult:
+             prefill_policy=None, stop: Stop = NO_STOP, bucketed: bool = False) -> GenerateResult:
     """Generate up to ``max_new_tokens`` after ``prompt_ids``; ``on_tokens`` receives them as they come.
 
     ``prefill_policy`` (a routing policy) routes the prompt instead of ``router_state["policy"]``, which
-    then acts during generation only (GSM8K protocol); the cache is shared by both phases."""
+    then acts during generation only (GSM8K protocol); the cache is shared by both phases. ``stop``: stop
+    strings and cancellation, checked after the first token and after every chunk. ``bucketed``: a KV cache
+    of ``kv_bucket`` rows and the prompt prefilled in ``prompt_pieces``, so a long-running process (the
+    server, task evaluation) compiles a handful of programs for every prompt length instead of two per
+    length; off, the prompt runs in one piece (what a single generation wants)."""
     prompt = np.asarray(prompt_ids, dtype=np.int32)
     context = context or cfg.max_position_embeddings
     if prompt.ndim != 1 or prompt.size == 0:
@@ -160,8 +230,11 @@ def generate(params, cfg: ModelConfig, prompt_ids, *, max_new_tokens: int, sampl
     eos = tuple(cfg.eos_token_ids) if stop_at_eos else ()
     n_chunks = max(0, -(-(max_new_tokens - 1) // chunk))
     dtype = params["embed"].dtype
-    kv = init_kv(cfg, prompt.size + n_chunks * chunk + 1, dtype)
+    kv_rows = prompt.size + n_chunks * chunk + 1
+    kv = init_kv(cfg, kv_bucket(kv_rows) if bucketed else kv_rows, dtype)
     key = jax.random.PRNGKey(seed)
+    pieces = prompt_pieces(prompt.size) if bucketed else [int(prompt.size)]
+    starts = np.cumsum([0] + pieces[:-1]).tolist()
 
     # compile ahead of time so time to first token and tokens/s measure the model, not XLA
     t_compile = time.perf_counter()
@@ -173,10 +246,11 @@ def generate(params, cfg: ModelConfig, prompt_ids, *, max_new_tokens: int, sampl
         decode_policy = router_state["policy"]
         router_state = {**router_state, "policy": prefill_policy}
     tokens_in = jnp.asarray(prompt)
-    run_prefill = prefill.lower(params, tokens=tokens_in, kv=kv, key=key, router_state=router_state,
-                                **statics).compile()
-    first_s, kv_s, key_s, rs_s, _, _ = jax.eval_shape(
-        functools.partial(prefill, **statics), params, tokens=tokens_in, kv=kv, key=key, router_state=router_state)
+    run_pieces, kv_s, rs_s = [], kv, router_state
+    for n, a in zip(pieces, starts):  # each piece sees the states the one before leaves
+        args = dict(tokens=tokens_in[a:a + n], kv=kv_s, key=key, router_state=rs_s, pos0=jnp.int32(a))
+        run_pieces.append(prefill.lower(params, **args, **statics).compile())
+        first_s, kv_s, key_s, rs_s, _, _ = jax.eval_shape(functools.partial(prefill, **statics), params, **args)
     if decode_policy is not None:
         rs_s = {**rs_s, "policy": jax.eval_shape(lambda p: p, decode_policy)}
     state_s = DecodeState(kv_s, first_s, jax.ShapeDtypeStruct((), jnp.int32), key_s, rs_s,
@@ -187,8 +261,13 @@ def generate(params, cfg: ModelConfig, prompt_ids, *, max_new_tokens: int, sampl
     compile_time = time.perf_counter() - t_compile
 
     t0 = time.perf_counter()
-    first, kv, key, router_state, rec, finite = run_prefill(params, tokens=tokens_in, kv=kv, key=key,
-                                                            router_state=router_state)
+    piece_records = []
+    for run, n, a in zip(run_pieces, pieces, starts):  # every piece gets the same key: one split, as unpieced
+        first, kv, key_after, router_state, rec, finite = run(params, tokens=tokens_in[a:a + n], kv=kv, key=key,
+                                                              router_state=router_state, pos0=jnp.int32(a))
+        piece_records.append(rec)
+    key = key_after
+    rec = jax.tree.map(lambda *r: jnp.concatenate(r, axis=1), *piece_records) if len(pieces) > 1 else rec
     check_step(cfg, rec["logits"], finite, "the prompt")
     if decode_policy is not None:  # a copy: decode chunks donate their state, and these are the caller's arrays
         router_state = {**router_state, "policy": jax.tree.map(jnp.copy, decode_policy)}
@@ -196,16 +275,19 @@ def generate(params, cfg: ModelConfig, prompt_ids, *, max_new_tokens: int, sampl
     ttft = time.perf_counter() - t0
     tokens = [first] if max_new_tokens > 0 else []
     records = [rec]
+    keep, ended_by = stop.check(tokens, 0)
     if tokens and on_tokens:
         on_tokens(tokens[:])
     limit = jnp.int32(prompt.size + max_new_tokens - 1)
     state = DecodeState(kv, jnp.int32(first), jnp.int32(prompt.size), key, router_state, jnp.bool_(False), limit)
-    finished = not tokens or (first in eos)
+    finished = not tokens or (first in eos) or ended_by is not None
+    fed = int(prompt.size)  # tokens run through the model (and the expert cache): the prompt, then each step's
     while not finished and len(tokens) < max_new_tokens:
         state, (new, done, rec, finite) = run_chunk(params, state=state)
         records.append((rec, done))
         new, done = np.asarray(new), np.asarray(done)
         active = ~done
+        fed += int(active.sum())
         router_logits = np.swapaxes(np.asarray(rec["logits"])[active][:, :, 0], 0, 1)  # [L, steps, N]
         check_step(cfg, router_logits, np.asarray(finite)[active].all(), f"generated token {len(tokens)}+")
         fresh = []
@@ -218,6 +300,11 @@ def generate(params, cfg: ModelConfig, prompt_ids, *, max_new_tokens: int, sampl
             if tok in eos:
                 finished = True
                 break
+        keep, ended_by = stop.check(tokens, len(tokens) - len(fresh))
+        if keep is not None:
+            fresh = fresh[:len(fresh) - (len(tokens) - keep)]
+            del tokens[keep:]
+            finished = True
         if fresh and on_tokens:
             on_tokens(fresh)
     jax.block_until_ready(state.token)
@@ -230,6 +317,7 @@ def generate(params, cfg: ModelConfig, prompt_ids, *, max_new_tokens: int, sampl
         "total_time_s": total,
         "compile_time_s": compile_time,
         "tokens_per_s": (len(tokens) - 1) / decode_time if len(tokens) > 1 and decode_time > 0 else 0.0,
-        "stopped": stop_reason(tokens, requested, eos),
+        "stopped": stop_reason(tokens, requested, eos, ended_by),
+        "fed_tokens": fed,  # > prompt + generated - 1 when a stop string cut a chunk
     }
     return GenerateResult(tokens, stats, records, state.router_state)

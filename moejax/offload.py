@@ -663,9 +663,11 @@ def stack_records(rec: list, n_tokens: int, n_moe: int) -> dict:
 def host_generate(params, cfg: ModelConfig, prompt_ids, router_state: dict, offload: OffloadConfig, *,
                   max_new_tokens: int, sampling: decode.Sampling = decode.Sampling(), seed: int = 0,
                   stop_at_eos: bool = True, on_tokens: Callable[[list[int]], None] | None = None,
-                  prefill_policy=None, warmup: bool = True, stores: dict | None = None) -> decode.GenerateResult:
+                  prefill_policy=None, warmup: bool = True, stores: dict | None = None,
+                  stop: decode.Stop = decode.NO_STOP, bucketed: bool = False) -> decode.GenerateResult:
     """Offloaded generation with host-driven paging; same sampling and key schedule as ``decode.generate``,
-    so with the same policy the tokens are the simulation's. The prompt is routed token by token."""
+    so with the same policy the tokens are the simulation's. The prompt is routed token by token.
+    ``bucketed``: a KV cache of ``decode.kv_bucket`` rows (the stages compile once per bucket)."""
     prompt = np.asarray(prompt_ids, dtype=np.int32)
     context = cfg.max_position_embeddings
     if prompt.ndim != 1 or prompt.size == 0:
@@ -681,7 +683,8 @@ def host_generate(params, cfg: ModelConfig, prompt_ids, router_state: dict, offl
         router_state = {**router_state, "policy": prefill_policy}
     pager = HostPager(params, cfg, router_state, offload, stores)
     dtype = params["embed"].dtype
-    kv = model_lib.init_kv(cfg, prompt.size + max_new_tokens + 1, dtype)
+    kv_rows = prompt.size + max_new_tokens + 1
+    kv = model_lib.init_kv(cfg, decode.kv_bucket(kv_rows) if bucketed else kv_rows, dtype)
 
     t_compile = time.perf_counter()
     if warmup:  # compile every stage on throwaway copies of the states (no transfers counted)
@@ -720,9 +723,10 @@ def host_generate(params, cfg: ModelConfig, prompt_ids, router_state: dict, offl
     if prefill_policy is not None:
         pager.state = {**pager.state, "policy": decode_policy}
     tokens = [first] if max_new_tokens > 0 else []
+    _, ended_by = stop.check(tokens, 0)
     if tokens and on_tokens:
         on_tokens(tokens[:])
-    finished = not tokens or first in eos
+    finished = not tokens or first in eos or ended_by is not None
     pos = prompt.size
     token = first
     read_decode = storage_read_bytes()
@@ -732,9 +736,10 @@ def host_generate(params, cfg: ModelConfig, prompt_ids, router_state: dict, offl
         token = int(token_arr)
         pos += 1
         tokens.append(token)
+        _, ended_by = stop.check(tokens, len(tokens) - 1)  # one token per step: nothing to cut
         if on_tokens:
             on_tokens([token])
-        if token in eos:
+        if token in eos or ended_by is not None:
             finished = True
     total = time.perf_counter() - t0
     decode_time = time.perf_counter() - t_decode
@@ -754,7 +759,8 @@ def host_generate(params, cfg: ModelConfig, prompt_ids, router_state: dict, offl
         "total_time_s": total,
         "compile_time_s": compile_time,
         "tokens_per_s": n_decode / decode_time if n_decode and decode_time > 0 else 0.0,
-        "stopped": decode.stop_reason(tokens, requested, eos),
+        "stopped": decode.stop_reason(tokens, requested, eos, ended_by),
+        "fed_tokens": int(prompt.size) + max(len(tokens) - 1, 0),
         "offload": summary,
     }
     fed = len(rec) // len(pager.moe_ids)
@@ -894,7 +900,8 @@ def jit_router_state(params, cfg: ModelConfig, router_state: dict) -> dict:
 def jit_generate(params, cfg: ModelConfig, prompt_ids, router_state: dict, offload: OffloadConfig, *,
                  max_new_tokens: int, sampling: decode.Sampling = decode.Sampling(), seed: int = 0,
                  stop_at_eos: bool = True, on_tokens=None, prefill_policy=None,
-                 stores: dict | None = None) -> decode.GenerateResult:
+                 stores: dict | None = None, stop: decode.Stop = decode.NO_STOP,
+                 bucketed: bool = False) -> decode.GenerateResult:
     """Offloaded generation with in-jit paging: ``decode.generate`` with the ``JitPager`` hook."""
     cs = router_state["cache"]
     k = cfg.top_k
@@ -907,7 +914,7 @@ def jit_generate(params, cfg: ModelConfig, prompt_ids, router_state: dict, offlo
         lambda a: jnp.zeros((max_changes,), a.dtype) if a.ndim else a, state["pending"])
     result = decode.generate(host_params, cfg, prompt_ids, max_new_tokens=max_new_tokens, sampling=sampling,
                              seed=seed, router=pager, router_state=state, stop_at_eos=stop_at_eos,
-                             on_tokens=on_tokens, prefill_policy=prefill_policy)
+                             on_tokens=on_tokens, prefill_policy=prefill_policy, stop=stop, bucketed=bucketed)
     final = result.router_state
     expert_bytes = cfg.expert_params * jnp.dtype(params["embed"].dtype).itemsize
     moved = int(final["moved"]) * expert_bytes

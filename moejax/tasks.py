@@ -48,8 +48,8 @@ its last token) or for ``max_new_tokens``. When it does not, shots are dropped f
 Expert cache: with ``routing``, ``cache`` or ``state`` one cache state stream runs through every forward
 and generation of the evaluation in the order above (as ``evaluate.wikitext_perplexity`` carries it across
 chunks) and the result gains ``miss_rate``, ``lifetime``, ``lifetime_std``, ``bytes_per_token`` and
-``cache`` (``simulate.summarize``). Note: generation runs for ``max_new_tokens`` (or to EOS) and is cut
-afterwards, so the cache also sees the tokens generated after the stop string.
+``cache`` (``simulate.summarize``). Note: generation ends at the chunk of 16 decode steps in which a stop string
+appears (GSM8K: the next question; NQ-open: a newline), so the cache sees at most 15 tokens past it.
 
 The ``state`` given is copied, never changed (``Model.generate`` donates the arrays it gets); the final
 state comes back with ``return_state=True``. ``seconds_per_example`` includes XLA compilation.
@@ -77,7 +77,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-from moejax import errors
+from moejax import decode, errors
 
 TASKS = ("mmlu", "gsm8k", "truthfulqa", "nq_open")
 
@@ -480,8 +480,7 @@ def normalize_number(text: str | None) -> Decimal | None:
 
 def cut_at_stops(text: str, stops: tuple[str, ...] = GSM8K_STOPS) -> str:
     """``text`` up to the earliest stop string."""
-    cut = min((i for i in (text.find(s) for s in stops) if i >= 0), default=len(text))
-    return text[:cut]
+    return decode.cut_at_stops(text, stops)
 
 
 def extract_number(text: str) -> str | None:
@@ -653,18 +652,18 @@ class Stream:
         full[: len(ids)] = ids
         return self.model.forward(full).logits[: len(ids)]
 
-    def generate(self, ids: np.ndarray, max_new_tokens: int, prefill_routing=None) -> list[int]:
-        """Greedy generation (unless options say otherwise); the cache state goes on from the result."""
-        kw = {"max_new_tokens": max_new_tokens, **self._cache_kwargs()}
+    def generate(self, ids: np.ndarray, max_new_tokens: int, prefill_routing=None, stop=()) -> list[int]:
+        """Greedy generation (unless options say otherwise) up to a ``stop`` string; the cache state goes on
+        from the result."""
+        kw = {"max_new_tokens": max_new_tokens, "stop": stop, **self._cache_kwargs()}
         if self.simulate and prefill_routing is not None:
             kw["prefill_routing"] = prefill_routing
         self.programs.before(("generate", len(ids), max_new_tokens))
         result = self.model.generate(np.asarray(ids, np.int32), **kw, **self.options)
         if self.simulate:
             self.state = result.router_state
-        tokens = list(result.token_ids)
-        self.tokens += len(ids) + max(len(tokens) - 1, 0)  # the last generated token is never fed
-        return tokens
+        self.tokens += result.stats["fed_tokens"]  # the last generated token is never fed; a stop's chunk is
+        return list(result.token_ids)
 
 
 class Encoder:
@@ -800,7 +799,7 @@ def run_gsm8k(stream: Stream, enc: Encoder, data: TaskData, shots: int, max_new_
     for row in data.examples:
         p = fit_prompt(enc, lambda k: gsm8k_prompt(row, data.shots[:k]), shots, budget)
         tally.add(p, shots)
-        tokens = stream.generate(p.ids, max_new_tokens, prefill_routing="original")
+        tokens = stream.generate(p.ids, max_new_tokens, prefill_routing="original", stop=GSM8K_STOPS)
         text = cut_at_stops(enc.render(tokens))
         pred = extract_number(text)
         no_answer += pred is None
@@ -837,7 +836,7 @@ def run_nq_open(stream: Stream, enc: Encoder, data: TaskData, shots: int, max_ne
     for row in data.examples:
         p = fit_prompt(enc, lambda k: nq_prompt(row, data.shots[:k]), shots, budget)
         tally.add(p, shots)
-        text = enc.render(stream.generate(p.ids, max_new_tokens)).split("\n", 1)[0].strip()
+        text = enc.render(stream.generate(p.ids, max_new_tokens, stop=("\n",))).split("\n", 1)[0].strip()
         ok = exact_match(text, row.answers)
         correct.append(ok)
         if len(samples) < N_SAMPLES:

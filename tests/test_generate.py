@@ -100,6 +100,7 @@ def test_sampling_is_seeded_and_top_p_tiny_is_greedy(capsys):
 def test_errors_are_one_line_with_their_status(capsys, argv, message, status):
     if "--model" not in argv:
         argv = ["--model", get_hf_model("qwen3_moe").folder, *argv]
+        capsys.readouterr()  # building the shared checkpoint (first use in this worker) prints progress
     rc, _, err = _run(capsys, *argv)
     assert rc == status and err.startswith("error:") and message in err and err.count("\n") == 1
 
@@ -216,3 +217,92 @@ def test_context_cap_is_said_and_bad_options_fail_before_any_output(capsys, tmp_
         assert rc == 2 and out == "" and message in err and "Traceback" not in err, argv
     with pytest.raises(ValueError, match="max_new_tokens must be"):
         moejax.load(folder).generate([1, 2, 3], -1)
+
+
+# ------------------------------------------------------------------ stop strings, cancellation, buckets
+
+
+def test_prompt_pieces_are_distinct_powers_of_two_that_add_up():
+    from hypothesis import given, strategies as st
+
+    from moejax import decode
+
+    @given(st.integers(1, 5000))
+    def check(n):
+        pieces = decode.prompt_pieces(n)
+        assert sum(pieces) == n and len(set(pieces)) == len(pieces) == bin(n).count("1")
+        assert pieces == sorted(pieces, reverse=True) and all(p & (p - 1) == 0 for p in pieces)
+        rows = decode.kv_bucket(n)
+        assert rows >= max(n, decode.MIN_KV_BUCKET) and rows & (rows - 1) == 0 and rows < 2 * max(n, 64)
+
+    check()
+
+
+def _tokenized(folder):
+    import moejax
+
+    return moejax.load(folder)
+
+
+def test_stop_string_ends_generation_at_the_token_that_completes_it(tokenized_model):
+    from moejax import decode
+
+    m = _tokenized(tokenized_model)
+    prompt = m.encode("the cat sat on")
+    full = m.generate(prompt, max_new_tokens=40, stop_at_eos=False)
+    words = m.text(full.token_ids).split()
+    assert len(words) > 20
+    stop = " " + words[18]  # late enough to need a second decode chunk (chunks of 16)
+    text = m.text(full.token_ids)
+    r = m.generate(prompt, max_new_tokens=40, stop_at_eos=False, stop=[stop, "never-appears"])
+    k = len(r.token_ids)
+    assert r.stats["stopped"] == "stop" and r.token_ids == full.token_ids[:k]
+    assert stop in m.text(r.token_ids) and stop not in m.text(r.token_ids[:-1])  # the shortest such run
+    assert decode.cut_at_stops(m.text(r.token_ids), [stop]) == text[:text.find(stop)]
+    assert r.stats["fed_tokens"] >= len(prompt) + k - 1  # the rest of the chunk ran (and the cache saw it)
+    # a stop string in the very first token: one token, stopped there
+    first = m.text(full.token_ids[:1]).strip()
+    assert m.generate(prompt, max_new_tokens=40, stop=[first]).stats["stopped"] == "stop"
+    # no stop string met: the usual reasons
+    assert m.generate(prompt, max_new_tokens=5, stop_at_eos=False, stop=["zzz"]).stats["stopped"] == "max_new_tokens"
+
+
+def test_stop_strings_with_a_simulated_cache_and_offload_give_the_same_tokens(tokenized_model):
+    m = _tokenized(tokenized_model)
+    prompt = m.encode("the cat sat on")
+    full = m.generate(prompt, max_new_tokens=24, stop_at_eos=False)
+    stop = " " + m.text(full.token_ids).split()[6]
+    sim = m.generate(prompt, max_new_tokens=24, stop_at_eos=False, stop=[stop], routing="cache-prior",
+                     cache=None)
+    off = m.generate(prompt, max_new_tokens=24, stop_at_eos=False, stop=[stop], routing="cache-prior",
+                     offload="host")
+    assert sim.stats["stopped"] == off.stats["stopped"] == "stop" and sim.token_ids == off.token_ids
+    assert off.stats["fed_tokens"] == len(prompt) + len(off.token_ids) - 1  # paged token by token: no overrun
+
+
+def test_cancelled_generation_stops_at_the_next_chunk_and_keeps_its_cache_state(tokenized_model):
+    m = _tokenized(tokenized_model)
+    polls = []
+    r = m.generate(m.encode("the cat"), max_new_tokens=100, stop_at_eos=False, routing="original",
+                   cancelled=lambda: polls.append(1) or len(polls) >= 2)
+    assert r.stats["stopped"] == "cancelled" and len(r.token_ids) == 1 + 16  # first token, then one chunk
+    assert r.stats["cache"]["tokens"] == r.stats["fed_tokens"]
+
+
+@pytest.mark.numerics
+def test_bucketed_generation_equals_unbucketed(tokenized_model):
+    """Prompt in power-of-two pieces + a power-of-two KV cache = one-piece prefill: same tokens, same routing
+    trace, same cache statistics (with a cache simulated; 37 tokens = pieces of 32, 4 and 1)."""
+    m = _tokenized(tokenized_model)
+    for n in (37,):
+        prompt = (np.arange(n) * 7 + 3) % m.cfg.vocab_size
+        for kw in ({}, {"routing": "cache-prior"}):
+            a = m.generate(prompt, max_new_tokens=20, stop_at_eos=False, temperature=0.8, seed=3, **kw)
+            b = m.generate(prompt, max_new_tokens=20, stop_at_eos=False, temperature=0.8, seed=3, bucketed=True,
+                           **kw)
+            assert a.token_ids == b.token_ids
+            ta, tb = a.trace(), b.trace()
+            np.testing.assert_array_equal(ta["experts"], tb["experts"])
+            np.testing.assert_allclose(ta["logits"], tb["logits"], atol=1e-4, rtol=1e-4)
+            if kw:
+                assert a.stats["cache"]["misses"] == b.stats["cache"]["misses"]

@@ -88,8 +88,9 @@ class FakeModel:
                                              **kw}))
         tokens = self.tokenizer.encode(self.reply(self.tokenizer.decode(ids)), add_special_tokens=False)
         tokens = tokens[:max_new_tokens]
-        return types.SimpleNamespace(token_ids=tokens,
-                                     router_state=self._advance(state, routing, len(ids) + len(tokens) - 1))
+        fed = len(ids) + len(tokens) - 1
+        return types.SimpleNamespace(token_ids=tokens, stats={"fed_tokens": fed},
+                                     router_state=self._advance(state, routing, fed))
 
 
 @pytest.fixture
