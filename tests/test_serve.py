@@ -1,0 +1,274 @@
+"""`python -m moejax.serve` against a real server on 127.0.0.1 (the default model, --max-queue 2): the official
+`openai` client, streaming and not, chat and completions, stop strings, seeds, equality with model.generate,
+every error status, a bounded load test whose cache counters add up, a client killed mid-stream, SIGTERM,
+and the engine's shared cache carried from request to request (in process)."""
+
+import concurrent.futures
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+
+import numpy as np
+import pytest
+
+openai = pytest.importorskip("openai", reason="the serve tests need the test extra (openai client)")
+pytest.importorskip("fastapi", reason="the serve tests need the serve extra (FastAPI, uvicorn)")
+
+import moejax  # noqa: E402
+from moejax import serve  # noqa: E402
+
+PROMPT = "The history of the"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _get(url: str, timeout: float = 30):
+    with urllib.request.urlopen(url, timeout=timeout) as r:
+        return r.status, r.read().decode()
+
+
+def _post(url: str, body, timeout: float = 60) -> tuple[int, dict]:
+    data = body if isinstance(body, bytes) else json.dumps(body).encode()
+    req = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())
+
+
+def _start(port: int, *extra: str) -> subprocess.Popen:
+    proc = subprocess.Popen([sys.executable, "-m", "moejax.serve", "--model", "default", "--port", str(port),
+                             "--max-queue", "2", *extra], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 120
+    while time.time() < deadline:
+        if proc.poll() is not None:
+            raise AssertionError(f"the server exited: {proc.stderr.read()}")
+        try:
+            if _get(f"http://127.0.0.1:{port}/health", timeout=2)[0] == 200:
+                return proc
+        except OSError:
+            time.sleep(0.3)
+    proc.kill()
+    raise AssertionError("the server did not come up in 120 s")
+
+
+@pytest.fixture(scope="module")
+def server():
+    port = _free_port()
+    proc = _start(port)
+    base = f"http://127.0.0.1:{port}"
+    yield base, openai.OpenAI(base_url=base + "/v1", api_key="none", max_retries=0, timeout=120)
+    proc.send_signal(signal.SIGTERM)
+    try:
+        proc.wait(timeout=20)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        raise
+
+
+@pytest.fixture(scope="module")
+def model():
+    return moejax.load("default")
+
+
+def test_completions_equal_model_generate_streaming_or_not(server, model):
+    base, client = server
+    assert [m.id for m in client.models.list().data] == ["default"]
+    r = client.completions.create(model="default", prompt=PROMPT, max_tokens=20)
+    served = r.model_extra["moejax"]["token_ids"]
+    ids = model.encode(PROMPT)
+    assert served == model.generate(ids, max_new_tokens=20).token_ids  # original routing: cache-independent
+    assert r.usage.prompt_tokens == len(ids) and r.usage.completion_tokens == 20
+    assert r.choices[0].finish_reason == "length"
+    text = r.choices[0].text
+    assert text == model.text(ids + served)[len(model.text(ids)):]  # prompt + text reads as one
+    stream = client.completions.create(model="default", prompt=PROMPT, max_tokens=20, stream=True)
+    chunks = list(stream)
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == text
+    assert chunks[-1].choices[0].finish_reason == "length"
+
+
+def test_chat_streaming_equals_not_streaming_and_stop_strings_cut(server):
+    _, client = server
+    msgs = [{"role": "user", "content": "Tell me about the city"}]
+    r = client.chat.completions.create(model="default", messages=msgs, max_tokens=24)
+    full = r.choices[0].message.content
+    assert r.choices[0].message.role == "assistant" and len(full) > 10
+    stream = client.chat.completions.create(model="default", messages=msgs, max_tokens=24, stream=True,
+                                            stream_options={"include_usage": True})
+    chunks = list(stream)
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == full
+    assert chunks[-1].usage.completion_tokens == r.usage.completion_tokens
+    word = full.split()[len(full.split()) // 2]
+    stop = " " + word
+    cut = client.chat.completions.create(model="default", messages=msgs, max_tokens=24, stop=[stop])
+    assert cut.choices[0].finish_reason == "stop" and cut.choices[0].message.content == full[:full.find(stop)]
+    streamed = client.chat.completions.create(model="default", messages=msgs, max_tokens=24, stop=stop, stream=True)
+    assert "".join(c.choices[0].delta.content or "" for c in streamed if c.choices) == full[:full.find(stop)]
+
+
+def test_seed_makes_sampling_reproducible(server):
+    _, client = server
+    kw = dict(model="default", prompt=PROMPT, max_tokens=12, temperature=1.0, top_p=0.95)
+    a = client.completions.create(seed=7, **kw).choices[0].text
+    assert client.completions.create(seed=7, **kw).choices[0].text == a
+    assert any(client.completions.create(seed=s, **kw).choices[0].text != a for s in (8, 9))
+
+
+@pytest.mark.parametrize("body,status,words", [
+    (b"{not json", 400, "not valid JSON"),
+    ([1, 2], 400, "JSON object"),
+    ({}, 400, "'prompt' is required"),
+    ({"prompt": ""}, 400, "empty"),
+    ({"prompt": PROMPT, "max_tokens": 0}, 400, "max_tokens"),
+    ({"prompt": PROMPT, "max_tokens": 5000}, 400, "max_tokens"),
+    ({"prompt": PROMPT, "max_tokens": 1020}, 400, "does not fit"),
+    ({"prompt": [1] * 1024}, 400, "context"),
+    ({"prompt": [99999]}, 400, "token ids"),
+    ({"prompt": PROMPT, "temperature": -1}, 400, "temperature"),
+    ({"prompt": PROMPT, "temperature": "hot"}, 400, "temperature"),
+    ({"prompt": PROMPT, "top_p": 0}, 400, "top_p"),
+    ({"prompt": PROMPT, "n": 2}, 400, "'n'"),
+    ({"prompt": PROMPT, "logprobs": 3}, 400, "logprobs"),
+    ({"prompt": PROMPT, "stop": [""]}, 400, "stop"),
+    ({"prompt": PROMPT, "stop": 5}, 400, "stop"),
+    ({"prompt": PROMPT, "moejax": {"routing": "telepathy"}}, 400, "moejax.routing"),
+    ({"prompt": PROMPT, "moejax": {"lamda": 0.3}}, 400, "unknown keys"),
+    ({"prompt": PROMPT, "moejax": "cache-prior"}, 400, "'moejax' must be an object"),
+    ({"prompt": PROMPT, "model": "gpt-4"}, 404, "does not exist"),
+])
+def test_every_bad_request_gets_an_openai_error_object(server, body, status, words):
+    base, _ = server
+    code, reply = _post(base + "/v1/completions", body)
+    assert code == status and words in reply["error"]["message"], reply
+    assert set(reply["error"]) == {"message", "type", "param", "code"}
+
+
+def test_chat_and_routes_errors(server):
+    base, client = server
+    for body, words in (({"messages": []}, "non-empty"), ({"messages": [{"content": "x"}]}, "role"),
+                        ({"messages": [{"role": "user", "content": 3}]}, "content")):
+        code, reply = _post(base + "/v1/chat/completions", body)
+        assert code == 400 and words in reply["error"]["message"]
+    with pytest.raises(openai.NotFoundError):
+        client.chat.completions.create(model="nope", messages=[{"role": "user", "content": "hi"}])
+    with pytest.raises(openai.BadRequestError):
+        client.completions.create(model="default", prompt=PROMPT, max_tokens=-3)
+    with pytest.raises(urllib.error.HTTPError) as e:
+        _get(base + "/v1/nothing")
+    assert e.value.code == 404 and "error" in json.loads(e.value.read())
+    with pytest.raises(urllib.error.HTTPError) as e:
+        _get(base + "/v1/completions")
+    assert e.value.code == 405
+
+
+def test_load_every_request_completes_or_gets_429_and_the_cache_counters_add_up(server):
+    base, _ = server
+    before = json.loads(_get(base + "/v1/moejax/cache")[1])["summary"]
+
+    def client(i: int) -> list[tuple[int, dict]]:
+        out = []
+        for j in range(10):
+            body = {"prompt": PROMPT, "max_tokens": 4 + (i + j) % 3}
+            if j % 3 == 1:
+                body["moejax"] = {"routing": "cache-prior", "lam": 0.5}
+            out.append(_post(base + "/v1/completions", body, timeout=120))
+        return out
+
+    t0 = time.time()
+    with concurrent.futures.ThreadPoolExecutor(8) as pool:
+        results = [r for rs in pool.map(client, range(8)) for r in rs]
+    assert time.time() - t0 < 240
+    codes = [c for c, _ in results]
+    assert set(codes) <= {200, 429} and codes.count(200) >= 8, codes
+    assert all(r["error"]["code"] == "queue_full" for c, r in results if c == 429)
+    after = json.loads(_get(base + "/v1/moejax/cache")[1])["summary"]
+    ok = [r["moejax"]["cache"] for c, r in results if c == 200]
+    for key in ("accesses", "misses", "loads"):
+        assert after[key] - before[key] == sum(o[key] for o in ok), key
+    metrics = _get(base + "/metrics")[1]
+    assert f'moejax_requests_total{{endpoint="completions",status="429"}} {codes.count(429)}' in metrics \
+        or codes.count(429) == 0
+
+
+def test_a_client_killed_mid_stream_frees_the_engine(server):
+    base, client = server
+    port = int(base.rsplit(":", 1)[1])
+    body = json.dumps({"prompt": PROMPT, "max_tokens": 900, "stream": True}).encode()
+    sock = socket.create_connection(("127.0.0.1", port), timeout=60)
+    sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                 + f"Content-Length: {len(body)}\r\n\r\n".encode() + body)
+    received = b""
+    while b"data:" not in received:  # streaming has begun
+        part = sock.recv(4096)
+        assert part, "the server closed the stream"
+        received += part
+    sock.close()  # the client dies
+    t0 = time.time()
+    r = client.completions.create(model="default", prompt=PROMPT, max_tokens=5)
+    assert r.usage.completion_tokens == 5 and time.time() - t0 < 30
+    generated = [float(line.split()[-1]) for line in _get(base + "/metrics")[1].splitlines()
+                 if line.startswith("moejax_generated_tokens_total")][0]
+    assert generated < 900  # the abandoned generation did not run to its end
+
+
+def test_engine_carries_one_cache_across_requests_and_routing_overrides(model):
+    """The engine's requests are model.generate calls that carry the router state on (per-request policy
+    override, the cache kept); the shared cache changes what cache-prior routes."""
+    policy = moejax.routing.make_policy("original", model.cfg.top_k)
+    cache = moejax.simulate.CacheConfig(size="0.25")
+    engine = serve.Engine(model, policy, cache, max_queue=4)
+    try:
+        ids = model.encode(PROMPT)
+        jobs = [serve.Job(ids, 12), serve.Job(ids, 12, routing={"routing": "cache-prior", "lam": 0.9}),
+                serve.Job(ids[:3], 7, routing={"routing": "cache-prior", "lam": 0.9})]
+        served = [engine.run(j) for j in jobs]
+        state = model.router_state(policy, cache)
+        for job, got in zip(jobs, served):
+            p = engine.policy_for(job.routing)
+            r = model.generate(job.prompt_ids, max_new_tokens=job.max_tokens, state={**state, "policy": p},
+                               bucketed=True)
+            state = r.router_state
+            assert got["token_ids"] == r.token_ids
+        view = engine.cache_view()
+        assert np.array_equal(np.asarray(view["resident"], bool), np.asarray(state["cache"].resident))
+        assert view["summary"]["accesses"] == sum(s["cache"]["accesses"] for s in served)
+        assert sum(map(sum, view["recent"]["hits"])) + sum(map(sum, view["recent"]["misses"])) \
+            == served[-1]["cache"]["accesses"]
+    finally:
+        engine.close()
+
+
+def test_sigterm_and_sigint_stop_the_server_cleanly():
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        port = _free_port()
+        proc = _start(port)
+        proc.send_signal(sig)
+        assert proc.wait(timeout=30) == 0
+        with pytest.raises(OSError):
+            socket.create_connection(("127.0.0.1", port), timeout=2)
+
+
+def test_bad_options_are_one_line_errors(capsys):
+    assert serve.main(["--model", "default", "--cache-size", "0"]) == 2
+    assert capsys.readouterr().err.startswith("error:")
+    assert serve.main(["--model", "/nonexistent/model"]) == 1
+    assert serve.main(["--port", "70000"]) == 2
+    port = _free_port()
+    with socket.socket() as s:  # the port is taken
+        s.bind(("127.0.0.1", port))
+        s.listen()
+        proc = subprocess.run([sys.executable, "-m", "moejax.serve", "--port", str(port)], capture_output=True,
+                              text=True, timeout=120)
+    assert proc.returncode == 1 and "could not listen" in proc.stderr and "Traceback" not in proc.stderr
