@@ -239,7 +239,7 @@ class Model:
                  seed: int = 0, stop_at_eos: bool = True, on_tokens=None, chunk: int = 16,
                  routing=None, cache=None, state: dict | None = None,
                  prefill_routing=None, offload=None, stop=(), cancelled=None,
-                 bucketed: bool = False) -> decode.GenerateResult:
+                 bucketed: bool = False, keep_slots: bool = False) -> decode.GenerateResult:
         """Prefill + scan decode. With ``routing``/``cache``/``state`` the expert cache is simulated for
         every token (prompt included) and ``result.stats["cache"]`` holds its metrics. ``prefill_routing``
         routes the prompt with another policy (e.g. "original": the policy then acts during generation
@@ -249,7 +249,9 @@ class Model:
         ``stop``: stop strings, matched on ``self.text`` of the new tokens; the tokens end with the one that
         completes the first match (``decode.cut_at_stops(model.text(ids), stop)`` is the text before it)
         and ``stats["stopped"]`` is "stop". ``cancelled()`` is polled between chunks ("cancelled").
-        ``bucketed``: compile-friendly shapes for long-running callers (``decode.generate``)."""
+        ``bucketed``: compile-friendly shapes for long-running callers (``decode.generate``). ``keep_slots``
+        (offload, host paging): keep the device slots for a next call that continues from ``result.
+        router_state`` (``offload.host_generate``), as a server carrying one cache does."""
         cfg = dataclasses.replace(self.cfg, eos_token_ids=self.eos_token_ids)
         stop = decode.Stop(tuple(stop), self.text if stop else None, cancelled)
         router = None
@@ -263,7 +265,7 @@ class Model:
                                           max_new_tokens=max_new_tokens, sampling=decode.Sampling(temperature, top_p),
                                           seed=seed, stop_at_eos=stop_at_eos, on_tokens=on_tokens,
                                           prefill_policy=prefill_policy, stores=self._stores, stop=stop,
-                                          bucketed=bucketed)
+                                          bucketed=bucketed, keep_slots=keep_slots)
             result.stats["cache"] = simulate.summarize(result.router_state, self.params, self.cfg)
             return result
         if routing is not None or cache is not None or state is not None:

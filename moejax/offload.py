@@ -664,10 +664,15 @@ def host_generate(params, cfg: ModelConfig, prompt_ids, router_state: dict, offl
                   max_new_tokens: int, sampling: decode.Sampling = decode.Sampling(), seed: int = 0,
                   stop_at_eos: bool = True, on_tokens: Callable[[list[int]], None] | None = None,
                   prefill_policy=None, warmup: bool = True, stores: dict | None = None,
-                  stop: decode.Stop = decode.NO_STOP, bucketed: bool = False) -> decode.GenerateResult:
+                  stop: decode.Stop = decode.NO_STOP, bucketed: bool = False,
+                  keep_slots: bool = False) -> decode.GenerateResult:
     """Offloaded generation with host-driven paging; same sampling and key schedule as ``decode.generate``,
     so with the same policy the tokens are the simulation's. The prompt is routed token by token.
-    ``bucketed``: a KV cache of ``decode.kv_bucket`` rows (the stages compile once per bucket)."""
+    ``bucketed``: a KV cache of ``decode.kv_bucket`` rows (the stages compile once per bucket).
+    ``keep_slots`` (needs ``stores``): keep the pager, with its device slots, in ``stores`` after the call; a
+    next call whose ``router_state["cache"]`` is the one this call returned continues with those slots instead
+    of paging the resident experts in again (and without a warm-up: new shapes compile on first use) — what
+    a server that carries one cache from request to request needs. Without it a kept pager is dropped."""
     prompt = np.asarray(prompt_ids, dtype=np.int32)
     context = cfg.max_position_embeddings
     if prompt.ndim != 1 or prompt.size == 0:
@@ -681,7 +686,15 @@ def host_generate(params, cfg: ModelConfig, prompt_ids, router_state: dict, offl
     decode_policy = router_state["policy"]
     if prefill_policy is not None:
         router_state = {**router_state, "policy": prefill_policy}
-    pager = HostPager(params, cfg, router_state, offload, stores)
+    pager = _continuing_pager(stores, router_state, offload) if keep_slots else None
+    if stores is not None and pager is None:
+        stores.pop(KEPT_PAGER, None)  # its slots are freed before new ones are filled
+    if pager is not None:
+        warmup = False
+        pager.state, pager.stats, pager.link = router_state, PagingStats(), Link(offload.bandwidth_gbps,
+                                                                                  offload.latency_us)
+    else:
+        pager = HostPager(params, cfg, router_state, offload, stores)
     dtype = params["embed"].dtype
     kv_rows = prompt.size + max_new_tokens + 1
     kv = model_lib.init_kv(cfg, decode.kv_bucket(kv_rows) if bucketed else kv_rows, dtype)
@@ -769,7 +782,21 @@ def host_generate(params, cfg: ModelConfig, prompt_ids, router_state: dict, offl
     # decode.GenerateResult.trace() layout: one prefill-like record over every fed token
     records = [{"experts": out["experts"], "weights": out["weights"], "logits": out["router_logits"],
                 "hits": out["hits"]}]
+    if keep_slots and stores is not None:
+        stores[KEPT_PAGER] = pager
     return decode.GenerateResult(tokens, stats, records, pager.state)
+
+
+KEPT_PAGER = "kept host pager"
+
+
+def _continuing_pager(stores: dict | None, router_state: dict, offload: OffloadConfig):
+    """The pager kept by the previous ``keep_slots`` call when ``router_state`` continues exactly from it
+    (the same cache state object, so the slots hold what it says), else None."""
+    pager = None if stores is None else stores.get(KEPT_PAGER)
+    if pager is None or pager.offload != offload or pager.state["cache"] is not router_state["cache"]:
+        return None
+    return pager
 
 
 # ------------------------------------------------------------------------------------------ in-jit paging
@@ -901,8 +928,9 @@ def jit_generate(params, cfg: ModelConfig, prompt_ids, router_state: dict, offlo
                  max_new_tokens: int, sampling: decode.Sampling = decode.Sampling(), seed: int = 0,
                  stop_at_eos: bool = True, on_tokens=None, prefill_policy=None,
                  stores: dict | None = None, stop: decode.Stop = decode.NO_STOP,
-                 bucketed: bool = False) -> decode.GenerateResult:
-    """Offloaded generation with in-jit paging: ``decode.generate`` with the ``JitPager`` hook."""
+                 bucketed: bool = False, keep_slots: bool = False) -> decode.GenerateResult:
+    """Offloaded generation with in-jit paging: ``decode.generate`` with the ``JitPager`` hook (the slots
+    live in the decode state and are rebuilt from the cache state each call: ``keep_slots`` is ignored)."""
     cs = router_state["cache"]
     k = cfg.top_k
     max_changes = k + cs.prefetcher.count(k, cfg.n_experts)

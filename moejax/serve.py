@@ -116,12 +116,12 @@ def _stop_strings(body: dict) -> tuple[str, ...]:
 
 
 def _unsupported(body: dict) -> None:
-    if body.get("n", 1) not in (1, None):
-        raise RequestError("'n' must be 1: the engine runs one sequence per request", param="n")
-    for key in ("logprobs", "echo", "best_of", "suffix", "tools", "functions", "logit_bias"):
-        value = body.get(key)
-        if value not in (None, False, 0, 1) or (key in ("logprobs", "tools", "functions", "logit_bias", "suffix")
-                                                and value not in (None, False)):
+    """Refuse what the engine does not do rather than silently ignore it."""
+    for key in ("n", "best_of"):
+        if body.get(key) not in (None, 1):
+            raise RequestError(f"'{key}' must be 1: the engine runs one sequence per request", param=key)
+    for key in ("logprobs", "top_logprobs", "echo", "suffix", "tools", "functions", "logit_bias"):
+        if body.get(key):
             raise RequestError(f"'{key}' is not supported by moejax.serve", param=key)
 
 
@@ -197,7 +197,6 @@ class Engine:
         self.model, self.policy, self.cache_config, self.offload, self.name = model, policy, cache, offload, name
         self.state = model.router_state(policy, cache)
         self.telemetry = Telemetry(model.cfg.n_moe_layers, model.cfg.n_experts)
-        self.expert_bytes = simulate.expert_bytes(model.params, model.cfg) if not offload else None
         self._queue: queue.Queue = queue.Queue()
         self._slots = threading.BoundedSemaphore(max_queue + 1)  # waiting + the one running
         self._busy = False
@@ -275,8 +274,8 @@ class Engine:
         result = self.model.generate(
             job.prompt_ids, max_new_tokens=job.max_tokens, temperature=job.temperature, top_p=job.top_p,
             seed=job.seed, state=state, offload=self.offload, stop=job.stop, cancelled=job.cancelled.is_set,
-            on_tokens=lambda ids: job.emit("tokens", list(ids)), bucketed=True)
-        self.state = {**result.router_state, "policy": self.policy}
+            on_tokens=lambda ids: job.emit("tokens", list(ids)), bucketed=True, keep_slots=True)
+        self.state = {**result.router_state, "policy": self.policy}  # the same cache object: slots stay kept
         after = simulate.summarize(self.state, self.model.params, self.model.cfg)
         stats = result.stats
         trace = result.trace()

@@ -305,3 +305,27 @@ def test_generate_cli_offload_json_and_errors(tmp_path):
     assert res["stats"]["cache"]["prefetch_precision"] is not None
     bad = subprocess.run(cmd[:7] + ["--bandwidth-gbps", "2"], capture_output=True, text=True, timeout=300)
     assert bad.returncode == 2 and "need --offload" in bad.stderr
+
+
+def test_kept_slots_continue_the_cache_across_calls_without_paging_it_again():
+    """keep_slots (the server): a call continuing from the previous result's router state reuses its slots:
+    the tokens stay the simulation's call after call, and each call moves only its own loads' bytes."""
+    m = _model()
+    cc = CacheConfig(size="3")
+    sim_state = m.router_state("cache-prior", cc)
+    off_state = m.router_state("cache-prior", cc)
+    pagers = set()
+    for prompt in (PROMPT, PROMPT[:3], PROMPT[2:]):
+        before = simulate.summarize(off_state, m.params, m.cfg)["loads"]
+        ref = m.generate(prompt, NEW, state=sim_state, stop_at_eos=False, bucketed=True)
+        off = m.generate(prompt, NEW, state=off_state, stop_at_eos=False, bucketed=True,
+                         offload=offload.OffloadConfig(), keep_slots=True)
+        assert off.token_ids == ref.token_ids
+        sim_state, off_state = ref.router_state, off.router_state
+        o = off.stats["offload"]
+        assert o["bytes_moved"] == (off.stats["cache"]["loads"] - before) * o["expert_bytes"]
+        pagers.add(id(m._stores[offload.KEPT_PAGER]))
+    assert len(pagers) == 1  # one pager, its slots carried on
+    # a call that does not continue from it (a fresh state) pages from scratch and drops the kept pager
+    m.generate(PROMPT, NEW, routing="cache-prior", cache=cc, offload=offload.OffloadConfig())
+    assert offload.KEPT_PAGER not in m._stores

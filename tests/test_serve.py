@@ -6,6 +6,7 @@ and the engine's shared cache carried from request to request (in process)."""
 import concurrent.futures
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -47,8 +48,8 @@ def _post(url: str, body, timeout: float = 60) -> tuple[int, dict]:
         return e.code, json.loads(e.read())
 
 
-def _start(port: int, *extra: str) -> subprocess.Popen:
-    proc = subprocess.Popen([sys.executable, "-m", "moejax.serve", "--model", "default", "--port", str(port),
+def _start(port: int, *extra: str, model: str = "default") -> subprocess.Popen:
+    proc = subprocess.Popen([sys.executable, "-m", "moejax.serve", "--model", model, "--port", str(port),
                              "--max-queue", "2", *extra], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     deadline = time.time() + 120
     while time.time() < deadline:
@@ -191,7 +192,7 @@ def test_load_every_request_completes_or_gets_429_and_the_cache_counters_add_up(
         results = [r for rs in pool.map(client, range(8)) for r in rs]
     assert time.time() - t0 < 240
     codes = [c for c, _ in results]
-    assert set(codes) <= {200, 429} and codes.count(200) >= 8, codes
+    assert set(codes) <= {200, 429} and codes.count(200) >= 8 and codes.count(429) >= 1, codes
     assert all(r["error"]["code"] == "queue_full" for c, r in results if c == 429)
     after = json.loads(_get(base + "/v1/moejax/cache")[1])["summary"]
     ok = [r["moejax"]["cache"] for c, r in results if c == 200]
@@ -272,3 +273,35 @@ def test_bad_options_are_one_line_errors(capsys):
         proc = subprocess.run([sys.executable, "-m", "moejax.serve", "--port", str(port)], capture_output=True,
                               text=True, timeout=120)
     assert proc.returncode == 1 and "could not listen" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_a_failing_model_gets_500_and_the_server_goes_on(tmp_path):
+    """Damaged weights (NaN router logits): each request is a 500 naming the layer, streamed or not, and the
+    server keeps answering."""
+    from conftest import get_hf_model
+    from safetensors.numpy import load_file, save_file
+
+    folder = str(tmp_path / "model")
+    shutil.copytree(get_hf_model("qwen3_moe").folder, folder)
+    path = os.path.join(folder, "model.safetensors")
+    tensors = load_file(path)
+    tensors["model.layers.1.mlp.gate.weight"][:] = np.nan
+    save_file(tensors, path, metadata={"format": "pt"})
+    port = _free_port()
+    proc = _start(port, "--served-name", "broken", model=folder)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        for _ in range(2):
+            code, reply = _post(base + "/v1/completions", {"prompt": [1, 2, 3], "max_tokens": 3})
+            assert code == 500 and "MoE layer 1" in reply["error"]["message"], reply
+        code, reply = _post(base + "/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}]})
+        assert code == 400 and "no tokenizer" in reply["error"]["message"]
+        req = urllib.request.Request(base + "/v1/completions", headers={"Content-Type": "application/json"},
+                                     data=json.dumps({"prompt": [1, 2], "max_tokens": 3, "stream": True}).encode())
+        with urllib.request.urlopen(req, timeout=60) as r:
+            events = [line[6:] for line in r.read().decode().splitlines() if line.startswith("data: ")]
+        assert "MoE layer 1" in json.loads(events[0])["error"]["message"] and events[-1] == "[DONE]"
+        assert json.loads(_get(base + "/v1/models")[1])["data"][0]["id"] == "broken"
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=30) == 0
