@@ -125,6 +125,13 @@ def check_step(cfg: ModelConfig, router_logits, logits_finite, where: str) -> No
                                     "an overflow in this dtype)")
 
 
+def _shapes(tree):
+    """Arrays (or shapes) as bare ``ShapeDtypeStruct``s: no sharding or commitment that would key a
+    separate compilation."""
+    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(jnp.shape(x), x.dtype, weak_type=getattr(x, "weak_type", False)),
+                        tree)
+
+
 MIN_KV_BUCKET = 64
 
 
@@ -248,7 +255,8 @@ def generate(params, cfg: ModelConfig, prompt_ids, *, max_new_tokens: int, sampl
     tokens_in = jnp.asarray(prompt)
     run_pieces, kv_s, rs_s = [], kv, router_state
     for n, a in zip(pieces, starts):  # each piece sees the states the one before leaves
-        args = dict(tokens=tokens_in[a:a + n], kv=kv_s, key=key, router_state=rs_s, pos0=jnp.int32(a))
+        # lowered from shapes alone, so a piece size compiles once whether it comes first or later
+        args = _shapes(dict(tokens=tokens_in[a:a + n], kv=kv_s, key=key, router_state=rs_s, pos0=jnp.int32(a)))
         run_pieces.append(prefill.lower(params, **args, **statics).compile())
         first_s, kv_s, key_s, rs_s, _, _ = jax.eval_shape(functools.partial(prefill, **statics), params, **args)
     if decode_policy is not None:

@@ -256,6 +256,37 @@ class Engine:
                 self._current, self._busy = None, False
                 self._slots.release()
 
+    def warm_up(self, max_prompt: int, max_tokens: int = 256) -> float:
+        """Compile, before serving, what prompts up to ``max_prompt`` tokens with up to ``max_tokens`` new
+        tokens need under the server's policy. Programs are keyed by (prefill piece, KV bucket) and (decode
+        chunk, KV bucket): per bucket B, a prompt of 2^k - 1 tokens (every piece up to the largest a prompt in
+        B can have) with enough new tokens to land in B, and if that needed no decode chunk, one more
+        generation that fills B exactly. EOS and sampling as served (greedy). Runs on throwaway cache states,
+        so the shared cache starts as configured. Returns the seconds it took."""
+        t0 = time.perf_counter()
+        context = self.model.cfg.max_position_embeddings
+        max_prompt = max(1, min(int(max_prompt), context - 1))
+        max_tokens = max(1, min(int(max_tokens), context - 1))
+        chunk = 16  # decode.generate's chunk
+        rows = lambda n, new: n + chunk * max(0, -(-(new - 1) // chunk)) + 1  # noqa: E731
+        top = decode.kv_bucket(rows(max_prompt, max_tokens))
+        bos = self.model.cfg.bos_token_id or 0
+        bucket = decode.MIN_KV_BUCKET
+        while bucket <= top:
+            longest_piece = 1 << (min(max_prompt, bucket - 1).bit_length() - 1)
+            n = min(bucket - 1, 2 * longest_piece - 1)  # holds every piece up to longest_piece
+            chunks = max(0, -(-(bucket // 2 + 1 - (n + 1)) // chunk))  # enough new tokens to land in the bucket
+            runs = [(n, chunk * chunks + 1)]
+            if not chunks:  # that run has no decode chunk: one that fills the bucket exactly
+                runs.append((bucket - chunk - 1, 2))
+            for n, new in runs:
+                if n >= 1 and n + new <= context:
+                    assert decode.kv_bucket(rows(n, new)) == bucket
+                    self.model.generate([bos] * n, max_new_tokens=new, offload=self.offload,  # EOS set as served
+                                        state=self.model.router_state(self.policy, self.cache_config), bucketed=True)
+            bucket *= 2
+        return time.perf_counter() - t0
+
     def policy_for(self, override: dict | None):
         if override is None:
             return self.policy
@@ -289,7 +320,7 @@ class Engine:
             mine["bytes_moved"] = after["bytes_moved"] - before["bytes_moved"]
         return {"token_ids": result.token_ids, "stopped": stats["stopped"], "prompt_tokens": stats["prompt_tokens"],
                 "time_to_first_token_s": stats["time_to_first_token_s"], "tokens_per_s": stats["tokens_per_s"],
-                "queued_s": t0 - job.submitted, "cache": mine}
+                "compile_time_s": stats["compile_time_s"], "queued_s": t0 - job.submitted, "cache": mine}
 
     def _record(self, job: Job, stats: dict, trace: dict, summary: dict) -> None:
         L, N = self.telemetry.recent_hits.shape
@@ -304,7 +335,7 @@ class Engine:
         with t.lock:
             t.prompt_tokens += stats["prompt_tokens"]
             t.generated_tokens += stats["generated_tokens"]
-            t.ttft.observe(stats["time_to_first_token_s"])
+            t.ttft.observe(stats["time_to_first_token_s"] + stats.get("compile_time_s", 0.0))  # what a client waits
             if stats["generated_tokens"] > 1:
                 t.tps.observe(stats["tokens_per_s"])
             t.recent_hits, t.recent_misses = recent_h, recent_m
@@ -349,7 +380,8 @@ class Engine:
             lines += ["# TYPE moejax_prompt_tokens_total counter", f"moejax_prompt_tokens_total {t.prompt_tokens}",
                       "# TYPE moejax_generated_tokens_total counter",
                       f"moejax_generated_tokens_total {t.generated_tokens}",
-                      "# HELP moejax_time_to_first_token_seconds Prefill time of each request (queueing excluded).",
+                      "# HELP moejax_time_to_first_token_seconds Compilation of new shapes + prefill of each request "
+                      "(queueing excluded).",
                       "# TYPE moejax_time_to_first_token_seconds histogram",
                       *t.ttft.lines("moejax_time_to_first_token_seconds"),
                       "# HELP moejax_tokens_per_second Decode speed of each request.",
@@ -540,7 +572,8 @@ class Server:
     @staticmethod
     def extension(result: dict) -> dict:
         return trace_lib.json_safe({k: result[k] for k in ("stopped", "cache", "time_to_first_token_s",
-                                                           "tokens_per_s", "queued_s", "token_ids")})
+                                                           "tokens_per_s", "compile_time_s", "queued_s",
+                                                           "token_ids")})
 
     def chunk(self, chat: bool, rid: str, delta: str | None, finish: str | None, first: bool = False) -> dict:
         if chat:
@@ -730,6 +763,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--max-queue", type=int, default=16, help="requests that may wait (the next one gets 429)")
+    p.add_argument("--warmup", type=int, default=0, metavar="TOKENS",
+                   help="before listening, compile everything prompts up to TOKENS tokens need (with up to 256 "
+                        "new tokens), so no request waits for XLA (default 0: compile on first use; a few "
+                        "seconds per program on a CPU; JAX_COMPILATION_CACHE_DIR keeps them across restarts)")
     p.add_argument("--log-level", default="warning", choices=["critical", "error", "warning", "info", "debug"])
     cli_options.add_routing_args(p)
     cli_options.add_offload_args(p)
@@ -741,6 +778,8 @@ def check_args(args: argparse.Namespace) -> None:
         raise ValueError(f"--port must be in 0..65535, got {args.port}")
     if args.max_queue < 0:
         raise ValueError(f"--max-queue must be >= 0, got {args.max_queue}")
+    if args.warmup < 0:
+        raise ValueError(f"--warmup must be >= 0, got {args.warmup}")
     if args.served_name is not None and not args.served_name.strip():
         raise ValueError("--served-name is empty")
 
@@ -767,6 +806,9 @@ def main(argv: list[str] | None = None) -> int:
         check_args(args)
         engine = build_engine(args)
         app = create_app(engine)
+        if args.warmup:
+            print(f"moejax.serve: compiling for prompts up to {args.warmup} tokens ...", file=sys.stderr, flush=True)
+            print(f"moejax.serve: warm-up took {engine.warm_up(args.warmup):.1f} s", file=sys.stderr, flush=True)
     except errors.HANDLED as e:
         return errors.report(e)
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,

@@ -305,3 +305,19 @@ def test_a_failing_model_gets_500_and_the_server_goes_on(tmp_path):
     finally:
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=30) == 0
+
+
+def test_warm_up_compiles_every_program_the_requests_within_its_bounds_need():
+    from conftest import get_moejax_model
+
+    m = get_moejax_model("qwen3_moe")
+    engine = serve.Engine(m, moejax.routing.make_policy("cache-prior", m.cfg.top_k), moejax.simulate.CacheConfig())
+    try:
+        engine.warm_up(max_prompt=20, max_tokens=20)  # one KV bucket: pieces 1..16 and its decode chunk
+        for n in (1, 3, 17, 20):
+            for new in (1, 2, 20):
+                r = engine.run(serve.Job(list(range(3, 3 + n)), new))
+                assert r["compile_time_s"] < 0.5, (n, new, r["compile_time_s"])  # lowering only, no XLA compile
+        assert engine.cache_view()["summary"]["tokens"] > 0
+    finally:
+        engine.close()
