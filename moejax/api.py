@@ -239,7 +239,7 @@ class Model:
                  seed: int = 0, stop_at_eos: bool = True, on_tokens=None, chunk: int = 16,
                  routing=None, cache=None, state: dict | None = None,
                  prefill_routing=None, offload=None, stop=(), cancelled=None,
-                 bucketed: bool = False, keep_slots: bool = False) -> decode.GenerateResult:
+                 bucketed: bool = False, keep_slots: bool = False, on_cache=None) -> decode.GenerateResult:
         """Prefill + scan decode. With ``routing``/``cache``/``state`` the expert cache is simulated for
         every token (prompt included) and ``result.stats["cache"]`` holds its metrics. ``prefill_routing``
         routes the prompt with another policy (e.g. "original": the policy then acts during generation
@@ -251,7 +251,8 @@ class Model:
         and ``stats["stopped"]`` is "stop". ``cancelled()`` is polled between chunks ("cancelled").
         ``bucketed``: compile-friendly shapes for long-running callers (``decode.generate``). ``keep_slots``
         (offload, host paging): keep the device slots for a next call that continues from ``result.
-        router_state`` (``offload.host_generate``), as a server carrying one cache does."""
+        router_state`` (``offload.host_generate``), as a server carrying one cache does. ``on_cache``: the
+        cache as it changes (``decode.generate``; offloaded: token by token)."""
         cfg = dataclasses.replace(self.cfg, eos_token_ids=self.eos_token_ids)
         stop = decode.Stop(tuple(stop), self.text if stop else None, cancelled)
         router = None
@@ -265,7 +266,7 @@ class Model:
                                           max_new_tokens=max_new_tokens, sampling=decode.Sampling(temperature, top_p),
                                           seed=seed, stop_at_eos=stop_at_eos, on_tokens=on_tokens,
                                           prefill_policy=prefill_policy, stores=self._stores, stop=stop,
-                                          bucketed=bucketed, keep_slots=keep_slots)
+                                          bucketed=bucketed, keep_slots=keep_slots, on_cache=on_cache)
             result.stats["cache"] = simulate.summarize(result.router_state, self.params, self.cfg)
             return result
         if routing is not None or cache is not None or state is not None:
@@ -280,7 +281,7 @@ class Model:
                                  sampling=decode.Sampling(temperature, top_p), seed=seed,
                                  stop_at_eos=stop_at_eos, on_tokens=on_tokens, chunk=chunk, router=router,
                                  router_state=state, prefill_policy=prefill_policy, stop=stop,
-                                 bucketed=bucketed)
+                                 bucketed=bucketed, on_cache=on_cache)
         if router is not None:
             from moejax import simulate
 

@@ -149,6 +149,12 @@ def prompt_pieces(n: int) -> list[int]:
     return [1 << b for b in reversed(range(int(n).bit_length())) if n >> b & 1]
 
 
+def report_cache(on_cache, router_state, records: dict) -> None:
+    """``on_cache(cache_state, experts [t, L, K], hits [t, L, K] or None)`` when there is a cache to show."""
+    if on_cache is not None and isinstance(router_state, dict) and "cache" in router_state:
+        on_cache(router_state["cache"], records.get("experts"), records.get("hits"))
+
+
 def generation_budget(prompt_tokens: int, max_new_tokens: int, context: int) -> int:
     """How many new tokens fit: ``max_new_tokens`` (>= 0) capped at the context left after the prompt."""
     if int(max_new_tokens) != max_new_tokens or max_new_tokens < 0:
@@ -215,7 +221,8 @@ NO_STOP = Stop()
 def generate(params, cfg: ModelConfig, prompt_ids, *, max_new_tokens: int, sampling: Sampling = Sampling(),
              seed: int = 0, router=None, router_state=None, stop_at_eos: bool = True, chunk: int = 16,
              on_tokens: Callable[[list[int]], None] | None = None, context: int | None = None,
-             prefill_policy=None, stop: Stop = NO_STOP, bucketed: bool = False) -> GenerateResult:
+             prefill_policy=None, stop: Stop = NO_STOP, bucketed: bool = False,
+             on_cache: Callable | None = None) -> GenerateResult:
     """Generate up to ``max_new_tokens`` after ``prompt_ids``; ``on_tokens`` receives them as they come.
 
     ``prefill_policy`` (a routing policy) routes the prompt instead of ``router_state["policy"]``, which
@@ -223,7 +230,10 @@ def generate(params, cfg: ModelConfig, prompt_ids, *, max_new_tokens: int, sampl
     strings and cancellation, checked after the first token and after every chunk. ``bucketed``: a KV cache
     of ``kv_bucket`` rows and the prompt prefilled in ``prompt_pieces``, so a long-running process (the
     server, task evaluation) compiles a handful of programs for every prompt length instead of two per
-    length; off, the prompt runs in one piece (what a single generation wants)."""
+    length; off, the prompt runs in one piece (what a single generation wants). ``on_cache(cache_state,
+    experts, hits)``: with an expert cache, called after the prompt and after every chunk with the cache state
+    and the new tokens' experts and hit flags ([t, moe_layers, K] numpy), e.g. to show the cache live; it
+    must copy what it keeps (the state is donated to the next chunk)."""
     prompt = np.asarray(prompt_ids, dtype=np.int32)
     context = context or cfg.max_position_embeddings
     if prompt.ndim != 1 or prompt.size == 0:
@@ -277,6 +287,8 @@ def generate(params, cfg: ModelConfig, prompt_ids, *, max_new_tokens: int, sampl
     key = key_after
     rec = jax.tree.map(lambda *r: jnp.concatenate(r, axis=1), *piece_records) if len(pieces) > 1 else rec
     check_step(cfg, rec["logits"], finite, "the prompt")
+    report_cache(on_cache, router_state, {k: np.swapaxes(np.asarray(v), 0, 1) for k, v in rec.items()
+                                           if k in ("experts", "hits")})
     if decode_policy is not None:  # a copy: decode chunks donate their state, and these are the caller's arrays
         router_state = {**router_state, "policy": jax.tree.map(jnp.copy, decode_policy)}
     first = int(first)
@@ -298,6 +310,8 @@ def generate(params, cfg: ModelConfig, prompt_ids, *, max_new_tokens: int, sampl
         fed += int(active.sum())
         router_logits = np.swapaxes(np.asarray(rec["logits"])[active][:, :, 0], 0, 1)  # [L, steps, N]
         check_step(cfg, router_logits, np.asarray(finite)[active].all(), f"generated token {len(tokens)}+")
+        report_cache(on_cache, state.router_state, {k: np.asarray(v)[active][:, :, 0] for k, v in rec.items()
+                                                     if k in ("experts", "hits")})
         fresh = []
         for tok, was_done in zip(new.tolist(), done.tolist()):
             if was_done or len(tokens) >= max_new_tokens:

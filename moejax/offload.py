@@ -665,7 +665,7 @@ def host_generate(params, cfg: ModelConfig, prompt_ids, router_state: dict, offl
                   stop_at_eos: bool = True, on_tokens: Callable[[list[int]], None] | None = None,
                   prefill_policy=None, warmup: bool = True, stores: dict | None = None,
                   stop: decode.Stop = decode.NO_STOP, bucketed: bool = False,
-                  keep_slots: bool = False) -> decode.GenerateResult:
+                  keep_slots: bool = False, on_cache=None) -> decode.GenerateResult:
     """Offloaded generation with host-driven paging; same sampling and key schedule as ``decode.generate``,
     so with the same policy the tokens are the simulation's. The prompt is routed token by token.
     ``bucketed``: a KV cache of ``decode.kv_bucket`` rows (the stages compile once per bucket).
@@ -726,8 +726,16 @@ def host_generate(params, cfg: ModelConfig, prompt_ids, router_state: dict, offl
     rec: list = []
     read0 = storage_read_bytes()
     t0 = time.perf_counter()
+    n_moe = len(pager.moe_ids)
+
+    def report():  # decode.generate's on_cache, token by token: the last token's records
+        if on_cache is not None:
+            last = stack_records(rec[-n_moe:], 1, n_moe)
+            decode.report_cache(on_cache, pager.state, {k: np.swapaxes(last[k], 0, 1) for k in ("experts", "hits")})
+
     for pos, tok in enumerate(prompt.tolist()):
         nxt, logits, kv, key_after = pager.step(tok, jnp.int32(pos), kv, key, sampling, record=rec)
+        report()
     # decode.prefill splits the key once for the first token
     key = key_after
     first = int(nxt)
@@ -746,6 +754,7 @@ def host_generate(params, cfg: ModelConfig, prompt_ids, router_state: dict, offl
     t_decode = time.perf_counter()
     while not finished and len(tokens) < max_new_tokens:
         token_arr, _, kv, key = pager.step(token, jnp.int32(pos), kv, key, sampling, record=rec)
+        report()
         token = int(token_arr)
         pos += 1
         tokens.append(token)
@@ -928,7 +937,7 @@ def jit_generate(params, cfg: ModelConfig, prompt_ids, router_state: dict, offlo
                  max_new_tokens: int, sampling: decode.Sampling = decode.Sampling(), seed: int = 0,
                  stop_at_eos: bool = True, on_tokens=None, prefill_policy=None,
                  stores: dict | None = None, stop: decode.Stop = decode.NO_STOP,
-                 bucketed: bool = False, keep_slots: bool = False) -> decode.GenerateResult:
+                 bucketed: bool = False, keep_slots: bool = False, on_cache=None) -> decode.GenerateResult:
     """Offloaded generation with in-jit paging: ``decode.generate`` with the ``JitPager`` hook (the slots
     live in the decode state and are rebuilt from the cache state each call: ``keep_slots`` is ignored)."""
     cs = router_state["cache"]
@@ -942,7 +951,8 @@ def jit_generate(params, cfg: ModelConfig, prompt_ids, router_state: dict, offlo
         lambda a: jnp.zeros((max_changes,), a.dtype) if a.ndim else a, state["pending"])
     result = decode.generate(host_params, cfg, prompt_ids, max_new_tokens=max_new_tokens, sampling=sampling,
                              seed=seed, router=pager, router_state=state, stop_at_eos=stop_at_eos,
-                             on_tokens=on_tokens, prefill_policy=prefill_policy, stop=stop, bucketed=bucketed)
+                             on_tokens=on_tokens, prefill_policy=prefill_policy, stop=stop, bucketed=bucketed,
+                             on_cache=on_cache)
     final = result.router_state
     expert_bytes = cfg.expert_params * jnp.dtype(params["embed"].dtype).itemsize
     moved = int(final["moved"]) * expert_bytes

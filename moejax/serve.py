@@ -171,7 +171,7 @@ class Telemetry:
         self.requests = collections.Counter()  # (endpoint, status) -> count
         self.prompt_tokens = self.generated_tokens = 0
         self.ttft, self.tps = Histogram(TTFT_BUCKETS), Histogram(TPS_BUCKETS)
-        self.recent_hits = np.zeros((n_layers, n_experts), np.int64)  # the last finished request's accesses
+        self.recent_hits = np.zeros((n_layers, n_experts), np.int64)  # the running (or last) request's accesses
         self.recent_misses = np.zeros((n_layers, n_experts), np.int64)
         self.total_hits = np.zeros((n_layers, n_experts), np.int64)
         self.total_misses = np.zeros((n_layers, n_experts), np.int64)
@@ -202,6 +202,7 @@ class Engine:
         self._busy = False
         self._closing = False
         self._current: Job | None = None
+        self._live_at = 0.0
         self._thread = threading.Thread(target=self._work, name="moejax-engine", daemon=True)
         self._thread.start()
 
@@ -302,10 +303,15 @@ class Engine:
         before = simulate.summarize(self.state, self.model.params, self.model.cfg)
         state = {**self.state, "policy": policy}
         t0 = time.perf_counter()
+        with self.telemetry.lock:
+            self.telemetry.recent_hits[:] = 0
+            self.telemetry.recent_misses[:] = 0
+        self._live_at = 0.0
         result = self.model.generate(
             job.prompt_ids, max_new_tokens=job.max_tokens, temperature=job.temperature, top_p=job.top_p,
             seed=job.seed, state=state, offload=self.offload, stop=job.stop, cancelled=job.cancelled.is_set,
-            on_tokens=lambda ids: job.emit("tokens", list(ids)), bucketed=True, keep_slots=True)
+            on_tokens=lambda ids: job.emit("tokens", list(ids)), bucketed=True, keep_slots=True,
+            on_cache=self._live)
         self.state = {**result.router_state, "policy": self.policy}  # the same cache object: slots stay kept
         after = simulate.summarize(self.state, self.model.params, self.model.cfg)
         stats = result.stats
@@ -322,15 +328,39 @@ class Engine:
                 "time_to_first_token_s": stats["time_to_first_token_s"], "tokens_per_s": stats["tokens_per_s"],
                 "compile_time_s": stats["compile_time_s"], "queued_s": t0 - job.submitted, "cache": mine}
 
-    def _record(self, job: Job, stats: dict, trace: dict, summary: dict) -> None:
+    def _accesses(self, experts, hits) -> tuple[np.ndarray, np.ndarray]:
+        """Hits and misses per (MoE layer, expert) of records [t, L, K] (dropped slots, -1, skipped)."""
         L, N = self.telemetry.recent_hits.shape
-        experts = np.asarray(trace["experts"]).reshape(-1, L, trace["experts"].shape[-1])
-        hits = np.asarray(trace.get("hits", np.zeros(experts.shape, bool))).reshape(experts.shape).astype(bool)
+        h, m = np.zeros((L, N), np.int64), np.zeros((L, N), np.int64)
+        if experts is None:
+            return h, m
+        experts = np.asarray(experts).reshape(-1, L, np.shape(experts)[-1])
+        hits = (np.zeros(experts.shape, bool) if hits is None else np.asarray(hits).reshape(experts.shape)).astype(bool)
         valid = experts >= 0
-        recent_h, recent_m = np.zeros((L, N), np.int64), np.zeros((L, N), np.int64)
         layer = np.broadcast_to(np.arange(L)[None, :, None], experts.shape)
-        np.add.at(recent_h, (layer[valid & hits], experts[valid & hits]), 1)
-        np.add.at(recent_m, (layer[valid & ~hits], experts[valid & ~hits]), 1)
+        np.add.at(h, (layer[valid & hits], experts[valid & hits]), 1)
+        np.add.at(m, (layer[valid & ~hits], experts[valid & ~hits]), 1)
+        return h, m
+
+    def _live(self, cache_state, experts, hits) -> None:
+        """``on_cache`` during a generation: the dashboard sees hits, misses, residency and the totals as
+        tokens arrive (totals recomputed at most every 0.1 s)."""
+        h, m = self._accesses(experts, hits)
+        now = time.perf_counter()
+        fresh = now - self._live_at >= 0.1
+        if fresh:
+            self._live_at = now
+            resident = np.asarray(cache_state.resident)
+            summary = simulate.summarize({"cache": cache_state}, self.model.params, self.model.cfg)
+        t = self.telemetry
+        with t.lock:
+            t.recent_hits += h
+            t.recent_misses += m
+            if fresh:
+                t.resident, t.cache = resident.reshape(t.resident.shape), summary
+
+    def _record(self, job: Job, stats: dict, trace: dict, summary: dict) -> None:
+        recent_h, recent_m = self._accesses(trace["experts"], trace.get("hits"))
         t = self.telemetry
         with t.lock:
             t.prompt_tokens += stats["prompt_tokens"]
@@ -342,7 +372,7 @@ class Engine:
             t.total_hits += recent_h
             t.total_misses += recent_m
             t.cache = summary
-            t.resident = np.asarray(self.state["cache"].resident).reshape(L, N)
+            t.resident = np.asarray(self.state["cache"].resident).reshape(t.resident.shape)
             t.finished += 1
             if "offload" in stats:
                 t.bytes_moved_offload += int(stats["offload"]["bytes_moved"])

@@ -306,3 +306,27 @@ def test_bucketed_generation_equals_unbucketed(tokenized_model):
             np.testing.assert_allclose(ta["logits"], tb["logits"], atol=1e-4, rtol=1e-4)
             if kw:
                 assert a.stats["cache"]["misses"] == b.stats["cache"]["misses"]
+
+
+def test_on_cache_reports_every_fed_token_and_the_state_as_it_goes(tokenized_model):
+    """on_cache (the server's live view) sees every token's experts and hits, simulated or offloaded, and its
+    last cache state is the result's."""
+    m = _tokenized(tokenized_model)
+    prompt = m.encode("the cat sat on")
+    for offload in (None, "host"):
+        seen, resident = [], []
+
+        def on_cache(cache_state, experts, hits):
+            seen.append((np.asarray(experts), np.asarray(hits)))
+            resident.append(np.asarray(cache_state.resident))
+
+        r = m.generate(prompt, max_new_tokens=20, stop_at_eos=False, routing="cache-prior", offload=offload,
+                       on_cache=on_cache)
+        experts = np.concatenate([e for e, _ in seen])
+        hits = np.concatenate([h for _, h in seen])
+        trace = r.trace()
+        np.testing.assert_array_equal(experts, trace["experts"])
+        np.testing.assert_array_equal(hits, trace["hits"])
+        assert len(seen) >= (2 if offload is None else len(prompt) + 19)  # prompt, then chunks (or tokens)
+        np.testing.assert_array_equal(resident[-1], np.asarray(r.router_state["cache"].resident))
+        assert int((~hits & (experts >= 0)).sum()) == r.stats["cache"]["misses"]
