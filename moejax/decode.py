@@ -145,7 +145,8 @@ def kv_bucket(rows: int) -> int:
 def prompt_pieces(n: int) -> list[int]:
     """``n`` as distinct powers of two, largest first (37 -> [32, 4, 1]). A prompt prefilled in these
     pieces (each attending to the KV cache of the ones before) needs at most log2(context) + 1 programs
-    whatever its length; the result equals a one-piece prefill up to float reassociation."""
+    whatever its length; the result equals a one-piece prefill up to rounding (f32: ~1e-6; bf16 rounds the
+    pieces differently, ~1e-2 in router logits, enough to flip a near-tie expert choice)."""
     return [1 << b for b in reversed(range(int(n).bit_length())) if n >> b & 1]
 
 

@@ -49,7 +49,8 @@ Expert cache: with ``routing``, ``cache`` or ``state`` one cache state stream ru
 and generation of the evaluation in the order above (as ``evaluate.wikitext_perplexity`` carries it across
 chunks) and the result gains ``miss_rate``, ``lifetime``, ``lifetime_std``, ``bytes_per_token`` and
 ``cache`` (``simulate.summarize``). Note: generation ends at the chunk of 16 decode steps in which a stop string
-appears (GSM8K: the next question; NQ-open: a newline), so the cache sees at most 15 tokens past it.
+appears (GSM8K: the next question; NQ-open: a newline), so the cache sees at most 15 tokens past it; it is
+bucketed (``decode.generate(bucketed=True)``: a bounded set of compiled programs for all prompt lengths).
 
 The ``state`` given is copied, never changed (``Model.generate`` donates the arrays it gets); the final
 state comes back with ``return_state=True``. ``seconds_per_example`` includes XLA compilation.
@@ -655,7 +656,8 @@ class Stream:
     def generate(self, ids: np.ndarray, max_new_tokens: int, prefill_routing=None, stop=()) -> list[int]:
         """Greedy generation (unless options say otherwise) up to a ``stop`` string; the cache state goes on
         from the result."""
-        kw = {"max_new_tokens": max_new_tokens, "stop": stop, **self._cache_kwargs()}
+        # bucketed: a few programs for all prompt lengths, instead of two compilations per length
+        kw = {"max_new_tokens": max_new_tokens, "stop": stop, "bucketed": True, **self._cache_kwargs()}
         if self.simulate and prefill_routing is not None:
             kw["prefill_routing"] = prefill_routing
         self.programs.before(("generate", len(ids), max_new_tokens))

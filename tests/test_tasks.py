@@ -603,7 +603,8 @@ def test_default_model_gsm8k_generation_carries_the_cache_like_chained_generate_
     chained = tasks.own_state(m.router_state(routing, cache))  # committed, as evaluate_task carries it
     generated = []
     for _ in range(2):
-        out = m.generate(ids, max_new_tokens=3, state=chained, prefill_routing="original")
+        out = m.generate(ids, max_new_tokens=3, state=chained, prefill_routing="original", bucketed=True,
+                         stop=tasks.GSM8K_STOPS)
         chained = out.router_state
         generated.append(len(out.token_ids))
     assert simulate.summarize(chained, m.params, m.cfg) == res["cache"]
