@@ -45,6 +45,9 @@ import urllib.request
 
 import numpy as np
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_teacher_forced import cpu_model  # noqa: E402  (stdlib + numpy at import time)
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 WIKITEXT = os.path.join(os.path.dirname(ROOT), "shared", "data", "wikitext-2-raw-v1", "test.txt")
 CONFIGS = {
@@ -315,17 +318,6 @@ def write_json(path: str, result: dict) -> None:
     with open(tmp, "w") as f:
         json.dump(result, f, indent=2)
     os.replace(tmp, path)
-
-
-def cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
 
 
 def print_table(result: dict) -> None:

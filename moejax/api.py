@@ -14,6 +14,7 @@ import numpy as np
 from moejax import checkpoint, decode, gating, textproc, weights
 from moejax import offload as offload_lib
 from moejax.config import ModelConfig
+from moejax.decode import CHUNK as DECODE_CHUNK  # a default inside Model, whose decode() hides the module
 from moejax.model import forward as model_forward
 
 DEFAULT_MODEL_NAME = "default"
@@ -236,7 +237,7 @@ class Model:
         return textproc.wikitext_detokenize(raw) if textproc.is_wikitext_style(self.generation_config) else raw
 
     def generate(self, prompt_ids, max_new_tokens: int = 64, temperature: float = 0.0, top_p: float = 1.0,
-                 seed: int = 0, stop_at_eos: bool = True, on_tokens=None, chunk: int = 16,
+                 seed: int = 0, stop_at_eos: bool = True, on_tokens=None, chunk: int = DECODE_CHUNK,
                  routing=None, cache=None, state: dict | None = None,
                  prefill_routing=None, offload=None, stop=(), cancelled=None,
                  bucketed: bool = False, keep_slots: bool = False, on_cache=None) -> decode.GenerateResult:

@@ -132,7 +132,14 @@ def _shapes(tree):
                         tree)
 
 
+CHUNK = 16  # decode steps per jitted chunk (text streams, stops and cancellation are checked between chunks)
 MIN_KV_BUCKET = 64
+
+
+def kv_rows(prompt_tokens: int, new_tokens: int, chunk: int = CHUNK) -> int:
+    """KV cache rows a generation writes: the prompt, then every step of every chunk (the last chunk runs
+    to its end), and one spare."""
+    return int(prompt_tokens) + chunk * max(0, -(-(int(new_tokens) - 1) // chunk)) + 1
 
 
 def kv_bucket(rows: int) -> int:
@@ -220,7 +227,7 @@ NO_STOP = Stop()
 
 
 def generate(params, cfg: ModelConfig, prompt_ids, *, max_new_tokens: int, sampling: Sampling = Sampling(),
-             seed: int = 0, router=None, router_state=None, stop_at_eos: bool = True, chunk: int = 16,
+             seed: int = 0, router=None, router_state=None, stop_at_eos: bool = True, chunk: int = CHUNK,
              on_tokens: Callable[[list[int]], None] | None = None, context: int | None = None,
              prefill_policy=None, stop: Stop = NO_STOP, bucketed: bool = False,
              on_cache: Callable | None = None) -> GenerateResult:
@@ -248,8 +255,8 @@ def generate(params, cfg: ModelConfig, prompt_ids, *, max_new_tokens: int, sampl
     eos = tuple(cfg.eos_token_ids) if stop_at_eos else ()
     n_chunks = max(0, -(-(max_new_tokens - 1) // chunk))
     dtype = params["embed"].dtype
-    kv_rows = prompt.size + n_chunks * chunk + 1
-    kv = init_kv(cfg, kv_bucket(kv_rows) if bucketed else kv_rows, dtype)
+    rows = kv_rows(prompt.size, max_new_tokens, chunk)
+    kv = init_kv(cfg, kv_bucket(rows) if bucketed else rows, dtype)
     key = jax.random.PRNGKey(seed)
     pieces = prompt_pieces(prompt.size) if bucketed else [int(prompt.size)]
     starts = np.cumsum([0] + pieces[:-1]).tolist()

@@ -268,9 +268,8 @@ class Engine:
         context = self.model.cfg.max_position_embeddings
         max_prompt = max(1, min(int(max_prompt), context - 1))
         max_tokens = max(1, min(int(max_tokens), context - 1))
-        chunk = 16  # decode.generate's chunk
-        rows = lambda n, new: n + chunk * max(0, -(-(new - 1) // chunk)) + 1  # noqa: E731
-        top = decode.kv_bucket(rows(max_prompt, max_tokens))
+        chunk = decode.CHUNK
+        top = decode.kv_bucket(decode.kv_rows(max_prompt, max_tokens))
         bos = self.model.cfg.bos_token_id or 0
         bucket = decode.MIN_KV_BUCKET
         while bucket <= top:
@@ -282,7 +281,7 @@ class Engine:
                 runs.append((bucket - chunk - 1, 2))
             for n, new in runs:
                 if n >= 1 and n + new <= context:
-                    assert decode.kv_bucket(rows(n, new)) == bucket
+                    assert decode.kv_bucket(decode.kv_rows(n, new)) == bucket
                     self.model.generate([bos] * n, max_new_tokens=new, offload=self.offload,  # EOS set as served
                                         state=self.model.router_state(self.policy, self.cache_config), bucketed=True)
             bucket *= 2
@@ -315,8 +314,7 @@ class Engine:
         self.state = {**result.router_state, "policy": self.policy}  # the same cache object: slots stay kept
         after = simulate.summarize(self.state, self.model.params, self.model.cfg)
         stats = result.stats
-        trace = result.trace()
-        self._record(job, stats, trace, after)
+        self._record(stats, after)
         mine = {k: after[k] - before[k] for k in ("accesses", "misses", "loads", "prefetch_loads", "evictions")}
         mine["hits"] = mine["accesses"] - mine["misses"]
         mine["miss_rate"] = mine["misses"] / mine["accesses"] if mine["accesses"] else 0.0
@@ -359,8 +357,8 @@ class Engine:
             if fresh:
                 t.resident, t.cache = resident.reshape(t.resident.shape), summary
 
-    def _record(self, job: Job, stats: dict, trace: dict, summary: dict) -> None:
-        recent_h, recent_m = self._accesses(trace["experts"], trace.get("hits"))
+    def _record(self, stats: dict, summary: dict) -> None:
+        """A finished request into the telemetry (its hits and misses per expert came in through ``_live``)."""
         t = self.telemetry
         with t.lock:
             t.prompt_tokens += stats["prompt_tokens"]
@@ -368,9 +366,8 @@ class Engine:
             t.ttft.observe(stats["time_to_first_token_s"] + stats.get("compile_time_s", 0.0))  # what a client waits
             if stats["generated_tokens"] > 1:
                 t.tps.observe(stats["tokens_per_s"])
-            t.recent_hits, t.recent_misses = recent_h, recent_m
-            t.total_hits += recent_h
-            t.total_misses += recent_m
+            t.total_hits += t.recent_hits
+            t.total_misses += t.recent_misses
             t.cache = summary
             t.resident = np.asarray(self.state["cache"].resident).reshape(t.resident.shape)
             t.finished += 1

@@ -664,7 +664,8 @@ class Stream:
         result = self.model.generate(np.asarray(ids, np.int32), **kw, **self.options)
         if self.simulate:
             self.state = result.router_state
-        self.tokens += result.stats["fed_tokens"]  # the last generated token is never fed; a stop's chunk is
+        # what the model ran: the last generated token is never fed, and a stop's chunk runs to its end
+        self.tokens += result.stats["fed_tokens"]
         return list(result.token_ids)
 
 
