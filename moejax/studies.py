@@ -1,12 +1,17 @@
 """The paper's studies on one model, each written to ``<out>/<study>.jsonl`` through the sweep machinery.
 
     python -m moejax.studies [--out results/studies] [--only pareto,cache_size] [--max-tokens 8184]
-                             [--points 16] [--model default] [--batch-size N]
+                             [--points 16] [--model default] [--batch-size N] [--cache-sizes all]
+    python -m moejax.studies --protocol paper     # the paper's grids and budgets (below)
 
 Every study resumes: rerunning the command skips the points already in its file (and copies a point that
 another study's file already holds, e.g. the λ grid the ``delta`` study shares with ``pareto``). The first
 ``--max-tokens`` tokens of WikiText-2 test are scored, chunked to ``--context`` (a multiple of
 ``context - 1`` keeps every chunk the same length: one compiled program per policy kind).
+
+``--protocol paper`` sets what the paper measured (§4): cumsum p and λ on 50 points, the first 65,536 tokens
+(rounded up to whole chunks: 65 x 1023 = 66,495 at context 1024), the lifetimes on the whole test text and
+the cache-size study at every C = 1..N; flags given explicitly still win.
 
 Studies (paper: cache-conditional-experts.md; SpecMD: specmd-expert-caching-policies.md):
 
@@ -15,7 +20,7 @@ Studies (paper: cache-conditional-experts.md; SpecMD: specmd-expert-caching-poli
                on ``--points`` equidistant points in [0, 1], original routing, and the Belady bound (the
                recorded original-routing trace replayed with Belady eviction: its miss rate at the
                original perplexity). Paper figures 4 and 14.
-  cache_size   C = 1..N: LRU and Belady miss rates of original routing (trace replay), cache-prior on a λ
+  cache_size   C = 1..N (``--cache-sizes``: 11 sizes by default, ``all`` = every C): LRU and Belady miss rates of original routing (trace replay), cache-prior on a λ
                grid, and per perplexity bound (+1/5/10 %) the grid point with the lowest miss rate within
                it (records with ``method: "selection"``). Figure 10.
   lifetimes    lifetime mean/std and miss rate at C = N/2 on ``--lifetimes-max-tokens`` (0 = the whole text):
@@ -165,6 +170,7 @@ class Context:
     gsm8k_limit: int
     evictions: tuple = EVICTIONS
     lifetimes_max_tokens: int | None = None
+    cache_sizes: str = "default"
 
     @property
     def cfg(self):
@@ -368,10 +374,27 @@ def study_delta(ctx: Context) -> list[dict]:
     return ctx.runner("delta").run(pts)
 
 
+def cache_sizes(spec: str, n: int) -> list[int]:
+    """The capacities of the cache-size study: ``"default"`` (11 sizes from 1 to N), ``"all"`` (every C = 1..N)
+    or a comma-separated list of counts (each in 1..N)."""
+    if spec == "default":
+        if n == 32:
+            return [1, 2, 4, 6, 8, 12, 16, 20, 24, 28, 32]
+        return sorted({int(c) for c in np.linspace(1, n, 11).round()})
+    if spec == "all":
+        return list(range(1, n + 1))
+    try:
+        sizes = sorted({int(c) for c in spec.split(",") if c.strip()})
+    except ValueError:
+        raise ValueError(f"--cache-sizes takes 'default', 'all' or comma-separated counts, got {spec!r}") from None
+    if not sizes or sizes[0] < 1 or sizes[-1] > n:
+        raise ValueError(f"--cache-sizes {spec!r}: every size must be in 1..N = {n}")
+    return sizes
+
+
 def study_cache_size(ctx: Context) -> list[dict]:
     n = ctx.cfg.n_experts
-    sizes = [c for c in (1, 2, 4, 6, 8, 12, 16, 20, 24, 28, 32) if c <= n] if n == 32 else \
-        sorted({int(c) for c in np.linspace(1, n, 11).round()})
+    sizes = cache_sizes(ctx.cache_sizes, n)
     pts = []
     for c in sizes:
         sv = {"cache_size": str(c)}
@@ -495,13 +518,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
                    help="compute dtype (default float32: faster than bf16 on XLA:CPU, and exact to report)")
     p.add_argument("--data", default=None, help="WikiText-2 test text (default: ../shared/data copy)")
-    p.add_argument("--max-tokens", type=int, default=8184, help="score the first N WikiText tokens (default 8184 "
-                   "= 8 chunks of 1023); 0 = all")
+    p.add_argument("--protocol", choices=("quick", "paper"), default="quick",
+                   help="quick (default): 11-point fronts on 8,184 tokens; paper: 50-point fronts on >= 65,536 tokens, "
+                        "lifetimes on the whole text, every cache size (explicit flags override)")
+    p.add_argument("--max-tokens", type=int, default=None, help="score the first N WikiText tokens (default 8184 "
+                   "= 8 chunks of 1023; paper: 65,536 rounded up to whole chunks); 0 = all")
     p.add_argument("--lifetimes-max-tokens", type=int, default=None, help="tokens the lifetimes study scores "
                    "(default: --max-tokens; 0 = the whole test text, the paper's table 2)")
     p.add_argument("--context", type=int, default=1024)
-    p.add_argument("--points", type=int, default=11, help="points per continuous front: cumsum p and λ on that many "
-                   "equidistant values in [0, 1] (default 11: steps of 0.1)")
+    p.add_argument("--points", type=int, default=None, help="points per continuous front: cumsum p and λ on that many "
+                   "equidistant values in [0, 1] (default 11: steps of 0.1; paper: 50)")
+    p.add_argument("--cache-sizes", default=None, help="cache-size study: 'default' (11 sizes), 'all' (C = 1..N; "
+                   "paper) or comma-separated counts")
     p.add_argument("--batch-size", type=int, default=None, help="points per vmapped batch (default: 1 on CPU, 8 on "
                    "accelerators)")
     p.add_argument("--evictions", default=",".join(EVICTIONS), help="eviction study: comma-separated policies "
@@ -512,8 +540,26 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+PAPER_TOKENS = 65_536
+
+
+def apply_protocol(args: argparse.Namespace) -> None:
+    """Fill the flags left unset from ``--protocol`` (quick or paper)."""
+    paper = args.protocol == "paper"
+    if args.points is None:
+        args.points = 50 if paper else 11
+    if args.max_tokens is None:
+        per_chunk = max(1, args.context - 1)
+        args.max_tokens = -(-PAPER_TOKENS // per_chunk) * per_chunk if paper else 8184
+    if args.lifetimes_max_tokens is None and paper:
+        args.lifetimes_max_tokens = 0
+    if args.cache_sizes is None:
+        args.cache_sizes = "all" if paper else "default"
+
+
 def check_args(args: argparse.Namespace) -> tuple[list[str], tuple[str, ...]]:
     """(studies to run, eviction policies) from the flags; a ``ValueError`` naming the flag it refuses."""
+    apply_protocol(args)
     chosen = [s.strip() for item in args.only for s in item.split(",") if s.strip()] or list(STUDIES)
     unknown = [s for s in chosen if s not in RUNNERS]
     if unknown:
@@ -525,6 +571,8 @@ def check_args(args: argparse.Namespace) -> tuple[list[str], tuple[str, ...]]:
         raise ValueError("--points must be >= 1, --context >= 2, --max-tokens and --lifetimes-max-tokens >= 0")
     if args.batch_size is not None and args.batch_size < 1:
         raise ValueError(f"--batch-size must be >= 1, got {args.batch_size}")
+    if args.cache_sizes not in ("default", "all"):
+        cache_sizes(args.cache_sizes, 1 << 30)  # the form only; the range is checked against N once loaded
     if os.path.lexists(args.out) and not os.path.isdir(args.out):
         raise errors.UsageError(f"--out {args.out} exists and is not a folder")
     return chosen, evictions
@@ -542,7 +590,12 @@ def main(argv: list[str] | None = None) -> int:
     ctx = Context(model, label, args.out, args.max_tokens or None, args.context, args.points, args.data,
                   args.batch_size or sweep.default_batch_size(), not args.no_progress, args.dtype, args.mmlu_limit,
                   args.gsm8k_limit, evictions,
-                  args.max_tokens or None if args.lifetimes_max_tokens is None else args.lifetimes_max_tokens or None)
+                  args.max_tokens or None if args.lifetimes_max_tokens is None else args.lifetimes_max_tokens or None,
+                  args.cache_sizes)
+    try:
+        cache_sizes(args.cache_sizes, model.cfg.n_experts)
+    except ValueError as e:
+        return errors.report(e)
     existed = os.path.isdir(args.out)
     timings, status = run_studies(ctx, [s for s in STUDIES if s in chosen])
     if timings or (not existed and os.path.isdir(args.out)):  # something was computed (studies make --out)
@@ -588,6 +641,8 @@ def _write_manifest(args, ctx: Context, timings: dict) -> None:
                  "points": ctx.points, "batch_size": ctx.batch_size, "finished_at": time.strftime("%Y-%m-%dT%H:%M:%S")}
         if name == "tasks":
             entry.update(mmlu_limit=ctx.mmlu_limit, gsm8k_limit=ctx.gsm8k_limit)
+        if name == "cache_size":
+            entry.update(cache_sizes=cache_sizes(ctx.cache_sizes, ctx.cfg.n_experts))
         per_study[name] = entry
     with open(path + ".tmp", "w") as f:
         json.dump(manifest, f, indent=1)
