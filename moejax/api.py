@@ -12,6 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from moejax import checkpoint, decode, gating, textproc, weights
+from moejax import layout as layout_lib
 from moejax import offload as offload_lib
 from moejax.config import ModelConfig
 from moejax.decode import CHUNK as DECODE_CHUNK  # a default inside Model, whose decode() hides the module
@@ -312,7 +313,8 @@ def offload_config(offload) -> "offload_lib.OffloadConfig | None":
     raise TypeError(f"offload must be None, True, 'host', 'flash' or an offload.OffloadConfig, got {offload!r}")
 
 
-def load(path: str, dtype=None, offload=None, layout: str = "serving") -> Model:
+def load(path: str, dtype=None, offload=None, layout: str = "serving", weight_dtype: str | None = None,
+         expert_dtype: str | None = None) -> Model:
     """Load a moejax checkpoint folder, a Hugging Face folder (read in place), or ``"default"``.
 
     Non-expert weights go to the device one tensor at a time. Without ``offload`` the routed experts do
@@ -323,10 +325,22 @@ def load(path: str, dtype=None, offload=None, layout: str = "serving") -> Model:
 
     ``layout``: "serving" (default: matrices ``[out, in]``, one buffer per expert, read in place in their
     stored dtype: see ``moejax.layout``) or "canonical" (``x @ W``, experts stacked: what training and the
-    checkpoint formats use). Both compute the same model."""
+    checkpoint formats use). Both compute the same model.
+
+    ``weight_dtype="int8"`` holds every matrix (attention, MLPs, routed experts, LM head) as int8 with one
+    scale per output row, quantised as it is placed (half the memory of bf16; decode reads half the bytes);
+    ``expert_dtype`` ("int8" or "stored") overrides it for the routed experts alone. Serving layout only;
+    see ``moejax.layout`` for the scheme and its error bound."""
     path = resolve_model_path(path)
     offload = offload_config(offload)
-    params, cfg = checkpoint.load_params(path, dtype, "lazy" if offload is not None else "device", layout)
+    quantization = layout_lib.Quantization.from_dtypes(weight_dtype, expert_dtype)
+    if quantization is not None and layout != "serving":
+        raise ValueError(f"int8 weights (weight_dtype/expert_dtype) need layout='serving', got layout={layout!r}")
+    if quantization is not None and quantization.experts and offload is not None:
+        raise ValueError("int8 routed experts cannot be offloaded yet: the offload store pages the checkpoint's "
+                         "own experts (drop expert_dtype/weight_dtype int8, or offload)")
+    params, cfg = checkpoint.load_params(path, dtype, "lazy" if offload is not None else "device", layout,
+                                         quantization)
     folder = os.path.abspath(os.path.expanduser(path))
     tokenizer = Tokenizer(folder) if os.path.isfile(os.path.join(folder, "tokenizer.json")) else None
     gen_path = os.path.join(folder, "generation_config.json")

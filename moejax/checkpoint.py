@@ -528,12 +528,12 @@ def open_params(folder: str, dtype=None) -> tuple[dict, ModelConfig]:
 
 
 def load_params(folder: str, dtype=None, experts: str = "device",
-                arrangement: str = "canonical") -> tuple[dict, ModelConfig]:
+                arrangement: str = "canonical", quantization=None) -> tuple[dict, ModelConfig]:
     """Parameters and config from a moejax or Hugging Face folder, placed: non-expert weights on the
     device, routed experts on the device (``"device"``) or left in the files (``"lazy"``, for offload);
-    in the canonical or the serving layout (``moejax.layout``)."""
+    in the canonical or the serving layout (``moejax.layout``; ``quantization``: int8 matrices there)."""
     tree, cfg = open_params(folder, dtype)
-    return weights.place(tree, experts, arrangement), cfg
+    return weights.place(tree, experts, arrangement, quantization), cfg
 
 
 def convert_hf_to_moejax(src: str, dst: str, dtype=None, overwrite: bool = False) -> str:

@@ -51,6 +51,21 @@ def _int_list(text: str, flag: str) -> tuple[int, ...]:
         raise ValueError(f"{flag} takes comma-separated integers, got {text!r}") from None
 
 
+def add_weight_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("weights in memory")
+    g.add_argument("--weight-dtype", choices=("stored", "int8"), default=None,
+                   help="int8: every matrix (attention, MLPs, routed experts, LM head) held as int8 with one scale "
+                        "per output row, quantised on load: half the memory and bytes per token of bf16, "
+                        "like llama.cpp's Q8_0 (default: stored)")
+    g.add_argument("--expert-dtype", choices=("stored", "int8"), default=None,
+                   help="the same for the routed experts alone (overrides --weight-dtype for them)")
+
+
+def weight_kwargs(args: argparse.Namespace) -> dict:
+    """``moejax.load``'s ``weight_dtype`` / ``expert_dtype`` from the flags."""
+    return {"weight_dtype": getattr(args, "weight_dtype", None), "expert_dtype": getattr(args, "expert_dtype", None)}
+
+
 def add_offload_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("expert offloading (experts in host memory, device slots = the cache)")
     g.add_argument("--offload", action="store_true",

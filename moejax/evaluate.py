@@ -219,9 +219,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="WikiText points of one policy kind evaluated together in one vmapped pass "
                         "(default: 1 on CPU, 8 on accelerators)")
     s.add_argument("--study", default=None, help="label stored in each record's 'study' field")
+    cli_options.add_weight_args(p)
     cli_options.add_routing_args(p)
-    if hasattr(cli_options, "add_offload_args"):
-        cli_options.add_offload_args(p)
+    cli_options.add_offload_args(p)
     return p
 
 
@@ -267,7 +267,7 @@ def build_points(args: argparse.Namespace, model: api.Model) -> list[sweep.Point
                                        context=args.context, max_tokens=args.max_tokens, limit=args.limit,
                                        shots=args.shots, max_new_tokens=args.max_new_tokens, routing=routing,
                                        policy=policy, cache=cache, sweep=values, method=method,
-                                       offload=offload_from_args(args)))
+                                       offload=offload_from_args(args), **cli_options.weight_kwargs(args)))
     return points
 
 
@@ -314,7 +314,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         _check_args(args)
         model = api.load(args.model, dtype=None if args.dtype is None else getattr(jnp, args.dtype),
-                         offload=offload_from_args(args))
+                         offload=offload_from_args(args), **cli_options.weight_kwargs(args))
         if args.context is None:
             args.context = min(1024, model.cfg.max_position_embeddings)
         model.cfg.check_context(args.context, "--context")

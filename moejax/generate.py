@@ -42,6 +42,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="print one JSON object with text, token_ids and stats")
     p.add_argument("--trace-out", metavar="FILE.npz",
                    help="record the routing trace (experts, weights, router logits per token and MoE layer)")
+    cli_options.add_weight_args(p)
     cli_options.add_routing_args(p)
     cli_options.add_offload_args(p)
     return p
@@ -131,7 +132,7 @@ def run(args: argparse.Namespace) -> dict:
     if args.trace_out:  # checked before the work: a generation must not be lost to an unwritable path
         check_writable(args.trace_out, "--trace-out")
     t_load = time.perf_counter()
-    model = api.load(args.model, dtype=dtype, offload=offload)
+    model = api.load(args.model, dtype=dtype, offload=offload, **cli_options.weight_kwargs(args))
     load_time = time.perf_counter() - t_load
     ids = prompt_token_ids(model, args)
     routing = cache = None

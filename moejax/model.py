@@ -516,8 +516,11 @@ def embed(params: Params, tokens: jax.Array) -> jax.Array:
 
 
 def lm_head(params: Params, cfg: ModelConfig):
-    """The output projection: ``lm_head``, or the embedding (``[V, D]``, already ``[out, in]``) when tied."""
-    return layout.OutIn(params["embed"]) if cfg.tie_word_embeddings else params["lm_head"]
+    """The output projection: ``lm_head``, or the embedding (``[V, D]``, already ``[out, in]``) when tied
+    (or its int8 copy, when the serving layout quantised the matrices)."""
+    if not cfg.tie_word_embeddings:
+        return params["lm_head"]
+    return params[layout.TIED_INT8_HEAD] if layout.TIED_INT8_HEAD in params else layout.OutIn(params["embed"])
 
 
 # ------------------------------------------------------------------------------------------- forward

@@ -795,6 +795,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "new tokens), so no request waits for XLA (default 0: compile on first use; a few "
                         "seconds per program on a CPU; JAX_COMPILATION_CACHE_DIR keeps them across restarts)")
     p.add_argument("--log-level", default="warning", choices=["critical", "error", "warning", "info", "debug"])
+    cli_options.add_weight_args(p)
     cli_options.add_routing_args(p)
     cli_options.add_offload_args(p)
     return p
@@ -813,7 +814,7 @@ def check_args(args: argparse.Namespace) -> None:
 
 def build_engine(args: argparse.Namespace) -> Engine:
     offload = cli_options.offload_from_args(args)
-    model = api.load(args.model, offload=offload, dtype=args.dtype)
+    model = api.load(args.model, offload=offload, dtype=args.dtype, **cli_options.weight_kwargs(args))
     policy = cli_options.policy_from_args(args, model.cfg.top_k)
     cache = cli_options.cache_from_args(args)
     cache.capacity(model.cfg)  # a bad --cache-size fails here, before the server starts

@@ -134,7 +134,11 @@ def init_router_state(cfg: ModelConfig, policy: routing_lib.RoutingPolicy, cache
 
 
 def expert_bytes(params: dict, cfg: ModelConfig) -> int:
-    """Bytes one routed expert occupies (what a miss moves)."""
+    """Bytes one routed expert occupies (what a miss moves): int8 experts count their values and scales."""
+    for lp in params["layers"]:
+        experts = lp.get("moe", {}).get("experts")
+        if isinstance(experts, layout.ExpertList) and layout.is_int8(experts.gate_up[0]):
+            return layout.matrix_nbytes(experts.gate_up[0]) + layout.matrix_nbytes(experts.down[0])
     return cfg.expert_params * jnp.dtype(params["embed"].dtype).itemsize
 
 

@@ -188,15 +188,20 @@ def with_dtype(tree, dtype):
     return tree_map(lambda x: x.astype(dtype), tree)
 
 
-def place(tree, experts: str = "device", arrangement: str = "canonical"):
+def place(tree, experts: str = "device", arrangement: str = "canonical",
+          quantization: "layout.Quantization | None" = None):
     """Non-expert tensors on the default device; routed expert stacks on the device too (``"device"``) or
     left in their files (``"lazy"``). Reads one tensor (one stack, or one expert) at a time: the host never
     holds more. ``arrangement="serving"`` places the tree in ``layout``'s serving layout (matrices
-    ``[out, in]``, one buffer per expert), reading Hugging Face files' ``[out, in]`` bytes as they are."""
+    ``[out, in]``, one buffer per expert), reading Hugging Face files' ``[out, in]`` bytes as they are;
+    ``quantization`` (serving only) holds the matrices it names as int8, each quantised as it is placed."""
     if experts not in EXPERTS_PLACEMENTS:
         raise ValueError(f"unknown expert placement {experts!r}; expected one of {EXPERTS_PLACEMENTS}")
     if arrangement not in layout.ARRANGEMENTS:
         raise ValueError(f"unknown layout {arrangement!r}; expected one of {layout.ARRANGEMENTS}")
+    if quantization is not None and arrangement != "serving":
+        raise ValueError("int8 weights need the serving layout (layout='serving'): the canonical layout is for "
+                         "training and checkpoints")
 
     def one(x):
         if isinstance(x, ExpertStack):
@@ -214,9 +219,10 @@ def place(tree, experts: str = "device", arrangement: str = "canonical"):
         stacks = {k: moe[k] for k in layout.EXPERT_MATRICES}
         if experts == "lazy":
             return stacks
-        return layout.expert_list(int(stacks["gate"].shape[0]), lambda e: expert_out_in(stacks, e))
+        return layout.expert_list(int(stacks["gate"].shape[0]), lambda e: expert_out_in(stacks, e),
+                                  quantization=quantization)
 
-    return layout.arrange(tree, read_out_in, arrange_experts, one)
+    return layout.arrange(tree, read_out_in, arrange_experts, one, quantization)
 
 
 def read_out_in(x):
