@@ -67,29 +67,30 @@ def read_bandwidth(threads: int, gib: float = 1.0, repeats: int = 5) -> float:
 
 # ------------------------------------------------------------------------------------------- moejax side
 def decode_bytes_per_token(params, cfg) -> dict:
-    """Weight bytes one decode token reads, by part (serving or canonical layout)."""
+    """Weight bytes one decode token reads, by part, as stored (int8 matrices: values + scales)."""
     import jax
 
     from moejax import layout
+    from moejax import model as M
 
-    tree = layout.canonical_view(params)
-    nbytes = lambda t: sum(int(x.size) * x.dtype.itemsize if hasattr(x, "size") else  # noqa: E731
-                           int(__import__("numpy").prod(x.shape)) * x.dtype.itemsize
-                           for x in jax.tree.leaves(t, is_leaf=lambda v: isinstance(v, layout.VIEW_TYPES)))
+    def nbytes(t):
+        return sum(int(x.size) * x.dtype.itemsize for x in jax.tree.leaves(t))
+
     parts = {"attention": 0, "experts": 0, "shared_and_dense_mlp": 0, "routers_and_norms": 0}
-    for i, lp in enumerate(tree["layers"]):
+    for i, lp in enumerate(params["layers"]):
         parts["attention"] += nbytes(lp["attn"])
         parts["routers_and_norms"] += nbytes(lp["attn_norm"]) + nbytes(lp["mlp_norm"])
         if cfg.moe_layers[i]:
             moe = lp["moe"]
-            per_expert = sum(nbytes(moe[k]) for k in ("gate", "up", "down")) // cfg.n_experts
-            parts["experts"] += cfg.top_k * per_expert
+            routed = moe["experts"] if "experts" in moe else {k: moe[k] for k in ("gate", "up", "down")}
+            parts["experts"] += cfg.top_k * nbytes(routed) // cfg.n_experts
             parts["shared_and_dense_mlp"] += nbytes({k: v for k, v in moe.items() if k in ("shared", "shared_gate")})
             parts["routers_and_norms"] += nbytes(moe["router"])
         else:
             parts["shared_and_dense_mlp"] += nbytes(lp["mlp"])
-    embed = tree["embed"]
-    head = embed if cfg.tie_word_embeddings else tree["lm_head"]
+    embed = params["embed"]
+    head = M.lm_head(params, cfg) if layout.is_serving(params) else (embed if cfg.tie_word_embeddings
+                                                                      else params["lm_head"])
     parts["lm_head"] = nbytes(head)
     parts["embedding_row"] = embed.shape[1] * embed.dtype.itemsize
     parts["total"] = sum(parts.values())
@@ -206,7 +207,7 @@ def worker(args) -> int:
     import moejax
 
     t = time.perf_counter()
-    m = moejax.load(args.model, dtype=args.dtype)
+    m = moejax.load(args.model, dtype=args.dtype, weight_dtype=args.weight_dtype, expert_dtype=args.expert_dtype)
     load_s = time.perf_counter() - t
     rng = np.random.default_rng(0)
     prompt = rng.integers(3, m.cfg.vocab_size, size=args.prompt_tokens).tolist()
@@ -234,6 +235,9 @@ def run_moejax(model: str, args) -> dict:
            "--prefill", ",".join(map(str, args.prefill))]
     if args.dtype:
         cmd += ["--dtype", args.dtype]
+    for flag, value in (("--weight-dtype", args.weight_dtype), ("--expert-dtype", args.expert_dtype)):
+        if value:
+            cmd += [flag, value]
     if args.profile:
         cmd += ["--profile"]
     env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2"}
@@ -252,10 +256,10 @@ def run_llamacpp(hf_dir: str, args) -> dict:
     if llamacpp.find_llama_cpp() is None:
         return {"skipped": "llama.cpp is not built (python bench/llamacpp.py --help says how)"}
     llamacpp.ensure_tokenizer(hf_dir)
-    conv = llamacpp.convert_to_gguf(hf_dir)
+    conv = llamacpp.convert_to_gguf(hf_dir, outtype=args.gguf_type)
     tg = llamacpp.bench(conv["path"], threads=args.threads, n_gen=args.new_tokens, reps=args.repeats,
                         drop_caches=False, timeout=args.timeout)
-    out = {"gguf": conv["path"], "gguf_bytes": conv["bytes"], "tg_tokens_per_s": tg["tg_tokens_per_s"],
+    out = {"gguf_type": args.gguf_type, "gguf": conv["path"], "gguf_bytes": conv["bytes"], "tg_tokens_per_s": tg["tg_tokens_per_s"],
            "peak_rss_bytes": tg["peak_rss_bytes"], "cmd": tg["cmd_str"], "pp_tokens_per_s": {}}
     for n in args.prefill:
         pp = llamacpp.bench(conv["path"], threads=args.threads, n_gen=0, n_prompt=n, reps=args.repeats,
@@ -316,6 +320,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--threads", type=int, default=2, help="llama.cpp threads (XLA uses every core)")
     ap.add_argument("--dtype", default=None, help="moejax compute dtype (default: the stored one)")
+    ap.add_argument("--weight-dtype", choices=("stored", "int8"), default=None,
+                    help="moejax: every matrix as int8 (compare with --gguf-type q8_0)")
+    ap.add_argument("--expert-dtype", choices=("stored", "int8"), default=None, help="moejax: the routed experts alone")
+    ap.add_argument("--gguf-type", choices=("bf16", "q8_0", "f32"), default="bf16",
+                    help="llama.cpp's weights: bf16 (default) or q8_0 (int8 blocks of 32, against --weight-dtype int8)")
     ap.add_argument("--profile", action="store_true", help="per-part milliseconds of a moejax decode step")
     ap.add_argument("--default", action="store_true", help="also the embedded default model")
     ap.add_argument("--workdir", default=None, help="where the default model's HF export goes (default: a "

@@ -66,6 +66,43 @@ def weight_kwargs(args: argparse.Namespace) -> dict:
     return {"weight_dtype": getattr(args, "weight_dtype", None), "expert_dtype": getattr(args, "expert_dtype", None)}
 
 
+def weight_label(args: argparse.Namespace) -> str:
+    """What the weight flags add to a model's label in results ("", "+int8", "+int8-experts", ...)."""
+    w, e = getattr(args, "weight_dtype", None), getattr(args, "expert_dtype", None)
+    matrices, experts = w == "int8", (w == "int8") if e is None else e == "int8"
+    if matrices and experts:
+        return "+int8"
+    return "+int8-experts" if experts else "+int8-matrices" if matrices else ""
+
+
+def add_distributed_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("devices and hosts (moejax.distributed)")
+    g.add_argument("--devices", type=int, default=None, metavar="N",
+                   help="spread the points of a sweep over the first N devices (default: every device; "
+                        "one device = no spreading)")
+    g.add_argument("--distributed", action="store_true",
+                   help="run as one program over several processes/hosts (jax.distributed): every process runs "
+                        "the same command; process 0 writes the results (also implied by JAX_COORDINATOR_ADDRESS)")
+    g.add_argument("--coordinator", default=None, metavar="HOST:PORT",
+                   help="process 0's address (default: JAX_COORDINATOR_ADDRESS)")
+    g.add_argument("--num-processes", type=int, default=None, help="default: JAX_NUM_PROCESSES")
+    g.add_argument("--process-id", type=int, default=None, help="default: JAX_PROCESS_ID")
+
+
+def start_distributed(args: argparse.Namespace):
+    """Join the multi-process run the flags (or the ``JAX_*`` variables) ask for, then the sweep mesh over
+    ``--devices`` (None: one device). Call before anything touches a JAX device."""
+    from moejax import distributed
+
+    asked = args.distributed or any(getattr(args, k) is not None for k in ("coordinator", "num_processes",
+                                                                          "process_id"))
+    if args.devices is not None and args.devices < 1:
+        raise ValueError(f"--devices must be >= 1, got {args.devices}")
+    if asked or distributed.requested():
+        distributed.initialize(args.coordinator, args.num_processes, args.process_id)
+    return distributed.points_mesh(args.devices)
+
+
 def add_offload_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("expert offloading (experts in host memory, device slots = the cache)")
     g.add_argument("--offload", action="store_true",

@@ -32,7 +32,7 @@ import numpy as np
 
 from moejax import errors
 from moejax import interrupts
-from moejax import api, cli_options, sweep
+from moejax import api, cli_options, distributed, sweep
 
 SHARED_DATA = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "..", "shared", "data")
 WIKITEXT_TEST = os.path.join(SHARED_DATA, "wikitext-2-raw-v1", "test.txt")
@@ -222,6 +222,7 @@ def build_parser() -> argparse.ArgumentParser:
     cli_options.add_weight_args(p)
     cli_options.add_routing_args(p)
     cli_options.add_offload_args(p)
+    cli_options.add_distributed_args(p)
     return p
 
 
@@ -245,7 +246,7 @@ def build_points(args: argparse.Namespace, model: api.Model) -> list[sweep.Point
     grid = sweep.expand_grid(axes)
     kind = sweep.infer_kind(args.routing, [a.name for a in axes])
     with_cache = cli_options.cache_requested(args) or bool(axes)
-    label = sweep.model_label(args.model) + (f"@{args.dtype}" if args.dtype else "")
+    label = sweep.model_label(args.model) + (f"@{args.dtype}" if args.dtype else "") + cli_options.weight_label(args)
     points = []
     for values in grid:
         a = argparse.Namespace(**vars(args))
@@ -267,7 +268,7 @@ def build_points(args: argparse.Namespace, model: api.Model) -> list[sweep.Point
                                        context=args.context, max_tokens=args.max_tokens, limit=args.limit,
                                        shots=args.shots, max_new_tokens=args.max_new_tokens, routing=routing,
                                        policy=policy, cache=cache, sweep=values, method=method,
-                                       offload=offload_from_args(args), **cli_options.weight_kwargs(args)))
+                                       offload=offload_from_args(args)))
     return points
 
 
@@ -313,6 +314,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         _check_args(args)
+        mesh = cli_options.start_distributed(args)
         model = api.load(args.model, dtype=None if args.dtype is None else getattr(jnp, args.dtype),
                          offload=offload_from_args(args), **cli_options.weight_kwargs(args))
         if args.context is None:
@@ -322,8 +324,10 @@ def main(argv: list[str] | None = None) -> int:
             points = build_points(args, model)
             runner = sweep.Runner(model, results=args.results, batch_size=args.batch_size or sweep.default_batch_size(),
                                   progress=not args.no_progress and not args.json,
-                                  load_text=lambda data: load_wikitext(data))
+                                  load_text=lambda data: load_wikitext(data), mesh=mesh)
             records = runner.run(points)
+            if not distributed.is_leader():  # process 0 prints for the run
+                return 0
             if args.json:
                 for rec in records:
                     print(json.dumps(rec))
@@ -340,6 +344,8 @@ def main(argv: list[str] | None = None) -> int:
         res = run_task(model, args, routing, cache)
     except errors.HANDLED as e:
         return errors.report(e)
+    if not distributed.is_leader():
+        return 0
     if args.json:
         print(json.dumps(json_safe(res)))
     else:

@@ -58,7 +58,7 @@ import numpy as np
 
 from moejax import errors
 from moejax import cache as cache_lib
-from moejax import gating
+from moejax import distributed, gating
 from moejax import routing as routing_lib
 
 
@@ -369,12 +369,29 @@ def _parse_lines(path: str, data: bytes) -> tuple[list[dict], int]:
 
 def load_results(path: str) -> list[dict]:
     """Every record of a JSONL results file, in file order ([] if the file does not exist). A truncated
-    last line (crash mid-write) is ignored; a malformed complete line raises ``ValueError`` with file:line."""
+    last line (crash mid-write) is ignored; a malformed complete line raises ``ValueError`` with file:line.
+    In a multi-process run process 0 reads the file and every process gets its records (``distributed``)."""
+    if distributed.is_multiprocess():
+        got = distributed.broadcast(_read_or_error(path) if distributed.is_leader() else None)
+        if "error" in got:
+            raise ValueError(got["error"])
+        return got["records"]
+    return _read_results(path)
+
+
+def _read_results(path: str) -> list[dict]:
     if not os.path.exists(path):
         return []
     with open(path, "rb") as f:
         data = f.read()
     return _parse_lines(path, data)[0]
+
+
+def _read_or_error(path: str) -> dict:
+    try:
+        return {"records": _read_results(path)}
+    except (ValueError, OSError) as e:
+        return {"error": str(e)}
 
 
 def _repair(f, path: str) -> None:
@@ -398,7 +415,10 @@ def _repair(f, path: str) -> None:
 
 def append_result(path: str, record: dict) -> None:
     """Append one record as one line: repair a torn tail first, then write + flush + fsync (under an
-    exclusive lock, so two processes appending to one file do not interleave)."""
+    exclusive lock, so two processes appending to one file do not interleave). In a multi-process run only
+    process 0 writes."""
+    if not distributed.is_leader():  # a multi-process run: process 0 writes for all
+        return
     line = json.dumps(_as_json(record), allow_nan=False) + "\n"
     folder = os.path.dirname(os.path.abspath(path))
     os.makedirs(folder, exist_ok=True)
@@ -463,10 +483,7 @@ def _target_nll(logits: jax.Array, tokens: jax.Array) -> jax.Array:
     return -jnp.take_along_axis(logp, tokens[1:, None], axis=-1)[:, 0]
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "sequential"))
-def batched_pass(params, cfg, tokens, states, sequential: bool = False):
-    """One teacher-forced pass of ``tokens`` for a stack of router states (leading axis B; the policy is
-    part of the state): (nll [B, T-1], experts [B, L, T, K], weights, hits [B, L, T, K], states')."""
+def _vmapped_pass(params, cfg, tokens, states, sequential: bool):
     from moejax import simulate
 
     router = simulate.CacheRouter(cfg.gating)
@@ -477,6 +494,26 @@ def batched_pass(params, cfg, tokens, states, sequential: bool = False):
         return _target_nll(out.logits, tokens), out.experts, out.weights, out.records["hits"], out.router_state
 
     return jax.vmap(one)(states)
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "sequential"))
+def batched_pass(params, cfg, tokens, states, sequential: bool = False):
+    """One teacher-forced pass of ``tokens`` for a stack of router states (leading axis B; the policy is
+    part of the state): (nll [B, T-1], experts [B, L, T, K], weights, hits [B, L, T, K], states')."""
+    return _vmapped_pass(params, cfg, tokens, states, sequential)
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "sequential", "mesh"))
+def sharded_batched_pass(params, cfg, tokens, states, sequential: bool, mesh):
+    """``batched_pass`` with the B points laid along the mesh axis "points" (B a multiple of its devices):
+    every device runs the vmapped pass on its own B / devices points; params and tokens are replicated.
+    Nothing crosses devices, so each point's result is what ``batched_pass`` gives it."""
+    from jax.sharding import PartitionSpec as P
+
+    body = functools.partial(_vmapped_pass, cfg=cfg, sequential=sequential)
+    return jax.shard_map(lambda p, t, s: body(p, tokens=t, states=s), mesh=mesh,
+                         in_specs=(P(), P(), P(distributed.POINTS)), out_specs=P(distributed.POINTS),
+                         check_vma=False)(params, tokens, states)
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "hook"))
@@ -549,10 +586,10 @@ def _result(model, text: str, ids: np.ndarray, context: int, n_chunks: int, acc:
 
 
 def _committed(tree):
-    """Place a pytree on the default device explicitly. Freshly built arrays are uncommitted, the states a
-    jitted pass returns are committed, and jit compiles separately for each (a whole second compilation
+    """Place a pytree on this process's device explicitly. Freshly built arrays are uncommitted, the states
+    a jitted pass returns are committed, and jit compiles separately for each (a whole second compilation
     on the second chunk); committing the initial state up front keeps one program per shape."""
-    return jax.device_put(tree, jax.devices()[0])
+    return jax.device_put(tree, distributed.local_device())
 
 
 def _stack(trees: list):
@@ -566,26 +603,57 @@ def _initial_state(model, point: Point) -> dict:
 
 
 def run_forward_batch(model, chunks: list[np.ndarray], text: str, ids: np.ndarray, context: int,
-                      points: list[Point], batch_size: int | None = None, on_chunk: Callable | None = None) -> list[dict]:
+                      points: list[Point], batch_size: int | None = None, on_chunk: Callable | None = None,
+                      mesh=None) -> list[dict]:
     """Evaluate same-group points (``Point.batch_group``) in one vmapped pass per chunk. The batch is padded
-    to ``batch_size`` with copies of the last point (one compiled program for every batch of a sweep)."""
+    to ``batch_size`` with copies of the last point (one compiled program for every batch of a sweep), and
+    with a ``mesh`` (axis "points") further to a multiple of its devices, each of which runs its share."""
     cfg = model.cfg
     n = len(points)
     pad = max(batch_size or n, n)
+    devices = distributed.mesh_size(mesh)
+    pad = -(-pad // devices) * devices
     states = [_initial_state(model, p) for p in points]
     states += [states[-1]] * (pad - n)
-    stacked = _stack(states)
     sequential = points[0].cache.scope == "global"
+    if mesh is None:
+        stacked = _stack(states)
+    else:
+        from jax.sharding import NamedSharding, PartitionSpec as P
+
+        along = NamedSharding(mesh, P(distributed.POINTS))
+        stacked = jax.tree.map(lambda *xs: distributed.global_array(np.stack([np.asarray(x) for x in xs]), along),
+                               *states)
+        params = replicated_params(model, mesh)
     accs = [_Acc(cfg.n_moe_layers, cfg.n_experts) for _ in range(n)]
     for ci, chunk in enumerate(chunks):
-        nll, experts, _, hits, stacked = batched_pass(model.params, cfg, jnp.asarray(chunk), stacked, sequential)
-        nll, experts, hits = np.asarray(nll), np.asarray(experts), np.asarray(hits)
+        if mesh is None:
+            nll, experts, _, hits, stacked = batched_pass(model.params, cfg, jnp.asarray(chunk), stacked, sequential)
+        else:
+            tokens = distributed.global_array(np.asarray(chunk, np.int32), distributed.replicated(mesh))
+            nll, experts, _, hits, stacked = sharded_batched_pass(params, cfg, tokens, stacked, sequential, mesh)
+        nll, experts, hits = (distributed.to_host(a) for a in (nll, experts, hits))
         for b in range(n):
             accs[b].add(nll[b], experts[b], hits[b])
         if on_chunk:
             on_chunk(ci + 1, len(chunks))
+    if mesh is not None:
+        stacked = jax.tree.map(distributed.to_host, stacked)
     return [_result(model, text, ids, context, len(chunks), accs[b], jax.tree.map(lambda a, b=b: a[b], stacked))
             for b in range(n)]
+
+
+_REPLICATED: dict = {}
+
+
+def replicated_params(model, mesh):
+    """The model's parameters replicated on every device of ``mesh`` (made once per model and mesh)."""
+    key = (id(model.params), mesh)
+    if key not in _REPLICATED:
+        _REPLICATED.clear()  # one replicated copy at a time
+        sharding = distributed.replicated(mesh)
+        _REPLICATED[key] = (model.params, jax.tree.map(lambda a: distributed.global_array(a, sharding), model.params))
+    return _REPLICATED[key][1]
 
 
 def run_forward_single(model, chunks, text, ids, context, point: Point, keep_trace: bool = False,
@@ -646,10 +714,12 @@ class Runner:
 
     def __init__(self, model, *, results: str | None = None, batch_size: int = 1, progress: bool = True,
                  trace_dir: str | None = None, load_text: Callable[[str | None], str] | None = None,
-                 reuse: dict[str, dict] | None = None):
+                 reuse: dict[str, dict] | None = None, mesh=None):
         from moejax import evaluate
 
-        self.model, self.results, self.batch_size, self.progress = model, results, max(1, int(batch_size)), progress
+        self.model, self.results, self.progress = model, results, progress and distributed.is_leader()
+        self.mesh = mesh  # axis "points": a vmapped batch is batch_size points per device, spread over them
+        self.batch_size = max(1, int(batch_size)) * distributed.mesh_size(mesh)
         self.trace_dir = trace_dir
         self.load_text = load_text or evaluate.load_wikitext
         self.reuse = reuse or {}
@@ -677,6 +747,8 @@ class Runner:
         name = point_key({"trace": "original", "model": k[0], "data": k[1], "context": k[2], "max_tokens": k[3],
                           "weights": k[4]})
         path = os.path.join(self.trace_dir, f"trace-{name[:16]}.npz") if self.trace_dir else None
+        if path and not distributed.is_leader():  # process 0 writes the trace files; the others recompute
+            path = None
         if path and os.path.exists(path):
             tr = trace_lib.load_trace(path)
             with open(path[:-4] + ".json") as f:
@@ -713,7 +785,7 @@ class Runner:
                                                offload=p.offload) for p in batch]
         if p0.batch_group() is not None:
             return run_forward_batch(self.model, inp.chunks, inp.text, inp.ids, inp.context, batch,
-                                     self.batch_size, on_chunk)
+                                     self.batch_size, on_chunk, self.mesh)
         return [run_forward_single(self.model, inp.chunks, inp.text, inp.ids, inp.context, p, on_chunk=on_chunk)[0]
                 for p in batch]
 
