@@ -61,7 +61,7 @@ import numpy as np
 
 from moejax import errors
 from moejax import interrupts
-from moejax import api, sweep
+from moejax import api, cli_options, distributed, sweep
 from moejax.gating import descending_order
 
 STUDIES = ("pareto", "lifetimes", "init", "delta", "cache_size", "sensitivity", "eviction", "tasks")
@@ -171,6 +171,7 @@ class Context:
     evictions: tuple = EVICTIONS
     lifetimes_max_tokens: int | None = None
     cache_sizes: str = "default"
+    mesh: Any = None  # distributed.points_mesh: a sweep's batches spread over these devices
 
     @property
     def cfg(self):
@@ -224,7 +225,7 @@ class Context:
         return sweep.Runner(self.model, results=os.path.join(self.out, f"{study}.jsonl"),
                             batch_size=self.batch_size, progress=self.progress,
                             trace_dir=os.path.join(self.out, "traces"), load_text=evaluate.load_wikitext,
-                            reuse=self.reusable(study))
+                            reuse=self.reusable(study), mesh=self.mesh)
 
     def reusable(self, study: str) -> dict[str, dict]:
         """Records of the other studies' files, by key (a point computed once serves every study)."""
@@ -351,18 +352,24 @@ def calibrate_delta(ctx: Context, path: str = SHARD_07) -> dict:
             "delta": float(per_layer.mean())}
 
 
+def _read_json(path: str):
+    if not os.path.exists(path):
+        return None
+    with open(path) as f:
+        return json.load(f)
+
+
 def study_delta(ctx: Context) -> list[dict]:
     size = ctx.half()
     calib_path = os.path.join(ctx.out, "traces", "delta_calibration.json")
-    if os.path.exists(calib_path):
-        with open(calib_path) as f:
-            calib = json.load(f)
-    else:
+    calib = distributed.broadcast(_read_json(calib_path) if distributed.is_leader() else None)
+    if calib is None:
         calib = calibrate_delta(ctx)
-        os.makedirs(os.path.dirname(calib_path), exist_ok=True)
-        with open(calib_path + ".tmp", "w") as f:
-            json.dump(calib, f)
-        os.replace(calib_path + ".tmp", calib_path)
+        if distributed.is_leader():
+            os.makedirs(os.path.dirname(calib_path), exist_ok=True)
+            with open(calib_path + ".tmp", "w") as f:
+                json.dump(calib, f)
+            os.replace(calib_path + ".tmp", calib_path)
     delta = round(calib["delta"], 6)
     pts = []
     for lam in ctx.grid():
@@ -537,6 +544,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--mmlu-limit", type=int, default=40)
     p.add_argument("--gsm8k-limit", type=int, default=10)
     p.add_argument("--no-progress", action="store_true")
+    cli_options.add_distributed_args(p)
     return p
 
 
@@ -583,6 +591,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         chosen, evictions = check_args(args)
+        mesh = cli_options.start_distributed(args)
         model = api.load(args.model, dtype=getattr(jnp, args.dtype))
     except errors.HANDLED as e:
         return errors.report(e)
@@ -591,14 +600,14 @@ def main(argv: list[str] | None = None) -> int:
                   args.batch_size or sweep.default_batch_size(), not args.no_progress, args.dtype, args.mmlu_limit,
                   args.gsm8k_limit, evictions,
                   args.max_tokens or None if args.lifetimes_max_tokens is None else args.lifetimes_max_tokens or None,
-                  args.cache_sizes)
+                  args.cache_sizes, mesh)
     try:
         cache_sizes(args.cache_sizes, model.cfg.n_experts)
     except ValueError as e:
         return errors.report(e)
     existed = os.path.isdir(args.out)
     timings, status = run_studies(ctx, [s for s in STUDIES if s in chosen])
-    if timings or (not existed and os.path.isdir(args.out)):  # something was computed (studies make --out)
+    if distributed.is_leader() and (timings or (not existed and os.path.isdir(args.out))):  # something computed
         _write_manifest(args, ctx, timings)
     return status
 
@@ -615,8 +624,9 @@ def run_studies(ctx: Context, names: list[str]) -> tuple[dict, int]:
                                                f"study {name}: "))
             continue
         timings[name] = round(time.perf_counter() - start, 1)
-        print(summarize(name, records), flush=True)
-        print(f"   ({timings[name]} s)", flush=True)
+        if distributed.is_leader():
+            print(summarize(name, records), flush=True)
+            print(f"   ({timings[name]} s)", flush=True)
     return timings, status
 
 
@@ -638,7 +648,8 @@ def _write_manifest(args, ctx: Context, timings: dict) -> None:
     per_study = manifest.setdefault("studies", {})
     for name, seconds in timings.items():
         entry = {"seconds": seconds, "max_tokens": ctx.lifetimes_max_tokens if name == "lifetimes" else ctx.max_tokens,
-                 "points": ctx.points, "batch_size": ctx.batch_size, "finished_at": time.strftime("%Y-%m-%dT%H:%M:%S")}
+                 "points": ctx.points, "batch_size": ctx.batch_size, "devices": distributed.mesh_size(ctx.mesh),
+                 "processes": jax.process_count(), "finished_at": time.strftime("%Y-%m-%dT%H:%M:%S")}
         if name == "tasks":
             entry.update(mmlu_limit=ctx.mmlu_limit, gsm8k_limit=ctx.gsm8k_limit)
         if name == "cache_size":
