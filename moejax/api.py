@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from moejax import checkpoint, decode, gating, textproc, weights
+from moejax import checkpoint, decode, distributed, gating, textproc, weights
 from moejax import layout as layout_lib
 from moejax import offload as offload_lib
 from moejax.config import ModelConfig
@@ -313,8 +313,11 @@ def offload_config(offload) -> "offload_lib.OffloadConfig | None":
     raise TypeError(f"offload must be None, True, 'host', 'flash' or an offload.OffloadConfig, got {offload!r}")
 
 
+SHARDINGS = ("experts",)
+
+
 def load(path: str, dtype=None, offload=None, layout: str = "serving", weight_dtype: str | None = None,
-         expert_dtype: str | None = None) -> Model:
+         expert_dtype: str | None = None, shard: str | None = None, devices: int | None = None) -> Model:
     """Load a moejax checkpoint folder, a Hugging Face folder (read in place), or ``"default"``.
 
     Non-expert weights go to the device one tensor at a time. Without ``offload`` the routed experts do
@@ -330,9 +333,23 @@ def load(path: str, dtype=None, offload=None, layout: str = "serving", weight_dt
     ``weight_dtype="int8"`` holds every matrix (attention, MLPs, routed experts, LM head) as int8 with one
     scale per output row, quantised as it is placed (half the memory of bf16; decode reads half the bytes);
     ``expert_dtype`` ("int8" or "stored") overrides it for the routed experts alone. Serving layout only;
-    see ``moejax.layout`` for the scheme and its error bound."""
+    see ``moejax.layout`` for the scheme and its error bound.
+
+    ``shard="experts"``: for models larger than one device, each MoE layer's experts are split over the first
+    ``devices`` devices (default all; N must divide evenly), every device reading only its own experts from
+    the files, the rest replicated (``moejax.distributed``); forward, generate and sweeps then run on all."""
     path = resolve_model_path(path)
     offload = offload_config(offload)
+    mesh = None
+    if shard is not None:
+        if shard not in SHARDINGS:
+            raise ValueError(f"unknown sharding {shard!r}; expected one of {', '.join(SHARDINGS)}")
+        if offload is not None:
+            raise ValueError("shard='experts' spreads the experts over device memory; offload pages them into one "
+                             "device: use one or the other")
+        mesh = distributed.experts_mesh(devices)
+    elif devices is not None:
+        raise ValueError("devices= goes with shard='experts'")
     quantization = layout_lib.Quantization.from_dtypes(weight_dtype, expert_dtype)
     if quantization is not None and layout != "serving":
         raise ValueError(f"int8 weights (weight_dtype/expert_dtype) need layout='serving', got layout={layout!r}")
@@ -340,7 +357,7 @@ def load(path: str, dtype=None, offload=None, layout: str = "serving", weight_dt
         raise ValueError("int8 routed experts cannot be offloaded yet: the offload store pages the checkpoint's "
                          "own experts (drop expert_dtype/weight_dtype int8, or offload)")
     params, cfg = checkpoint.load_params(path, dtype, "lazy" if offload is not None else "device", layout,
-                                         quantization)
+                                         quantization, mesh)
     folder = os.path.abspath(os.path.expanduser(path))
     tokenizer = Tokenizer(folder) if os.path.isfile(os.path.join(folder, "tokenizer.json")) else None
     gen_path = os.path.join(folder, "generation_config.json")

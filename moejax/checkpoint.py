@@ -528,12 +528,13 @@ def open_params(folder: str, dtype=None) -> tuple[dict, ModelConfig]:
 
 
 def load_params(folder: str, dtype=None, experts: str = "device",
-                arrangement: str = "canonical", quantization=None) -> tuple[dict, ModelConfig]:
+                arrangement: str = "canonical", quantization=None, mesh=None) -> tuple[dict, ModelConfig]:
     """Parameters and config from a moejax or Hugging Face folder, placed: non-expert weights on the
     device, routed experts on the device (``"device"``) or left in the files (``"lazy"``, for offload);
-    in the canonical or the serving layout (``moejax.layout``; ``quantization``: int8 matrices there)."""
+    in the canonical or the serving layout (``moejax.layout``; ``quantization``: int8 matrices there);
+    ``mesh``: the experts split over its devices (``weights.place``)."""
     tree, cfg = open_params(folder, dtype)
-    return weights.place(tree, experts, arrangement, quantization), cfg
+    return weights.place(tree, experts, arrangement, quantization, mesh), cfg
 
 
 def convert_hf_to_moejax(src: str, dst: str, dtype=None, overwrite: bool = False) -> str:

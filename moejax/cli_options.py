@@ -75,11 +75,32 @@ def weight_label(args: argparse.Namespace) -> str:
     return "+int8-experts" if experts else "+int8-matrices" if matrices else ""
 
 
+SHARD_HELP = ("experts: split each MoE layer's experts over the devices (--devices N, default all) for models "
+              "larger than one device; every device computes its own experts, the rest is replicated")
+
+
+def add_shard_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("devices (moejax.distributed)")
+    g.add_argument("--shard", choices=("experts",), default=None, help=SHARD_HELP)
+    g.add_argument("--devices", type=int, default=None, metavar="N", help="devices --shard uses (default: all)")
+
+
+def shard_kwargs(args: argparse.Namespace) -> dict:
+    """``moejax.load``'s ``shard`` / ``devices`` from the flags (``--devices`` alone spreads sweeps, not a model)."""
+    if getattr(args, "devices", None) is not None and args.devices < 1:
+        raise ValueError(f"--devices must be >= 1, got {args.devices}")
+    if getattr(args, "shard", None) is None:
+        return {}
+    return {"shard": args.shard, "devices": args.devices}
+
+
 def add_distributed_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("devices and hosts (moejax.distributed)")
     g.add_argument("--devices", type=int, default=None, metavar="N",
                    help="spread the points of a sweep over the first N devices (default: every device; "
-                        "one device = no spreading)")
+                        "one device = no spreading); with --shard experts: the devices the experts are split over")
+    g.add_argument("--shard", choices=("experts",), default=None, help=SHARD_HELP + " (sweeps then run on them "
+                   "one batch at a time)")
     g.add_argument("--distributed", action="store_true",
                    help="run as one program over several processes/hosts (jax.distributed): every process runs "
                         "the same command; process 0 writes the results (also implied by JAX_COORDINATOR_ADDRESS)")
@@ -100,6 +121,11 @@ def start_distributed(args: argparse.Namespace):
         raise ValueError(f"--devices must be >= 1, got {args.devices}")
     if asked or distributed.requested():
         distributed.initialize(args.coordinator, args.num_processes, args.process_id)
+    if getattr(args, "shard", None) is not None:
+        if distributed.is_multiprocess():
+            raise ValueError("--shard experts runs in one process (its devices); a multi-process run spreads "
+                             "sweep points: drop one of them")
+        return None  # the devices hold the experts; a sweep's batches run on all of them
     return distributed.points_mesh(args.devices)
 
 

@@ -316,7 +316,8 @@ def main(argv: list[str] | None = None) -> int:
         _check_args(args)
         mesh = cli_options.start_distributed(args)
         model = api.load(args.model, dtype=None if args.dtype is None else getattr(jnp, args.dtype),
-                         offload=offload_from_args(args), **cli_options.weight_kwargs(args))
+                         offload=offload_from_args(args), **cli_options.weight_kwargs(args),
+                         **cli_options.shard_kwargs(args))
         if args.context is None:
             args.context = min(1024, model.cfg.max_position_embeddings)
         model.cfg.check_context(args.context, "--context")

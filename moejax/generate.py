@@ -45,6 +45,7 @@ def build_parser() -> argparse.ArgumentParser:
     cli_options.add_weight_args(p)
     cli_options.add_routing_args(p)
     cli_options.add_offload_args(p)
+    cli_options.add_shard_args(p)
     return p
 
 
@@ -132,7 +133,8 @@ def run(args: argparse.Namespace) -> dict:
     if args.trace_out:  # checked before the work: a generation must not be lost to an unwritable path
         check_writable(args.trace_out, "--trace-out")
     t_load = time.perf_counter()
-    model = api.load(args.model, dtype=dtype, offload=offload, **cli_options.weight_kwargs(args))
+    model = api.load(args.model, dtype=dtype, offload=offload, **cli_options.weight_kwargs(args),
+                     **cli_options.shard_kwargs(args))
     load_time = time.perf_counter() - t_load
     ids = prompt_token_ids(model, args)
     routing = cache = None

@@ -162,11 +162,43 @@ def matrix_nbytes(w) -> int:
     return quant.nbytes(w)
 
 
+@jax.tree_util.register_pytree_node_class
+class ExpertShards:
+    """The routed experts of one MoE layer split over devices (expert parallelism): canonical stacks
+    ``gate``/``up`` ``[N, D, F]`` and ``down`` ``[N, F, D]`` laid along the mesh axis ``axis``, N / devices
+    experts on each (``model.sharded_routed_experts`` computes them where they are)."""
+
+    def __init__(self, gate, up, down, mesh, axis: str = "experts"):
+        self.gate, self.up, self.down, self.mesh, self.axis = gate, up, down, mesh, axis
+
+    def tree_flatten(self):
+        return (self.gate, self.up, self.down), (self.mesh, self.axis)
+
+    @classmethod
+    def tree_unflatten(cls, aux, children):
+        return cls(*children, *aux)
+
+    @property
+    def n_experts(self) -> int:
+        return int(self.gate.shape[0])
+
+    @property
+    def dtype(self):
+        return self.gate.dtype
+
+    def stacks(self) -> dict:
+        return {"gate": self.gate, "up": self.up, "down": self.down}
+
+    def __repr__(self) -> str:
+        return f"ExpertShards({self.n_experts} experts over {self.mesh.devices.size} devices, {self.dtype})"
+
+
 def is_serving(params: dict) -> bool:
     """True when ``params`` is in the serving layout (any MoE layer holds an ``ExpertList``, or any
     attention matrix is an ``OutIn``)."""
     for lp in params["layers"]:
-        if isinstance(lp.get("moe", {}).get("experts"), ExpertList) or isinstance(lp["attn"].get("q"), OutIn):
+        if isinstance(lp.get("moe", {}).get("experts"), (ExpertList, ExpertShards)) or \
+                isinstance(lp["attn"].get("q"), OutIn):
             return True
         if isinstance(lp["attn"].get("q_a"), OutIn) or isinstance(lp["attn"].get("kv_a"), OutIn):
             return True
@@ -263,7 +295,7 @@ def arrange(params: dict, out_in: Reader, experts: Callable[[dict], Any], put: R
             moe = {k: v for k, v in lp["moe"].items() if k not in EXPERT_MATRICES}
             moe = {k: (mlp(v) if k == "shared" else put(v)) for k, v in moe.items()}
             arranged = experts(lp["moe"])
-            if isinstance(arranged, ExpertList):
+            if isinstance(arranged, (ExpertList, ExpertShards)):
                 moe["experts"] = arranged
             else:
                 moe.update(arranged)
@@ -316,6 +348,8 @@ def _map_serving(params, matrix: Callable, experts: Callable[[ExpertList], dict]
         for k, v in params.items():
             if isinstance(v, ExpertList):
                 out.update(experts(v))
+            elif isinstance(v, ExpertShards):  # already canonical stacks, only spread over devices
+                out.update(v.stacks())
             else:
                 out[k] = _map_serving(v, matrix, experts)
         return out

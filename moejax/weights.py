@@ -24,7 +24,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from moejax import layout
+from moejax import distributed, layout
 from moejax.safetensors_io import SafetensorsFile
 
 EXPERTS_PLACEMENTS = ("device", "lazy")
@@ -189,12 +189,14 @@ def with_dtype(tree, dtype):
 
 
 def place(tree, experts: str = "device", arrangement: str = "canonical",
-          quantization: "layout.Quantization | None" = None):
+          quantization: "layout.Quantization | None" = None, mesh=None):
     """Non-expert tensors on the default device; routed expert stacks on the device too (``"device"``) or
     left in their files (``"lazy"``). Reads one tensor (one stack, or one expert) at a time: the host never
     holds more. ``arrangement="serving"`` places the tree in ``layout``'s serving layout (matrices
     ``[out, in]``, one buffer per expert), reading Hugging Face files' ``[out, in]`` bytes as they are;
-    ``quantization`` (serving only) holds the matrices it names as int8, each quantised as it is placed."""
+    ``quantization`` (serving only) holds the matrices it names as int8, each quantised as it is placed.
+    ``mesh`` (axis "experts"): every MoE layer's experts as ``layout.ExpertShards`` split over its devices
+    (each device reads only its own experts from the files), everything else replicated on them."""
     if experts not in EXPERTS_PLACEMENTS:
         raise ValueError(f"unknown expert placement {experts!r}; expected one of {EXPERTS_PLACEMENTS}")
     if arrangement not in layout.ARRANGEMENTS:
@@ -202,6 +204,11 @@ def place(tree, experts: str = "device", arrangement: str = "canonical",
     if quantization is not None and arrangement != "serving":
         raise ValueError("int8 weights need the serving layout (layout='serving'): the canonical layout is for "
                          "training and checkpoints")
+    if mesh is not None:
+        if experts != "device" or quantization is not None:
+            raise ValueError("experts spread over devices stay in their dtype on the devices: expert sharding "
+                             "does not combine with offload or int8 weights")
+        return _place_sharded(tree, arrangement, mesh)
 
     def one(x):
         if isinstance(x, ExpertStack):
@@ -223,6 +230,64 @@ def place(tree, experts: str = "device", arrangement: str = "canonical",
                                   quantization=quantization)
 
     return layout.arrange(tree, read_out_in, arrange_experts, one, quantization)
+
+
+def _sharded_stack(stack, mesh) -> jax.Array:
+    """One expert stack ``[N, a, b]`` (lazy or an array) split along N over ``mesh``'s devices: each device's
+    experts are read (from the files, for a lazy stack) straight into that device's shard."""
+    from jax.sharding import NamedSharding, PartitionSpec as P
+
+    shape = tuple(int(n) for n in stack.shape)
+    devices = int(mesh.devices.size)
+    if shape[0] % devices:
+        raise ValueError(f"{shape[0]} experts do not split evenly over {devices} devices: pick a device count "
+                         f"that divides {shape[0]}")
+    dtype = np.dtype(stack.dtype)
+
+    def shard(index):
+        first, stop, _ = index[0].indices(shape[0])
+        return np.stack([np.asarray(expert_matrix(stack, e), dtype) for e in range(first, stop)])
+
+    return jax.make_array_from_callback(shape, NamedSharding(mesh, P(distributed.EXPERTS)), shard)
+
+
+def _place_sharded(tree, arrangement: str, mesh):
+    """``place`` for expert parallelism (see there)."""
+    everywhere = distributed.replicated(mesh)
+
+    def replicate(x):
+        if isinstance(x, ExpertStack):
+            x = x.read()
+        elif isinstance(x, LazyTensor):
+            x = x.read()
+        elif is_lazy(x):
+            x = x.read()
+        return distributed.global_array(x, everywhere)
+
+    def shards(moe: dict):
+        stacks = {k: _sharded_stack(moe[k], mesh) for k in layout.EXPERT_MATRICES}
+        return layout.ExpertShards(stacks["gate"], stacks["up"], stacks["down"], mesh, distributed.EXPERTS)
+
+    if arrangement == "serving":
+        out = layout.arrange(tree, read_out_in, shards, replicate)
+    else:
+        out = _with_expert_shards(tree, shards, replicate)
+    return jax.tree.map(lambda x: x if isinstance(x, layout.ExpertShards) else distributed.global_array(x, everywhere),
+                        out, is_leaf=lambda x: isinstance(x, layout.ExpertShards))
+
+
+def _with_expert_shards(tree, shards, put):
+    layers = []
+    for lp in tree["layers"]:
+        new = {k: tree_map(put, v) for k, v in lp.items() if k != "moe"}
+        if "moe" in lp:
+            moe = {k: tree_map(put, v) for k, v in lp["moe"].items() if k not in layout.EXPERT_MATRICES}
+            moe["experts"] = shards(lp["moe"])
+            new["moe"] = moe
+        layers.append(new)
+    out = {k: tree_map(put, v) for k, v in tree.items() if k != "layers"}
+    out["layers"] = layers
+    return out
 
 
 def read_out_in(x):
