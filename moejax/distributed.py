@@ -39,23 +39,35 @@ def requested() -> bool:
 
 def initialize(coordinator: str | None = None, num_processes: int | None = None,
                process_id: int | None = None) -> None:
-    """Join a multi-process JAX run (arguments, else the ``JAX_*`` variables). Call before any computation.
+    """Join a multi-process JAX run (arguments, else the ``JAX_*`` variables; with neither, JAX's own
+    detection of a TPU slice or a Slurm / Kubernetes job). Call before any computation.
 
     CPU devices use gloo's cross-process collectives (set before the backend starts)."""
-    coordinator = coordinator or os.environ.get("JAX_COORDINATOR_ADDRESS")
-    if not coordinator:
-        raise ValueError("a distributed run needs a coordinator address: --coordinator HOST:PORT or "
-                         "JAX_COORDINATOR_ADDRESS (and JAX_NUM_PROCESSES, JAX_PROCESS_ID)")
+    coordinator = coordinator or os.environ.get("JAX_COORDINATOR_ADDRESS") or None
     try:
-        num_processes = int(num_processes if num_processes is not None else os.environ["JAX_NUM_PROCESSES"])
-        process_id = int(process_id if process_id is not None else os.environ["JAX_PROCESS_ID"])
-    except KeyError as e:
-        raise ValueError(f"a distributed run needs {e.args[0]} (or --num-processes / --process-id)") from None
+        if num_processes is None and os.environ.get("JAX_NUM_PROCESSES"):
+            num_processes = int(os.environ["JAX_NUM_PROCESSES"])
+        if process_id is None and os.environ.get("JAX_PROCESS_ID"):
+            process_id = int(os.environ["JAX_PROCESS_ID"])
     except ValueError:
         raise ValueError("JAX_NUM_PROCESSES and JAX_PROCESS_ID must be integers") from None
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")  # the CPU backend's; GPUs/TPUs keep theirs
+    if coordinator is None and num_processes is None and process_id is None:
+        try:
+            jax.distributed.initialize()  # a TPU slice, Slurm, ...: the cluster describes itself
+        except (ValueError, RuntimeError) as e:
+            raise ValueError(f"--distributed found no cluster to join ({e}); give --coordinator HOST:PORT "
+                             "--num-processes N --process-id I (or JAX_COORDINATOR_ADDRESS, JAX_NUM_PROCESSES, "
+                             "JAX_PROCESS_ID)") from None
+        return
+    if coordinator is None:
+        raise ValueError("a distributed run needs a coordinator address: --coordinator HOST:PORT or "
+                         "JAX_COORDINATOR_ADDRESS (and JAX_NUM_PROCESSES, JAX_PROCESS_ID)")
+    if num_processes is None or process_id is None:
+        raise ValueError("a distributed run needs the number of processes and this one's id: --num-processes "
+                         "and --process-id (or JAX_NUM_PROCESSES and JAX_PROCESS_ID)")
     if not 0 <= process_id < num_processes:
         raise ValueError(f"process id {process_id} is not in 0..{num_processes - 1}")
-    jax.config.update("jax_cpu_collectives_implementation", "gloo")  # the CPU backend's; GPUs/TPUs keep theirs
     jax.distributed.initialize(coordinator, num_processes=num_processes, process_id=process_id)
 
 

@@ -126,6 +126,8 @@ def test_flags_and_helpers_without_a_cluster():
     with pytest.raises(ValueError, match="--devices must be >= 1"):
         cli_options.start_distributed(args)
     assert evaluate.main(["--devices", "3", "--sweep", "lam=0:1:2"]) == 2
+    with pytest.raises(ValueError, match="found no cluster"):
+        distributed.initialize()
 
 
 SHARDED_CHECK = r"""
