@@ -127,6 +127,8 @@ class Model:
         """The offload settings of a call: its own (``False``: none), else the model's; refuses to simulate
         a model whose experts were left in the files (that would read them all onto the device)."""
         offload = None if offload is False else offload_config(offload) if offload is not None else self.offload
+        if offload is not None and self.offload is not None and self.offload.slot_dtype != offload.slot_dtype:
+            offload = dataclasses.replace(offload, slot_dtype=self.offload.slot_dtype)  # as loaded (int8 experts)
         if offload is None and weights.has_lazy_experts(self.params):
             raise ValueError("this model was loaded with offload (moejax.load(path, offload=...)): its routed "
                              "experts are in the checkpoint files, not on the device; pass offload=... to this "
@@ -333,7 +335,9 @@ def load(path: str, dtype=None, offload=None, layout: str = "serving", weight_dt
     ``weight_dtype="int8"`` holds every matrix (attention, MLPs, routed experts, LM head) as int8 with one
     scale per output row, quantised as it is placed (half the memory of bf16; decode reads half the bytes);
     ``expert_dtype`` ("int8" or "stored") overrides it for the routed experts alone. Serving layout only;
-    see ``moejax.layout`` for the scheme and its error bound.
+    see ``moejax.layout`` for the scheme and its error bound. With ``offload`` the experts stay in the files
+    and int8 experts mean int8 device slots (``offload.OffloadConfig.slot_dtype``): every page is quantised
+    on the device as it arrives, so the cache holds twice the experts in the same memory.
 
     ``shard="experts"``: for models larger than one device, each MoE layer's experts are split over the first
     ``devices`` devices (default all; N must divide evenly), every device reading only its own experts from
@@ -354,8 +358,7 @@ def load(path: str, dtype=None, offload=None, layout: str = "serving", weight_dt
     if quantization is not None and layout != "serving":
         raise ValueError(f"int8 weights (weight_dtype/expert_dtype) need layout='serving', got layout={layout!r}")
     if quantization is not None and quantization.experts and offload is not None:
-        raise ValueError("int8 routed experts cannot be offloaded yet: the offload store pages the checkpoint's "
-                         "own experts (drop expert_dtype/weight_dtype int8, or offload)")
+        offload = dataclasses.replace(offload, slot_dtype="int8")  # the experts stay in the files; slots hold int8
     params, cfg = checkpoint.load_params(path, dtype, "lazy" if offload is not None else "device", layout,
                                          quantization, mesh)
     folder = os.path.abspath(os.path.expanduser(path))

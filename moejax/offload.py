@@ -59,6 +59,7 @@ class OffloadConfig:
     bandwidth_gbps: float | None = None
     latency_us: float = 0.0
     store_dir: str | None = None  # where the flash tier's file goes (default: a temporary folder)
+    slot_dtype: str = "stored"  # "int8": the device slots hold int8 experts (quantised as they are paged in)
 
     def __post_init__(self):
         if self.paging not in PAGINGS:
@@ -74,6 +75,11 @@ class OffloadConfig:
                              "cannot be throttled from the host")
         if self.paging == "jit" and self.store == "flash":
             raise ValueError("in-jit paging reads host-memory arrays; the flash tier needs paging='host'")
+        if self.slot_dtype not in ("stored", "int8"):
+            raise ValueError(f"slot_dtype must be 'stored' or 'int8', got {self.slot_dtype!r}")
+        if self.slot_dtype == "int8" and self.paging == "jit":
+            raise ValueError("int8 slots are filled by the host pager (paging='host'); in-jit paging keeps the "
+                             "stored dtype")
 
 
 def check_capacity(cfg: ModelConfig, cache_state: cache_lib.CacheState) -> None:
@@ -289,13 +295,23 @@ def tree_nbytes(tree) -> int:
     return int(sum(np.prod(a.shape, dtype=np.int64) * jnp.dtype(a.dtype).itemsize for a in jax.tree.leaves(tree)))
 
 
-def init_slots(cfg: ModelConfig, cache_state: cache_lib.CacheState, dtype, stacked: bool = False):
+def _zero_int8(rows: int, cols: int, dtype) -> quant.QuantizedTensor:
+    return quant.QuantizedTensor(q=jnp.zeros((rows, cols), jnp.int8), scale=jnp.zeros((rows, 1), jnp.float32),
+                                 bits=8, group_size=None, axis=-1, dtype=np.dtype(dtype))
+
+
+def init_slots(cfg: ModelConfig, cache_state: cache_lib.CacheState, dtype, stacked: bool = False,
+               int8: bool = False):
     """Zeroed slot buffers, per MoE layer or one pool for a global cache: a ``layout.ExpertList`` of C slots
-    (one buffer per slot, what the host pager computes with: each expert read in place), or with
-    ``stacked`` one ``[C, D, F]``/``[C, F, D]`` set (the in-jit pager writes into stacks)."""
+    (one buffer per slot, what the host pager computes with: each expert read in place; ``int8``: each an
+    int8 ``quant.QuantizedTensor``, half the memory, filled by quantising the pages), or with ``stacked``
+    one ``[C, D, F]``/``[C, F, D]`` set (the in-jit pager writes into stacks)."""
     cap = int(cache_state.capacity)
     d, f = cfg.hidden_size, cfg.moe_intermediate_size
-    if stacked:
+    if int8:
+        one = lambda: layout.ExpertList(tuple(_zero_int8(2 * f, d, dtype) for _ in range(cap)),  # noqa: E731
+                                        tuple(_zero_int8(d, f, dtype) for _ in range(cap)))
+    elif stacked:
         one = lambda: {"gate": jnp.zeros((cap, d, f), dtype), "up": jnp.zeros((cap, d, f), dtype),  # noqa: E731
                        "down": jnp.zeros((cap, f, d), dtype)}
     else:
@@ -335,7 +351,10 @@ def _serving_expert_into(gate_up, down, data: dict, flip: tuple[str, ...]):
     """One paged expert in the serving layout, ``(gate_up [2F, D], down [D, F])``, written into the slot's
     own buffers (donated: a page allocates nothing that lasts, so paging does not grow the heap)."""
     out_in = {k: (data[k] if k in flip else data[k].T).astype(gate_up.dtype) for k in EXPERT_KEYS}
-    return jnp.concatenate([out_in["gate"], out_in["up"]]), out_in["down"]
+    new_gate_up, new_down = jnp.concatenate([out_in["gate"], out_in["up"]]), out_in["down"]
+    if isinstance(gate_up, quant.QuantizedTensor):  # int8 slots: the page is quantised on the device
+        return layout.quantize_matrix(new_gate_up), layout.quantize_matrix(new_down)
+    return new_gate_up, new_down
 
 
 @functools.partial(jax.jit, donate_argnums=(0,), static_argnames=("flip",))
@@ -490,7 +509,7 @@ class HostPager:
         self.link = Link(offload.bandwidth_gbps, offload.latency_us)
         self.stats = PagingStats()
         self.global_scope = cs.scope == "global"
-        self.slots = fill_slots(init_slots(cfg, cs, self.dtype), self.store, cs)
+        self.slots = fill_slots(init_slots(cfg, cs, self.dtype, int8=offload.slot_dtype == "int8"), self.store, cs)
         self.state = router_state
         k = cfg.top_k
         self.staging = {}

@@ -5,7 +5,8 @@ Checked here: the int8 product is within its stated bound of the product with th
 activations), NaN activations stay NaN; every family's int8 model equals its dequantised float32 model up
 to that rounding when both route alike; the load options put int8 exactly where they say, halve the
 weight bytes and refuse what they cannot do; the int8 decode step reads every matrix in place (no
-dequantised copy in the compiled program); the command-line flags reach the model.
+dequantised copy in the compiled program); offloaded int8 experts page into int8 slots with the tokens of
+the int8 simulation; the command-line flags reach the model.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import moejax
-from moejax import decode, generate, layout, quant, simulate
+from moejax import decode, generate, layout, offload, quant, simulate
 from moejax import model as M
 from moejax.config import from_hf
 
@@ -146,8 +147,8 @@ def test_load_refuses_what_int8_cannot_do():
         moejax.load(folder, weight_dtype="int4")
     with pytest.raises(ValueError, match="layout='serving'"):
         moejax.load(folder, expert_dtype="int8", layout="canonical")
-    with pytest.raises(ValueError, match="cannot be offloaded"):
-        moejax.load(folder, expert_dtype="int8", offload="flash")
+    with pytest.raises(ValueError, match="int8 slots are filled by the host pager"):
+        moejax.load(folder, expert_dtype="int8", offload=offload.OffloadConfig(paging="jit"))
     m = moejax.load(folder, weight_dtype="int8")
     with pytest.raises(ValueError, match="already in the serving layout"):
         layout.to_serving(m.params, layout.Quantization(experts=True))
@@ -171,10 +172,34 @@ def test_int8_decode_reads_every_matrix_in_place():
     assert not [line for line in lines if any(re.search(re.escape(s) + r"\{", line.split("=")[1][:60]) for s in shapes)]
 
 
+@pytest.mark.parametrize("store", ["flash", "host"])
+def test_offloaded_int8_slots_generate_the_int8_simulation_tokens(store):
+    """With offload the experts stay in the checkpoint's files; int8 experts mean int8 device slots, each page
+    quantised on the device as it arrives: the tokens and misses of the in-memory int8 model's simulation,
+    with slots of half the bytes."""
+    folder = get_hf_model("qwen2_moe").folder
+    cache = simulate.CacheConfig(size="0.5")
+    ref = moejax.load(folder, expert_dtype="int8").generate([3, 5, 7], max_new_tokens=8, stop_at_eos=False,
+                                                            routing="original", cache=cache)
+    m = moejax.load(folder, expert_dtype="int8", offload=store)
+    assert m.offload.slot_dtype == "int8"
+    got = m.generate([3, 5, 7], max_new_tokens=8, stop_at_eos=False, routing="original", cache=cache)
+    assert got.token_ids == ref.token_ids
+    assert got.stats["cache"]["misses"] == ref.stats["cache"]["misses"]
+    full = moejax.load(folder, offload=store).generate([3, 5, 7], max_new_tokens=2, stop_at_eos=False, cache=cache)
+    slots_int8, slots_full = (r.stats["offload"]["device_memory"]["slots"] for r in (got, full))
+    assert slots_int8 < 0.3 * slots_full  # f32 checkpoint: a quarter, plus the row scales
+    # a call's own OffloadConfig keeps the model's int8 slots
+    again = m.generate([3, 5, 7], max_new_tokens=2, stop_at_eos=False, cache=cache, offload=offload.OffloadConfig(store=store))
+    assert again.stats["offload"]["device_memory"]["slots"] == slots_int8
+
+
 def test_generate_command_takes_the_int8_flags(capsys):
     assert generate.main(["--prompt-ids", "5,17,42", "--max-new-tokens", "4", "--weight-dtype", "int8",
                           "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
     assert len(out["token_ids"]) == 4
-    assert generate.main(["--prompt-ids", "5,17", "--max-new-tokens", "2", "--expert-dtype", "int8", "--offload"]) == 2
-    assert "cannot be offloaded" in capsys.readouterr().err
+    assert generate.main(["--prompt-ids", "5,17", "--max-new-tokens", "2", "--expert-dtype", "int8", "--offload",
+                          "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["stats"]["offload"]["device_memory"]["slots"] < out["stats"]["offload"]["device_memory"]["all_experts_on_host"]
