@@ -73,7 +73,6 @@ def _replay(experts, weights):
     return hook
 
 
-@pytest.mark.numerics
 @pytest.mark.parametrize("name", FAMILIES)
 def test_every_family_int8_equals_its_dequantised_model(name):
     """The int8 model (every matrix) against its own weights dequantised to float32 in the canonical layout,
