@@ -341,7 +341,11 @@ def write_slot(buf, data: dict, s: int, flip: tuple[str, ...] = ()):
     transposed, i.e. Hugging Face's ``[out, in]``) in slot ``s``: a new buffer for that slot of an
     ``ExpertList``, or written in place into stacked slots."""
     if isinstance(buf, layout.ExpertList):
-        gate_up, down = _serving_expert_into(*buf.expert(s), data, flip)
+        old = buf.expert(s)
+        if layout.is_int8(old[0]):
+            gate_up, down = _int8_expert(data, flip, np.dtype(old[0].dtype))
+        else:
+            gate_up, down = _serving_expert_into(*old, data, flip)
         return buf.replace(s, gate_up, down)
     return _write_stacked_slot(buf, data, jnp.int32(s), flip)
 
@@ -351,10 +355,25 @@ def _serving_expert_into(gate_up, down, data: dict, flip: tuple[str, ...]):
     """One paged expert in the serving layout, ``(gate_up [2F, D], down [D, F])``, written into the slot's
     own buffers (donated: a page allocates nothing that lasts, so paging does not grow the heap)."""
     out_in = {k: (data[k] if k in flip else data[k].T).astype(gate_up.dtype) for k in EXPERT_KEYS}
-    new_gate_up, new_down = jnp.concatenate([out_in["gate"], out_in["up"]]), out_in["down"]
-    if isinstance(gate_up, quant.QuantizedTensor):  # int8 slots: the page is quantised on the device
-        return layout.quantize_matrix(new_gate_up), layout.quantize_matrix(new_down)
-    return new_gate_up, new_down
+    return jnp.concatenate([out_in["gate"], out_in["up"]]), out_in["down"]
+
+
+def _int8_expert(data: dict, flip: tuple[str, ...], dtype):
+    """One paged expert quantised for int8 slots, ``(gate_up, down)`` as ``quant.QuantizedTensor``s: each matrix
+    in its own small program (rows are quantised independently; XLA:CPU runs the three reductions 3-4x
+    slower fused in one program: 12 vs 3.5 ms per page at Qwen1.5-MoE shapes)."""
+    q = {k: _quantized_out_in(data[k], k in flip, dtype) for k in EXPERT_KEYS}
+    return _stack_rows(q["gate"], q["up"]), q["down"]
+
+
+@functools.partial(jax.jit, static_argnums=(1, 2))
+def _quantized_out_in(x, stored_out_in: bool, dtype):
+    return layout.quantize_matrix((x if stored_out_in else x.T).astype(dtype))
+
+
+@jax.jit
+def _stack_rows(a: quant.QuantizedTensor, b: quant.QuantizedTensor) -> quant.QuantizedTensor:
+    return a.replace(q=jnp.concatenate([a.q, b.q]), scale=jnp.concatenate([a.scale, b.scale]))
 
 
 @functools.partial(jax.jit, donate_argnums=(0,), static_argnames=("flip",))
