@@ -126,6 +126,8 @@ def run(args: argparse.Namespace) -> dict:
     dtype = None if args.dtype is None else {"float32": "float32", "bfloat16": "bfloat16",
                                              "float16": "float16"}[args.dtype]
     offload = cli_options.offload_from_args(args)  # with --offload the routed experts never reach the device
+    if args.devices is not None and args.shard is None:
+        raise ValueError("--devices goes with --shard experts (the devices the experts are split over)")
     if args.max_new_tokens < 0:
         raise ValueError(f"--max-new-tokens must be >= 0, got {args.max_new_tokens}")
     if args.prompt is not None and not is_utf8(args.prompt):
