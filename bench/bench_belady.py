@@ -21,13 +21,13 @@ import sys
 import numpy as np
 
 import moejax
-from moejax import evaluate
-from moejax import trace as trace_lib
+from moejax.experts import trace as trace_lib
+from moejax.evaluation import perplexity
 
 
 def record(model, n_chunks: int, context: int) -> trace_lib.Trace:
-    ids = np.asarray(model.tokenizer.encode(evaluate.load_wikitext(), add_special_tokens=False), np.int32)
-    chunks = evaluate.chunk_tokens(ids, context, model.cfg.bos_token_id)[:n_chunks]
+    ids = np.asarray(model.tokenizer.encode(perplexity.load_wikitext(), add_special_tokens=False), np.int32)
+    chunks = perplexity.chunk_tokens(ids, context, model.cfg.bos_token_id)[:n_chunks]
     experts, weights = [], []
     for chunk in chunks:
         out = model.forward(chunk)

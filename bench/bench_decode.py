@@ -17,7 +17,6 @@ import sys
 import tempfile
 import time
 
-import numpy as np
 
 
 def build_model(folder: str, seed: int = 0):

@@ -28,7 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import moejax
-from moejax import model as M
+from moejax.models import model as M
 
 
 def best_ms(fn, *args, repeats: int = 5) -> float:

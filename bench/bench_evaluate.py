@@ -31,7 +31,9 @@ import jax.numpy as jnp
 import numpy as np
 
 import moejax
-from moejax import evaluate, routing, simulate, sweep
+from moejax.experts import routing
+from moejax.runtime import simulate
+from moejax.evaluation import perplexity, sweep
 
 
 def lam_points(model, label, n_points, tokens, context, size):
@@ -59,7 +61,7 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     model = moejax.load(args.model, dtype=getattr(jnp, args.dtype))
     label = sweep.model_label(args.model) + f"@{args.dtype}"
-    text = evaluate.load_wikitext()
+    text = perplexity.load_wikitext()
     size = str(model.cfg.n_experts // 2)
     full_inp = sweep.wikitext_input(model, text, args.context, args.full_tokens or None)
     n_full_chunks = len(full_inp.chunks)

@@ -34,7 +34,7 @@ SLACK = 1.5 * GiB
 
 def sizes(model: str) -> dict:
     """Model bytes, routed-expert bytes and the largest stacked expert tensor, from the folder's headers."""
-    from moejax import checkpoint, weights
+    from moejax.models import checkpoint, weights
 
     tree, cfg = checkpoint.open_params(model)
     leaves = weights.leaves(tree)

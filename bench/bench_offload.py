@@ -33,8 +33,9 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import moejax  # noqa: E402
-from moejax import offload, routing  # noqa: E402
-from moejax.simulate import CacheConfig  # noqa: E402
+from moejax.experts import routing
+from moejax.runtime import offload  # noqa: E402
+from moejax.runtime.simulate import CacheConfig  # noqa: E402
 
 PROMPT = "The history of the city of Paris began in the Roman period, when"
 
@@ -136,9 +137,9 @@ def measure_device_put(shapes: dict[str, tuple], dtype, repeat: int = 20) -> dic
 
 def real_size_model(layers: int, small: bool, dtype=jnp.bfloat16):
     """OLMoE expert shapes (D=2048, F=1024, N=64, K=8) on a Qwen3-MoE decoder, random weights."""
-    from moejax import train
-    from moejax.api import Model
-    from moejax.config import ModelConfig
+    from moejax.training import train
+    from moejax.runtime.api import Model
+    from moejax.models.config import ModelConfig
 
     d, f, n, k, heads = (2048, 1024, 64, 8, 16) if not small else (128, 64, 16, 4, 4)
     hf = train.hf_config("small", vocab_size=50304 if not small else 512, max_len=4096)

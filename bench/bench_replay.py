@@ -17,12 +17,11 @@ import time
 from pathlib import Path
 
 import jax
-import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
 
-from moejax import cache, trace  # noqa: E402
+from moejax.experts import cache, trace  # noqa: E402
 from reference_cache import simulate  # noqa: E402
 
 

@@ -50,7 +50,8 @@ def main() -> int:
     from bench_decode import build_model
 
     import moejax
-    from moejax import api, routing, simulate
+    from moejax.runtime import api, simulate
+    from moejax.experts import routing
 
     with tempfile.TemporaryDirectory() as tmp:
         build_model(tmp)

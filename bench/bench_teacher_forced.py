@@ -73,11 +73,11 @@ def cpu_model() -> str:
 
 def wikitext_chunks(model, n_chunks: int, context: int) -> list[np.ndarray]:
     """The first ``n_chunks`` chunks of the WikiText-2 test text, as ``moejax.evaluate`` tokenises and cuts it."""
-    from moejax import evaluate
+    from moejax.evaluation import perplexity
 
-    text = evaluate.load_wikitext()
+    text = perplexity.load_wikitext()
     ids = np.asarray(model.tokenizer.encode(text, add_special_tokens=False), np.int32)
-    chunks = evaluate.chunk_tokens(ids, context, model.cfg.bos_token_id)[:n_chunks]
+    chunks = perplexity.chunk_tokens(ids, context, model.cfg.bos_token_id)[:n_chunks]
     if len(chunks) < n_chunks or len(chunks[-1]) != context:
         raise ValueError(f"WikiText-2 test has too few tokens for {n_chunks} full chunks of {context}")
     return chunks
@@ -92,9 +92,9 @@ def load_transformers(folder: str, experts_implementation: str | None = None):
 
 
 def mean_nll(logits: list[np.ndarray], chunks: list[np.ndarray]) -> float:
-    from moejax import evaluate
+    from moejax.evaluation import perplexity
 
-    nll = np.concatenate([evaluate.token_nll(z, c) for z, c in zip(logits, chunks)])
+    nll = np.concatenate([perplexity.token_nll(z, c) for z, c in zip(logits, chunks)])
     return float(nll.mean())
 
 
@@ -144,7 +144,7 @@ class CachePriorLRUHook:
     """Forward hook on one Qwen3-MoE router (``Qwen3MoeTopKRouter``, ``mlp.gate``): re-routes its tokens one
     by one with cache-prior and keeps the layer's LRU expert cache, counting misses.
 
-    Per token (moejax.routing / moejax.router / moejax.cache semantics, re-written in plain Python):
+    Per token (moejax.experts.routing / moejax.experts.router / moejax.experts.cache semantics, re-written in plain Python):
     fold the logit range max(z) - min(z) into the running mean Δ (the current token included, float32);
     z' = z + λ·Δ on the cached experts and the top-J of z; choose the first K of z' (ties: lower index);
     weigh them with the router's softmax of the ORIGINAL logits, renormalised over the K (summed in the
@@ -282,7 +282,7 @@ def main() -> int:
     ap.add_argument("--context", type=int, default=1024, help="chunk length in tokens, BOS included")
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--lam", type=float, default=0.5, help="cache-prior λ")
-    ap.add_argument("--top-j", type=int, default=None, help="cache-prior top-J (default: moejax.routing.default_top_j)")
+    ap.add_argument("--top-j", type=int, default=None, help="cache-prior top-J (default: moejax.experts.routing.default_top_j)")
     ap.add_argument("--cache-size", default="0.5", help="per-layer LRU capacity: fraction of N ('0.5') or count")
     ap.add_argument("--threads", type=int, default=2, help="torch intra-op threads and CPUs the process may use")
     ap.add_argument("--hf-experts", choices=("eager", "grouped_mm", "batched_mm"), default=None,
@@ -296,8 +296,10 @@ def main() -> int:
     import transformers
 
     import moejax
-    from moejax import cache as cache_lib
-    from moejax import convert, routing, simulate
+    from moejax.experts import cache as cache_lib
+    from moejax.models import convert
+    from moejax.experts import routing
+    from moejax.runtime import simulate
 
     torch.set_num_threads(args.threads)
     model = moejax.load("default", dtype="float32")

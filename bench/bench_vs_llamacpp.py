@@ -70,8 +70,8 @@ def decode_bytes_per_token(params, cfg) -> dict:
     """Weight bytes one decode token reads, by part, as stored (int8 matrices: values + scales)."""
     import jax
 
-    from moejax import layout
-    from moejax import model as M
+    from moejax.models import layout
+    from moejax.models import model as M
 
     def nbytes(t):
         return sum(int(x.size) * x.dtype.itemsize for x in jax.tree.leaves(t))
@@ -104,8 +104,9 @@ def profile_decode_step(model, repeats: int = 30) -> dict:
     import jax.numpy as jnp
     import numpy as np
 
-    from moejax import decode, gating
-    from moejax import model as M
+    from moejax.runtime import decode
+    from moejax.models import gating
+    from moejax.models import model as M
 
     cfg, P = model.cfg, model.params
     rng = np.random.default_rng(0)

@@ -4,7 +4,7 @@
 
 import sys
 
-from moejax.convert import main
+from moejax.models.convert import main
 
 if __name__ == "__main__":
     sys.exit(main(["moejax-to-hf", *sys.argv[1:]]))

@@ -1,4 +1,4 @@
-"""Bad inputs and faults against every ``python -m moejax.*`` command (reliability contract, ``moejax.errors``).
+"""Bad inputs and faults against every ``python -m moejax.*`` command (reliability contract, ``moejax.base.errors``).
 
 Each case runs one command's ``main(argv)`` in process (two cases run the real module as a subprocess) on
 a bad flag value, a damaged or missing file, or an output it cannot write, and checks the contract:
@@ -57,15 +57,15 @@ CLIS = {
 
 # Compute entry points: a bad input must be refused before any of these runs (module, attribute path).
 TRIPWIRES = (
-    ("moejax.decode", "init_kv"),  # generation: after the prompt checks, before compiling
-    ("moejax.model", "init_kv"),  # offloaded generation and forward passes
-    ("moejax.api", "_forward_original"),  # teacher-forced passes (evaluate)
-    ("moejax.simulate", "forward_with_cache"),
-    ("moejax.simulate", "sweep_forward"),
-    ("moejax.offload", "host_forward"),
-    ("moejax.sweep", "Runner._evaluate"),  # sweeps and studies: after planning, before the first point
-    ("moejax.train", "_compiled"),  # training: before compiling the step
-    ("moejax.train_prior", "training_tokens"),  # the prior: before recording
+    ("moejax.runtime.decode", "init_kv"),  # generation: after the prompt checks, before compiling
+    ("moejax.models.model", "init_kv"),  # offloaded generation and forward passes
+    ("moejax.runtime.api", "_forward_original"),  # teacher-forced passes (evaluate)
+    ("moejax.runtime.simulate", "forward_with_cache"),
+    ("moejax.runtime.simulate", "sweep_forward"),
+    ("moejax.runtime.offload", "host_forward"),
+    ("moejax.evaluation.sweep", "Runner._evaluate"),  # sweeps and studies: after planning, before the first point
+    ("moejax.training.train", "_compiled"),  # training: before compiling the step
+    ("moejax.training.train_prior", "training_tokens"),  # the prior: before recording
 )
 
 TINY_SETTINGS = {  # a 2-layer qwen3_moe at toy sizes: loads in a fraction of a second
@@ -173,7 +173,7 @@ def _model(edit: Callable[[Path], None] | None = None, rel: str = "model", src: 
     """A copy of the tiny checkpoint (or ``src``: "default") at ``tmp/rel``, then ``edit(folder)``."""
     def setup(tmp: Path, tiny: str) -> None:
         if src == "default":
-            from moejax import assets
+            from moejax.models import assets
 
             shutil.copytree(assets.default_model_path(), tmp / rel)
         else:
@@ -248,7 +248,7 @@ def _drop_tensor(t: dict) -> None:
 
 def _trace(rel: str = "t.npz", tokens: int = 24, **override) -> Callable:
     def setup(tmp: Path, tiny: str) -> None:
-        from moejax import trace as trace_lib
+        from moejax.experts import trace as trace_lib
 
         tr = trace_lib.synthetic_trace(tokens, 2, 8, 2, seed=0, with_logits=True)
         arrays = {"experts": tr.experts, "weights": tr.weights, "logits": tr.logits,

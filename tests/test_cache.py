@@ -15,7 +15,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from moejax import cache, trace
+from moejax.experts import cache, trace
 from reference_cache import simulate
 
 T, L, K, N = 24, 3, 3, 8

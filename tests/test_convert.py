@@ -19,10 +19,9 @@ from hypothesis import strategies as st
 from safetensors.numpy import load_file, save_file
 
 import moejax
-from moejax import checkpoint, layout, safetensors_io
-from moejax import convert as convert_cli
-from moejax.checkpoint import CheckpointError
-from moejax.config import SUPPORTED_MODEL_TYPES, UnsupportedModelError
+from moejax.models import checkpoint, convert as convert_cli, layout, safetensors_io
+from moejax.models.checkpoint import CheckpointError
+from moejax.models.config import SUPPORTED_MODEL_TYPES, UnsupportedModelError
 
 from conftest import FAMILIES, VOCAB, get_hf_model, get_moejax_model
 

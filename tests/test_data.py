@@ -8,8 +8,9 @@ import os
 import numpy as np
 import pytest
 
-from moejax import data, textproc
-from moejax.api import Tokenizer
+from moejax.base import textproc
+from moejax.runtime.api import Tokenizer
+from moejax.training import data
 from train_fixtures import write_corpus
 
 

@@ -14,7 +14,10 @@ import numpy as np
 import pytest
 
 import moejax
-from moejax import api, assets, checkpoint, tasks, textproc
+from moejax.base import textproc
+from moejax.models import assets, checkpoint
+from moejax.runtime import api
+from moejax.evaluation import tasks
 
 MAX_BYTES = 32 * 1024 * 1024
 

@@ -18,10 +18,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from moejax import layout
-from moejax import model as M
-from moejax.model import forward as model_forward
-from moejax.model import original_router
+from moejax.models import layout, model as M
+from moejax.models.model import forward as model_forward
+from moejax.models.model import original_router
 
 from conftest import FAMILIES, VOCAB, get_hf_model, get_moejax_model
 from test_hf_parity import hf_forward

@@ -1,4 +1,4 @@
-"""Many devices and hosts (``moejax.distributed``): sharded sweeps and expert-sharded models equal their
+"""Many devices and hosts (``moejax.base.distributed``): sharded sweeps and expert-sharded models equal their
 single-device runs.
 
 A pytest worker has one CPU device, so the multi-device runs are subprocesses with
@@ -21,7 +21,9 @@ import time
 
 import pytest
 
-from moejax import cli_options, distributed, evaluate
+from moejax.base import distributed
+from moejax.runtime import cli_options
+from moejax.evaluation import evaluate
 
 SWEEP = ["--dtype", "float32", "--sweep", "lam=0:1:5", "--cache-size", "0.5", "--context", "128",
          "--max-tokens", "254", "--no-progress"]

@@ -14,7 +14,9 @@ import pytest
 from conftest import VOCAB, get_hf_model
 
 import moejax
-from moejax import evaluate, routing, simulate
+from moejax.experts import routing
+from moejax.runtime import simulate
+from moejax.evaluation import evaluate, perplexity, sweep
 
 TEXT = (" = Valkyria = \n\n The game began development in 2010 , carrying over a large portion of the work . "
         "It was released in January 2011 in Japan . \n\n The music was composed by Hitoshi Sakimoto , "
@@ -53,35 +55,35 @@ def lm(tmp_path_factory):
 
 def test_chunks_cover_every_token_once_with_bos():
     ids = np.arange(10, 33)
-    chunks = evaluate.chunk_tokens(ids, context=8, bos=0)
+    chunks = perplexity.chunk_tokens(ids, context=8, bos=0)
     assert all(c[0] == 0 and len(c) <= 8 for c in chunks)
     np.testing.assert_array_equal(np.concatenate([c[1:] for c in chunks]), ids)
-    no_bos = evaluate.chunk_tokens(ids, context=8, bos=None)
+    no_bos = perplexity.chunk_tokens(ids, context=8, bos=None)
     np.testing.assert_array_equal(np.concatenate(no_bos), ids)
     with pytest.raises(ValueError, match="context"):
-        evaluate.chunk_tokens(ids, context=1, bos=0)
+        perplexity.chunk_tokens(ids, context=1, bos=0)
 
 
 def test_token_nll_by_hand():
     logits = np.log(np.array([[0.5, 0.25, 0.25], [0.1, 0.8, 0.1], [1 / 3, 1 / 3, 1 / 3]]))
     ids = np.array([0, 1, 2])
-    np.testing.assert_allclose(evaluate.token_nll(logits, ids), [-math.log(0.25), -math.log(0.1)])
+    np.testing.assert_allclose(perplexity.token_nll(logits, ids), [-math.log(0.25), -math.log(0.1)])
 
 
 def test_expert_usage_entropy_by_hand():
-    usage = evaluate.expert_usage(np.array([[5, 5, 0, 0], [1, 1, 1, 1]]))
+    usage = perplexity.expert_usage(np.array([[5, 5, 0, 0], [1, 1, 1, 1]]))
     np.testing.assert_allclose(usage["entropy_bits"], [1.0, 2.0])
     assert usage["dead_experts"] == 2 and usage["entropy_max_bits"] == 2.0
     np.testing.assert_allclose(usage["share"][0], [0.5, 0.5, 0, 0])
 
 
 def test_perplexity_matches_a_direct_computation(lm):
-    res = evaluate.wikitext_perplexity(lm, TEXT, context=16)
+    res = perplexity.wikitext_perplexity(lm, TEXT, context=16)
     ids = np.asarray(lm.tokenizer.encode(TEXT, add_special_tokens=False))
     total, count = 0.0, 0
-    for chunk in evaluate.chunk_tokens(ids, 16, 0):
+    for chunk in perplexity.chunk_tokens(ids, 16, 0):
         out = lm.forward(chunk)
-        total += evaluate.token_nll(out.logits, chunk).sum()
+        total += perplexity.token_nll(out.logits, chunk).sum()
         count += len(chunk) - 1
     assert res["predicted_tokens"] == count == len(ids)
     assert math.isclose(res["ppl"], math.exp(total / count), rel_tol=1e-9)
@@ -90,12 +92,12 @@ def test_perplexity_matches_a_direct_computation(lm):
 
 
 def test_lambda_zero_equals_plain_perplexity_and_policies_report_misses(lm):
-    plain = evaluate.wikitext_perplexity(lm, TEXT, context=16)
+    plain = perplexity.wikitext_perplexity(lm, TEXT, context=16)
     cache = simulate.CacheConfig("0.5")
-    zero = evaluate.wikitext_perplexity(lm, TEXT, 16, routing=routing.make_policy("cache-prior", 2, lam=0.0),
+    zero = perplexity.wikitext_perplexity(lm, TEXT, 16, routing=routing.make_policy("cache-prior", 2, lam=0.0),
                                         cache=cache)
     assert zero["ppl"] == pytest.approx(plain["ppl"], rel=1e-6)
-    full = evaluate.wikitext_perplexity(lm, TEXT, 16, routing=routing.make_policy("cache-prior", 2, lam=1.0),
+    full = perplexity.wikitext_perplexity(lm, TEXT, 16, routing=routing.make_policy("cache-prior", 2, lam=1.0),
                                         cache=cache)
     assert full["miss_rate"] < zero["miss_rate"]
     for key in ("miss_rate", "lifetime", "bytes_per_token"):
@@ -140,7 +142,7 @@ def test_cli_sweep_json_results_end_to_end(lm, tmp_path, capsys):
         assert rec["metrics"]["tokens"] == 45 and rec["task"] == "wikitext"
     on_disk = open(results).read()
     assert [json.loads(x) for x in on_disk.splitlines()] == printed
-    plain = evaluate.wikitext_perplexity(lm, TEXT, 16, 45)
+    plain = perplexity.wikitext_perplexity(lm, TEXT, 16, 45)
     assert printed[0]["ppl"] == pytest.approx(plain["ppl"], rel=1e-5)  # λ = 0 is original routing
     assert printed[2]["miss_rate"] < printed[0]["miss_rate"]
     # rerun: nothing computed, the records come from the file, which is unchanged
@@ -169,7 +171,7 @@ def test_cli_table_and_errors(lm, tmp_path, capsys):
 
 
 class _FakeTasks:
-    """Stands in for moejax.tasks: records its calls, accuracy from λ so sweeps are visible."""
+    """Stands in for ``moejax.evaluation.tasks``: records its calls, accuracy from λ so sweeps are visible."""
 
     TASKS = ("mmlu", "gsm8k", "truthfulqa", "nq_open")
 
@@ -189,8 +191,8 @@ class _FakeTasks:
 
 def test_task_dispatch_single_and_sweep(lm, tmp_path, capsys, monkeypatch):
     fake = _FakeTasks()
-    monkeypatch.setitem(sys.modules, "moejax.tasks", fake)
-    monkeypatch.setattr(moejax, "tasks", fake, raising=False)
+    monkeypatch.setattr(evaluate, "tasks", fake)
+    monkeypatch.setattr(sweep, "tasks", fake)
     assert evaluate.main(["--model", lm.path, "--task", "mmlu", "--limit", "3", "--shots", "1", "--json"]) == 0
     res = json.loads(capsys.readouterr().out)
     assert res["accuracy"] == 0.25 and fake.calls[-1]["cache"] is None and fake.calls[-1]["limit"] == 3
@@ -213,7 +215,7 @@ def test_merge_offload_sums_counters_and_recomputes_rates():
                     "bytes_per_token": 40.0, "device_memory": 7}),
               (30, {"paging": "host", "bytes_moved": 200, "demand_loads": 2, "transfer_s": 0.25, "tokens_per_s": 60.0,
                     "bytes_per_token": 6.7, "device_memory": 9})]
-    m = evaluate.merge_offload(chunks)
+    m = perplexity.merge_offload(chunks)
     assert m["bytes_moved"] == 600 and m["demand_loads"] == 6 and m["transfer_s"] == 0.75
     assert m["tokens"] == 40 and m["bytes_per_token"] == 15.0 and m["tokens_per_s"] == pytest.approx(40 / 1.0)
     assert m["device_memory"] == 9 and m["paging"] == "host" and m["chunks"] == 2

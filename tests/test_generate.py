@@ -11,7 +11,7 @@ import pytest
 from conftest import get_hf_model, get_moejax_model
 from test_evaluate import TEXT, _word_tokenizer
 
-from moejax import generate
+from moejax.runtime import generate
 
 SUPPORTED = ("mixtral", "phimoe", "qwen2_moe", "qwen3_moe", "olmoe", "deepseek_v2")
 
@@ -69,7 +69,7 @@ def test_chat_template_is_applied(capsys, tokenized_model):
                         "3", "--ignore-eos", "--json")
     assert rc == 0, err
     res = json.loads(out)
-    from moejax.api import Tokenizer
+    from moejax.runtime.api import Tokenizer
 
     tok = Tokenizer(tokenized_model)
     assert res["prompt_ids"] == tok.encode("user : The game assistant : ", add_special_tokens=False)
@@ -137,7 +137,7 @@ def test_generation_stops_at_eos():
     eos = free[4]
     import dataclasses
 
-    from moejax import decode
+    from moejax.runtime import decode
 
     cfg = dataclasses.replace(m.cfg, eos_token_ids=(eos,))
     stopped = decode.generate(m.params, cfg, [5, 6, 7], max_new_tokens=12).token_ids
@@ -148,7 +148,8 @@ def test_generation_stops_at_eos():
 def test_prefill_routing_leaves_the_callers_state_usable():
     """The decode loop donates its state; with prefill_routing the decode policy must be a copy."""
     import moejax
-    from moejax import routing, simulate
+    from moejax.experts import routing
+    from moejax.runtime import simulate
 
     m = moejax.load("default")
     state = m.router_state("cache-prior", simulate.CacheConfig(size="0.5"))
@@ -186,7 +187,8 @@ def test_nan_routing_is_an_error_naming_the_layer_not_empty_text(capsys, nan_rou
         assert rc != 0 and err.startswith("error:") and err.count("\n") == 1, (extra, err)
         assert "MoE layer 1 (model layer 1)" in err and "NaN" in err and "Traceback" not in err
     import moejax
-    from moejax import gating, simulate
+    from moejax.models import gating
+    from moejax.runtime import simulate
 
     m = moejax.load(nan_router_model)
     with pytest.raises(gating.NonFiniteError, match="MoE layer 1"):
@@ -225,7 +227,7 @@ def test_context_cap_is_said_and_bad_options_fail_before_any_output(capsys, tmp_
 def test_prompt_pieces_are_distinct_powers_of_two_that_add_up():
     from hypothesis import given, strategies as st
 
-    from moejax import decode
+    from moejax.runtime import decode
 
     @given(st.integers(1, 5000))
     def check(n):
@@ -245,7 +247,7 @@ def _tokenized(folder):
 
 
 def test_stop_string_ends_generation_at_the_token_that_completes_it(tokenized_model):
-    from moejax import decode
+    from moejax.runtime import decode
 
     m = _tokenized(tokenized_model)
     prompt = m.encode("the cat sat on")

@@ -27,9 +27,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import moejax
-from moejax.gating import GroupLimited, SoftmaxTopK
-from moejax.model import forward as model_forward
-from moejax.model import init_kv
+from moejax.models.gating import GroupLimited, SoftmaxTopK
+from moejax.models.model import forward as model_forward
+from moejax.models.model import init_kv
 
 from conftest import FAMILIES, HF_CONFIGS, VOCAB, get_hf_model, get_moejax_model, record_parity, router_modules
 

@@ -22,9 +22,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import moejax
-from moejax import cli_options, decode, generate, layout, offload, quant, simulate
-from moejax import model as M
-from moejax.config import from_hf
+from moejax.models import layout, model as M, quant
+from moejax.models.config import from_hf
+from moejax.runtime import cli_options, decode, generate, offload, simulate
 
 from conftest import FAMILIES, get_hf_model
 from test_layout import _big_expert_config, _random_params

@@ -1,4 +1,4 @@
-"""The serving layout (``moejax.layout``): the fast paths compute what the canonical paths compute.
+"""The serving layout (``moejax.models.layout``): the fast paths compute what the canonical paths compute.
 
 Checked here: the switched expert dispatch equals the dense reference (hypothesis over shapes, dropped
 slots, chunk sizes, activations; f32 exactly, bf16 within rounding), under ``vmap`` (lanes folded into the
@@ -20,9 +20,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import moejax
-from moejax import checkpoint, decode, layout, weights
-from moejax import model as M
-from moejax.config import from_hf
+from moejax.models import checkpoint, layout, model as M, weights
+from moejax.models.config import from_hf
+from moejax.runtime import decode
 
 from conftest import FAMILIES, get_hf_model, get_moejax_model
 from test_dispatch import _Act, _problem

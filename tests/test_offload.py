@@ -20,10 +20,11 @@ import numpy as np
 import pytest
 from conftest import get_moejax_model
 
-from moejax import cache as cache_lib
-from moejax import layout, offload, router, simulate, weights
-from moejax.gating import SoftmaxTopK
-from moejax.simulate import CacheConfig
+from moejax.models import layout, weights
+from moejax.models.gating import SoftmaxTopK
+from moejax.experts import cache as cache_lib, router
+from moejax.runtime import offload, simulate
+from moejax.runtime.simulate import CacheConfig
 
 PROMPT = np.array([5, 17, 33, 8, 61, 2, 44, 90], np.int32)
 NEW = 6
@@ -91,7 +92,7 @@ def test_slots_always_hold_what_the_cache_state_names():
     for cc in [CacheConfig(size="5", prefetch=1.0), CacheConfig(size="0.3", scope="global", eviction="fld")]:
         state = m.router_state("cache-prior", cc)
         pager = offload.HostPager(m.params, m.cfg, state, offload.OffloadConfig())
-        kv = jax.tree.map(lambda a: a, __import__("moejax.model", fromlist=["init_kv"]).init_kv(m.cfg, 16))
+        kv = jax.tree.map(lambda a: a, __import__("moejax.models.model", fromlist=["init_kv"]).init_kv(m.cfg, 16))
         key = jax.random.PRNGKey(0)
         moe_ids = [i for i in range(m.cfg.num_layers) if m.cfg.moe_layers[i]]
         for pos, tok in enumerate(PROMPT.tolist()):
@@ -145,7 +146,7 @@ def test_store_dir_never_overwrites_user_data_and_temp_store_is_removed(tmp_path
     del store
     gc.collect()
     assert not os.path.exists(folder)
-    code = ("import tempfile, moejax; from moejax import offload, simulate;"
+    code = ("import tempfile, moejax; from moejax.runtime import offload, simulate;"
             "m = moejax.load(%r);"
             "out = m.generate([1, 2, 3], 2, cache=simulate.CacheConfig(size='0.5'),"
             " offload=offload.OffloadConfig(store='flash')); print(len(out.token_ids))" % m.path)

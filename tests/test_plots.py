@@ -13,8 +13,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from moejax import plots, report
-from moejax.plots import HEAT_EMPTY as E, HEAT_HIT as H, HEAT_MISS as M, HEAT_RESIDENT as R
+from moejax.evaluation import plots, report
+from moejax.evaluation.plots import HEAT_EMPTY as E, HEAT_HIT as H, HEAT_MISS as M, HEAT_RESIDENT as R
 
 N, K = 8, 2
 
@@ -379,7 +379,7 @@ def test_heatmap_other_layers_belady_and_global():
         cells = res["cells"]
         assert ((cells == H) | (cells == M)).sum(axis=0).tolist() == [2] * 40  # K used per token
         assert ((cells == H) | (cells == R)).sum(axis=0).max() <= 3  # never more than C resident
-    from moejax import trace as trace_lib
+    from moejax.experts import trace as trace_lib
 
     stats = trace_lib.replay(trace_lib.validate_trace(experts[:, 1:2], n_experts=6), 3, eviction="belady")
     assert plots.classify_trace(tr, 1, 3, eviction="belady")["misses"] == stats["misses"]  # next-use indices agree
@@ -410,7 +410,7 @@ def test_heatmap_cross_checks_recorded_hits(tmp_path):
 
 
 def test_heatmap_plot_and_cli(tmp_path):
-    from moejax import trace as trace_lib
+    from moejax.experts import trace as trace_lib
 
     tr = trace_lib.synthetic_trace(40, 2, 6, 2, seed=1)  # the shapes of the test above: no new compilation
     path = tmp_path / "t.npz"
@@ -527,7 +527,7 @@ def test_report_cli_end_to_end(tmp_path):
 
 
 def test_report_default_paths_and_trace_section(tmp_path, capsys):
-    from moejax import trace as trace_lib
+    from moejax.experts import trace as trace_lib
 
     tr = trace_lib.synthetic_trace(40, 2, 6, 2, seed=3)
     tpath = tmp_path / "trace.npz"

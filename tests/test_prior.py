@@ -21,10 +21,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import moejax
-from moejax import cache, evaluate, generate, router, routing, simulate
-from moejax import prior as prior_lib
-from moejax import train_prior
-from moejax.gating import GroupLimited, SoftmaxTopK, SparseMixer, original_routing
+from moejax.models.gating import GroupLimited, SoftmaxTopK, SparseMixer, original_routing
+from moejax.experts import cache, prior as prior_lib, router, routing
+from moejax.runtime import generate, simulate
+from moejax.evaluation import evaluate, perplexity
+from moejax.training import train_prior
 
 GATINGS = {
     "softmax-norm": SoftmaxTopK(16, 4, True),
@@ -304,7 +305,7 @@ def zero_prior_path(tmp_path_factory, model):
 
 def test_evaluate_cli_with_learned_prior(zero_prior_path, tmp_path, capsys):
     data = tmp_path / "test.txt"
-    data.write_text(open(evaluate.WIKITEXT_TEST, encoding="utf-8").read()[:4000])
+    data.write_text(open(perplexity.WIKITEXT_TEST, encoding="utf-8").read()[:4000])
     common = ["--model", "default", "--data", str(data), "--context", "64", "--max-tokens", "126",
               "--cache-size", "0.5", "--json"]
     assert evaluate.main(common + ["--routing", "learned-prior", "--prior", zero_prior_path]) == 0

@@ -1,4 +1,4 @@
-"""moejax.quant: int8 / int4 expert copies within a stated error of the originals, bytes at their real size."""
+"""moejax.models.quant: int8 / int4 expert copies within a stated error of the originals, bytes at their real size."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from moejax import quant as Q
+from moejax.models import quant as Q
 
 SLACK = 1 + 1e-6  # float32 rounding of w / s in the element-wise bound
 
@@ -298,7 +298,7 @@ def test_bad_arguments_raise():
 
 # ----------------------------------------------------------------------- stated error vs originals
 # (bits, group): (max weight rel. Frobenius error, max expert-output rel. error), Gaussian D=256, F=128,
-# as stated in moejax/quant.py's docstring
+# as stated in moejax/models/quant.py's docstring
 GAUSSIAN_BOUNDS = {(8, None): (0.010, 0.015), (8, 32): (0.0075, 0.0125),
                    (4, None): (0.15, 0.25), (4, 32): (0.11, 0.19), (4, 16): (0.10, 0.17)}
 
@@ -330,7 +330,7 @@ def test_gaussian_error_bounds():
 
 def test_default_model_experts_within_bounds():
     """The shipped default model's trained experts (all layers, all 32 experts) against their bf16 originals."""
-    from moejax import assets, checkpoint
+    from moejax.models import assets, checkpoint
 
     if not os.path.isdir(assets.DEFAULT_MODEL_DIR):
         pytest.skip("default model not installed")

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import moejax
-from moejax.config import from_hf
+from moejax.models.config import from_hf
 from moejax.testing import random_checkpoint as rc
 
 TINY_COMMON = {"vocab_size": 256, "max_position_embeddings": 4096}

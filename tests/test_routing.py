@@ -10,8 +10,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from moejax import cache, router, routing
-from moejax.gating import GroupLimited, SoftmaxTopK, SparseMixer
+from moejax.models.gating import GroupLimited, SoftmaxTopK, SparseMixer
+from moejax.experts import cache, router, routing
 
 N = 16
 GATINGS = {
@@ -257,7 +257,7 @@ def test_make_policy_defaults_and_errors():
                        min_size=1, max_size=12))
 def test_descending_order_is_a_permutation_even_with_nan(values):
     """NaN used to break the pairwise ranking (ids such as 496 or -2**31): now NaN ranks last, ties by index."""
-    from moejax.gating import descending_order
+    from moejax.models.gating import descending_order
 
     order = np.asarray(descending_order(jnp.asarray(values, jnp.float32)))
     assert sorted(order.tolist()) == list(range(len(values)))

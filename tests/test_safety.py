@@ -100,7 +100,7 @@ def test_loading_paths_never_unpickle_even_next_to_a_pickle(tmp_path, monkeypatc
         monkeypatch.setattr(pickle, name, tripwire)
     m = moejax.load(folder)
     m.forward([1, 2, 3])
-    from moejax import trace
+    from moejax.experts import trace
 
     path = str(tmp_path / "t.npz")
     np.savez(path, experts=np.zeros((4, 2, 2), np.int32), weights=np.array([{"a": 1}], dtype=object))

@@ -19,8 +19,9 @@ from safetensors.numpy import load_file
 from test_random_checkpoint import TINY, TINY_COMMON
 
 import moejax
-from moejax import checkpoint, generate, hf_keys, layout, offload, weights
-from moejax.simulate import CacheConfig
+from moejax.models import checkpoint, hf_keys, layout, weights
+from moejax.runtime import generate, offload
+from moejax.runtime.simulate import CacheConfig
 from moejax.testing import random_checkpoint as rc
 
 PROMPT = [3, 17, 5, 9, 11, 2 + 40]

@@ -22,7 +22,8 @@ openai = pytest.importorskip("openai", reason="the serve tests need the test ext
 pytest.importorskip("fastapi", reason="the serve tests need the serve extra (FastAPI, uvicorn)")
 
 import moejax  # noqa: E402
-from moejax import serve  # noqa: E402
+from moejax.experts import routing  # noqa: E402
+from moejax.runtime import serve, simulate  # noqa: E402
 
 PROMPT = "The history of the"
 
@@ -228,8 +229,8 @@ def test_a_client_killed_mid_stream_frees_the_engine(server):
 def test_engine_carries_one_cache_across_requests_and_routing_overrides(model):
     """The engine's requests are model.generate calls that carry the router state on (per-request policy
     override, the cache kept); the shared cache changes what cache-prior routes."""
-    policy = moejax.routing.make_policy("original", model.cfg.top_k)
-    cache = moejax.simulate.CacheConfig(size="0.25")
+    policy = routing.make_policy("original", model.cfg.top_k)
+    cache = simulate.CacheConfig(size="0.25")
     engine = serve.Engine(model, policy, cache, max_queue=4)
     try:
         ids = model.encode(PROMPT)
@@ -312,7 +313,7 @@ def test_warm_up_compiles_every_program_the_requests_within_its_bounds_need():
     from conftest import get_moejax_model
 
     m = get_moejax_model("qwen3_moe")
-    engine = serve.Engine(m, moejax.routing.make_policy("cache-prior", m.cfg.top_k), moejax.simulate.CacheConfig())
+    engine = serve.Engine(m, routing.make_policy("cache-prior", m.cfg.top_k), simulate.CacheConfig())
     try:
         engine.warm_up(max_prompt=20, max_tokens=20)  # one KV bucket: pieces 1..16 and its decode chunk
         for n in (1, 3, 17, 20):

@@ -13,15 +13,14 @@ import subprocess
 import sys
 
 import chex
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from conftest import get_hf_model, get_moejax_model
 
-from moejax import model as model_lib
-from moejax import routing, simulate
-from moejax import trace as trace_lib
+from moejax.models import model as model_lib
+from moejax.experts import routing, trace as trace_lib
+from moejax.runtime import simulate
 
 FAMILIES = ["mixtral", "phimoe", "qwen2_moe", "qwen3_moe", "olmoe", "deepseek_v2_group"]
 POLICIES = [("original", {}), ("pruning", {"prune_h": 2}), ("max-rank", {"max_rank": 4}),

@@ -10,7 +10,10 @@ import numpy as np
 import pytest
 from test_evaluate import TEXT, make_word_model
 
-from moejax import api, checkpoint, evaluate, routing, simulate, sweep
+from moejax.models import checkpoint
+from moejax.experts import routing
+from moejax.runtime import api, simulate
+from moejax.evaluation import perplexity, sweep
 
 # ------------------------------------------------------------------------------------------ spec parsing
 
@@ -161,7 +164,7 @@ def _points(lm, data, lams, size="4", scope="layer", eviction="lru"):
 
 
 def _runner(lm, results=None, batch_size=4):
-    return sweep.Runner(lm, results=results, batch_size=batch_size, progress=False, load_text=evaluate.load_wikitext)
+    return sweep.Runner(lm, results=results, batch_size=batch_size, progress=False, load_text=perplexity.load_wikitext)
 
 
 def _strip(rec):
@@ -169,13 +172,13 @@ def _strip(rec):
 
 
 def test_vmapped_batch_equals_the_loop(lm, data):
-    """A batch mixing λ and capacities (both data) gives what evaluate.wikitext_perplexity gives per point."""
-    text = evaluate.load_wikitext(data)
+    """A batch mixing λ and capacities (both data) gives what perplexity.wikitext_perplexity gives per point."""
+    text = perplexity.load_wikitext(data)
     pts = _points(lm, data, [0.0, 0.3, 1.0]) + _points(lm, data, [0.6], size="2") + _points(lm, data, [0.6], size="7")
     assert len({p.batch_group() for p in pts}) == 1
     recs = _runner(lm, batch_size=2).run(pts)  # batches of 2, the last one padded
     for p, rec in zip(pts, recs):
-        ref = evaluate.wikitext_perplexity(lm, text, CONTEXT, MAX_TOKENS, p.policy, p.cache)
+        ref = perplexity.wikitext_perplexity(lm, text, CONTEXT, MAX_TOKENS, p.policy, p.cache)
         assert rec["ppl"] == pytest.approx(ref["ppl"], rel=1e-5)
         assert rec["miss_rate"] == ref["miss_rate"]
         assert rec["metrics"]["cache"]["misses"] == ref["cache"]["misses"]
@@ -184,12 +187,12 @@ def test_vmapped_batch_equals_the_loop(lm, data):
         assert rec["metrics"]["tokens"] == MAX_TOKENS and rec["metrics"]["chunks"] == 5
     assert recs[3]["miss_rate"] > recs[4]["miss_rate"]  # C = 2 misses more than C = 7
     # λ = 0 in the sweep engine is plain perplexity (original routing, no cache at all)
-    plain = evaluate.wikitext_perplexity(lm, text, CONTEXT, MAX_TOKENS)
+    plain = perplexity.wikitext_perplexity(lm, text, CONTEXT, MAX_TOKENS)
     assert recs[0]["ppl"] == pytest.approx(plain["ppl"], rel=1e-6)
     # global scope: the token-sequential path, batched as well
     glob = _points(lm, data, [0.0, 0.8], size="6", scope="global", eviction="least-stale")
     for p, rec in zip(glob, _runner(lm, batch_size=2).run(glob)):
-        ref = evaluate.wikitext_perplexity(lm, text, CONTEXT, MAX_TOKENS, p.policy, p.cache)
+        ref = perplexity.wikitext_perplexity(lm, text, CONTEXT, MAX_TOKENS, p.policy, p.cache)
         assert rec["ppl"] == pytest.approx(ref["ppl"], rel=1e-5)
         assert rec["miss_rate"] == ref["miss_rate"] and rec["collision_misses"] == ref["cache"]["collision_misses"]
 
@@ -279,7 +282,7 @@ def test_replay_of_the_original_trace_equals_the_forward_cache(lm, data, tmp_pat
                                 policy=routing.make_policy("original", 2) if method == "forward" else None,
                                 cache=simulate.CacheConfig("3", "layer", eviction))
 
-    runner = sweep.Runner(lm, batch_size=2, progress=False, load_text=evaluate.load_wikitext,
+    runner = sweep.Runner(lm, batch_size=2, progress=False, load_text=perplexity.load_wikitext,
                           trace_dir=str(tmp_path / "traces"))
     fwd, lru, belady = runner.run([point("forward", "lru"), point("replay", "lru"), point("replay", "belady")])
     assert lru["miss_rate"] == fwd["miss_rate"] and lru["lifetime"] == pytest.approx(fwd["lifetime"])

@@ -1,4 +1,4 @@
-"""Downstream tasks (moejax.tasks): metrics by hand, prompt formats, data loading and its errors, the HF
+"""Downstream tasks (moejax.evaluation.tasks): metrics by hand, prompt formats, data loading and its errors, the HF
 fallback, context fitting, and the expert-cache state carried through a whole evaluation.
 
 Most tests drive a fake model whose next-token scores the test chooses (so every expected accuracy is
@@ -17,7 +17,8 @@ import jax
 import numpy as np
 import pytest
 
-from moejax import simulate, tasks
+from moejax.runtime import simulate
+from moejax.evaluation import tasks
 
 FIXTURES = os.path.join(os.path.dirname(__file__), "data", "tasks")
 V = 512  # fake vocabulary size
@@ -378,7 +379,6 @@ def test_mmlu_letter_scoring_by_hand():
     assert forwards[0][1][: len(expected)] == expected and len(forwards[0][1]) % 64 == 0
     assert res["tokens"] == sum(len(model.tokenizer.encode(tasks.mmlu_prompt(r, first.shots[r.subject][:2])))
                                 for r in first.examples)
-
 
 
 def test_mmlu_limit_and_progress(capsys):

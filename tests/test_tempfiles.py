@@ -7,7 +7,7 @@ import os
 import subprocess
 import sys
 
-from moejax import tempfiles
+from moejax.base import tempfiles
 
 
 def _dead_pid() -> int:

@@ -9,7 +9,7 @@ import sys
 import numpy as np
 import pytest
 
-from moejax import routing, trace
+from moejax.experts import routing, trace
 from reference_cache import simulate
 
 T, L, K, N = 24, 3, 3, 8

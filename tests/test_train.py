@@ -11,8 +11,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from moejax import api, checkpoint, data, train
-from moejax.config import from_hf
+from moejax.models import checkpoint
+from moejax.models.config import from_hf
+from moejax.runtime import api
+from moejax.training import data, train
 from train_fixtures import write_corpus
 
 

@@ -29,10 +29,9 @@ import zlib
 import ml_dtypes
 import numpy as np
 
-from moejax import errors
-from moejax import interrupts
-from moejax import checkpoint, hf_keys, safetensors_io
-from moejax.config import from_hf
+from moejax.base import errors, interrupts
+from moejax.models import checkpoint, hf_keys, safetensors_io
+from moejax.models.config import from_hf
 
 PRESETS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "presets")
 DTYPES = {"bfloat16": ml_dtypes.bfloat16, "float16": np.float16, "float32": np.float32}

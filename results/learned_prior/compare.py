@@ -3,7 +3,7 @@
     python results/learned_prior/compare.py --priors build/priors/default-c{size} [--tokens 32768]
         [--context 1024] [--sizes 0.5,0.25] [--lams 0,0.1,...] [--resume]
 
-Every point is ``evaluate.wikitext_perplexity`` on the first ``--tokens`` tokens of the WikiText-2 raw test
+Every point is ``perplexity.wikitext_perplexity`` on the first ``--tokens`` tokens of the WikiText-2 raw test
 text (context 1024, cache carried across chunks, per-layer LRU), with the default model. Learned priors are
 read from ``--priors`` (``{size}`` is replaced by each cache size; one checkpoint folder ``w*`` per trained
 weight, as ``python -m moejax.train_prior --out`` writes them). Points are appended to ``points.jsonl`` as
@@ -161,12 +161,14 @@ def main(argv: list[str] | None = None) -> int:
 
     if not args.plot_only:
         import moejax
-        from moejax import evaluate, routing, simulate
-        from moejax import prior as prior_lib
+        from moejax.evaluation import perplexity
+        from moejax.experts import routing
+        from moejax.runtime import simulate
+        from moejax.experts import prior as prior_lib
 
         model = moejax.load(args.model)
         cfg = model.cfg
-        text = evaluate.load_wikitext()
+        text = perplexity.load_wikitext()
         wanted = None if args.weights is None else {float(w) for w in args.weights.split(",")}
 
         def run(size: str, rkey: dict, policy) -> None:
@@ -177,7 +179,7 @@ def main(argv: list[str] | None = None) -> int:
             if point_key(point) in done:
                 return
             t0 = time.perf_counter()
-            res = evaluate.wikitext_perplexity(model, text, args.context, args.tokens, policy, cache)
+            res = perplexity.wikitext_perplexity(model, text, args.context, args.tokens, policy, cache)
             point.update(ppl=res["ppl"], miss_rate=res["miss_rate"], lifetime=res["lifetime"],
                          bytes_per_token=res["bytes_per_token"], seconds=round(time.perf_counter() - t0, 1))
             points.append(point)

@@ -1,0 +1,197 @@
+"""Evaluation: WikiText-2 perplexity and downstream tasks with any routing policy and expert cache; sweeps.
+
+    python -m moejax.evaluate --model default --task wikitext [--context 1024] [--max-tokens N] [--json]
+    python -m moejax.evaluate --model PATH --routing cache-prior --lam 0.5 --cache-size 0.5
+    python -m moejax.evaluate --task mmlu --limit 200 --routing cache-prior --lam 0.5 --json
+    python -m moejax.evaluate --sweep lam=0:1:50 --cache-size 0.5 --max-tokens 32768 --results lam.jsonl
+
+WikiText protocol (paper §4.2, DESIGN §2): the raw test text (``test.txt`` is the rows joined by blank
+lines) is tokenised as one string and cut into consecutive chunks of ``context - 1`` tokens; each chunk gets
+the model's BOS token in front, so every text token is predicted exactly once and the totals give
+perplexity per token, per word (whitespace-separated words of the raw text) and bits per byte (UTF-8).
+The routing policy and the expert cache act on every token in order: token t routes with the cache
+state left by token t−1, carried across chunks.
+
+Tasks other than WikiText (mmlu, gsm8k, truthfulqa, nq_open) are run by ``moejax.evaluation.tasks.evaluate_task``.
+
+``--sweep`` (a grid over λ, M, p, h, J, Δ, cache size) and ``--results FILE.jsonl`` (one JSON record per
+point, appended as each is done; a rerun skips finished points) are described in ``moejax.evaluation.sweep``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from typing import Any
+
+import jax.numpy as jnp
+
+from moejax.base import distributed, errors, interrupts
+from moejax.experts.trace import json_safe
+from moejax.runtime import api, cli_options
+from moejax.evaluation import perplexity, sweep, tasks
+
+TASK_NAMES = ("wikitext", "mmlu", "gsm8k", "truthfulqa", "nq_open")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m moejax.evaluate", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default=api.DEFAULT_MODEL_NAME)
+    p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default=None,
+                   help="compute dtype (default: the checkpoint's)")
+    p.add_argument("--task", choices=TASK_NAMES, default="wikitext")
+    p.add_argument("--data", help="path to the task's data file or folder (default: ../shared/data copy)")
+    p.add_argument("--context", type=int, default=None,
+                   help="WikiText chunk length in tokens, BOS included (default: 1024, or the model's positions "
+                        "if fewer; longer than the model's positions is refused)")
+    p.add_argument("--max-tokens", type=int, default=None, help="WikiText: score only the first N text tokens")
+    p.add_argument("--limit", type=int, default=None, help="tasks: only the first N examples")
+    p.add_argument("--shots", type=int, default=None, help="tasks: few-shot examples (task default: MMLU 5, GSM8K 8)")
+    p.add_argument("--max-new-tokens", type=int, default=None, help="generative tasks: generation budget")
+    p.add_argument("--json", action="store_true", help="print JSON (one object; with --sweep/--results one per point)")
+    p.add_argument("--no-progress", action="store_true")
+    s = p.add_argument_group("sweeps and results (moejax.evaluation.sweep)")
+    s.add_argument("--sweep", action="append", default=[], metavar="NAME=VALUES",
+                   help="lam=0:1:50 (n points a..b), max_rank=4:8 (integers a..b), cache_size=1,2,4 (list); "
+                        "parameters: " + ", ".join(sorted(sweep.SWEEP_PARAMS)) + "; several flags = a grid")
+    s.add_argument("--results", metavar="FILE.jsonl",
+                   help="append each point as one JSON line as soon as it is done; points already there are skipped")
+    s.add_argument("--batch-size", type=int, default=None,
+                   help="WikiText points of one policy kind evaluated together in one vmapped pass "
+                        "(default: 1 on CPU, 8 on accelerators)")
+    s.add_argument("--study", default=None, help="label stored in each record's 'study' field")
+    cli_options.add_weight_args(p)
+    cli_options.add_routing_args(p)
+    cli_options.add_offload_args(p)
+    cli_options.add_distributed_args(p)
+    return p
+
+
+def offload_from_args(args: argparse.Namespace):
+    return cli_options.offload_from_args(args) if hasattr(cli_options, "offload_from_args") else None
+
+
+def _check_args(args: argparse.Namespace) -> None:
+    for name in ("max_tokens", "limit", "shots", "max_new_tokens", "batch_size"):
+        value = getattr(args, name)
+        if value is not None and value < (0 if name == "shots" else 1):
+            raise ValueError(f"--{name.replace('_', '-')} must be >= {0 if name == 'shots' else 1}, got {value}")
+    if args.context is not None and args.context < 2:
+        raise ValueError(f"--context must be at least 2 tokens, got {args.context}")
+
+
+def build_points(args: argparse.Namespace, model: api.Model) -> list[sweep.Point]:
+    """The evaluation points of a command line: one, or the grid of its ``--sweep`` flags. Every point's
+    policy and cache are built (and checked against the model) before anything is computed."""
+    axes = [sweep.parse_sweep(spec) for spec in args.sweep]
+    grid = sweep.expand_grid(axes)
+    kind = sweep.infer_kind(args.routing, [a.name for a in axes])
+    with_cache = cli_options.cache_requested(args) or bool(axes)
+    label = sweep.model_label(args.model) + (f"@{args.dtype}" if args.dtype else "") + cli_options.weight_label(args)
+    points = []
+    for values in grid:
+        a = argparse.Namespace(**vars(args))
+        a.routing = kind
+        for name, value in values.items():
+            setattr(a, name, value)
+        policy = cache = None
+        routing = sweep.routing_record("original", model.cfg.top_k)
+        if with_cache:
+            policy = cli_options.policy_from_args(a, model.cfg.top_k)
+            cache = cli_options.cache_from_args(a)
+            cache.capacity(model.cfg)  # range check against N (or L·N) now, not after hours of work
+            kind_now = a.routing or "original"
+            extra = {"prior": os.path.realpath(a.prior)} if getattr(a, "prior", None) else {}
+            routing = sweep.routing_record(kind_now, model.cfg.top_k, lam=a.lam, top_j=a.top_j, max_rank=a.max_rank,
+                                           cumsum_p=a.cumsum_p, prune_h=a.prune_h, delta=a.delta, **extra)
+        method = "forward" if args.task == "wikitext" else "task"
+        points.append(sweep.make_point(model, label, task=args.task, study=args.study, data=args.data,
+                                       context=args.context, max_tokens=args.max_tokens, limit=args.limit,
+                                       shots=args.shots, max_new_tokens=args.max_new_tokens, routing=routing,
+                                       policy=policy, cache=cache, sweep=values, method=method,
+                                       offload=offload_from_args(args)))
+    return points
+
+
+def run_task(model: api.Model, args: argparse.Namespace, routing, cache) -> dict[str, Any]:
+    """One evaluation of ``args.task`` (no sweep, no results file)."""
+    offload = offload_from_args(args)
+    if args.task == "wikitext":
+        text = perplexity.load_wikitext(args.data)
+        return perplexity.wikitext_perplexity(model, text, args.context, args.max_tokens, routing, cache,
+                                   progress=not (args.json or args.no_progress), offload=offload)
+    options = {} if offload is None else {"offload": offload}
+    return tasks.evaluate_task(model, args.task, args.data, limit=args.limit, routing=routing, cache=cache,
+                               shots=args.shots, max_new_tokens=args.max_new_tokens,
+                               progress=not (args.json or args.no_progress), **options)
+
+
+def _print_single(res: dict[str, Any]) -> None:
+    if res.get("task", "wikitext") == "wikitext" and "ppl" in res:
+        print(f"wikitext  context {res['context']}  tokens {res['tokens']}  words {res['words']}")
+        print(f"ppl/token {res['ppl']:.2f}  ppl/word {res['ppl_word']:.2f}  bits/byte {res['bits_per_byte']:.4f}")
+        usage = res["expert_usage"]
+        print("expert usage entropy (bits, max %.2f): %s" % (
+            usage["entropy_max_bits"], " ".join(f"{e:.2f}" for e in usage["entropy_bits"])))
+    else:
+        shown = {k: v for k, v in res.items() if isinstance(v, (int, float, str)) and k not in ("miss_rate", "lifetime")}
+        print("  ".join(f"{k} {v:.4f}" if isinstance(v, float) else f"{k} {v}" for k, v in shown.items()))
+    if res.get("miss_rate") is not None:
+        lifetime = res.get("lifetime")
+        bpt = res.get("bytes_per_token")
+        print(f"miss rate {res['miss_rate']:.4f}  lifetime "
+              f"{'-' if lifetime is None or lifetime != lifetime else f'{lifetime:.2f}'} tokens  "
+              f"bytes/token {'-' if bpt is None else f'{bpt:.0f}'}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    interrupts.exit_cleanly_on_signals()
+
+    args = build_parser().parse_args(argv)
+    try:
+        _check_args(args)
+        mesh = cli_options.start_distributed(args)
+        model = api.load(args.model, dtype=None if args.dtype is None else getattr(jnp, args.dtype),
+                         offload=offload_from_args(args), **cli_options.weight_kwargs(args),
+                         **cli_options.shard_kwargs(args))
+        if args.context is None:
+            args.context = min(1024, model.cfg.max_position_embeddings)
+        model.cfg.check_context(args.context, "--context")
+        if args.sweep or args.results:
+            points = build_points(args, model)
+            runner = sweep.Runner(model, results=args.results, batch_size=args.batch_size or sweep.default_batch_size(),
+                                  progress=not args.no_progress and not args.json,
+                                  load_text=perplexity.load_wikitext, mesh=mesh)
+            records = runner.run(points)
+            if not distributed.is_leader():  # process 0 prints for the run
+                return 0
+            if args.json:
+                for rec in records:
+                    print(json.dumps(rec))
+            else:
+                print(sweep.format_table(records))
+                if args.results:
+                    print(f"{runner.computed} point(s) computed, {len(records) - runner.computed} already in "
+                          f"{args.results}", file=sys.stderr)
+            return 0
+        routing = cache = None
+        if cli_options.cache_requested(args):
+            routing, cache = cli_options.policy_from_args(args, model.cfg.top_k), cli_options.cache_from_args(args)
+            cache.capacity(model.cfg)
+        res = run_task(model, args, routing, cache)
+    except errors.HANDLED as e:
+        return errors.report(e)
+    if not distributed.is_leader():
+        return 0
+    if args.json:
+        print(json.dumps(json_safe(res)))
+    else:
+        _print_single(res)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

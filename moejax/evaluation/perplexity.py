@@ -1,0 +1,172 @@
+"""WikiText-2 perplexity with any routing policy, expert cache or offloading (paper §4.2, DESIGN §2).
+
+The raw test text (``test.txt`` is the rows joined by blank lines) is tokenised as one string and cut into
+consecutive chunks of ``context - 1`` tokens; each chunk gets the model's BOS token in front, so every text
+token is predicted exactly once and the totals give perplexity per token, per word (whitespace-separated
+words of the raw text) and bits per byte (UTF-8). The routing policy and the expert cache act on every
+token in order: token t routes with the cache state left by token t−1, carried across chunks. The sweep
+engine (``sweep``) and the command line (``evaluate``) build on these functions.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import sys
+from typing import Any
+
+import numpy as np
+
+from moejax.base import errors, paths
+from moejax.runtime import api, simulate
+
+WIKITEXT_TEST = paths.WIKITEXT2_TEST
+
+
+def load_wikitext(path: str | None = None) -> str:
+    """WikiText-2 raw test text from ``path``, the repository's ``../shared/data`` copy, or HF datasets."""
+    path = path or os.environ.get("MOEJAX_WIKITEXT") or WIKITEXT_TEST
+    if os.path.isfile(path):
+        try:
+            with open(path, encoding="utf-8") as f:
+                text = f.read()
+        except UnicodeDecodeError as e:
+            raise errors.Failure(f"{path} is not UTF-8 text (byte {e.start}: {e.reason})") from None
+        if not text.strip():
+            raise errors.Failure(f"{path} holds no text to score")
+        return text
+    if path != WIKITEXT_TEST:
+        raise FileNotFoundError(f"WikiText file {path} does not exist")
+    try:  # the usual recipe, where the network is there
+        import datasets
+
+        rows = datasets.load_dataset("wikitext", "wikitext-2-raw-v1", split="test")["text"]
+        return "\n\n".join(rows)
+    except Exception as e:  # noqa: BLE001 - report the real cause with the local path we looked for
+        raise FileNotFoundError(f"no WikiText-2 test text at {path} and the HF datasets copy failed ({e}); "
+                                "pass --data PATH/TO/test.txt") from e
+
+
+def chunk_tokens(ids: np.ndarray, context: int, bos: int | None) -> list[np.ndarray]:
+    """Consecutive chunks; with a BOS each chunk is [BOS] + context-1 text tokens (all predicted)."""
+    if context < 2:
+        raise ValueError(f"context must be at least 2 tokens, got {context}")
+    step = context - 1 if bos is not None else context
+    chunks = [ids[i:i + step] for i in range(0, len(ids), step)]
+    if bos is not None:
+        return [np.concatenate([[bos], c]).astype(np.int32) for c in chunks]
+    return [c.astype(np.int32) for c in chunks if len(c) > 1]
+
+
+def token_nll(logits: np.ndarray, ids: np.ndarray) -> np.ndarray:
+    """Negative log-likelihood (nats) of ids[1:] under logits[:-1]."""
+    z = logits[:-1].astype(np.float64)
+    z = z - z.max(-1, keepdims=True)
+    logp = z - np.log(np.exp(z).sum(-1, keepdims=True))
+    return -logp[np.arange(len(ids) - 1), ids[1:]]
+
+
+def expert_usage(counts: np.ndarray) -> dict:
+    """Per-layer share of routed tokens per expert and usage entropy (bits; uniform = log2 N)."""
+    shares = counts / np.maximum(counts.sum(-1, keepdims=True), 1)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        ent = -np.nansum(np.where(shares > 0, shares * np.log2(shares), 0.0), axis=-1)
+    n = counts.shape[-1]
+    return {"entropy_bits": ent.tolist(), "entropy_max_bits": math.log2(n),
+            "normalized_entropy": (ent / math.log2(n)).tolist(), "share": shares.tolist(),
+            "dead_experts": int((counts == 0).sum()), "max_share_over_uniform": float(shares.max() * n)}
+
+
+def perplexity_result(text: str, ids: np.ndarray, context: int, n_chunks: int, nll_sum: float, n_pred: int,
+                      counts: np.ndarray) -> dict[str, Any]:
+    """Perplexity per token / word and bits per byte from the summed NLL of the ``n_pred`` predicted tokens
+    of ``ids`` (the tokens of ``text``), plus expert usage from the per-layer selection ``counts`` [L, N]."""
+    n_text_tokens = len(ids)
+    # without a BOS the first token of each chunk is not predicted: scale by the mean NLL
+    total_nll = nll_sum if n_pred == n_text_tokens else nll_sum / max(n_pred, 1) * n_text_tokens
+    words = len(text.split())
+    n_bytes = len(text.encode("utf-8"))
+    return {
+        "task": "wikitext", "context": context, "chunks": n_chunks, "tokens": n_text_tokens,
+        "predicted_tokens": n_pred, "words": words, "bytes": n_bytes,
+        "nll_per_token": nll_sum / max(n_pred, 1),
+        "ppl": math.exp(nll_sum / max(n_pred, 1)),
+        "ppl_word": math.exp(total_nll / max(words, 1)),
+        "bits_per_byte": total_nll / math.log(2) / max(n_bytes, 1),
+        "expert_usage": expert_usage(counts),
+    }
+
+
+def wikitext_perplexity(model: api.Model, text: str, context: int = 1024, max_tokens: int | None = None,
+                        routing=None, cache=None, progress: bool = False, offload=None) -> dict[str, Any]:
+    """Perplexity of ``text`` (see module docstring); cache metrics when a routing policy or cache is given;
+    ``offload`` (``offload.OffloadConfig``) pages the experts for real (``result["offload"]``)."""
+    if model.tokenizer is None:
+        raise ValueError(f"{model.path} has no tokenizer.json: WikiText evaluation needs one")
+    if max_tokens is not None:
+        ids = np.asarray(model.tokenizer.encode(text, add_special_tokens=False), np.int32)[:max_tokens]
+        text = model.tokenizer.decode(ids, skip_special_tokens=False)  # the text actually scored
+    else:
+        ids = np.asarray(model.tokenizer.encode(text, add_special_tokens=False), np.int32)
+    return perplexity_of_ids(model, text, ids, context, routing, cache, progress, offload)
+
+
+def perplexity_of_ids(model: api.Model, text: str, ids: np.ndarray, context: int, routing=None, cache=None,
+                      progress: bool = False, offload=None) -> dict[str, Any]:
+    """``wikitext_perplexity`` of already tokenised ``ids`` (``text``: what they decode to)."""
+    model.cfg.check_context(context)
+    bos = model.cfg.bos_token_id
+    chunks = chunk_tokens(ids, context, bos)
+    simulating = routing is not None or cache is not None or offload is not None
+    state = model.router_state(routing, cache) if simulating else None
+    extra = {} if offload is None else {"offload": offload}
+    nll_sum, n_pred = 0.0, 0
+    counts = np.zeros((model.cfg.n_moe_layers, model.cfg.n_experts), np.int64)
+    offload_chunks = []
+    bar = None
+    if progress:
+        from tqdm import tqdm
+
+        bar = tqdm(total=len(ids), desc="wikitext", unit="tok", file=sys.stderr)
+    for chunk in chunks:
+        out = model.forward(chunk, state=state, **extra) if simulating else model.forward(chunk)
+        if simulating:
+            state = out.state
+        if offload is not None:
+            offload_chunks.append((len(chunk), out.stats["offload"]))
+        nll = token_nll(out.logits, chunk)
+        nll_sum += float(nll.sum())
+        n_pred += len(nll)
+        for layer in range(counts.shape[0]):
+            e = out.experts[layer]
+            np.add.at(counts[layer], e[e >= 0], 1)
+        if bar:
+            bar.update(len(nll))
+    if bar:
+        bar.close()
+    result: dict[str, Any] = perplexity_result(text, ids, context, len(chunks), nll_sum, n_pred, counts)
+    if simulating:
+        stats = simulate.summarize(state, model.params, model.cfg)
+        result.update(miss_rate=stats["miss_rate"], lifetime=stats["lifetime_mean"],
+                      lifetime_std=stats["lifetime_std"], bytes_per_token=stats.get("bytes_per_token"),
+                      cache=stats)
+    if offload_chunks:
+        result["offload"] = merge_offload(offload_chunks)
+    return result
+
+
+OFFLOAD_ADDITIVE = ("bytes_moved", "demand_loads", "prefetch_loads", "low_bit_loads", "transfer_s", "compute_wait_s")
+
+
+def merge_offload(chunks: list[tuple[int, dict]]) -> dict[str, Any]:
+    """One offload summary over the chunks of an evaluation: counters and times summed, bytes and tokens per
+    second recomputed over all tokens, everything else (configuration, device memory) from the last chunk."""
+    tokens = sum(n for n, _ in chunks)
+    out = {k: v for k, v in chunks[-1][1].items() if k not in ("bytes_per_token", "achieved_gbps", "tokens_per_s")}
+    for key in OFFLOAD_ADDITIVE:
+        if any(key in c for _, c in chunks):
+            out[key] = sum(c.get(key) or 0 for _, c in chunks)
+    seconds = [n / c["tokens_per_s"] for n, c in chunks if c.get("tokens_per_s")]
+    out.update(tokens=tokens, chunks=len(chunks), bytes_per_token=out.get("bytes_moved", 0) / max(tokens, 1),
+               tokens_per_s=tokens / sum(seconds) if len(seconds) == len(chunks) and sum(seconds) > 0 else None)
+    return out

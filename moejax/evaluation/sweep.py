@@ -1,0 +1,897 @@
+"""Sweeps over routing / cache settings, evaluated in vmapped batches, with resumable JSONL results.
+
+    python -m moejax.evaluate --sweep lam=0:1:50 --cache-size 0.5 --results lam.jsonl
+    python -m moejax.evaluate --routing max-rank --sweep max_rank=4:32:8 --sweep cache_size=8,16 --results mr.jsonl
+
+Sweep specs (``--sweep NAME=VALUES``, several flags = the grid of all combinations, first flag outermost):
+
+  ``a:b:n``   n equidistant points from a to b inclusive (``lam=0:1:50``); integer parameters need
+              integer points (``max_rank=4:32:8``)
+  ``a:b``     integer parameters only: a, a+1, ..., b (``prune_h=2:4``)
+  ``x,y,z``   a list (``cache_size=1,2,4,8`` counts, ``cache_size=0.25,0.5`` fractions of N)
+
+Parameters: ``lam``, ``delta`` (cache-prior), ``max_rank`` (max-rank), ``cumsum_p`` (cumsum), ``prune_h``
+(pruning), ``top_j`` (max-rank, cumsum, cache-prior), ``cache_size`` (any policy). Without ``--routing`` the
+kind is the one the swept parameter belongs to.
+
+Results file: one JSON object per line (the record schema below), appended, flushed and fsync'ed as soon
+as each point (or each vmapped batch of points) is done, so an interrupted run loses only the batch in
+flight. Rerunning the same command skips every point whose ``key`` is already in the file. A half-written
+last line (a crash in the middle of a write) is ignored when reading and cut off before the next append;
+a malformed line anywhere else is an error naming the file and line.
+
+Record::
+
+    {"key": sha1 of the canonical JSON of everything that defines the point (task, model, data, limit,
+            max_tokens, context, shots, max_new_tokens, routing, cache without its size string, method),
+     "study": str | null, "task": str, "model": str,
+     "routing": {"kind", "lam", "top_j", "max_rank", "cumsum_p", "prune_h", "delta", (+ "drop_rank",
+                 "random_rank", "seed" for the sensitivity hooks)}  -- null where the kind does not use it,
+     "cache": {"size", "capacity", "scope", "eviction", "init", "seed"} | null,
+     "sweep": {swept parameter: value}, "method": "forward" | "replay" | "task",
+     "ppl", "accuracy", "miss_rate", "lifetime", "lifetime_std", "bytes_per_token", "collision_misses",
+     "prefetch_precision", "prefetch_recall": float | int | null,
+     "metrics": {the evaluation's full result, JSON-safe}, "time_s": float, "finished_at": ISO-8601}
+
+Batching: WikiText points with the same routing kind, cache scope and eviction policy (and no router
+hook) run as one ``jax.vmap`` over their stacked router states (policy values, capacity and initial
+cache are data), chunk after chunk, the states carried across chunks exactly as the one-point loop does.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import functools
+import hashlib
+import itertools
+import json
+import math
+import os
+import sys
+import time
+from typing import Any, Callable, Iterable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from moejax.base import distributed, errors
+from moejax.models import gating
+from moejax.models.model import forward
+from moejax.experts import cache as cache_lib, routing as routing_lib, trace as trace_lib
+from moejax.runtime import simulate
+from moejax.models.assets import DEFAULT_MODEL_NAME
+from moejax.evaluation import perplexity, tasks
+
+
+def default_batch_size() -> int:
+    """Points per vmapped batch: 1 on CPU, where a teacher-forced pass is compute-bound and a batch of
+    policies measured no faster per point than the loop while compiling slower (bench/RESULTS.md,
+    "Evaluation harness"); 8 on accelerators, where a pass leaves the device mostly idle."""
+    return 1 if jax.default_backend() == "cpu" else 8
+
+
+# ---------------------------------------------------------------------------------------- sweep specs
+
+#: swept parameter -> (value type, routing kinds it applies to; None = any kind)
+SWEEP_PARAMS: dict[str, tuple[str, tuple[str, ...] | None]] = {
+    "lam": ("float", ("cache-prior",)),
+    "delta": ("float", ("cache-prior",)),
+    "max_rank": ("int", ("max-rank",)),
+    "cumsum_p": ("float", ("cumsum",)),
+    "prune_h": ("int", ("pruning",)),
+    "top_j": ("int", ("max-rank", "cumsum", "cache-prior")),
+    "cache_size": ("size", None),
+}
+ROUTING_FIELDS = ("lam", "top_j", "max_rank", "cumsum_p", "prune_h", "delta")
+KIND_FIELDS = {"original": (), "pruning": ("prune_h",), "max-rank": ("max_rank", "top_j"),
+               "cumsum": ("cumsum_p", "top_j"), "cache-prior": ("lam", "top_j", "delta"),
+               "learned-prior": ()}  # its parameters are the checkpoint: routing["prior"] holds the path
+
+
+class SweepError(ValueError):
+    """A malformed ``--sweep`` spec or a sweep that does not fit the chosen policy."""
+
+
+@dataclasses.dataclass(frozen=True)
+class SweepAxis:
+    name: str
+    values: tuple
+
+
+def _number(text: str, kind: str, spec: str):
+    text = text.strip()
+    try:
+        value = float(text) if kind == "float" else int(text)
+    except ValueError:
+        what = "a number" if kind == "float" else "an integer"
+        raise SweepError(f"--sweep {spec!r}: {text!r} is not {what}") from None
+    if kind == "float" and not math.isfinite(value):
+        raise SweepError(f"--sweep {spec!r}: {text!r} is not finite")
+    return value
+
+
+def _size(text: str, spec: str) -> str:
+    """A cache size as the string ``parse_capacity`` reads: a count ('6'), fraction ('0.5') or '5%'."""
+    text = text.strip()
+    try:
+        cache_lib.parse_capacity(text, 10**9, 1, "layer")  # syntax and sign only; the model checks the range
+    except ValueError as e:
+        raise SweepError(f"--sweep {spec!r}: {e}") from None
+    return text
+
+
+def parse_sweep(spec: str) -> SweepAxis:
+    """``NAME=VALUES`` (module docstring) -> ``SweepAxis``; errors name the spec and what is wrong."""
+    if "=" not in spec:
+        raise SweepError(f"--sweep {spec!r}: expected NAME=VALUES, e.g. lam=0:1:50 or cache_size=1,2,4")
+    name, _, body = spec.partition("=")
+    name, body = name.strip().replace("-", "_"), body.strip()
+    if name not in SWEEP_PARAMS:
+        raise SweepError(f"--sweep {spec!r}: unknown parameter {name!r}; expected one of {sorted(SWEEP_PARAMS)}")
+    if not body:
+        raise SweepError(f"--sweep {spec!r}: no values after '='")
+    kind = SWEEP_PARAMS[name][0]
+    if ":" in body:
+        parts = body.split(":")
+        if len(parts) not in (2, 3):
+            raise SweepError(f"--sweep {spec!r}: a range is a:b (integers) or a:b:n (n points)")
+        num_kind = "float" if kind in ("float", "size") else "int"
+        if kind == "size":
+            num_kind = "float" if any("." in p for p in parts[:2]) else "int"
+        a, b = (_number(p, num_kind, spec) for p in parts[:2])
+        if len(parts) == 2:
+            if num_kind != "int":
+                raise SweepError(f"--sweep {spec!r}: a float range needs a number of points, e.g. {name}={a}:{b}:20")
+            if b < a:
+                raise SweepError(f"--sweep {spec!r}: empty range ({b} < {a})")
+            values = list(range(a, b + 1))
+        else:
+            n = _number(parts[2], "int", spec)
+            if n < 1:
+                raise SweepError(f"--sweep {spec!r}: the number of points must be >= 1, got {n}")
+            # rounded to 12 decimals: 0.3, not linspace's 0.30000000000000004, in records and keys
+            values = [round(v, 12) for v in np.linspace(a, b, n).tolist()] if n > 1 else [float(a)]
+            if num_kind == "int":
+                if not all(float(v).is_integer() for v in values):
+                    raise SweepError(f"--sweep {spec!r}: {n} equidistant points from {a} to {b} are not "
+                                     f"integers; use {name}={a}:{b} or choose n with (b-a) divisible by n-1")
+                values = [int(round(v)) for v in values]
+        if kind == "size":
+            values = [_size(repr(float(v)) if num_kind == "float" else str(v), spec) for v in values]
+    else:
+        items = [t for t in body.split(",")]
+        if any(not t.strip() for t in items):
+            raise SweepError(f"--sweep {spec!r}: empty item in the list")
+        values = [_size(t, spec) if kind == "size" else _number(t, kind, spec) for t in items]
+    if len(set(values)) != len(values):
+        raise SweepError(f"--sweep {spec!r}: repeated values")
+    return SweepAxis(name, tuple(values))
+
+
+def expand_grid(axes: Iterable[SweepAxis]) -> list[dict]:
+    """All combinations of the axes' values, first axis outermost; [{}] for no axes."""
+    axes = list(axes)
+    names = [a.name for a in axes]
+    dup = sorted({n for n in names if names.count(n) > 1})
+    if dup:
+        raise SweepError(f"--sweep given twice for {dup}")
+    return [dict(zip(names, combo)) for combo in itertools.product(*(a.values for a in axes))]
+
+
+def infer_kind(kind: str | None, names: Iterable[str]) -> str | None:
+    """The routing kind of a sweep: the given one (checked against the swept parameters) or the one the
+    parameters imply. Returns None when nothing decides (no routing and only cache_size swept)."""
+    names = [n for n in names if SWEEP_PARAMS[n][1] is not None]
+    if kind is not None:
+        for n in names:
+            kinds = SWEEP_PARAMS[n][1]
+            if kind in KIND_FIELDS and kind not in kinds:
+                raise SweepError(f"--sweep {n} applies to routing {' / '.join(kinds)}, not --routing {kind}")
+        return kind
+    implied = [set(SWEEP_PARAMS[n][1]) for n in names]
+    if not implied:
+        return None
+    common = set.intersection(*implied)
+    if len(common) != 1:
+        raise SweepError(f"--sweep {', '.join(names)}: give --routing (one of {sorted(common or set().union(*implied))})")
+    return common.pop()
+
+
+# ---------------------------------------------------------------------------------------- points
+
+
+def model_label(model_arg: str) -> str:
+    """How a model is named in records and keys: "default", or the checkpoint folder's real path."""
+
+    return model_arg if model_arg == DEFAULT_MODEL_NAME else os.path.realpath(os.path.expanduser(model_arg))
+
+
+def routing_record(kind: str, top_k: int, *, lam=None, top_j=None, max_rank=None, cumsum_p=None, prune_h=None,
+                   delta=None, **extra) -> dict:
+    """The canonical routing dict of a record: the kind's own parameters with defaults resolved (J, M, h),
+    every other field null; ``extra`` (e.g. ``drop_rank``) is added as is."""
+    values = {"lam": None if lam is None else float(lam),
+              "top_j": routing_lib.default_top_j(top_k) if top_j is None else int(top_j),
+              "max_rank": top_k if max_rank is None else int(max_rank),
+              "cumsum_p": None if cumsum_p is None else float(cumsum_p),
+              "prune_h": top_k if prune_h is None else int(prune_h),
+              "delta": None if delta is None else float(delta)}
+    used = KIND_FIELDS.get(kind, ROUTING_FIELDS)  # unknown (newer) kinds: keep everything given
+    out = {"kind": kind, **{f: (values[f] if f in used else None) for f in ROUTING_FIELDS}}
+    out.update(extra)
+    return out
+
+
+#: CacheConfig options beyond size/scope/eviction/init (miss handling, prefetch): recorded (and part of the
+#: key) only where they differ from these defaults, so records of plain caches keep their keys
+CACHE_EXTRAS = {"miss": "fetch", "miss_rank": (1,), "cascade_bits": (8,), "quant_group": None, "prefetch": 0.0,
+                "prefetch_percentile": None}
+
+
+def cache_record(cache, cfg) -> dict | None:
+    """The record's cache dict for a ``simulate.CacheConfig`` (None: no cache)."""
+    if cache is None:
+        return None
+    out = {"size": str(cache.size), "capacity": int(cache.capacity(cfg)), "scope": cache.scope,
+           "eviction": cache.eviction, "init": cache.init, "seed": int(cache.seed) if cache.init == "random" else None}
+    for name, default in CACHE_EXTRAS.items():
+        value = getattr(cache, name, default)
+        if isinstance(default, tuple):
+            value = tuple(value)
+        if value != default:
+            out[name] = list(value) if isinstance(value, tuple) else value
+    return out
+
+
+def point_key(identity: dict) -> str:
+    """sha1 of the canonical (sort_keys, compact) JSON of a point's identity."""
+    text = json.dumps(identity, sort_keys=True, separators=(",", ":"), allow_nan=False)
+    return hashlib.sha1(text.encode("utf-8")).hexdigest()
+
+
+@dataclasses.dataclass
+class Point:
+    """One evaluation: what defines it (``identity``, hashed into ``key``), how to compute it, how to record it.
+
+    method "forward": WikiText through the model (``policy``/``cache`` simulated, or ``hook`` as the router,
+    or plain original routing when all are None); "replay": WikiText's recorded original-routing trace
+    replayed through ``cache`` (``eviction`` may be belady); "task": ``moejax.evaluation.tasks.evaluate_task``.
+    """
+
+    identity: dict
+    record: dict  # study, task, model, routing, cache, sweep, method
+    method: str = "forward"
+    policy: Any = None
+    cache: Any = None
+    hook: Any = None
+    hook_state: Any = None
+    task_options: dict = dataclasses.field(default_factory=dict)
+    extra: dict = dataclasses.field(default_factory=dict)  # added to the record's metrics
+    offload: Any = None  # offload.OffloadConfig: experts paged for real (the one-point loop of model.forward)
+
+    @property
+    def key(self) -> str:
+        return point_key(self.identity)
+
+    def batch_group(self) -> tuple | None:
+        """Points with equal groups can share one vmapped pass (None: never batched)."""
+        if self.method != "forward" or self.hook is not None or self.cache is None or self.offload is not None:
+            return None
+        # size, initial contents and seed are data; every other cache option is static (code paths)
+        static = tuple((f.name, getattr(self.cache, f.name)) for f in dataclasses.fields(self.cache)
+                       if f.name not in ("size", "init", "seed"))
+        return (self.policy.kind, static)
+
+
+def make_point(model, model_name: str, *, task: str = "wikitext", study: str | None = None, data: str | None = None,
+               context: int | None = 1024, max_tokens: int | None = None, limit: int | None = None,
+               shots: int | None = None, max_new_tokens: int | None = None, routing: dict | None = None,
+               policy=None, cache=None, sweep: dict | None = None, method: str = "forward", hook=None,
+               hook_state=None, offload=None) -> Point:
+    """Assemble a ``Point``; ``routing`` is the record dict (``routing_record``), ``policy`` the policy object.
+    Options that do not apply to the task are dropped from the identity (``limit`` for WikiText, ...)."""
+    if task == "wikitext":
+        limit = shots = max_new_tokens = None
+    else:
+        context = max_tokens = None
+    routing = routing or routing_record("original", model.cfg.top_k)
+    crec = cache_record(cache, model.cfg)
+    data_id = None if data is None else os.path.realpath(os.path.expanduser(data))
+    identity = {"task": task, "model": model_name, "weights": model.fingerprint, "data": data_id, "limit": limit,
+                "max_tokens": max_tokens, "context": context, "shots": shots, "max_new_tokens": max_new_tokens, "routing": routing,
+                "cache": None if crec is None else {k: v for k, v in crec.items() if k != "size"},
+                "method": method}
+    record = {"study": study, "task": task, "model": model_name, "routing": routing, "cache": crec,
+              "sweep": dict(sweep or {}), "method": method}
+    if offload is not None:  # real paging: in the identity (and the record) only when on
+        orec = {k: v for k, v in dataclasses.asdict(offload).items() if k != "store_dir"}
+        identity["offload"] = record["offload"] = orec
+    opts = {"limit": limit, "shots": shots, "max_new_tokens": max_new_tokens, "data": data}
+    return Point(identity, record, method, policy, cache, hook, hook_state, opts, offload=offload)
+
+
+# ---------------------------------------------------------------------------------------- results file
+
+
+def _as_json(x):
+    """numpy scalars/arrays -> Python, NaN/inf -> null (JSON has neither)."""
+    if isinstance(x, dict):
+        return {str(k): _as_json(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_as_json(v) for v in x]
+    if isinstance(x, np.ndarray):
+        return _as_json(x.tolist())
+    if isinstance(x, (np.bool_, bool)):
+        return bool(x)
+    if isinstance(x, np.integer):
+        return int(x)
+    if isinstance(x, (float, np.floating)):
+        x = float(x)
+        return x if math.isfinite(x) else None
+    return x
+
+
+RECORD_PREFIX = b'{"key": '  # every record line starts so (json.dumps of a dict whose first key is "key")
+
+
+def _parse_lines(path: str, data: bytes) -> tuple[list[dict], int]:
+    """Records and the byte length of the file's valid prefix.
+
+    An unterminated last line that does not parse is a write cut short by a crash, and is cut off, but
+    only where the file is evidently a results file: the earlier lines are all records, and either there
+    are some or the torn line starts like one. Anything else (an unrelated file, a settings.json without
+    its final newline) raises ``ValueError`` instead of being truncated: never lose what the user had."""
+    records, good_end, pos = [], 0, 0
+    lines = data.split(b"\n")
+    for i, raw in enumerate(lines):
+        end = pos + len(raw) + (1 if i < len(lines) - 1 else 0)
+        terminated = i < len(lines) - 1
+        if raw.strip():
+            complete = False  # a whole JSON value is never a torn record, whatever it holds
+            try:
+                rec = json.loads(raw.decode("utf-8"))
+                complete = True
+                if not isinstance(rec, dict) or not isinstance(rec.get("key"), str):
+                    raise ValueError("not a JSON object with a string 'key'")
+            except (ValueError, UnicodeDecodeError) as e:
+                torn = not terminated and (bool(records) or raw.lstrip().startswith(RECORD_PREFIX))
+                if torn and not complete:  # a write cut short by a crash: ignore it
+                    return records, good_end
+                what = "line" if terminated else "last line"
+                raise errors.Failure(f"{path}:{i + 1}: not a moejax results file (malformed {what}: {e}); "
+                                 "fix or remove that line, or choose another results path") from None
+            records.append(rec)
+        good_end = end
+        pos = end
+    return records, good_end
+
+
+def load_results(path: str) -> list[dict]:
+    """Every record of a JSONL results file, in file order ([] if the file does not exist). A truncated
+    last line (crash mid-write) is ignored; a malformed complete line raises ``ValueError`` with file:line.
+    In a multi-process run process 0 reads the file and every process gets its records (``distributed``)."""
+    if distributed.is_multiprocess():
+        got = distributed.broadcast(_read_or_error(path) if distributed.is_leader() else None)
+        if "error" in got:
+            raise ValueError(got["error"])
+        return got["records"]
+    return _read_results(path)
+
+
+def _read_results(path: str) -> list[dict]:
+    if not os.path.exists(path):
+        return []
+    with open(path, "rb") as f:
+        data = f.read()
+    return _parse_lines(path, data)[0]
+
+
+def _read_or_error(path: str) -> dict:
+    try:
+        return {"records": _read_results(path)}
+    except (ValueError, OSError) as e:
+        return {"error": str(e)}
+
+
+def _repair(f, path: str) -> None:
+    """Cut a half-written last line off an open (r+b) results file; terminate a complete unterminated one."""
+    f.seek(0, os.SEEK_END)
+    size = f.tell()
+    if size == 0:
+        return
+    f.seek(size - 1)
+    if f.read(1) == b"\n":
+        return
+    f.seek(0)
+    _, good_end = _parse_lines(path, f.read())
+    if good_end >= size:  # the last line parses: it only lacks its newline
+        f.seek(0, os.SEEK_END)
+        f.write(b"\n")
+    else:
+        f.truncate(good_end)
+    f.flush()
+
+
+def append_result(path: str, record: dict) -> None:
+    """Append one record as one line: repair a torn tail first, then write + flush + fsync (under an
+    exclusive lock, so two processes appending to one file do not interleave). In a multi-process run only
+    process 0 writes."""
+    if not distributed.is_leader():  # a multi-process run: process 0 writes for all
+        return
+    line = json.dumps(_as_json(record), allow_nan=False) + "\n"
+    folder = os.path.dirname(os.path.abspath(path))
+    os.makedirs(folder, exist_ok=True)
+    with open(path, "a+b") as f:
+        try:
+            import fcntl
+
+            fcntl.flock(f.fileno(), fcntl.LOCK_EX)
+        except (ImportError, OSError):  # no flock here: appends are still whole lines
+            pass
+        _repair(f, path)
+        f.seek(0, os.SEEK_END)
+        f.write(line.encode("utf-8"))
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def make_record(point: Point, result: dict, time_s: float) -> dict:
+    """The JSONL record of a finished point (schema in the module docstring)."""
+    result = {**result, **point.extra}
+    stats = result.get("cache") if isinstance(result.get("cache"), dict) else {}
+
+    def pick(*names):
+        for src in (result, stats):
+            for n in names:
+                if src.get(n) is not None:
+                    return src[n]
+        return None
+
+    rec = {"key": point.key, **point.record,
+           "ppl": result.get("ppl"), "accuracy": result.get("accuracy"),
+           "miss_rate": pick("miss_rate"), "lifetime": pick("lifetime", "lifetime_mean"),
+           "lifetime_std": pick("lifetime_std"), "bytes_per_token": pick("bytes_per_token"),
+           "collision_misses": pick("collision_misses"), "prefetch_precision": pick("prefetch_precision"),
+           "prefetch_recall": pick("prefetch_recall"),
+           "metrics": result, "time_s": float(time_s),
+           "finished_at": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
+    return _as_json(rec)
+
+
+# ---------------------------------------------------------------------------------------- WikiText engine
+
+
+def wikitext_ids(model, text: str, max_tokens: int | None) -> tuple[np.ndarray, str]:
+    """Token ids of ``text`` (the first ``max_tokens``) and the text they decode to (what is scored)."""
+    if model.tokenizer is None:
+        raise errors.Failure(f"{model.path} has no tokenizer.json: WikiText evaluation needs one")
+    ids = np.asarray(model.tokenizer.encode(text, add_special_tokens=False), np.int32)
+    if max_tokens is not None:
+        if max_tokens < 1:
+            raise ValueError(f"--max-tokens must be >= 1, got {max_tokens}")
+        ids = ids[:max_tokens]
+        text = model.tokenizer.decode(ids, skip_special_tokens=False)
+    if len(ids) == 0:
+        raise ValueError("the WikiText text is empty")
+    return ids, text
+
+
+def _target_nll(logits: jax.Array, tokens: jax.Array) -> jax.Array:
+    """-log p(tokens[1:]) under logits[:-1], float32 [T-1]."""
+    logp = jax.nn.log_softmax(logits[:-1].astype(jnp.float32), axis=-1)
+    return -jnp.take_along_axis(logp, tokens[1:, None], axis=-1)[:, 0]
+
+
+def _vmapped_pass(params, cfg, tokens, states, sequential: bool):
+
+    router = simulate.CacheRouter(cfg.gating)
+    run = simulate.forward_token_sequential if sequential else simulate.forward_layer_parallel
+
+    def one(state):
+        out = run(params, cfg, tokens, router, state)
+        return _target_nll(out.logits, tokens), out.experts, out.weights, out.records["hits"], out.router_state
+
+    return jax.vmap(one)(states)
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "sequential"))
+def batched_pass(params, cfg, tokens, states, sequential: bool = False):
+    """One teacher-forced pass of ``tokens`` for a stack of router states (leading axis B; the policy is
+    part of the state): (nll [B, T-1], experts [B, L, T, K], weights, hits [B, L, T, K], states')."""
+    return _vmapped_pass(params, cfg, tokens, states, sequential)
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "sequential", "mesh"))
+def sharded_batched_pass(params, cfg, tokens, states, sequential: bool, mesh):
+    """``batched_pass`` with the B points laid along the mesh axis "points" (B a multiple of its devices):
+    every device runs the vmapped pass on its own B / devices points; params and tokens are replicated.
+    Nothing crosses devices, so each point's result is what ``batched_pass`` gives it."""
+    from jax.sharding import PartitionSpec as P
+
+    body = functools.partial(_vmapped_pass, cfg=cfg, sequential=sequential)
+    return jax.shard_map(lambda p, t, s: body(p, tokens=t, states=s), mesh=mesh,
+                         in_specs=(P(), P(), P(distributed.POINTS)), out_specs=P(distributed.POINTS),
+                         check_vma=False)(params, tokens, states)
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "hook"))
+def hook_pass(params, cfg, tokens, hook, state):
+    """One teacher-forced pass with a router hook (None = the architecture's own routing, no cache)."""
+
+    out = forward(params, cfg, tokens, 0, None, hook, state)
+    return _target_nll(out.logits, tokens), out.experts, out.weights, out.router_state
+
+
+EARLY_WINDOWS = (16, 64, 256, 1024)
+
+
+@dataclasses.dataclass
+class _Acc:
+    """Running totals of one point over the chunks."""
+
+    n_layers: int
+    n_experts: int
+    nll_sum: float = 0.0
+    n_pred: int = 0
+    counts: np.ndarray = None
+    early_miss: list = dataclasses.field(default_factory=list)  # per token: misses over all layers
+    early_valid: list = dataclasses.field(default_factory=list)
+    trace_e: list = dataclasses.field(default_factory=list)
+    trace_w: list = dataclasses.field(default_factory=list)
+
+    def __post_init__(self):
+        self.counts = np.zeros((self.n_layers, self.n_experts), np.int64)
+
+    def add(self, nll, experts, hits=None, weights=None, keep_trace=False):
+        total = float(np.asarray(nll, np.float64).sum())
+        if not math.isfinite(total):
+            raise gating.NonFiniteError("the negative log-likelihood is not finite (NaN/inf logits: damaged "
+                                        "weights, or an overflow in this dtype); refusing to report a perplexity")
+        self.nll_sum += total
+        self.n_pred += int(nll.shape[0])
+        for layer in range(experts.shape[0]):
+            e = experts[layer]
+            self.counts[layer] += np.bincount(e[e >= 0], minlength=self.n_experts)
+        if hits is not None and sum(len(m) for m in self.early_miss) < EARLY_WINDOWS[-1]:
+            valid = experts >= 0  # [L, T, K]
+            self.early_miss.append(((valid & ~hits).sum(axis=(0, 2))))
+            self.early_valid.append(np.full(experts.shape[1], experts.shape[0] * experts.shape[2]))
+        if keep_trace:
+            self.trace_e.append(np.swapaxes(experts, 0, 1))
+            self.trace_w.append(np.swapaxes(weights, 0, 1))
+
+    def early(self) -> dict:
+        if not self.early_miss:
+            return {}
+        miss = np.concatenate(self.early_miss)
+        acc = np.concatenate(self.early_valid)
+        return {str(w): float(miss[:w].sum() / acc[:w].sum()) for w in EARLY_WINDOWS if w <= len(miss)}
+
+
+def _result(model, text: str, ids: np.ndarray, context: int, n_chunks: int, acc: _Acc, state) -> dict:
+
+    res = perplexity.perplexity_result(text, ids, context, n_chunks, acc.nll_sum, acc.n_pred, acc.counts)
+    if state is not None:
+        stats = simulate.summarize(state, model.params, model.cfg)
+        rs = state["routing"]
+        delta_avg = np.asarray(rs.delta_sum, np.float64) / np.maximum(np.asarray(rs.delta_count, np.float64), 1.0)
+        res.update(miss_rate=stats["miss_rate"], lifetime=stats["lifetime_mean"], lifetime_std=stats["lifetime_std"],
+                   bytes_per_token=stats.get("bytes_per_token"), cache=stats, miss_rate_first_tokens=acc.early(),
+                   delta_avg=delta_avg.tolist())
+    return res
+
+
+def _committed(tree):
+    """Place a pytree on this process's device explicitly. Freshly built arrays are uncommitted, the states
+    a jitted pass returns are committed, and jit compiles separately for each (a whole second compilation
+    on the second chunk); committing the initial state up front keeps one program per shape."""
+    return jax.device_put(tree, distributed.local_device())
+
+
+def _stack(trees: list):
+    return _committed(jax.tree.map(lambda *xs: jnp.stack(xs), *trees))
+
+
+def _initial_state(model, point: Point) -> dict:
+
+    return simulate.init_router_state(model.cfg, point.policy, point.cache)
+
+
+def run_forward_batch(model, chunks: list[np.ndarray], text: str, ids: np.ndarray, context: int,
+                      points: list[Point], batch_size: int | None = None, on_chunk: Callable | None = None,
+                      mesh=None) -> list[dict]:
+    """Evaluate same-group points (``Point.batch_group``) in one vmapped pass per chunk. The batch is padded
+    to ``batch_size`` with copies of the last point (one compiled program for every batch of a sweep), and
+    with a ``mesh`` (axis "points") further to a multiple of its devices, each of which runs its share."""
+    cfg = model.cfg
+    n = len(points)
+    pad = max(batch_size or n, n)
+    devices = distributed.mesh_size(mesh)
+    pad = -(-pad // devices) * devices
+    states = [_initial_state(model, p) for p in points]
+    states += [states[-1]] * (pad - n)
+    sequential = points[0].cache.scope == "global"
+    if mesh is None:
+        stacked = _stack(states)
+    else:
+        from jax.sharding import NamedSharding, PartitionSpec as P
+
+        along = NamedSharding(mesh, P(distributed.POINTS))
+        stacked = jax.tree.map(lambda *xs: distributed.global_array(np.stack([np.asarray(x) for x in xs]), along),
+                               *states)
+        params = replicated_params(model, mesh)
+    accs = [_Acc(cfg.n_moe_layers, cfg.n_experts) for _ in range(n)]
+    for ci, chunk in enumerate(chunks):
+        if mesh is None:
+            nll, experts, _, hits, stacked = batched_pass(model.params, cfg, jnp.asarray(chunk), stacked, sequential)
+        else:
+            tokens = distributed.global_array(np.asarray(chunk, np.int32), distributed.replicated(mesh))
+            nll, experts, _, hits, stacked = sharded_batched_pass(params, cfg, tokens, stacked, sequential, mesh)
+        nll, experts, hits = (distributed.to_host(a) for a in (nll, experts, hits))
+        for b in range(n):
+            accs[b].add(nll[b], experts[b], hits[b])
+        if on_chunk:
+            on_chunk(ci + 1, len(chunks))
+    if mesh is not None:
+        stacked = jax.tree.map(distributed.to_host, stacked)
+    return [_result(model, text, ids, context, len(chunks), accs[b], jax.tree.map(lambda a, b=b: a[b], stacked))
+            for b in range(n)]
+
+
+_REPLICATED: dict = {}
+
+
+def replicated_params(model, mesh):
+    """The model's parameters replicated on every device of ``mesh`` (made once per model and mesh)."""
+    key = (id(model.params), mesh)
+    if key not in _REPLICATED:
+        _REPLICATED.clear()  # one replicated copy at a time
+        sharding = distributed.replicated(mesh)
+        _REPLICATED[key] = (model.params, jax.tree.map(lambda a: distributed.global_array(a, sharding), model.params))
+    return _REPLICATED[key][1]
+
+
+def run_forward_single(model, chunks, text, ids, context, point: Point, keep_trace: bool = False,
+                       on_chunk: Callable | None = None) -> tuple[dict, Any]:
+    """One point, no vmap: a router hook (``point.hook``), or plain original routing when the point has no
+    hook and no cache. With ``keep_trace`` also returns the routing trace (``trace.Trace``)."""
+    cfg = model.cfg
+    acc = _Acc(cfg.n_moe_layers, cfg.n_experts)
+    state = None if point.hook_state is None else _committed(point.hook_state)
+    for ci, chunk in enumerate(chunks):
+        nll, experts, weights, state = hook_pass(model.params, cfg, jnp.asarray(chunk), point.hook, state)
+        acc.add(np.asarray(nll), np.asarray(experts), weights=np.asarray(weights), keep_trace=keep_trace)
+        if on_chunk:
+            on_chunk(ci + 1, len(chunks))
+    res = _result(model, text, ids, context, len(chunks), acc, None)
+    tr = None
+    if keep_trace:
+
+        tr = trace_lib.validate_trace(np.concatenate(acc.trace_e), np.concatenate(acc.trace_w).astype(np.float32),
+                                  None, cfg.n_experts, gating.spec(cfg.gating))
+    return res, tr
+
+
+# ---------------------------------------------------------------------------------------- the runner
+
+
+@dataclasses.dataclass
+class WikitextInput:
+    """The scored text of a WikiText evaluation, shared by all points of a run."""
+
+    text: str
+    ids: np.ndarray
+    context: int
+    bos: int | None
+
+    @property
+    def chunks(self) -> list[np.ndarray]:
+
+        return perplexity.chunk_tokens(self.ids, self.context, self.bos)
+
+
+def wikitext_input(model, text: str, context: int, max_tokens: int | None) -> WikitextInput:
+    ids, scored = wikitext_ids(model, text, max_tokens)
+    if context < 2:
+        raise ValueError(f"context must be at least 2 tokens, got {context}")
+    model.cfg.check_context(context)
+    return WikitextInput(scored, ids, context, model.cfg.bos_token_id)
+
+
+class Runner:
+    """Evaluates points, skipping those already in the results file and appending each one as it is done.
+
+    ``inputs`` maps (data, context, max_tokens) to a ``WikitextInput`` (built on first use from
+    ``load_text(data)``); the original-routing trace per input is computed once (or read from
+    ``trace_dir``) for replay points."""
+
+    def __init__(self, model, *, results: str | None = None, batch_size: int = 1, progress: bool = True,
+                 trace_dir: str | None = None, load_text: Callable[[str | None], str] | None = None,
+                 reuse: dict[str, dict] | None = None, mesh=None):
+
+        self.model, self.results, self.progress = model, results, progress and distributed.is_leader()
+        self.mesh = mesh  # axis "points": a vmapped batch is batch_size points per device, spread over them
+        self.batch_size = max(1, int(batch_size)) * distributed.mesh_size(mesh)
+        self.trace_dir = trace_dir
+        self.load_text = load_text or perplexity.load_wikitext
+        self.reuse = reuse or {}
+        self._inputs: dict[tuple, WikitextInput] = {}
+        self._traces: dict[tuple, tuple] = {}
+        self.computed = 0
+
+    # -- inputs
+    def wikitext(self, point: Point) -> WikitextInput:
+        ident = point.identity
+        k = (ident["data"], ident["context"], ident["max_tokens"])
+        if k not in self._inputs:
+            self._inputs[k] = wikitext_input(self.model, self.load_text(point.task_options.get("data")),
+                                             ident["context"], ident["max_tokens"])
+        return self._inputs[k]
+
+    def original_trace(self, point: Point):
+        """(trace, plain-pass result) of original routing over ``point``'s WikiText input."""
+
+        ident = point.identity
+        k = (ident["model"], ident["data"], ident["context"], ident["max_tokens"], ident["weights"])
+        if k in self._traces:
+            return self._traces[k]
+        name = point_key({"trace": "original", "model": k[0], "data": k[1], "context": k[2], "max_tokens": k[3],
+                          "weights": k[4]})
+        path = os.path.join(self.trace_dir, f"trace-{name[:16]}.npz") if self.trace_dir else None
+        if path and not distributed.is_leader():  # process 0 writes the trace files; the others recompute
+            path = None
+        if path and os.path.exists(path):
+            tr = trace_lib.load_trace(path)
+            with open(path[:-4] + ".json") as f:
+                res = json.load(f)
+        else:
+            inp = self.wikitext(point)
+            plain = make_point(self.model, ident["model"], context=ident["context"], max_tokens=ident["max_tokens"],
+                               data=point.task_options.get("data"))
+            res, tr = run_forward_single(self.model, inp.chunks, inp.text, inp.ids, inp.context, plain, keep_trace=True)
+            res = _as_json(res)
+            if path:
+                os.makedirs(self.trace_dir, exist_ok=True)
+                tmp = path + ".tmp.npz"
+                trace_lib.save_trace(tmp, tr.experts, tr.weights, None, tr.n_experts, tr.gating)
+                with open(path[:-4] + ".json.tmp", "w") as f:
+                    json.dump(res, f)
+                os.replace(path[:-4] + ".json.tmp", path[:-4] + ".json")
+                os.replace(tmp, path)
+        self._traces[k] = (tr, res)
+        return tr, res
+
+    # -- one point / one batch
+    def _evaluate(self, batch: list[Point], on_chunk=None) -> list[dict]:
+        p0 = batch[0]
+        if p0.method == "task":
+            return [self._task(p) for p in batch]
+        if p0.method == "replay":
+            return [self._replay(p) for p in batch]
+        inp = self.wikitext(p0)
+        if p0.offload is not None:
+
+            return [perplexity.perplexity_of_ids(self.model, inp.text, inp.ids, inp.context, p.policy, p.cache,
+                                               offload=p.offload) for p in batch]
+        if p0.batch_group() is not None:
+            return run_forward_batch(self.model, inp.chunks, inp.text, inp.ids, inp.context, batch,
+                                     self.batch_size, on_chunk, self.mesh)
+        return [run_forward_single(self.model, inp.chunks, inp.text, inp.ids, inp.context, p, on_chunk=on_chunk)[0]
+                for p in batch]
+
+    def _replay(self, point: Point) -> dict:
+
+        tr, plain = self.original_trace(point)
+        c = point.cache
+        stats = trace_lib.replay(tr, str(c.capacity(self.model.cfg)), c.scope, c.eviction, init=c.init, seed=c.seed,
+                                 expert_bytes=simulate.expert_bytes(self.model.params, self.model.cfg))
+        res = {k: v for k, v in plain.items() if k not in ("miss_rate", "lifetime", "lifetime_std", "cache")}
+        res.update(miss_rate=stats["miss_rate"], lifetime=stats["lifetime_mean"], lifetime_std=stats["lifetime_std"],
+                   bytes_per_token=stats.get("bytes_per_token"), cache=stats, method="replay of the recorded "
+                   "original-routing trace")
+        return res
+
+    def _task(self, point: Point) -> dict:
+        o = point.task_options
+        options = {} if point.offload is None else {"offload": point.offload}
+        return tasks.evaluate_task(self.model, point.record["task"], o.get("data"), limit=o.get("limit"),
+                                   routing=point.policy if point.cache is not None else None, cache=point.cache,
+                                   shots=o.get("shots"), max_new_tokens=o.get("max_new_tokens"), progress=False,
+                                   **options)
+
+    # -- the loop
+    def plan(self, points: list[Point]) -> tuple[list[dict], list[list[Point]]]:
+        """(records already done, batches still to compute) — points deduplicated by key."""
+        done = {r["key"]: r for r in load_results(self.results)} if self.results else {}
+        seen, todo, finished = set(), [], []
+        for p in points:
+            if p.key in seen:
+                continue
+            seen.add(p.key)
+            (finished if p.key in done else todo).append(done.get(p.key, p))
+        groups: dict[Any, list[Point]] = {}
+        for i, p in enumerate(todo):
+            g = p.batch_group()
+            groups.setdefault(("batch", g) if g is not None else ("single", i), []).append(p)
+        batches = []
+        for (how, _), members in groups.items():
+            size = self.batch_size if how == "batch" else 1
+            batches += [members[i:i + size] for i in range(0, len(members), size)]
+        return finished, batches
+
+    def run(self, points: list[Point]) -> list[dict]:
+        """Records of all ``points`` in their order: read from the results file where done, else computed
+        (or copied from ``reuse``, records of the same key from elsewhere) and appended as they finish."""
+        finished, batches = self.plan(points)
+        by_key = {r["key"]: r for r in finished}
+        total = sum(len(b) for b in batches)
+        bar = None
+        if self.progress and total:
+            from tqdm import tqdm
+
+            bar = tqdm(total=total, unit="pt", file=sys.stderr, desc="sweep", dynamic_ncols=True)
+            if finished:
+                bar.write(f"{len(finished)} point(s) already in {self.results}, {total} to go", file=sys.stderr)
+        try:
+            for batch in batches:
+                reused = [p for p in batch if p.key in self.reuse]
+                for p in reused:
+                    rec = dict(self.reuse[p.key], **p.record, key=p.key)
+                    rec["metrics"] = dict(rec.get("metrics") or {}, reused_from=self.reuse[p.key].get("study"))
+                    self._emit(rec, by_key, bar)
+                batch = [p for p in batch if p.key not in self.reuse]
+                if not batch:
+                    continue
+                on_chunk = None
+                if bar is not None:
+                    label = ", ".join(f"{k}={_fmt(v)}" for k, v in batch[0].record["sweep"].items()) or batch[0].record["routing"]["kind"]
+
+                    def on_chunk(i, n, label=label, size=len(batch)):
+                        bar.set_postfix_str(f"{label}{' +%d' % (size - 1) if size > 1 else ''} chunk {i}/{n}")
+                start = time.perf_counter()
+                results = self._evaluate(batch, on_chunk)
+                per_point = (time.perf_counter() - start) / len(batch)
+                for p, res in zip(batch, results):
+                    rec = make_record(p, dict(res, batch_size=len(batch)) if len(batch) > 1 else res, per_point)
+                    self.computed += 1
+                    self._emit(rec, by_key, bar)
+        finally:
+            if bar is not None:
+                bar.close()
+        keys = dict.fromkeys(p.key for p in points)  # distinct, in order
+        return [by_key[k] for k in keys if k in by_key]
+
+    def _emit(self, rec: dict, by_key: dict, bar) -> None:
+        if self.results:
+            append_result(self.results, rec)
+        by_key[rec["key"]] = rec
+        if bar is not None:
+            bar.update(1)
+
+
+def _fmt(v) -> str:
+    return f"{v:.4g}" if isinstance(v, float) else str(v)
+
+
+# ---------------------------------------------------------------------------------------- output
+
+
+def format_table(records: list[dict]) -> str:
+    """One row per record: swept values, quality, miss rate, lifetime, bytes per token, seconds."""
+    if not records:
+        return "(no points)"
+    names = list(dict.fromkeys(k for r in records for k in r.get("sweep", {})))
+    quality = "accuracy" if any(r.get("accuracy") is not None for r in records) else "ppl"
+    head = ["kind", *names, quality, "miss_rate", "lifetime", "bytes/token", "time_s"]
+    rows = []
+    for r in records:
+        def f(x, spec):
+            return "-" if x is None else format(x, spec)
+
+        rows.append([r["routing"]["kind"], *(_fmt(r["sweep"].get(n)) for n in names), f(r.get(quality), ".4f"),
+                     f(r.get("miss_rate"), ".4f"), f(r.get("lifetime"), ".2f"), f(r.get("bytes_per_token"), ".0f"),
+                     f(r.get("time_s"), ".1f")])
+    widths = [max(len(str(x)) for x in col) for col in zip(head, *rows)]
+    return "\n".join("  ".join(str(x).rjust(w) for x, w in zip(row, widths)) for row in [head, *rows])

@@ -1,0 +1,24 @@
+"""The embedded default model: where it lives inside the package, and the name every command knows it by."""
+
+from __future__ import annotations
+
+import os
+
+from moejax.base import paths
+from moejax.models.checkpoint import CheckpointError
+
+DEFAULT_MODEL_NAME = "default"
+DEFAULT_MODEL_DIR = os.path.join(paths.ASSETS_DIR, "default-model")
+
+
+def default_model_path() -> str:
+    if not os.path.isdir(DEFAULT_MODEL_DIR):
+        raise CheckpointError(
+            "the embedded default model is not in this installation (moejax/assets/default-model); "
+            "pass --model PATH to a moejax or Hugging Face checkpoint folder")
+    return DEFAULT_MODEL_DIR
+
+
+def resolve_model_path(path: str) -> str:
+    """The folder of a model argument: ``"default"`` is the embedded default model, anything else a path."""
+    return default_model_path() if path == DEFAULT_MODEL_NAME else path

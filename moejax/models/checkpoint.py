@@ -1,0 +1,556 @@
+"""Checkpoint folders: Hugging Face (safetensors) in and out, and the moejax format.
+
+moejax checkpoint folder (version 2)::
+
+    moejax.json        {"format": "moejax", "version": 2, "dtype": ..., "hf_config": {...}}
+    params.safetensors every tensor under its tree path ("layers.3.moe.gate"); routed experts as one
+                       [N, in, out] stack per MoE layer and matrix, so one expert is one contiguous slice
+                       (or params-0000i-of-0000n.safetensors + params.safetensors.index.json)
+    tokenizer.json ... tokenizer and generation files copied from the source folder
+
+Version 1 folders (``params/`` saved with orbax) are still read, whole. Both readers hand back lazy trees
+(``weights``): nothing is read until placed, so a model larger than memory opens instantly and its
+experts can stay in the files for offloading.
+
+Every writer builds the folder under a temporary name beside the target and renames it at the end, so an
+interrupted conversion never leaves a folder that loads. Pickled checkpoints (``.bin``/``.pt``) are refused.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+from typing import Any, Iterator
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from moejax.base.errors import Failure, UsageError
+from moejax.base.tempfiles import make_temp_dir
+from moejax.models import hf_keys, layout, safetensors_io, weights
+from moejax.models.config import ModelConfig, UnsupportedModelError, from_hf
+
+FORMAT_FILE = "moejax.json"
+FORMAT_VERSION = 2  # written; version 1 (orbax params/) is still read
+READ_VERSIONS = (1, 2)
+TOKENIZER_FILES = (
+    "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json",
+    "chat_template.jinja", "chat_template.json",
+)
+
+
+class CheckpointError(Failure):
+    """A checkpoint folder is missing, malformed or does not match its configuration."""
+
+
+class TargetRefusedError(CheckpointError, UsageError):
+    """An output folder that writing would destroy something in (the source, an unrelated folder)."""
+
+
+# ------------------------------------------------------------------------------------------ helpers
+def _set(tree: dict, path: tuple, value: Any) -> None:
+    node = tree
+    for key, nxt in zip(path[:-1], path[1:]):
+        if isinstance(key, int):
+            while len(node) <= key:
+                node.append({})
+            node = node[key]
+        else:
+            node = node.setdefault(key, [] if isinstance(nxt, int) else {})
+    node[path[-1]] = value
+
+
+def _get(tree: Any, path: tuple) -> Any:
+    for key in path:
+        tree = tree[key]
+    return tree
+
+
+def _stacked_shape(entry: hf_keys.Entry, cfg: ModelConfig) -> tuple[int, ...]:
+    shape = entry.param_shape
+    return (cfg.n_experts, *shape) if entry.expert is not None else shape
+
+
+def param_shapes(cfg: ModelConfig) -> dict:
+    """The parameter tree's structure with shapes as leaves (tuples), from the key table."""
+    tree: dict = {}
+    for e in hf_keys.entries(cfg):
+        if e.expert in (None, 0):
+            _set(tree, e.path, _stacked_shape(e, cfg))
+    return tree
+
+
+def abstract_params(cfg: ModelConfig, dtype) -> Any:
+    return jax.tree.map(lambda s: jax.ShapeDtypeStruct(s, dtype), param_shapes(cfg),
+                        is_leaf=lambda x: isinstance(x, tuple))
+
+
+def params_fingerprint(params, full_below: int = 1 << 20, samples: int = 1 << 16) -> str:
+    """A content hash of the weights: every leaf's path, shape and dtype, all the bytes of small leaves and
+    a strided sample (plus both ends) of large ones. Results are keyed by it, so a sweep resumed after the
+    weights at a path changed (re-exported, re-trained, damaged) recomputes instead of reporting old numbers,
+    without reading all of a model larger than memory."""
+    h = hashlib.sha1()
+    params = layout.canonical_view(params)  # one model, one hash, whatever its layout
+    for path, leaf in jax.tree_util.tree_flatten_with_path(params, is_leaf=weights.is_lazy)[0]:
+        size = int(np.prod(leaf.shape, dtype=np.int64))
+        h.update(f"{jax.tree_util.keystr(path)}:{tuple(leaf.shape)}:{np.dtype(leaf.dtype)};".encode())
+        if size <= full_below:
+            parts = [np.arange(size)]
+        else:
+            stride = -(-size // samples)
+            parts = [np.arange(4096), np.arange(0, size, stride), np.arange(size - 4096, size)]
+        for idx in parts:  # lazy leaves: only the sampled elements are read from the files
+            h.update(np.ascontiguousarray(weights.sample_flat(leaf, idx)).tobytes())
+    return h.hexdigest()
+
+
+@contextlib.contextmanager
+def atomic_folder(target: str, overwrite: bool = False, protect: tuple[str, ...] = ()) -> Iterator[str]:
+    """Yield a temporary folder beside ``target``; rename it to ``target`` only if the block succeeds.
+
+    Never destroys what the user had: ``target`` may not be (or contain) a ``protect``ed path (the source
+    of a conversion), and ``overwrite`` replaces only an existing checkpoint folder or an empty one."""
+    target = os.path.realpath(os.path.abspath(os.path.expanduser(target)))
+    check_replaceable(target, overwrite, protect)
+    parent = os.path.dirname(target)
+    os.makedirs(parent, exist_ok=True)
+    name = os.path.basename(target)
+    tmp = make_temp_dir(f".{name}.tmp-", parent)  # also removes a killed run's half-written folder
+    try:
+        yield tmp
+        if os.path.exists(target):
+            # never cleaned automatically: killed between the two renames, it holds the user's old checkpoint
+            old = tempfile.mkdtemp(prefix=f".{name}.old-", dir=parent)
+            os.replace(target, os.path.join(old, "x"))
+            os.replace(tmp, target)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.replace(tmp, target)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def is_checkpoint_folder(folder: str) -> bool:
+    """A moejax checkpoint folder or a Hugging Face one (config.json beside safetensors weights)."""
+    if is_moejax_folder(folder):
+        return True
+    names = os.listdir(folder) if os.path.isdir(folder) else []
+    return "config.json" in names and any(n.endswith(".safetensors") or n.endswith(".safetensors.index.json")
+                                          for n in names)
+
+
+def check_replaceable(target: str, overwrite: bool, protect: tuple[str, ...] = ()) -> None:
+    """Raise ``FileExistsError`` / ``CheckpointError`` unless writing the folder ``target`` loses nothing."""
+    target = os.path.realpath(os.path.abspath(os.path.expanduser(target)))
+    for p in protect:
+        p = os.path.realpath(os.path.abspath(os.path.expanduser(p)))
+        if target == p:
+            raise TargetRefusedError(f"the target {target} is the source itself: choose another target folder")
+        if p.startswith(target.rstrip(os.sep) + os.sep):
+            raise TargetRefusedError(f"the target {target} contains the source {p}: replacing it would delete the "
+                                  "source; choose another target folder")
+    if not os.path.lexists(target):
+        return
+    if not overwrite:
+        raise FileExistsError(f"{target} already exists (pass overwrite=True / --overwrite to replace it)")
+    if not os.path.isdir(target) or os.path.islink(target):
+        raise TargetRefusedError(f"{target} exists and is not a folder: refusing to replace it")
+    if os.listdir(target) and not is_checkpoint_folder(target):
+        found = ", ".join(sorted(os.listdir(target))[:5])
+        raise TargetRefusedError(f"{target} is not a checkpoint folder (it holds {found}...): --overwrite only "
+                              "replaces a moejax or Hugging Face checkpoint; remove it yourself or choose "
+                              "another target")
+
+
+def write_json_atomic(path: str, obj: Any) -> None:
+    tmp = f"{path}.tmp-{os.getpid()}"
+    with open(tmp, "w") as f:
+        json.dump(obj, f, indent=2, sort_keys=True)
+        f.write("\n")
+    os.replace(tmp, path)
+
+
+def _copy_tokenizer(src: str, dst: str) -> None:
+    for name in TOKENIZER_FILES:
+        if os.path.isfile(os.path.join(src, name)):
+            shutil.copy2(os.path.join(src, name), os.path.join(dst, name))
+
+
+# ------------------------------------------------------------------------------------ Hugging Face in
+def _refuse_pickles(folder: str) -> None:
+    pickled = sorted(f for f in os.listdir(folder) if f.endswith((".bin", ".pt", ".pth", ".ckpt")))
+    if pickled:
+        raise CheckpointError(
+            f"{folder} holds pickled weights ({', '.join(pickled)}) and no safetensors; moejax never "
+            "unpickles. Convert them once with transformers: `AutoModelForCausalLM.from_pretrained(PATH)"
+            ".save_pretrained(OUT, safe_serialization=True)` (or use the model's safetensors release)."
+        )
+
+
+def read_hf_config(folder: str) -> dict:
+    path = os.path.join(folder, "config.json")
+    if not os.path.isdir(folder):
+        raise CheckpointError(f"model folder {folder} does not exist")
+    if not os.path.isfile(path):
+        raise CheckpointError(f"{folder} has no config.json (nor {FORMAT_FILE}): not a model folder")
+    return read_json_object(path, "a model configuration")
+
+
+def read_json_object(path: str, what: str) -> dict:
+    """A checkpoint's JSON file (config, generation config, tokenizer config) as a dict, or a
+    ``CheckpointError`` naming the file when it is not UTF-8 JSON holding an object."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            value = json.load(f)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise CheckpointError(f"{path} is not valid JSON: {e}") from None
+    if not isinstance(value, dict):
+        raise CheckpointError(f"{path} must hold a JSON object ({what}), not a {type(value).__name__}")
+    return value
+
+
+def _open_shards(folder: str, index_name: str = "model.safetensors.index.json",
+                 stem: str = "") -> dict[str, safetensors_io.SafetensorsFile]:
+    """Map every tensor key to the (memory-mapped) file holding it; fail on duplicates and broken indexes.
+    ``stem``: only files whose names start with it count (the moejax format's ``params*.safetensors``)."""
+    index_path = os.path.join(folder, index_name)
+    if os.path.isfile(index_path):
+        try:
+            with open(index_path) as f:
+                weight_map = json.load(f).get("weight_map", {})
+        except (json.JSONDecodeError, UnicodeDecodeError, AttributeError) as e:
+            raise CheckpointError(f"{index_path}: not a safetensors index ({e})") from None
+        if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+            raise CheckpointError(f"{index_path}: 'weight_map' must map tensor names to shard file names")
+        names = sorted(set(weight_map.values()))
+        outside = [n for n in names if os.path.isabs(n) or os.path.basename(n) != n or n in (".", "..")]
+        if outside:  # shards live in the folder itself: never follow an index elsewhere
+            raise CheckpointError(f"{index_path} names shard {outside[0]!r} outside the model folder; refusing it")
+    else:
+        weight_map = None
+        names = sorted(f for f in os.listdir(folder) if f.endswith(".safetensors") and f.startswith(stem))
+    if not names:
+        _refuse_pickles(folder)
+        raise CheckpointError(f"{folder} has no .safetensors weights")
+    files, where = {}, {}
+    for name in names:
+        path = os.path.join(folder, name)
+        if not os.path.isfile(path):
+            raise CheckpointError(f"{index_path} names shard {name}, which is missing")
+        files[name] = safetensors_io.SafetensorsFile(path)
+        for key in files[name].keys():
+            if key in where:
+                raise CheckpointError(f"duplicate tensor {key!r} in {where[key]} and {name}")
+            where[key] = name
+    if weight_map is not None:
+        for key, name in weight_map.items():
+            if where.get(key) != name:
+                raise CheckpointError(f"index.json says {key!r} is in {name}, but it is "
+                                      + (f"in {where[key]}" if key in where else "in no shard"))
+    return {key: files[name] for key, name in where.items()}
+
+
+def _fused_keys(layer: int) -> tuple[str, str]:
+    """transformers 5's in-memory expert layout, as some folders store it: ``gate_up_proj`` [N, 2F, D]
+    (gate rows first) and ``down_proj`` [N, D, F] per MoE layer."""
+    pre = f"model.layers.{layer}.mlp.experts"
+    return f"{pre}.gate_up_proj", f"{pre}.down_proj"
+
+
+def _hf_candidates(key: str) -> tuple[str, ...]:
+    # transformers 5 names Mixtral's / Phi-MoE's block "mlp" in memory; the hub keeps "block_sparse_moe"
+    alias = key.replace(".block_sparse_moe.", ".mlp.")
+    return (key,) if alias == key else (key, alias)
+
+
+def _check_shape(key: str, got: tuple, want: tuple) -> None:
+    if tuple(got) != tuple(want):
+        raise CheckpointError(f"tensor {key!r} has shape {tuple(got)}, expected {tuple(want)} for this config")
+
+
+def _check_float(file: safetensors_io.SafetensorsFile, key: str) -> None:
+    """A hub checkpoint's weights are floating point; integers would be cast and run as garbage."""
+    dtype = file.dtype(key)
+    if dtype.kind in "biu":  # bool / signed / unsigned integers
+        raise CheckpointError(f"tensor {key!r} in {file.path} is stored as {dtype.name}; hub checkpoints must "
+                              "hold floating-point weights (quantized checkpoints are not read here)")
+
+
+def hf_tree(folder: str, cfg: ModelConfig) -> dict:
+    """The parameter tree of a hub checkpoint with every leaf left in the files (``weights.LazyTensor``,
+    ``weights.ExpertStack``), after checking every key and shape. Reads both the hub's one-tensor-per-expert
+    layout and transformers 5's fused one (``mlp.experts.gate_up_proj`` / ``down_proj``)."""
+    tensors = _open_shards(folder)
+    d, f, n = cfg.hidden_size, cfg.moe_intermediate_size, cfg.n_experts
+    fused = {}
+    for i in range(cfg.num_layers):
+        gate_up, down = _fused_keys(i)
+        if cfg.moe_layers[i] and gate_up in tensors and down in tensors:
+            _check_shape(gate_up, tensors[gate_up].shape(gate_up), (n, 2 * f, d))
+            _check_shape(down, tensors[down].shape(down), (n, d, f))
+            _check_float(tensors[gate_up], gate_up)
+            _check_float(tensors[down], down)
+            fused[i] = (gate_up, down)
+    used, missing = set(), []
+    tree: dict = {}
+    parts: dict[tuple, list] = {}
+    for e in hf_keys.entries(cfg):
+        if e.expert is not None and e.path[1] in fused:
+            continue
+        key = next((k for k in _hf_candidates(e.hf_key) if k in tensors), None)
+        if key is None:
+            missing.append(e.hf_key)
+            continue
+        used.add(key)
+        _check_shape(key, tensors[key].shape(key), e.shape)
+        file = tensors[key]
+        _check_float(file, key)
+        if e.expert is None:
+            _set(tree, e.path, weights.LazyTensor(file, file.get(key), e.transpose))
+        else:
+            parts.setdefault(e.path, [None] * n)[e.expert] = (file, file.get(key))
+    if missing:
+        raise CheckpointError(f"{folder}: missing tensors: " + ", ".join(missing[:10])
+                              + (f" ... ({len(missing)} in all)" if len(missing) > 10 else ""))
+    for i, (gate_up, down) in fused.items():
+        used.update((gate_up, down))
+        gu, dn = tensors[gate_up].get(gate_up), tensors[down].get(down)
+        path = ("layers", i, "moe")
+        parts[path + ("gate",)] = [(tensors[gate_up], gu[e, :f]) for e in range(n)]
+        parts[path + ("up",)] = [(tensors[gate_up], gu[e, f:]) for e in range(n)]
+        parts[path + ("down",)] = [(tensors[down], dn[e]) for e in range(n)]
+    unexpected = sorted(k for k in tensors if k not in used and not k.endswith(hf_keys.IGNORED_SUFFIXES))
+    if unexpected:
+        raise CheckpointError(f"{folder}: tensors not in the {cfg.model_type} key table: "
+                              + ", ".join(unexpected[:10]) + (" ..." if len(unexpected) > 10 else ""))
+    for path, experts in parts.items():
+        _set(tree, path, weights.ExpertStack(experts, transposed=True))
+    return tree
+
+
+def stored_dtype(tree: dict) -> np.dtype:
+    """The checkpoint's dtype: its embedding's (what a model computes in unless told otherwise)."""
+    return np.dtype(tree["embed"].dtype)
+
+
+def read_hf_params(folder: str, cfg: ModelConfig, dtype=None, experts: str = "device") -> dict:
+    """Load a hub checkpoint into the moejax tree (every key and shape checked first), one tensor at a
+    time; ``experts="lazy"`` leaves the routed experts in the files (``weights.place``)."""
+    tree = hf_tree(folder, cfg)
+    return weights.place(weights.with_dtype(tree, dtype or stored_dtype(tree)), experts)
+
+
+# ----------------------------------------------------------------------------------- streaming writer
+def _leaf_dtype(leaf) -> np.dtype:
+    return np.dtype(leaf.dtype)
+
+
+def write_sharded(folder: str, stem: str, specs: list[tuple[str, np.dtype, tuple[int, ...]]], data,
+                  max_shard_bytes: int = 4 << 30, metadata: dict | None = None) -> list[str]:
+    """Write tensors ``specs`` (key, dtype, shape) as ``{stem}.safetensors``, or as shards
+    ``{stem}-00001-of-0000n.safetensors`` with ``{stem}.safetensors.index.json`` (the hub's layout),
+    streaming: ``data(key)`` yields each tensor's pieces, so no tensor is ever held whole by the writer."""
+    shards: list[list] = [[]]
+    size = total = 0
+    for spec in specs:
+        nbytes = int(np.prod(spec[2], dtype=np.int64)) * np.dtype(spec[1]).itemsize
+        total += nbytes
+        if shards[-1] and size + nbytes > max_shard_bytes:
+            shards.append([])
+            size = 0
+        shards[-1].append(spec)
+        size += nbytes
+    if len(shards) == 1:
+        names = [f"{stem}.safetensors"]
+    else:
+        names = [f"{stem}-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
+    for name, shard in zip(names, shards):
+        safetensors_io.write_stream(os.path.join(folder, name), shard, data, metadata)
+    if len(shards) > 1:
+        weight_map = {key: name for name, shard in zip(names, shards) for key, _, _ in shard}
+        write_json_atomic(os.path.join(folder, f"{stem}.safetensors.index.json"),
+                          {"metadata": {"total_size": total}, "weight_map": weight_map})
+    return names
+
+
+# ----------------------------------------------------------------------------------- Hugging Face out
+def _hf_value(params: dict, e: hf_keys.Entry) -> np.ndarray:
+    leaf = _get(params, e.path)
+    value = weights.expert_matrix(leaf, e.expert) if e.expert is not None else weights.to_host(leaf)
+    return np.ascontiguousarray(value.T if e.transpose else value)
+
+
+def save_hf(params: dict, cfg: ModelConfig, folder: str, *, tokenizer_from: str | None = None,
+            overwrite: bool = False, max_shard_bytes: int = 4 << 30, protect: tuple[str, ...] = ()) -> str:
+    """Write a Hugging Face folder (safetensors shards + index, config.json) that transformers loads,
+    tensor by tensor (``params`` may be lazy: a conversion holds one tensor at a time; or serving-layout)."""
+    params = layout.canonical_view(params)
+    dtype = _leaf_dtype(params["embed"])
+    table = {e.hf_key: e for e in hf_keys.entries(cfg)}
+    specs = [(key, dtype, e.shape) for key, e in table.items()]
+    with atomic_folder(folder, overwrite, protect) as tmp:
+        write_sharded(tmp, "model", specs, lambda key: [_hf_value(params, table[key])], max_shard_bytes)
+        hf = cfg.hf
+        hf["torch_dtype"] = hf["dtype"] = str(dtype)
+        write_json_atomic(os.path.join(tmp, "config.json"), hf)
+        if tokenizer_from:
+            _copy_tokenizer(tokenizer_from, tmp)
+    return os.path.abspath(folder)
+
+
+# ------------------------------------------------------------------------------------- moejax format
+PARAMS_STEM = "params"
+
+
+def is_moejax_folder(folder: str) -> bool:
+    return os.path.isfile(os.path.join(folder, FORMAT_FILE))
+
+
+def tree_paths(cfg: ModelConfig) -> list[tuple]:
+    """Every leaf path of the parameter tree, in the key table's order (expert stacks once)."""
+    return [e.path for e in hf_keys.entries(cfg) if e.expert in (None, 0)]
+
+
+def expert_paths(cfg: ModelConfig) -> set[tuple]:
+    return {e.path for e in hf_keys.entries(cfg) if e.expert is not None}
+
+
+def tensor_key(path: tuple) -> str:
+    """A tree path as a safetensors key: ("layers", 3, "moe", "gate") -> "layers.3.moe.gate"."""
+    return ".".join(str(p) for p in path)
+
+
+def save_moejax(params: dict, cfg: ModelConfig, folder: str, *, tokenizer_from: str | None = None,
+                overwrite: bool = False, protect: tuple[str, ...] = (), max_shard_bytes: int = 4 << 30) -> str:
+    """Write a moejax folder (format version 2): every tensor in safetensors shards under its tree path,
+    each MoE layer's experts as one ``[N, in, out]`` stack per matrix (one expert = one contiguous slice,
+    so offloading pages it straight from the file). Streams: ``params`` may be lazy (or serving-layout)."""
+    params = layout.canonical_view(params)
+    paths = tree_paths(cfg)
+    leaves = {tensor_key(p): _get(params, p) for p in paths}
+    dtype = _leaf_dtype(params["embed"])
+    shapes = param_shapes(cfg)
+    for key, path in zip(leaves, paths):
+        _check_shape(key, leaves[key].shape, _get(shapes, path))
+    specs = [(key, _leaf_dtype(leaf), tuple(leaf.shape)) for key, leaf in leaves.items()]
+    with atomic_folder(folder, overwrite, protect) as tmp:
+        write_sharded(tmp, PARAMS_STEM, specs, lambda key: weights.chunks(leaves[key]), max_shard_bytes,
+                      {"format": "moejax"})
+        meta = {"format": "moejax", "version": FORMAT_VERSION, "dtype": str(dtype), "hf_config": cfg.hf}
+        write_json_atomic(os.path.join(tmp, FORMAT_FILE), meta)
+        if tokenizer_from:
+            _copy_tokenizer(tokenizer_from, tmp)
+    return os.path.abspath(folder)
+
+
+def _read_meta(folder: str) -> dict:
+    path = os.path.join(folder, FORMAT_FILE)
+    try:
+        with open(path) as f:
+            meta = json.load(f)
+    except (OSError, json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise CheckpointError(f"{path}: unreadable ({e})") from None
+    if not isinstance(meta, dict) or meta.get("format") != "moejax" or meta.get("version") not in READ_VERSIONS:
+        got = meta if not isinstance(meta, dict) else f"{meta.get('format')!r} version {meta.get('version')!r}"
+        raise CheckpointError(f"{path}: unknown format {got} (this moejax reads versions "
+                              f"{', '.join(map(str, READ_VERSIONS))})")
+    if not isinstance(meta.get("hf_config"), dict):
+        raise CheckpointError(f"{path}: no 'hf_config' object")
+    return meta
+
+
+def _read_orbax(folder: str, cfg: ModelConfig, stored) -> dict:
+    """Version 1 folders: the whole tree restored with orbax (not lazily; re-save to get version 2)."""
+    import orbax.checkpoint as ocp
+
+    path = os.path.join(os.path.abspath(folder), "params")
+    if not os.path.isdir(path):
+        raise CheckpointError(f"{path} does not exist: a version 1 moejax folder keeps its weights there")
+    ckpt = ocp.StandardCheckpointer()
+    try:
+        return ckpt.restore(path, abstract_params(cfg, stored))
+    except Exception as e:  # noqa: BLE001 - orbax/tensorstore raise many types for damaged data; one line instead
+        first = (str(e).strip().splitlines() or [type(e).__name__])[0][:300]
+        raise CheckpointError(f"{path}: the version 1 parameters cannot be restored (damaged or incomplete: "
+                              f"{type(e).__name__}: {first}); re-convert the model from its source") from None
+    finally:
+        ckpt.close()
+
+
+def moejax_tree(folder: str, cfg: ModelConfig) -> dict:
+    """A version 2 folder's parameter tree with every leaf left in its files, keys and shapes checked."""
+    tensors = _open_shards(folder, f"{PARAMS_STEM}.safetensors.index.json", PARAMS_STEM)
+    shapes, stacks = param_shapes(cfg), expert_paths(cfg)
+    tree: dict = {}
+    used = set()
+    for path in tree_paths(cfg):
+        key = tensor_key(path)
+        if key not in tensors:
+            raise CheckpointError(f"{folder}: missing tensor {key!r}")
+        used.add(key)
+        file = tensors[key]
+        _check_shape(key, file.shape(key), _get(shapes, path))
+        view = file.get(key)
+        if path in stacks:
+            _set(tree, path, weights.ExpertStack([(file, view[e]) for e in range(view.shape[0])], False))
+        else:
+            _set(tree, path, weights.LazyTensor(file, view))
+    unexpected = sorted(set(tensors) - used)
+    if unexpected:
+        raise CheckpointError(f"{folder}: tensors not in the {cfg.model_type} tree: {', '.join(unexpected[:10])}")
+    return tree
+
+
+def open_params(folder: str, dtype=None) -> tuple[dict, ModelConfig]:
+    """The parameter tree of a moejax or Hugging Face folder without reading the weights (lazy leaves;
+    version 1 moejax folders are restored whole), as ``dtype`` (default: the checkpoint's own)."""
+    folder = os.path.abspath(os.path.expanduser(folder))
+    if not os.path.isdir(folder):
+        raise CheckpointError(f"model folder {folder} does not exist")
+    if is_moejax_folder(folder):
+        meta = _read_meta(folder)
+        cfg = from_hf(meta["hf_config"])
+        if meta["version"] == 1:
+            tree = _read_orbax(folder, cfg, jnp.dtype(meta.get("dtype", "float32")))
+        else:
+            tree = moejax_tree(folder, cfg)
+    else:
+        cfg = from_hf(read_hf_config(folder))
+        tree = hf_tree(folder, cfg)
+    return weights.with_dtype(tree, dtype or stored_dtype(tree)), cfg
+
+
+def load_params(folder: str, dtype=None, experts: str = "device",
+                arrangement: str = "canonical", quantization=None, mesh=None) -> tuple[dict, ModelConfig]:
+    """Parameters and config from a moejax or Hugging Face folder, placed: non-expert weights on the
+    device, routed experts on the device (``"device"``) or left in the files (``"lazy"``, for offload);
+    in the canonical or the serving layout (``moejax.models.layout``; ``quantization``: int8 matrices there);
+    ``mesh``: the experts split over its devices (``weights.place``)."""
+    tree, cfg = open_params(folder, dtype)
+    return weights.place(tree, experts, arrangement, quantization, mesh), cfg
+
+
+def convert_hf_to_moejax(src: str, dst: str, dtype=None, overwrite: bool = False) -> str:
+    """Streams: one tensor (one expert) in memory at a time, whatever the model size."""
+    check_replaceable(dst, overwrite, (src,))  # before reading a byte: refusals are instant
+    tree, cfg = open_params(src, dtype)
+    return save_moejax(tree, cfg, dst, tokenizer_from=src, overwrite=overwrite, protect=(src,))
+
+
+def convert_moejax_to_hf(src: str, dst: str, dtype=None, overwrite: bool = False) -> str:
+    check_replaceable(dst, overwrite, (src,))
+    tree, cfg = open_params(src, dtype)
+    return save_hf(tree, cfg, dst, tokenizer_from=src, overwrite=overwrite, protect=(src,))
+
+
+__all__ = [
+    "CheckpointError", "UnsupportedModelError", "load_params", "open_params", "save_moejax", "save_hf",
+    "convert_hf_to_moejax", "convert_moejax_to_hf", "read_hf_params",
+]

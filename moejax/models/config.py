@@ -1,0 +1,355 @@
+"""One model configuration for every supported family, parsed from a Hugging Face ``config.json``.
+
+The original HF dict is kept verbatim (``hf``) so that export writes back exactly what came in; everything
+the model code needs is derived from it here, once, in one place. ``ModelConfig`` is frozen and hashable so
+it can be a static argument of ``jax.jit``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from typing import Any
+
+import numpy as np
+
+from moejax.base.errors import Failure
+from moejax.models.gating import Gating, GroupLimited, SoftmaxTopK, SparseMixer
+
+SUPPORTED_MODEL_TYPES = ("mixtral", "phimoe", "qwen2_moe", "qwen3_moe", "olmoe", "deepseek_v2")
+
+_DEFAULT_THETA = {"mixtral": 1e6, "phimoe": 1e6}
+
+
+class UnsupportedModelError(Failure):
+    """The folder holds a model moejax cannot run."""
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    norm_type: str  # "rms" | "layer" (Phi-MoE's LayerNorm with bias)
+    norm_eps: float
+    qkv_bias: bool
+    o_bias: bool
+    qk_norm: str  # "none" | "head" (Qwen3: per head) | "proj" (OLMoE: over the whole projection)
+    clip_qkv: float | None
+    sliding_windows: tuple[int, ...]  # per layer; 0 = full causal attention
+    # rotary embedding: inverse frequencies and cos/sin scale, precomputed from the HF rope parameters
+    rope_inv_freq: tuple[float, ...]
+    rope_scale: float
+    rope_interleaved: bool  # DeepSeek applies rope to (even, odd) pairs; the others rotate halves
+    rope_long_scale: float  # Phi-MoE longrope: cos/sin scale once a call reaches past rope_long_after
+    rope_long_after: int
+    attn_scale: float  # softmax scaling of q·k
+    # multi-head latent attention (DeepSeek-V2)
+    mla: bool
+    q_lora_rank: int | None
+    kv_lora_rank: int
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    v_head_dim: int
+    # feed-forward
+    hidden_act: str
+    intermediate_size: int  # dense (non-MoE) layers
+    mlp_bias: bool
+    moe_layers: tuple[bool, ...]
+    n_experts: int
+    top_k: int
+    moe_intermediate_size: int
+    shared_intermediate_size: int  # 0 = no shared expert
+    shared_expert_gate: bool  # Qwen-MoE's sigmoid gate on the shared expert
+    gating: Gating
+    tie_word_embeddings: bool
+    lm_head_bias: bool
+    max_position_embeddings: int
+    bos_token_id: int | None
+    eos_token_ids: tuple[int, ...]
+    hf_json: str = dataclasses.field(repr=False, compare=False, default="{}")
+
+    @property
+    def hf(self) -> dict[str, Any]:
+        """The original Hugging Face config dict."""
+        return json.loads(self.hf_json)
+
+    @property
+    def n_moe_layers(self) -> int:
+        return sum(self.moe_layers)
+
+    @property
+    def moe_layer_ids(self) -> tuple[int, ...]:
+        return tuple(i for i, m in enumerate(self.moe_layers) if m)
+
+    def check_context(self, context: int, what: str = "context") -> None:
+        """Refuse a window longer than the positions the model was built for (its outputs there are not
+        what it was trained to give, and nothing would say so)."""
+        if context > self.max_position_embeddings:
+            raise ValueError(f"{what} {context} is longer than the model's {self.max_position_embeddings} "
+                             "positions (max_position_embeddings)")
+
+    @property
+    def expert_params(self) -> int:
+        """Parameters of one routed expert (gate, up and down projections)."""
+        return 3 * self.hidden_size * self.moe_intermediate_size
+
+    @classmethod
+    def from_hf(cls, hf: dict[str, Any]) -> ModelConfig:
+        return from_hf(hf)
+
+
+def _rope_parameters(hf: dict[str, Any], model_type: str) -> dict[str, Any]:
+    """HF 5.x writes ``rope_parameters``; older checkpoints ``rope_theta`` + ``rope_scaling``."""
+    params = dict(hf.get("rope_parameters") or {})
+    scaling = hf.get("rope_scaling") or {}
+    for k, v in scaling.items():
+        params.setdefault(k, v)
+    params.setdefault("rope_theta", hf.get("rope_theta", _DEFAULT_THETA.get(model_type, 1e4)))
+    params["rope_type"] = params.get("rope_type") or params.get("type") or "default"
+    return params
+
+
+def _yarn_mscale(scale: float, mscale: float = 1.0) -> float:
+    return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
+
+
+def _rope_frequencies(rp: dict[str, Any], dim: int, max_pos: int) -> tuple[np.ndarray, float]:
+    """Inverse frequencies and cos/sin scale, mirroring transformers' ``modeling_rope_utils``."""
+    base = float(rp["rope_theta"])
+    exponents = np.arange(0, dim, 2, dtype=np.float32) / dim
+    kind = rp["rope_type"]
+    if kind == "default":
+        return 1.0 / (base**exponents), 1.0
+    if kind == "linear":
+        return 1.0 / (base**exponents) / float(rp["factor"]), 1.0
+    if kind == "longrope":
+        original = rp["original_max_position_embeddings"]
+        factor = rp.get("factor") or max_pos / original
+        attention_factor = rp.get("attention_factor")
+        if attention_factor is None:
+            attention_factor = 1.0 if factor <= 1 else math.sqrt(1 + math.log(factor) / math.log(original))
+        short = np.asarray(rp["short_factor"], np.float32)
+        return 1.0 / (short * base**exponents), float(attention_factor)
+    if kind == "yarn":
+        factor = rp.get("factor") or max_pos / rp["original_max_position_embeddings"]
+        original = rp["original_max_position_embeddings"]
+        attention_factor = rp.get("attention_factor")
+        mscale, mscale_all = rp.get("mscale"), rp.get("mscale_all_dim")
+        if attention_factor is None:
+            if mscale and mscale_all:
+                attention_factor = _yarn_mscale(factor, mscale) / _yarn_mscale(factor, mscale_all)
+            else:
+                attention_factor = _yarn_mscale(factor)
+        beta_fast, beta_slow = rp.get("beta_fast") or 32, rp.get("beta_slow") or 1
+
+        def correction_dim(rotations: float) -> float:
+            return (dim * math.log(original / (rotations * 2 * math.pi))) / (2 * math.log(base))
+
+        low, high = correction_dim(beta_fast), correction_dim(beta_slow)
+        if rp.get("truncate", True):
+            low, high = math.floor(low), math.ceil(high)
+        low, high = max(low, 0), min(high, dim - 1)
+        if low == high:
+            high += 0.001
+        ramp = np.clip((np.arange(dim // 2, dtype=np.float32) - low) / (high - low), 0, 1)
+        extrapolation = 1 - ramp
+        pos_freqs = base ** (np.arange(0, dim, 2).astype(np.float32) / dim)
+        inv = (1.0 / (factor * pos_freqs)) * (1 - extrapolation) + (1.0 / pos_freqs) * extrapolation
+        return inv.astype(np.float32), float(attention_factor)
+    raise UnsupportedModelError(
+        f"rope type {kind!r} is not supported (supported: default, linear, longrope, yarn)"
+    )
+
+
+def _moe_layer_pattern(hf: dict[str, Any], mt: str, n_layers: int) -> tuple[bool, ...]:
+    if mt in ("mixtral", "phimoe", "olmoe"):
+        return (True,) * n_layers
+    if mt in ("qwen2_moe", "qwen3_moe"):
+        step = hf.get("decoder_sparse_step", 1) or 1
+        only_mlp = set(hf.get("mlp_only_layers") or [])
+        n = hf.get("num_experts", hf.get("num_local_experts", 0))
+        return tuple(i not in only_mlp and n > 0 and (i + 1) % step == 0 for i in range(n_layers))
+    # deepseek_v2: the reference implementation's rule (HF 5.x drops moe_layer_freq; it defaults to 1)
+    first_dense = hf.get("first_k_dense_replace", 0) or 0
+    freq = hf.get("moe_layer_freq", 1) or 1
+    return tuple(i >= first_dense and i % freq == 0 for i in range(n_layers))
+
+
+def _sliding_windows(hf: dict[str, Any], mt: str, n_layers: int) -> tuple[int, ...]:
+    window = hf.get("sliding_window") or 0
+    if mt in ("qwen2_moe", "qwen3_moe"):
+        if not hf.get("use_sliding_window", False):
+            return (0,) * n_layers
+        types = hf.get("layer_types")
+        if mt == "qwen2_moe" and types is None:
+            max_window = hf.get("max_window_layers", 28)
+            types = ["sliding_attention" if (i + 1) % 2 and i < max_window else "full" for i in range(n_layers)]
+        if types is None:
+            return (window,) * n_layers
+        return tuple(window if t == "sliding_attention" else 0 for t in types)
+    if mt in ("mixtral", "phimoe"):
+        return (window,) * n_layers
+    return (0,) * n_layers
+
+
+def from_hf(hf: dict[str, Any]) -> ModelConfig:
+    """Parse a Hugging Face config dict; raise ``UnsupportedModelError`` naming what is wrong."""
+    mt = hf.get("model_type")
+    if mt not in SUPPORTED_MODEL_TYPES:
+        raise UnsupportedModelError(
+            f"model_type {mt!r} is not supported; supported model types: {', '.join(SUPPORTED_MODEL_TYPES)}"
+        )
+    _check_sizes(hf)
+    try:
+        cfg = _from_hf(hf, mt)
+    except KeyError as e:
+        raise UnsupportedModelError(f"config.json of a {mt} model lacks the key {e.args[0]!r}") from e
+    if not 1 <= cfg.gating.top_k <= cfg.gating.n_experts:
+        raise UnsupportedModelError(f"config.json: num_experts_per_tok={cfg.gating.top_k} must be in "
+                                    f"[1, {cfg.gating.n_experts}] (the number of routed experts)")
+    return cfg
+
+
+# sizes and counts: where present they must be positive integers (0 allowed where a family uses it to switch
+# a part off), so that a damaged config.json is blamed, not the first tensor whose shape it gets wrong
+_POSITIVE_INT_KEYS = ("vocab_size", "hidden_size", "num_attention_heads", "num_hidden_layers", "num_key_value_heads",
+                      "head_dim", "intermediate_size", "moe_intermediate_size", "num_experts", "num_local_experts",
+                      "n_routed_experts", "num_experts_per_tok", "max_position_embeddings", "qk_nope_head_dim",
+                      "qk_rope_head_dim", "v_head_dim", "kv_lora_rank")
+_NON_NEGATIVE_INT_KEYS = ("shared_expert_intermediate_size", "n_shared_experts", "first_k_dense_replace",
+                          "q_lora_rank", "decoder_sparse_step")
+
+
+def _check_sizes(hf: dict[str, Any]) -> None:
+    for keys, low in ((_POSITIVE_INT_KEYS, 1), (_NON_NEGATIVE_INT_KEYS, 0)):
+        for k in keys:
+            v = hf.get(k)
+            if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < low):
+                raise UnsupportedModelError(f"config.json: {k} must be an integer >= {low}, got {v!r}")
+
+
+def _first(hf: dict[str, Any], *keys: str) -> Any:
+    """The first of several spellings HF has used for one field (transformers' attribute maps)."""
+    for k in keys:
+        if hf.get(k) is not None:
+            return hf[k]
+    raise KeyError(keys[0])
+
+
+def _from_hf(hf: dict[str, Any], mt: str) -> ModelConfig:
+    d, n_heads, n_layers = hf["hidden_size"], hf["num_attention_heads"], hf["num_hidden_layers"]
+    n_kv = hf.get("num_key_value_heads") or n_heads
+    head_dim = hf.get("head_dim") or d // n_heads
+    mla = mt == "deepseek_v2"
+    rp = _rope_parameters(hf, mt)
+    max_pos = hf.get("max_position_embeddings", 4096)
+    rope_dim = hf["qk_rope_head_dim"] if mla else head_dim
+    inv_freq, rope_scale = _rope_frequencies(rp, rope_dim, max_pos)
+    long_scale, long_after = rope_scale, 2**31 - 1
+    if mt == "phimoe" and rp["rope_type"] != "default":
+        # HF Phi-MoE: short factors always; the cos/sin scale switches once a call passes the original length
+        rope_scale, long_scale = float(rp["short_mscale"]), float(rp["long_mscale"])
+        long_after = int(rp["original_max_position_embeddings"])
+
+    if mla:
+        qk_head = hf["qk_nope_head_dim"] + hf["qk_rope_head_dim"]
+        attn_scale = qk_head**-0.5
+        if rp["rope_type"] != "default" and rp.get("mscale_all_dim"):
+            m = _yarn_mscale(rp["factor"], rp["mscale_all_dim"])
+            attn_scale *= m * m
+    else:
+        attn_scale = head_dim**-0.5
+
+    if mt in ("mixtral", "phimoe"):
+        n_experts, top_k = hf["num_local_experts"], hf.get("num_experts_per_tok", 2)
+        moe_ff = hf["intermediate_size"]
+    elif mt == "deepseek_v2":
+        n_experts, top_k = _first(hf, "n_routed_experts", "num_local_experts"), hf["num_experts_per_tok"]
+        moe_ff = hf["moe_intermediate_size"]
+    else:
+        n_experts, top_k = _first(hf, "num_experts", "num_local_experts"), hf["num_experts_per_tok"]
+        moe_ff = hf["moe_intermediate_size"] if mt != "olmoe" else hf["intermediate_size"]
+
+    if mt == "phimoe":
+        if top_k != 2:
+            raise UnsupportedModelError(f"phimoe sparsemixer routing needs num_experts_per_tok=2, got {top_k}")
+        gating: Gating = SparseMixer(n_experts, top_k, float(hf.get("router_jitter_noise", 0.01)))
+    elif mt == "mixtral":
+        gating = SoftmaxTopK(n_experts, top_k, normalize=True)
+    elif mt == "deepseek_v2":
+        # reference DeepSeek-V2: renormalise (with +1e-20) when norm_topk_prob, else scale.
+        normalize = bool(hf.get("norm_topk_prob")) and top_k > 1
+        scale = 1.0 if normalize else float(hf.get("routed_scaling_factor", 1.0))
+        method = hf.get("topk_method", "greedy")
+        if method == "group_limited_greedy":
+            gating = GroupLimited(n_experts, top_k, normalize, scale, 1e-20 if normalize else 0.0,
+                                  n_group=hf["n_group"], topk_group=hf["topk_group"])
+        elif method == "greedy":
+            gating = SoftmaxTopK(n_experts, top_k, normalize, scale, 1e-20 if normalize else 0.0)
+        else:
+            raise UnsupportedModelError(f"deepseek_v2 topk_method {method!r} is not supported "
+                                        "(supported: greedy, group_limited_greedy)")
+    else:
+        gating = SoftmaxTopK(n_experts, top_k, normalize=bool(hf.get("norm_topk_prob", False)))
+
+    shared = 0
+    if mt == "qwen2_moe":
+        shared = hf.get("shared_expert_intermediate_size", 0) or 0
+    elif mt == "deepseek_v2":
+        shared = (hf.get("n_shared_experts") or 0) * moe_ff
+
+    eos = hf.get("eos_token_id")
+    eos_ids = tuple(eos) if isinstance(eos, (list, tuple)) else (() if eos is None else (eos,))
+    act = hf.get("hidden_act", "silu")
+    if act not in ("silu", "gelu", "gelu_new", "gelu_pytorch_tanh", "relu"):
+        raise UnsupportedModelError(f"hidden_act {act!r} is not supported")
+    return ModelConfig(
+        model_type=mt,
+        vocab_size=hf["vocab_size"],
+        hidden_size=d,
+        num_layers=n_layers,
+        num_heads=n_heads,
+        num_kv_heads=n_kv,
+        head_dim=head_dim,
+        norm_type="layer" if mt == "phimoe" else "rms",
+        norm_eps=float(hf.get("rms_norm_eps", 1e-5 if mt in ("phimoe", "olmoe") else 1e-6)),
+        qkv_bias=bool(hf.get("qkv_bias", True)) if mt == "qwen2_moe" else bool(hf.get("attention_bias", False)),
+        o_bias=False if mt == "qwen2_moe" else bool(hf.get("attention_bias", False)),
+        qk_norm={"qwen3_moe": "head", "olmoe": "proj"}.get(mt, "none"),
+        clip_qkv=hf.get("clip_qkv") if mt == "olmoe" else None,
+        sliding_windows=_sliding_windows(hf, mt, n_layers),
+        rope_inv_freq=tuple(float(x) for x in inv_freq),
+        rope_scale=float(rope_scale),
+        rope_interleaved=mla,
+        rope_long_scale=float(long_scale),
+        rope_long_after=long_after,
+        attn_scale=float(attn_scale),
+        mla=mla,
+        q_lora_rank=hf.get("q_lora_rank") if mla else None,
+        kv_lora_rank=hf.get("kv_lora_rank", 0) if mla else 0,
+        qk_nope_head_dim=hf.get("qk_nope_head_dim", 0) if mla else 0,
+        qk_rope_head_dim=hf.get("qk_rope_head_dim", 0) if mla else 0,
+        v_head_dim=hf.get("v_head_dim", 0) if mla else 0,
+        hidden_act=act,
+        intermediate_size=hf.get("intermediate_size", moe_ff),
+        mlp_bias=bool(hf.get("mlp_bias", False)) if mla else False,
+        moe_layers=_moe_layer_pattern(hf, mt, n_layers),
+        n_experts=n_experts,
+        top_k=top_k,
+        moe_intermediate_size=moe_ff,
+        shared_intermediate_size=shared,
+        shared_expert_gate=mt == "qwen2_moe",
+        gating=gating,
+        tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+        lm_head_bias=bool(hf.get("lm_head_bias", False)) if mt == "phimoe" else False,
+        max_position_embeddings=max_pos,
+        bos_token_id=hf.get("bos_token_id"),
+        eos_token_ids=eos_ids,
+        hf_json=json.dumps(hf, sort_keys=True),
+    )

@@ -1,0 +1,85 @@
+"""Checkpoint conversion CLI::
+
+    python -m moejax.convert hf-to-moejax SRC DST [--dtype float32|bfloat16|float16] [--overwrite]
+    python -m moejax.convert moejax-to-hf SRC DST [--dtype float32|bfloat16|float16] [--overwrite]
+
+``hf-to-moejax`` reads a Hugging Face folder (config.json + single or sharded safetensors) and writes a
+moejax checkpoint folder (orbax params + moejax.json, tokenizer files copied); ``moejax-to-hf`` writes the
+safetensors + config.json that ``transformers`` loads. Both check every key and shape against the family's
+key table, build the target under a temporary name and rename it at the end (an interrupted run leaves no
+folder that loads), and refuse an existing target unless ``--overwrite``. ``--overwrite`` replaces only a
+checkpoint folder (or an empty one), never the source or a folder containing it. SRC may be ``default``
+(the embedded default model), as in every other command. Pickled ``.bin``/``.pt``
+checkpoints are refused, never unpickled. The work is done by ``moejax.models.checkpoint``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+from moejax.base import errors, interrupts
+from moejax.models import assets, checkpoint
+
+DTYPES = ("float32", "bfloat16", "float16")
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m moejax.convert", description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = p.add_subparsers(dest="direction", required=True, metavar="{hf-to-moejax,moejax-to-hf}")
+    for name, helptext in (("hf-to-moejax", "Hugging Face folder -> moejax checkpoint folder"),
+                           ("moejax-to-hf", "moejax checkpoint folder -> Hugging Face folder")):
+        s = sub.add_parser(name, help=helptext, description=helptext)
+        s.add_argument("src", metavar="SRC", help="source folder")
+        s.add_argument("dst", metavar="DST", help="target folder (must not exist unless --overwrite)")
+        s.add_argument("--dtype", choices=DTYPES, default=None,
+                       help="cast the parameters (default: keep the source dtype)")
+        s.add_argument("--overwrite", action="store_true", help="replace DST if it exists")
+    return p
+
+
+def convert(direction: str, src: str, dst: str, dtype: str | None = None, overwrite: bool = False) -> str:
+    """Run one conversion; raise ``CheckpointError`` / ``UnsupportedModelError`` / ``FileExistsError``."""
+
+    src = os.path.abspath(os.path.expanduser(assets.resolve_model_path(src)))
+    if direction == "hf-to-moejax":
+        if os.path.isdir(src) and checkpoint.is_moejax_folder(src):
+            raise checkpoint.CheckpointError(f"{src} is already a moejax checkpoint folder "
+                                             "(use moejax-to-hf to export it)")
+        fn = checkpoint.convert_hf_to_moejax
+    elif direction == "moejax-to-hf":
+        if os.path.isdir(src) and not checkpoint.is_moejax_folder(src):
+            raise checkpoint.CheckpointError(f"{src} is not a moejax checkpoint folder (no "
+                                             f"{checkpoint.FORMAT_FILE}); to import a Hugging Face folder use "
+                                             "hf-to-moejax")
+        fn = checkpoint.convert_moejax_to_hf
+    else:
+        raise ValueError(f"unknown direction {direction!r} (hf-to-moejax or moejax-to-hf)")
+    if dtype is not None and dtype not in DTYPES:
+        raise ValueError(f"unsupported dtype {dtype!r} (supported: {', '.join(DTYPES)})")
+    np_dtype = None
+    if dtype is not None:
+        import jax.numpy as jnp
+
+        np_dtype = jnp.dtype(dtype)
+    return fn(src, dst, dtype=np_dtype, overwrite=overwrite)
+
+
+def main(argv: list[str] | None = None) -> int:
+    interrupts.exit_cleanly_on_signals()
+    args = _parser().parse_args(argv)
+
+    t0 = time.perf_counter()
+    try:
+        out = convert(args.direction, args.src, args.dst, args.dtype, args.overwrite)
+    except errors.HANDLED as e:
+        return errors.report(e)
+    print(f"{args.direction}: wrote {out} in {time.perf_counter() - t0:.1f}s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,175 @@
+"""How each architecture turns router logits into a ranking and mixing weights.
+
+DESIGN §2: a routing policy only changes the *ranking*; the K experts chosen are the first K of it, and
+their mixing weights always come from the **original** logits through the architecture's own weighting.
+Each gating here therefore offers three pure functions:
+
+- ``ranking(z)``: experts in the architecture's order of preference (``ranking(z)[:K]`` is exactly what
+  Hugging Face selects);
+- ``probs(z)``: the router probabilities (what cumsum thresholds accumulate);
+- ``weights(z, chosen, valid)``: the mixing weights the architecture gives ``chosen`` from logits ``z``.
+
+Gatings are frozen dataclasses so they can be static arguments of ``jax.jit``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from moejax.base.errors import Failure
+
+
+def descending_order(scores: jax.Array) -> jax.Array:
+    """Indices that sort ``scores`` from highest to lowest; ties go to the lower index (like torch.topk).
+
+    Computed by pairwise comparison instead of ``argsort``: N is at most a few hundred experts, and inside
+    the per-token routing scan a sort costs ~50 µs on XLA:CPU while N² compares cost ~1 µs."""
+    n = scores.shape[-1]
+    idx = jnp.arange(n)
+    scores = jnp.where(jnp.isnan(scores), -jnp.inf, scores)  # NaN ranks last: the result stays a permutation
+    s_i, s_j = scores[..., :, None], scores[..., None, :]
+    ahead = (s_j > s_i) | ((s_j == s_i) & (idx[None, :] < idx[:, None]))  # [.., i, j]: j ranks before i
+    position = jnp.sum(ahead, axis=-1)  # rank of expert i
+    onehot = position[..., None, :] == idx[:, None]  # [.., r, i]: expert i sits at rank r
+    return jnp.sum(jnp.where(onehot, idx[None, :], 0), axis=-1).astype(jnp.int32)
+
+
+class NonFiniteError(Failure):
+    """Router logits (or model outputs) that are NaN or infinite: damaged weights or an overflow."""
+
+
+def check_finite(values, what: str = "router logits", cfg=None, layer_names=None) -> None:
+    """Raise ``NonFiniteError`` naming the first layer and token where ``values`` [L, T, ...] is not finite
+    (host-side check of a pass's outputs: NaN routing must not pass for a result). With ``cfg`` the MoE
+    layers are named with their model layer."""
+    if cfg is not None and layer_names is None:
+        layer_names = [f"MoE layer {j} (model layer {i})" for j, i in enumerate(cfg.moe_layer_ids)]
+    v = np.asarray(values)
+    if v.size == 0 or np.isfinite(v).all():
+        return
+    bad = ~np.isfinite(v.reshape(v.shape[0], v.shape[1], -1)).all(-1)  # [L, T]
+    layer, token = (int(i[0]) for i in np.nonzero(bad))
+    name = f"MoE layer {layer}" if layer_names is None else layer_names[layer]
+    kind = "NaN" if np.isnan(v[layer, token]).any() else "infinite"
+    raise NonFiniteError(f"{what} of {name} are {kind} at token {token} (damaged weights, or an overflow in "
+                         "this dtype); refusing to report a result computed from them")
+
+
+def _take(x: jax.Array, idx: jax.Array) -> jax.Array:
+    return jnp.take_along_axis(x, jnp.maximum(idx, 0), axis=-1)
+
+
+class _RankByLogits:
+    """Shared by gatings that rank experts by their logits and expose softmax probabilities."""
+
+    def probs(self, z: jax.Array) -> jax.Array:
+        return jax.nn.softmax(z.astype(jnp.float32), axis=-1)
+
+    def ranking(self, z: jax.Array) -> jax.Array:
+        return descending_order(z.astype(jnp.float32))
+
+
+@dataclasses.dataclass(frozen=True)
+class SoftmaxTopK(_RankByLogits):
+    """softmax over all experts, top-K, optionally renormalised over the chosen ones, then scaled.
+
+    Mixtral (normalize=True), Qwen1.5/Qwen3-MoE and OLMoE (``norm_topk_prob``), DeepSeek-V2 greedy
+    (``routed_scaling_factor`` as ``scale``).
+    """
+
+    n_experts: int
+    top_k: int
+    normalize: bool
+    scale: float = 1.0
+    norm_eps: float = 0.0
+
+    def weights(self, z: jax.Array, chosen: jax.Array, valid: jax.Array | None = None) -> jax.Array:
+        if valid is None:
+            valid = chosen >= 0
+        w = jnp.where(valid, _take(self.probs(z), chosen), 0.0)
+        if self.normalize:
+            w = w / (jnp.sum(w, axis=-1, keepdims=True) + self.norm_eps)
+        return w * self.scale
+
+
+@dataclasses.dataclass(frozen=True)
+class GroupLimited(SoftmaxTopK):
+    """DeepSeek-V2 ``group_limited_greedy``: only experts of the ``topk_group`` best groups compete.
+
+    A group's score is the best probability inside it. The ranking lists the experts of the chosen groups
+    first (by probability), then the rest (by probability), so its first K is exactly HF's choice.
+    """
+
+    n_group: int = 1
+    topk_group: int = 1
+
+    def ranking(self, z: jax.Array) -> jax.Array:
+        p = self.probs(z)
+        grouped = p.reshape(*p.shape[:-1], self.n_group, self.n_experts // self.n_group)
+        group_best = grouped.max(axis=-1)
+        top_groups = descending_order(group_best)[..., : self.topk_group]
+        in_top = jnp.any(jnp.arange(self.n_group) == top_groups[..., :, None], axis=-2)
+        expert_in_top = jnp.repeat(in_top, self.n_experts // self.n_group, axis=-1)
+        return descending_order(jnp.where(expert_in_top, p + 2.0, p))
+
+
+@dataclasses.dataclass(frozen=True)
+class SparseMixer(_RankByLogits):
+    """Phi-3.5-MoE ``sparsemixer`` as Hugging Face runs it in eval mode (top-2).
+
+    For the first chosen expert c1, the weight is softmax over the logits that lie within a relative
+    ``2·jitter_eps`` of z[c1] (others masked to -inf), taken at c1; for the second, c1 is masked out and
+    the same is done around z[c2]. With the original ranking (c1 = argmax, c2 = second) this is HF's
+    computation verbatim; for a re-ranked choice it is the same formula applied to the chosen experts.
+    """
+
+    n_experts: int
+    top_k: int = 2
+    jitter_eps: float = 0.01
+
+    def _gate(self, scores: jax.Array, z: jax.Array, expert: jax.Array) -> jax.Array:
+        threshold = _take(scores, expert[..., None])
+        factor = jnp.maximum(jnp.abs(z), threshold)
+        masked = jnp.where((threshold - z) / factor > 2 * self.jitter_eps, -jnp.inf, scores)
+        return _take(jax.nn.softmax(masked, axis=-1), expert[..., None])[..., 0]
+
+    def weights(self, z: jax.Array, chosen: jax.Array, valid: jax.Array | None = None) -> jax.Array:
+        if valid is None:
+            valid = chosen >= 0
+        z = z.astype(jnp.float32)
+        c1, c2 = jnp.maximum(chosen[..., 0], 0), jnp.maximum(chosen[..., 1], 0)
+        w1 = self._gate(z, z, c1)
+        without_c1 = jnp.where(jnp.arange(self.n_experts) == c1[..., None], -jnp.inf, z)
+        w2 = self._gate(without_c1, z, c2)
+        return jnp.where(valid, jnp.stack([w1, w2], axis=-1), 0.0)
+
+
+Gating = SoftmaxTopK | GroupLimited | SparseMixer
+
+
+def original_routing(gating: Gating, z: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """The architecture's own top-K: expert ids [..., K] (highest weight first) and their weights."""
+    chosen = gating.ranking(z)[..., : gating.top_k]
+    return sort_by_weight(chosen, gating.weights(z, chosen))
+
+
+def sort_by_weight(experts: jax.Array, weights: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Order chosen experts by weight, highest first (stable: equal weights keep ranking order)."""
+    order = descending_order(weights)
+    return jnp.take_along_axis(experts, order, -1), jnp.take_along_axis(weights, order, -1)
+
+
+def spec(gating: Gating) -> dict:
+    """A JSON-able description of a gating (stored in routing traces so replay can re-route)."""
+    if isinstance(gating, SparseMixer):
+        return {"kind": "sparsemixer", "n_experts": gating.n_experts, "top_k": gating.top_k,
+                "jitter_eps": gating.jitter_eps}
+    out = {"kind": "softmax", "n_experts": gating.n_experts, "top_k": gating.top_k,
+           "normalize": gating.normalize, "scale": gating.scale, "norm_eps": gating.norm_eps}
+    if isinstance(gating, GroupLimited):
+        out.update(kind="group-limited", n_group=gating.n_group, topk_group=gating.topk_group)
+    return out

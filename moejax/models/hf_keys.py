@@ -1,0 +1,126 @@
+"""Key mapping tables between Hugging Face hub checkpoints and the moejax parameter tree.
+
+Every tensor of a supported checkpoint is described by one ``Entry``: its hub key, where it lives in the
+moejax tree, whether it is a ``Linear`` weight (HF stores [out, in]; moejax [in, out]) and, for routed
+experts, the expert index it occupies in the stacked ``[N, ...]`` array. The same table drives import,
+export and every "missing / unexpected / mis-shaped key" error, so the two directions cannot drift apart.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Iterator
+
+from moejax.models.config import ModelConfig
+
+# hub names of the three expert projections, per family: (gate, up, down)
+_EXPERT_NAMES = {
+    "mixtral": ("w1", "w3", "w2"),
+    "phimoe": ("w1", "w3", "w2"),
+}
+_MOE_PREFIX = {"mixtral": "block_sparse_moe", "phimoe": "block_sparse_moe"}
+_SHARED_NAME = {"qwen2_moe": "shared_expert", "deepseek_v2": "shared_experts"}
+
+
+@dataclasses.dataclass(frozen=True)
+class Entry:
+    hf_key: str
+    path: tuple  # path in the moejax tree, e.g. ("layers", 3, "moe", "gate")
+    shape: tuple[int, ...]  # shape of the HF tensor
+    transpose: bool = False  # Linear weight: HF [out, in] -> moejax [in, out]
+    expert: int | None = None  # index in the stacked expert axis
+
+    @property
+    def param_shape(self) -> tuple[int, ...]:
+        return tuple(reversed(self.shape)) if self.transpose else self.shape
+
+
+def _linear(key: str, path: tuple, n_in: int, n_out: int, bias: bool = False) -> Iterator[Entry]:
+    yield Entry(f"{key}.weight", path, (n_out, n_in), transpose=True)
+    if bias:
+        yield Entry(f"{key}.bias", path[:-1] + (path[-1] + "_bias",), (n_out,))
+
+
+def _norm(key: str, path: tuple, dim: int, cfg: ModelConfig) -> Iterator[Entry]:
+    yield Entry(f"{key}.weight", path + ("scale",), (dim,))
+    if cfg.norm_type == "layer":
+        yield Entry(f"{key}.bias", path + ("bias",), (dim,))
+
+
+def _mlp(key: str, path: tuple, d: int, f: int, bias: bool) -> Iterator[Entry]:
+    yield from _linear(f"{key}.gate_proj", path + ("gate",), d, f, bias)
+    yield from _linear(f"{key}.up_proj", path + ("up",), d, f, bias)
+    yield from _linear(f"{key}.down_proj", path + ("down",), f, d, bias)
+
+
+def _attention(cfg: ModelConfig, pre: str, path: tuple) -> Iterator[Entry]:
+    d, H = cfg.hidden_size, cfg.num_heads
+    if cfg.mla:
+        qk = cfg.qk_nope_head_dim + cfg.qk_rope_head_dim
+        b = cfg.o_bias  # DeepSeek's attention_bias covers q_a, kv_a and o
+        if cfg.q_lora_rank is None:
+            yield from _linear(f"{pre}.q_proj", path + ("q",), d, H * qk)
+        else:
+            yield from _linear(f"{pre}.q_a_proj", path + ("q_a",), d, cfg.q_lora_rank, b)
+            yield Entry(f"{pre}.q_a_layernorm.weight", path + ("q_a_norm",), (cfg.q_lora_rank,))
+            yield from _linear(f"{pre}.q_b_proj", path + ("q_b",), cfg.q_lora_rank, H * qk)
+        yield from _linear(f"{pre}.kv_a_proj_with_mqa", path + ("kv_a",), d,
+                           cfg.kv_lora_rank + cfg.qk_rope_head_dim, b)
+        yield Entry(f"{pre}.kv_a_layernorm.weight", path + ("kv_a_norm",), (cfg.kv_lora_rank,))
+        yield from _linear(f"{pre}.kv_b_proj", path + ("kv_b",), cfg.kv_lora_rank,
+                           H * (cfg.qk_nope_head_dim + cfg.v_head_dim))
+        yield from _linear(f"{pre}.o_proj", path + ("o",), H * cfg.v_head_dim, d, b)
+        return
+    hd, Hk = cfg.head_dim, cfg.num_kv_heads
+    yield from _linear(f"{pre}.q_proj", path + ("q",), d, H * hd, cfg.qkv_bias)
+    yield from _linear(f"{pre}.k_proj", path + ("k",), d, Hk * hd, cfg.qkv_bias)
+    yield from _linear(f"{pre}.v_proj", path + ("v",), d, Hk * hd, cfg.qkv_bias)
+    yield from _linear(f"{pre}.o_proj", path + ("o",), H * hd, d, cfg.o_bias)
+    if cfg.qk_norm == "head":
+        yield Entry(f"{pre}.q_norm.weight", path + ("q_norm",), (hd,))
+        yield Entry(f"{pre}.k_norm.weight", path + ("k_norm",), (hd,))
+    elif cfg.qk_norm == "proj":
+        yield Entry(f"{pre}.q_norm.weight", path + ("q_norm",), (H * hd,))
+        yield Entry(f"{pre}.k_norm.weight", path + ("k_norm",), (Hk * hd,))
+
+
+def _moe(cfg: ModelConfig, pre: str, path: tuple) -> Iterator[Entry]:
+    d, f, mt = cfg.hidden_size, cfg.moe_intermediate_size, cfg.model_type
+    block = f"{pre}.{_MOE_PREFIX.get(mt, 'mlp')}"
+    yield from _linear(f"{block}.gate", path + ("router",), d, cfg.n_experts)
+    gate, up, down = _EXPERT_NAMES.get(mt, ("gate_proj", "up_proj", "down_proj"))
+    for e in range(cfg.n_experts):
+        ex = f"{block}.experts.{e}"
+        yield Entry(f"{ex}.{gate}.weight", path + ("gate",), (f, d), True, e)
+        yield Entry(f"{ex}.{up}.weight", path + ("up",), (f, d), True, e)
+        yield Entry(f"{ex}.{down}.weight", path + ("down",), (d, f), True, e)
+    if cfg.shared_intermediate_size:
+        yield from _mlp(f"{block}.{_SHARED_NAME[mt]}", path + ("shared",), d, cfg.shared_intermediate_size,
+                        cfg.mlp_bias)
+    if cfg.shared_expert_gate:
+        yield from _linear(f"{block}.shared_expert_gate", path + ("shared_gate",), d, 1)
+
+
+def entries(cfg: ModelConfig) -> list[Entry]:
+    """Every tensor a hub checkpoint of this configuration holds, in a stable order."""
+    d, out = cfg.hidden_size, []
+    out.append(Entry("model.embed_tokens.weight", ("embed",), (cfg.vocab_size, d)))
+    for i in range(cfg.num_layers):
+        pre, path = f"model.layers.{i}", ("layers", i)
+        out += _norm(f"{pre}.input_layernorm", path + ("attn_norm",), d, cfg)
+        out += _norm(f"{pre}.post_attention_layernorm", path + ("mlp_norm",), d, cfg)
+        out += _attention(cfg, f"{pre}.self_attn", path + ("attn",))
+        if cfg.moe_layers[i]:
+            out += _moe(cfg, pre, path + ("moe",))
+        else:
+            out += _mlp(f"{pre}.mlp", path + ("mlp",), d, cfg.intermediate_size, cfg.mlp_bias)
+    out += _norm("model.norm", ("final_norm",), d, cfg)
+    if not cfg.tie_word_embeddings:
+        out.append(Entry("lm_head.weight", ("lm_head",), (cfg.vocab_size, d), transpose=True))
+    if cfg.lm_head_bias:
+        out.append(Entry("lm_head.bias", ("lm_head_bias",), (cfg.vocab_size,)))
+    return out
+
+
+# tensors some checkpoints carry that the model recomputes; safe to skip on import
+IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)

@@ -1,0 +1,464 @@
+"""The serving layout: weights arranged so that inference reads each one in place, in its stored dtype.
+
+Why another layout. moejax's canonical parameters (``model.py``: ``x @ W``, experts stacked ``[N, in, out]``)
+are what training, conversion and the checkpoint formats use. On XLA:CPU two things about them cost a
+bandwidth-bound decode step most of its speed (measured in bench/RESULTS.md, "decode at the bandwidth
+limit"):
+
+- a product with a bf16 matrix and one row of activations goes to XLA's f32 matrix-vector emitter, which
+  first writes an f32 copy of the whole matrix (read 2 bytes, write 4, read 4 per weight);
+- an expert picked by a traced id (``stack[e]``, a gather or a dynamic slice) is copied out of the stack
+  before any matmul reads it.
+
+In the serving layout
+
+- every matrix that ``model.linear`` multiplies by is stored ``[out, in]`` (Hugging Face's own orientation)
+  and wrapped in ``OutIn``: ``y = x · wᵀ`` contracts the minor axes of both operands, which XLA hands to
+  its matmul library (YNNPACK) in the stored dtype; rows are padded to ``MIN_ROWS`` for 16-bit types (one
+  row would go to the f32 emitter). f32 weights keep one row: the f32 emitter is at the memory
+  bandwidth there.
+- the routed experts of a MoE layer are an ``ExpertList``: one array per expert and matrix (gate and up
+  fused, ``[2F, D]``; down ``[D, F]``), so ``lax.switch(e, ...)`` gives expert ``e``'s own buffer to its
+  matmul, read in place (``model.switched_routed_experts``).
+
+Everything else (embeddings, norms, routers, biases, MLA's ``kv_b``, Qwen's ``shared_gate``) keeps its
+canonical form.
+
+**int8 weights** (``Quantization``; ``moejax.load(..., expert_dtype="int8")`` / ``weight_dtype="int8"``): any
+of those matrices may instead be a ``quant.QuantizedTensor`` of the ``[out, in]`` matrix, symmetric int8
+with one float32 scale per output row (``quant.quantize(w, 8, axis=-1)``). ``nt_dot`` then quantises each
+row of activations on the fly (one scale per row, absmax / 127) and multiplies int8 × int8 with int32
+accumulation in XLA's matmul library, which reads the int8 weights in place: half the bytes of bf16 and,
+on the CPUs measured, 1.3–1.5x the weights per second (bench/RESULTS.md). This is what XNNPACK calls
+"qd8" and close to llama.cpp's ``Q8_0`` (which scales blocks of 32 instead of whole rows). The error
+against the dequantised weights in float32 is the activation rounding alone, bounded per output by
+``s_x / 2 · Σ_i |deq(w)_i|`` (tested); the weights' own rounding is ``quant``'s bound. ``to_serving``/``to_canonical`` convert whole trees; ``arrange`` builds the serving tree
+from any leaves through caller-given readers (``weights.place`` reads checkpoint files straight into it).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from moejax.models import quant
+
+ARRANGEMENTS = ("canonical", "serving")
+MIN_ROWS = 4  # rows of a 16-bit matmul: YNNPACK takes >= 2 (one row goes to the f32 emitter); 4 read fastest
+INT8_MIN_ROWS = 2  # rows of an int8 matmul: 2 read fastest (1: 8.0, 2: 8.7, 4: 8.5, 8: 7.0 GB/s, AMD EPYC)
+WEIGHT_DTYPES = ("stored", "int8")
+TIED_INT8_HEAD = "tied_lm_head"  # a tied model's int8 copy of its embedding, multiplied as the LM head
+
+# matrices that model.py multiplies through linear(), by where they sit in the tree
+ATTENTION_MATRICES = ("q", "k", "v", "o", "q_a", "q_b", "kv_a")
+MLP_MATRICES = ("gate", "up", "down")
+EXPERT_MATRICES = ("gate", "up", "down")
+
+
+@jax.tree_util.register_pytree_node_class
+class OutIn:
+    """A matrix stored ``[out, in]``: ``linear(x, OutIn(w))`` computes ``x @ w.T`` reading ``w`` in place."""
+
+    def __init__(self, w):
+        self.w = w
+
+    def tree_flatten(self):
+        return (self.w,), None
+
+    @classmethod
+    def tree_unflatten(cls, aux, children):
+        return cls(*children)
+
+    @property
+    def dtype(self):
+        return self.w.dtype
+
+    def __repr__(self) -> str:
+        return f"OutIn({getattr(self.w, 'shape', '?')}, {getattr(self.w, 'dtype', '?')})"
+
+
+@jax.tree_util.register_pytree_node_class
+class ExpertList:
+    """The routed experts of one MoE layer, one buffer each: ``gate_up[e]`` ``[2F, D]`` (gate rows first),
+    ``down[e]`` ``[D, F]``."""
+
+    def __init__(self, gate_up: tuple, down: tuple):
+        self.gate_up, self.down = tuple(gate_up), tuple(down)
+        if len(self.gate_up) != len(self.down) or not self.gate_up:
+            raise ValueError(f"an expert list needs as many gate_up as down matrices (>= 1), got "
+                             f"{len(self.gate_up)} and {len(self.down)}")
+
+    def tree_flatten(self):
+        return (self.gate_up, self.down), None
+
+    @classmethod
+    def tree_unflatten(cls, aux, children):
+        return cls(*children)
+
+    @property
+    def n_experts(self) -> int:
+        return len(self.gate_up)
+
+    @property
+    def dtype(self):
+        return self.gate_up[0].dtype
+
+    def expert(self, e: int) -> tuple:
+        return self.gate_up[e], self.down[e]
+
+    def replace(self, e: int, gate_up, down) -> "ExpertList":
+        """The list with expert ``e``'s buffers replaced (the others are shared, not copied)."""
+        gu, d = list(self.gate_up), list(self.down)
+        gu[e], d[e] = gate_up, down
+        return ExpertList(tuple(gu), tuple(d))
+
+    def __repr__(self) -> str:
+        return f"ExpertList({self.n_experts} x ({self.gate_up[0].shape}, {self.down[0].shape}), {self.dtype})"
+
+
+@dataclasses.dataclass(frozen=True)
+class Quantization:
+    """Which serving-layout matrices are held as int8 (``quantize_matrix``); the rest keep their dtype."""
+
+    experts: bool = False  # the routed experts
+    matrices: bool = False  # every other matrix: attention, dense and shared MLPs, the LM head
+
+    @classmethod
+    def from_dtypes(cls, weight_dtype: str | None = None, expert_dtype: str | None = None) -> "Quantization | None":
+        """``weight_dtype`` for every matrix, ``expert_dtype`` overriding it for the routed experts; each
+        None, "stored" or "int8". None when nothing is quantised."""
+        for flag, value in (("weight_dtype", weight_dtype), ("expert_dtype", expert_dtype)):
+            if value is not None and value not in WEIGHT_DTYPES:
+                raise ValueError(f"{flag} must be one of {', '.join(WEIGHT_DTYPES)}, got {value!r}")
+        matrices = weight_dtype == "int8"
+        q = cls(experts=matrices if expert_dtype is None else expert_dtype == "int8", matrices=matrices)
+        return q if q.experts or q.matrices else None
+
+    def matrix(self, w):
+        return quantize_matrix(w) if self.matrices else w
+
+    def expert(self, w):
+        return quantize_matrix(w) if self.experts else w
+
+
+def quantize_matrix(w) -> "quant.QuantizedTensor":
+    """An ``[out, in]`` matrix as symmetric int8 with one float32 scale per output row (for ``nt_dot``)."""
+    if isinstance(w, quant.QuantizedTensor):
+        return w
+    return quant.quantize(jnp.asarray(w), 8, axis=-1, scale_dtype=jnp.float32)
+
+
+def is_int8(w) -> bool:
+    return isinstance(w, quant.QuantizedTensor)
+
+
+def matrix_nbytes(w) -> int:
+    """Bytes a serving-layout matrix occupies (int8 values + scales, or the array's own)."""
+    return quant.nbytes(w)
+
+
+@jax.tree_util.register_pytree_node_class
+class ExpertShards:
+    """The routed experts of one MoE layer split over devices (expert parallelism): canonical stacks
+    ``gate``/``up`` ``[N, D, F]`` and ``down`` ``[N, F, D]`` laid along the mesh axis ``axis``, N / devices
+    experts on each (``model.sharded_routed_experts`` computes them where they are)."""
+
+    def __init__(self, gate, up, down, mesh, axis: str = "experts"):
+        self.gate, self.up, self.down, self.mesh, self.axis = gate, up, down, mesh, axis
+
+    def tree_flatten(self):
+        return (self.gate, self.up, self.down), (self.mesh, self.axis)
+
+    @classmethod
+    def tree_unflatten(cls, aux, children):
+        return cls(*children, *aux)
+
+    @property
+    def n_experts(self) -> int:
+        return int(self.gate.shape[0])
+
+    @property
+    def dtype(self):
+        return self.gate.dtype
+
+    def stacks(self) -> dict:
+        return {"gate": self.gate, "up": self.up, "down": self.down}
+
+    def __repr__(self) -> str:
+        return f"ExpertShards({self.n_experts} experts over {self.mesh.devices.size} devices, {self.dtype})"
+
+
+def is_serving(params: dict) -> bool:
+    """True when ``params`` is in the serving layout (any MoE layer holds an ``ExpertList``, or any
+    attention matrix is an ``OutIn``)."""
+    for lp in params["layers"]:
+        if isinstance(lp.get("moe", {}).get("experts"), (ExpertList, ExpertShards)) or \
+                isinstance(lp["attn"].get("q"), OutIn):
+            return True
+        if isinstance(lp["attn"].get("q_a"), OutIn) or isinstance(lp["attn"].get("kv_a"), OutIn):
+            return True
+    return False
+
+
+# ------------------------------------------------------------------------------------------- compute
+def nt_dot(x: jax.Array, w) -> jax.Array:
+    """``x @ w.T`` for ``x [..., in]``, ``w [out, in]`` (an array or an int8 ``quant.QuantizedTensor``),
+    accumulated and returned in float32.
+
+    16-bit operands with fewer than ``MIN_ROWS`` rows are padded with zero rows so the product stays in
+    the matmul library (bf16 read in place) instead of XLA's f32 matrix-vector emitter."""
+    if isinstance(w, quant.QuantizedTensor):
+        return int8_nt_dot(x, w)
+    lead, k = x.shape[:-1], x.shape[-1]
+    rows = x.reshape(-1, k)
+    n = rows.shape[0]
+    if rows.dtype != w.dtype:
+        rows = rows.astype(w.dtype)
+    if w.dtype.itemsize < 4 and n < MIN_ROWS:
+        rows = jnp.concatenate([rows, jnp.zeros((MIN_ROWS - n, k), rows.dtype)])
+    y = jax.lax.dot_general(rows, w, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+    return y[:n].reshape(*lead, w.shape[0])
+
+
+def quantize_rows(x: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Symmetric int8 rows of ``x [R, in]`` and their float32 scales ``[R, 1]`` (absmax / 127 per row; an
+    all-zero row gets scale 0). A NaN row gets a NaN scale, so NaN still comes out of the product."""
+    x = x.astype(jnp.float32)
+    s = jnp.max(jnp.abs(x), axis=-1, keepdims=True) / 127.0
+    safe = jnp.where(s > 0, s, 1.0)
+    return jnp.clip(jnp.round(x / safe), -127, 127).astype(jnp.int8), s
+
+
+def int8_nt_dot(x: jax.Array, w: "quant.QuantizedTensor") -> jax.Array:
+    """``x @ deq(w).T`` with ``w`` int8 ``[out, in]`` (one scale per output row): the activation rows are
+    quantised per row, multiplied int8 x int8 -> int32 (weights read in place), then scaled; float32."""
+    if w.bits != 8 or w.axis != -1 or w.scale.shape[-1] != 1:
+        raise ValueError(f"int8_nt_dot needs int8 weights with one scale per output row, got {w.bits}-bit "
+                         f"weights with scales {tuple(w.scale.shape)} along axis {w.axis}")
+    lead, k = x.shape[:-1], x.shape[-1]
+    xq, xs = quantize_rows(x.reshape(-1, k))
+    n = xq.shape[0]
+    if n < INT8_MIN_ROWS:
+        xq = jnp.concatenate([xq, jnp.zeros((INT8_MIN_ROWS - n, k), jnp.int8)])
+    acc = jax.lax.dot_general(xq, w.q, (((1,), (1,)), ((), ())), preferred_element_type=jnp.int32)[:n]
+    y = acc.astype(jnp.float32) * xs * w.scale[:, 0].astype(jnp.float32)[None, :]
+    return y.reshape(*lead, w.q.shape[0])
+
+
+def matmul(x: jax.Array, w) -> jax.Array:
+    """``x @ w`` for a canonical ``[in, out]`` matrix or an ``OutIn``; result in x's dtype."""
+    if isinstance(w, OutIn):
+        return nt_dot(x, w.w).astype(x.dtype)
+    return x @ w
+
+
+# ------------------------------------------------------------------------------------------- conversion
+Reader = Callable[[Any], Any]
+
+
+def _expert_reader_from_stacks(moe: dict) -> Callable[[int], tuple]:
+    def read(e: int):
+        g, u, d = (np.asarray(moe[k][e]) for k in EXPERT_MATRICES)
+        return np.concatenate([g.T, u.T]), np.ascontiguousarray(d.T)
+    return read
+
+
+def arrange(params: dict, out_in: Reader, experts: Callable[[dict], Any], put: Reader = jnp.asarray,
+            quantization: Quantization | None = None) -> dict:
+    """The serving tree of a canonical tree (whose leaves may be anything ``out_in``/``put`` can read).
+
+    ``out_in(leaf)``: the leaf as an ``[out, in]`` host array; ``experts(moe)``: the layer's experts as an
+    ``ExpertList`` (or left as they are, e.g. in their files for offload; quantised by the caller, see
+    ``expert_list``); ``put``: any other leaf placed. ``quantization``: the matrices to hold as int8 (each
+    quantised as soon as it is placed; a tied LM head gets an int8 copy of the embedding as ``lm_head``).
+    Placed one tensor at a time, so the host never holds more than one."""
+    q = quantization or Quantization()
+
+    def mat(w):
+        return OutIn(q.matrix(jnp.asarray(out_in(w))))
+
+    def mlp(p):
+        return {k: (mat(v) if k in MLP_MATRICES else put(v)) for k, v in p.items()}
+
+    layers = []
+    for i, lp in enumerate(params["layers"]):
+        new = {k: jax.tree.map(put, v) for k, v in lp.items() if k not in ("attn", "mlp", "moe")}
+        new["attn"] = {k: (mat(v) if k in ATTENTION_MATRICES else put(v)) for k, v in lp["attn"].items()}
+        if "mlp" in lp:
+            new["mlp"] = mlp(lp["mlp"])
+        if "moe" in lp:
+            moe = {k: v for k, v in lp["moe"].items() if k not in EXPERT_MATRICES}
+            moe = {k: (mlp(v) if k == "shared" else put(v)) for k, v in moe.items()}
+            arranged = experts(lp["moe"])
+            if isinstance(arranged, (ExpertList, ExpertShards)):
+                moe["experts"] = arranged
+            else:
+                moe.update(arranged)
+            new["moe"] = moe
+        layers.append(new)
+    out = {k: jax.tree.map(put, v) for k, v in params.items() if k not in ("layers", "lm_head")}
+    out["layers"] = layers
+    if "lm_head" in params:
+        out["lm_head"] = mat(params["lm_head"])
+    elif q.matrices:  # tied: the embedding stays for the lookup, the head multiplies an int8 copy
+        out[TIED_INT8_HEAD] = OutIn(quantize_matrix(out["embed"]))
+    return out
+
+
+def expert_list(n: int, read: Callable[[int], tuple], put: Reader = jnp.asarray,
+                quantization: Quantization | None = None) -> ExpertList:
+    """An ``ExpertList`` of ``n`` experts, ``read(e) -> (gate_up [2F, D], down [D, F])`` one at a time
+    (each quantised right after it is placed when ``quantization.experts``)."""
+    q = quantization or Quantization()
+    gate_up, down = [], []
+    for e in range(n):
+        gu, d = read(e)
+        gate_up.append(q.expert(put(gu)))
+        down.append(q.expert(put(d)))
+    return ExpertList(tuple(gate_up), tuple(down))
+
+
+def to_serving(params: dict, quantization: Quantization | None = None) -> dict:
+    """Canonical (arrays) -> serving layout. Copies every matrix once (transposed); ``quantization``: the
+    matrices to hold as int8."""
+    if is_serving(params):
+        if quantization is not None:
+            raise ValueError("to_serving(..., quantization=) needs a canonical tree: these params are already "
+                             "in the serving layout (load them again with the dtype you want)")
+        return params
+
+    def experts(moe):
+        return expert_list(int(moe["gate"].shape[0]), _expert_reader_from_stacks(moe), quantization=quantization)
+
+    return arrange(params, lambda w: np.ascontiguousarray(np.asarray(w).T), experts, quantization=quantization)
+
+
+def _map_serving(params, matrix: Callable, experts: Callable[[ExpertList], dict]):
+    """The tree with every ``OutIn`` replaced by ``matrix(it)`` and every ``ExpertList`` by the
+    ``gate``/``up``/``down`` entries of ``experts(it)`` (the canonical tree's paths)."""
+    if isinstance(params, OutIn):
+        return matrix(params)
+    if isinstance(params, dict):
+        out = {}
+        for k, v in params.items():
+            if isinstance(v, ExpertList):
+                out.update(experts(v))
+            elif isinstance(v, ExpertShards):  # already canonical stacks, only spread over devices
+                out.update(v.stacks())
+            else:
+                out[k] = _map_serving(v, matrix, experts)
+        return out
+    if isinstance(params, list):
+        return [_map_serving(v, matrix, experts) for v in params]
+    return params
+
+
+def to_canonical(params: dict) -> dict:
+    """Serving -> canonical (``x @ W`` matrices, experts stacked ``[N, in, out]``): for checkpoint writers,
+    training and anything that needs the stacks. Copies."""
+    return _map_serving(_without_copies(params), lambda m: dense(m.w).T, canonical_experts)
+
+
+def _without_copies(params: dict) -> dict:
+    """The tree without what ``arrange`` derived from other weights (a tied model's int8 head)."""
+    return {k: v for k, v in params.items() if k != TIED_INT8_HEAD} if TIED_INT8_HEAD in params else params
+
+
+def dense(w) -> jax.Array:
+    """A serving-layout matrix as a plain array: int8 ones dequantised to their original dtype."""
+    return quant.dequantize(w) if isinstance(w, quant.QuantizedTensor) else jnp.asarray(w)
+
+
+def canonical_experts(experts: ExpertList) -> dict:
+    """``{"gate", "up", "down"}`` stacks ``[N, D, F]``/``[N, F, D]`` of an ``ExpertList`` (a copy)."""
+    f = experts.gate_up[0].shape[0] // 2
+    gate_up = [dense(gu) for gu in experts.gate_up]
+    gate = jnp.stack([gu[:f].T for gu in gate_up])
+    up = jnp.stack([gu[f:].T for gu in gate_up])
+    down = jnp.stack([dense(d).T for d in experts.down])
+    return {"gate": gate, "up": up, "down": down}
+
+
+def gather_experts(experts: ExpertList, ids: jax.Array) -> dict:
+    """Canonical ``gate``/``up``/``down`` stacks ``[K, ...]`` of the experts ``ids`` [K] (traced ids: one
+    ``lax.switch`` per id copies that expert; for the rare paths that need stacks, e.g. low-bit copies)."""
+    f = experts.gate_up[0].shape[0] // 2
+
+    def branch(e):
+        gu, d = experts.expert(e)
+        return lambda: (dense(gu)[:f].T, dense(gu)[f:].T, dense(d).T)
+
+    branches = [branch(e) for e in range(experts.n_experts)]
+    parts = [jax.lax.switch(i, branches) for i in ids]
+    return {k: jnp.stack([p[j] for p in parts]) for j, k in enumerate(EXPERT_MATRICES)}
+
+
+class CanonicalExpertView:
+    """One canonical expert stack (``gate``/``up``/``down``, ``[N, in, out]``) of an ``ExpertList``, read
+    on demand: shape, dtype, one expert, or sampled elements (fingerprints) without stacking the layer."""
+
+    def __init__(self, experts: ExpertList, which: str):
+        self.experts, self.which = experts, which
+        gu = experts.gate_up[0]
+        f, d = gu.shape[0] // 2, gu.shape[1]
+        self.dtype = np.dtype(gu.dtype)  # int8 experts: the dtype they dequantise to
+        self.shape = (experts.n_experts, f, d) if which == "down" else (experts.n_experts, d, f)
+
+    @property
+    def ndim(self) -> int:
+        return 3
+
+    def read_expert(self, e: int) -> np.ndarray:
+        """Expert ``e`` as a host array in the canonical orientation."""
+        f = self.shape[2] if self.which != "down" else self.shape[1]
+        if self.which == "down":
+            return np.asarray(dense(self.experts.down[e])).T
+        gu = np.asarray(dense(self.experts.gate_up[e]))
+        return (gu[:f] if self.which == "gate" else gu[f:]).T
+
+    def read(self) -> np.ndarray:
+        return np.stack([self.read_expert(e) for e in range(self.shape[0])])
+
+    def take_flat(self, idx: np.ndarray) -> np.ndarray:
+        e, r, c = np.unravel_index(idx, self.shape)
+        out = np.empty(idx.shape, self.dtype)
+        for j in np.unique(e):
+            sel = e == j
+            out[sel] = self.read_expert(int(j))[r[sel], c[sel]]
+        return out
+
+
+class CanonicalMatrixView:
+    """An ``OutIn`` seen as its canonical ``[in, out]`` matrix (shape, dtype, sampled elements)."""
+
+    def __init__(self, w: OutIn):
+        self.w = w.w
+        self.dtype = np.dtype(self.w.dtype)  # int8: the dtype it dequantises to
+        self.shape = tuple(reversed(self.w.shape))
+
+    @property
+    def ndim(self) -> int:
+        return 2
+
+    def read(self) -> np.ndarray:
+        return np.asarray(dense(self.w)).T
+
+    def take_flat(self, idx: np.ndarray) -> np.ndarray:
+        r, c = np.unravel_index(idx, self.shape)
+        return np.asarray(dense(self.w))[c, r]
+
+
+def canonical_view(params: dict) -> dict:
+    """The canonical tree of a serving-layout tree without copying: ``OutIn`` leaves as
+    ``CanonicalMatrixView``, ``ExpertList`` as three ``CanonicalExpertView`` stacks (same tree paths and
+    shapes as the canonical tree, so fingerprints and writers see one model whatever its layout)."""
+    return _map_serving(_without_copies(params), CanonicalMatrixView,
+                        lambda el: {m: CanonicalExpertView(el, m) for m in EXPERT_MATRICES})
+
+
+VIEW_TYPES = (CanonicalExpertView, CanonicalMatrixView)

@@ -1,0 +1,678 @@
+"""The decoder for every supported family, as pure functions over a parameter pytree.
+
+Parameters (``x @ W`` orientation, experts stacked per layer so they can be sliced, cached and paged)::
+
+    {"embed": [V, D], "final_norm": {"scale", ("bias")}, ("lm_head": [D, V]), ("lm_head_bias": [V]),
+     "layers": [ {"attn_norm", "mlp_norm", "attn": {...},
+                  "mlp": {"gate": [D, F], "up": [D, F], "down": [F, D]}                     # dense layers
+                  or "moe": {"router": [D, N], "gate": [N, D, F], "up": [N, D, F], "down": [N, F, D],
+                             ("shared": {"gate", "up", "down"}), ("shared_gate": [D, 1])}}, ...]}
+
+The MoE block never decides which experts run: at every MoE layer the forward pass calls a *router
+hook* ``router(moe_index, logits[T, N], state) -> (experts[T, K], weights[T, K], state', record)`` and
+computes exactly the experts it is given with the weights it is given. Routing policies and expert caches
+(``moejax.experts.router``) plug in there; ``original_router`` reproduces the architecture's own top-K.
+
+Two optional hook attributes (both decided at trace time):
+- ``router.wants_prediction(state) -> bool``: then the hook is called with ``z_pred=`` — this MoE layer's
+  router applied to the previous MoE layer's post-attention hidden state (speculative prefetch); None at
+  the first MoE layer.
+- ``router.compute(moe_index, p, cfg, h, experts, weights, record, state) -> (y, state')``: computes the
+  routed experts instead of ``routed_experts`` (offloaded slot buffers paged in-jit, low-bit copies).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+
+from moejax.models import layout
+from moejax.models.config import ModelConfig
+from moejax.models.gating import original_routing
+
+Params = dict[str, Any]
+RouterHook = Callable[[int, jax.Array, Any], tuple[jax.Array, jax.Array, Any, dict]]
+
+
+# ----------------------------------------------------------------------------------------------- layers
+def norm(x: jax.Array, p: dict, cfg: ModelConfig) -> jax.Array:
+    """RMSNorm (or Phi-MoE's LayerNorm) computed in float32, as HF does."""
+    xf = x.astype(jnp.float32)
+    if cfg.norm_type == "layer":
+        xf = xf - xf.mean(-1, keepdims=True)
+    y = xf * jax.lax.rsqrt(jnp.mean(xf * xf, -1, keepdims=True) + cfg.norm_eps)
+    y = y.astype(x.dtype) * p["scale"]
+    return y + p["bias"] if "bias" in p else y
+
+
+def rms(x: jax.Array, scale: jax.Array, eps: float) -> jax.Array:
+    xf = x.astype(jnp.float32)
+    return (xf * jax.lax.rsqrt(jnp.mean(xf * xf, -1, keepdims=True) + eps)).astype(x.dtype) * scale
+
+
+def activation(cfg: ModelConfig, x: jax.Array) -> jax.Array:
+    return _activate(cfg.hidden_act, x)
+
+
+def _activate(act: str, x: jax.Array) -> jax.Array:
+    if act == "silu":
+        return jax.nn.silu(x)
+    if act == "relu":
+        return jax.nn.relu(x)
+    return jax.nn.gelu(x, approximate=act != "gelu")
+
+
+def linear(x: jax.Array, w, b: jax.Array | None = None) -> jax.Array:
+    """``x @ w (+ b)`` for a canonical ``[in, out]`` matrix or a serving-layout ``layout.OutIn``."""
+    y = layout.matmul(x, w)
+    return y if b is None else y + b
+
+
+def rope_tables(cfg: ModelConfig, positions: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """cos/sin [T, dim/2] for the given positions, with the family's cos/sin scale."""
+    inv = jnp.asarray(cfg.rope_inv_freq, jnp.float32)
+    angles = positions.astype(jnp.float32)[:, None] * inv[None, :]
+    scale = jnp.where(jnp.max(positions) + 1 > cfg.rope_long_after, cfg.rope_long_scale, cfg.rope_scale)
+    return jnp.cos(angles) * scale, jnp.sin(angles) * scale
+
+
+def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array, interleaved: bool) -> jax.Array:
+    """x [T, H, dim]. Half rotation (Llama style) or (even, odd) pairs (DeepSeek's complex form)."""
+    c, s = cos[:, None, :], sin[:, None, :]
+    xf = x.astype(jnp.float32)
+    if interleaved:
+        x0, x1 = xf[..., 0::2], xf[..., 1::2]
+        out = jnp.stack([x0 * c - x1 * s, x0 * s + x1 * c], axis=-1).reshape(x.shape)
+    else:
+        half = x.shape[-1] // 2
+        x0, x1 = xf[..., :half], xf[..., half:]
+        out = jnp.concatenate([x0 * c - x1 * s, x1 * c + x0 * s], axis=-1)
+    return out.astype(x.dtype)
+
+
+def attention_mask(cfg: ModelConfig, layer: int, q_pos: jax.Array, k_pos: jax.Array) -> jax.Array:
+    """[T, S] bool: causal, and within the sliding window where the layer has one."""
+    allowed = k_pos[None, :] <= q_pos[:, None]
+    window = cfg.sliding_windows[layer]
+    if window:
+        allowed &= k_pos[None, :] > q_pos[:, None] - window
+    return allowed
+
+
+def _softmax_attend(scores: jax.Array, mask: jax.Array) -> jax.Array:
+    scores = jnp.where(mask[None], scores.astype(jnp.float32), -jnp.inf)
+    return jax.nn.softmax(scores, axis=-1)
+
+
+def _write(cache: jax.Array, new: jax.Array, pos: jax.Array) -> jax.Array:
+    return jax.lax.dynamic_update_slice_in_dim(cache, new.astype(cache.dtype), pos, axis=0)
+
+
+def gqa_qkv(p: dict, cfg: ModelConfig, x: jax.Array, cos, sin) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Rotated queries [..., T, H, hd] and keys / values [..., T, Hk, hd] of x [..., T, D]: projections,
+    q/k norm and qkv clipping as the family does them (shared by inference and batched training)."""
+    lead, H, Hk, hd = x.shape[:-1], cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+    q = linear(x, p["q"], p.get("q_bias"))
+    k = linear(x, p["k"], p.get("k_bias"))
+    v = linear(x, p["v"], p.get("v_bias"))
+    if cfg.qk_norm == "proj":
+        q, k = rms(q, p["q_norm"], cfg.norm_eps), rms(k, p["k_norm"], cfg.norm_eps)
+    if cfg.clip_qkv is not None:
+        q, k, v = (jnp.clip(t, -cfg.clip_qkv, cfg.clip_qkv) for t in (q, k, v))
+    q, k, v = q.reshape(*lead, H, hd), k.reshape(*lead, Hk, hd), v.reshape(*lead, Hk, hd)
+    if cfg.qk_norm == "head":
+        q, k = rms(q, p["q_norm"], cfg.norm_eps), rms(k, p["k_norm"], cfg.norm_eps)
+    return apply_rope(q, cos, sin, False), apply_rope(k, cos, sin, False), v
+
+
+ATTENTION_BLOCK = 256  # query rows per block of a long teacher-forced pass (causal key ranges shrink)
+
+
+def _attend_groups(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array, scale: float) -> jax.Array:
+    """softmax(q kᵀ·scale, mask) v for q [T, H, hd], k/v [S, Hk, hd] -> [T, H·hd].
+
+    Laid out as Hk batched matmuls of [(H/Hk)·T, hd] x [hd, S]: the query heads that share a KV head are
+    stacked into one matrix (about 2x faster on CPU than contracting with the group axis in the middle)."""
+    T, H, hd = q.shape
+    S, Hk = k.shape[:2]
+    r = H // Hk
+    qg = q.reshape(T, Hk, r, hd).transpose(1, 2, 0, 3).reshape(Hk, r * T, hd)
+    scores = jnp.matmul(qg, k.astype(q.dtype).transpose(1, 2, 0)) * scale
+    probs = _softmax_attend(scores.reshape(H, T, S), mask)
+    out = jnp.matmul(probs.reshape(Hk, r * T, S).astype(v.dtype), v.transpose(1, 0, 2))
+    return out.reshape(Hk, r, T, -1).transpose(2, 0, 1, 3).reshape(T, -1)
+
+
+def gqa_attention(p: dict, cfg: ModelConfig, layer: int, x: jax.Array, cos, sin, positions, kv, pos0):
+    """Grouped-query attention with optional q/k norm, qkv clipping, sliding window and KV cache.
+
+    A long pass without a KV cache runs in blocks of ``ATTENTION_BLOCK`` queries, each against the keys up
+    to its own last position only (positions increase, so later keys are masked anyway): exact, and it
+    skips about half of the score matrix."""
+    T = x.shape[0]
+    q, k, v = gqa_qkv(p, cfg, x, cos, sin)
+    if kv is not None:
+        kv = {"k": _write(kv["k"], k, pos0), "v": _write(kv["v"], v, pos0)}
+        k, v = kv["k"], kv["v"]
+        k_pos = jnp.arange(k.shape[0])
+    else:
+        k_pos = positions
+    if kv is not None or T <= ATTENTION_BLOCK:
+        out = _attend_groups(q, k, v, attention_mask(cfg, layer, positions, k_pos), cfg.attn_scale)
+    else:
+        out = jnp.concatenate([
+            _attend_groups(q[a:a + ATTENTION_BLOCK], k[:a + ATTENTION_BLOCK], v[:a + ATTENTION_BLOCK],
+                           attention_mask(cfg, layer, positions[a:a + ATTENTION_BLOCK],
+                                          k_pos[:a + ATTENTION_BLOCK]), cfg.attn_scale)
+            for a in range(0, T, ATTENTION_BLOCK)])
+    return linear(out, p["o"], p.get("o_bias")), kv
+
+
+def mla_attention(p: dict, cfg: ModelConfig, layer: int, x: jax.Array, cos, sin, positions, kv, pos0):
+    """DeepSeek-V2 multi-head latent attention. The KV cache holds the compressed latent and the shared
+    rotary key (as HF does); per-head keys and values are folded into the query and output ("absorbed")."""
+    T, H = x.shape[0], cfg.num_heads
+    nope, rope_d, vd, r = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim, cfg.kv_lora_rank
+    if cfg.q_lora_rank is None:
+        q = linear(x, p["q"])
+    else:
+        q = linear(rms(linear(x, p["q_a"], p.get("q_a_bias")), p["q_a_norm"], 1e-6), p["q_b"])
+    q = q.reshape(T, H, nope + rope_d)
+    q_nope, q_pe = q[..., :nope], q[..., nope:]
+    ckv = linear(x, p["kv_a"], p.get("kv_a_bias"))
+    latent = rms(ckv[:, :r], p["kv_a_norm"], 1e-6)
+    k_pe = ckv[:, None, r:]
+    q_pe, k_pe = apply_rope(q_pe, cos, sin, True), apply_rope(k_pe, cos, sin, True)[:, 0]
+    if kv is not None:
+        kv = {"latent": _write(kv["latent"], latent, pos0), "k_pe": _write(kv["k_pe"], k_pe, pos0)}
+        latent, k_pe = kv["latent"].astype(x.dtype), kv["k_pe"].astype(x.dtype)
+        k_pos = jnp.arange(latent.shape[0])
+    else:
+        k_pos = positions
+    w_kv = p["kv_b"].reshape(r, H, nope + vd)
+    w_k, w_v = w_kv[..., :nope], w_kv[..., nope:]
+    q_latent = jnp.einsum("thn,rhn->thr", q_nope, w_k)
+    scores = jnp.einsum("thr,sr->hts", q_latent, latent) + jnp.einsum("thd,sd->hts", q_pe, k_pe)
+    probs = _softmax_attend(scores * cfg.attn_scale, attention_mask(cfg, layer, positions, k_pos))
+    out_latent = jnp.einsum("hts,sr->thr", probs.astype(x.dtype), latent)
+    out = jnp.einsum("thr,rhv->thv", out_latent, w_v)
+    return linear(out.reshape(T, H * vd), p["o"], p.get("o_bias")), kv
+
+
+def dense_mlp(p: dict, cfg: ModelConfig, x: jax.Array) -> jax.Array:
+    h = activation(cfg, linear(x, p["gate"], p.get("gate_bias"))) * linear(x, p["up"], p.get("up_bias"))
+    return linear(h, p["down"], p.get("down_bias"))
+
+
+SORTED_MIN_TOKENS = 64  # below this the dense einsum is within ~1.5x of the sorted path (RESULTS.md)
+
+
+def routed_experts(p: dict, cfg: ModelConfig, x: jax.Array, experts: jax.Array, weights: jax.Array):
+    """Σ_k weights[t,k] · E_{experts[t,k]}(x_t) over T tokens. Invalid slots (id < 0) must carry weight 0.
+
+    Picks the exact path by shape (all give the same result; measured in bench/RESULTS.md): one token
+    gathers the K chosen experts' weights; from ``SORTED_MIN_TOKENS`` tokens on, when N > 2K, the T·K
+    assignments are sorted by expert and each expert runs on its own tokens only
+    (``sorted_routed_experts``: on the default model 2.1x faster than dense at T = 128, 2.8x at 1024);
+    otherwise every expert runs on every token in one einsum (``dense_routed_experts``: at most twice the
+    needed work when N ≤ 2K, and for a few tokens it costs little and compiles faster)."""
+    if isinstance(p.get("experts"), layout.ExpertShards):  # spread over devices: each computes its own
+        return sharded_routed_experts(p["experts"], cfg, x, experts, weights)
+    if "experts" in p:  # serving layout (layout.ExpertList): every path reads the experts in place
+        return switched_routed_experts(p["experts"], cfg, x, experts, weights)
+    T, K = experts.shape
+    n = p["gate"].shape[0]
+    if T == 1:
+        return gathered_routed_experts(p, cfg, x, experts, weights)
+    if T >= SORTED_MIN_TOKENS and n > 2 * K:
+        return sorted_routed_experts(p, cfg, x, experts, weights)
+    return dense_routed_experts(p, cfg, x, experts, weights)
+
+
+def _expert_mlp_act(act: str, x: jax.Array, g: jax.Array, u: jax.Array, d: jax.Array) -> jax.Array:
+    """One expert's gated MLP on rows x [R, D]: act(x g) * (x u) @ d."""
+    return (_activate(act, x @ g) * (x @ u)) @ d
+
+
+def gathered_routed_experts(p: dict, cfg: ModelConfig, x, experts, weights):
+    """One token (decode): gather the K chosen experts' weights, nothing else is read."""
+    ids = jnp.maximum(experts[0], 0)
+    g, u, d = p["gate"][ids], p["up"][ids], p["down"][ids]  # [K, D, F], [K, F, D]
+    h = activation(cfg, jnp.einsum("td,kdf->tkf", x, g)) * jnp.einsum("td,kdf->tkf", x, u)
+    y = jnp.einsum("tkf,kfd->tkd", h, d)
+    return jnp.einsum("tkd,tk->td", y, weights.astype(y.dtype))
+
+
+def dense_routed_experts(p: dict, cfg: ModelConfig, x, experts, weights):
+    """Every expert on every token, combined with a [T, N] matrix: N/K times the work, but one big
+    einsum: the reference the sparse path is tested against, and the fastest for a few tokens."""
+    T, n = x.shape[0], p["gate"].shape[0]
+    ids = jnp.maximum(experts, 0)
+    combine = jnp.zeros((T, n), weights.dtype)
+    combine = combine.at[jnp.arange(T)[:, None], ids].add(jnp.where(experts >= 0, weights, 0))
+    h = activation(cfg, jnp.einsum("td,edf->tef", x, p["gate"])) * jnp.einsum("td,edf->tef", x, p["up"])
+    return jnp.einsum("tef,efd,te->td", h, p["down"], combine.astype(h.dtype))
+
+
+def sorted_block_rows(T: int, K: int, n: int) -> int:
+    """Rows per block of the sorted layout: about half the mean number of assignments per expert, a power
+    of two in [8, 64] (smaller blocks waste fewer padding rows, larger ones make better matmuls; on the
+    default model at T = 1024 every size from 8 to 128 ran within 10 %, see RESULTS.md)."""
+    half_mean = max(1, (T * K) // (2 * n))
+    return int(min(64, max(8, 1 << (half_mean - 1).bit_length())))
+
+
+def sorted_routed_experts(p: dict, cfg: ModelConfig, x, experts, weights, block_rows: int | None = None):
+    """Exact sparse dispatch with static shapes (no capacity, nothing dropped).
+
+    The T·K assignments are sorted by expert; each expert's run of rows is padded to a multiple of
+    ``block_rows`` so every block belongs to one expert; a loop over the blocks runs each block through its
+    expert (the weights are read in place, never gathered into a copy), and blocks past the last used one
+    are skipped. Σ_e ceil(count_e / B) ≤ (T·K + N·(B-1)) / B bounds the number of blocks statically.
+    Invalid slots (id < 0) sort last and land in a dummy row. Results are combined in float32.
+
+    Under ``jax.vmap`` with expert weights shared by every lane (a sweep over routing policies, a training
+    batch) the mapped axis is folded into the tokens: one sort over all lanes' assignments, each expert's
+    weights read once per block for all lanes (mapping the loop instead would turn its skip into a select
+    and gather a copy of the weights per lane and block: 9x slower at 4 lanes on the default model)."""
+    stack = {k: p[k] for k in ("gate", "up", "down")}
+    return _sorted_dispatch_op(cfg.hidden_act, block_rows)(stack, x, experts, weights)
+
+
+def lane_folding(plain, again):
+    """``plain(w, x, experts, weights)`` as a ``custom_vmap`` whose batching rule folds the mapped axis into
+    the tokens when the weights ``w`` are shared by every lane (a sweep over routing policies, a training
+    batch): one dispatch over all lanes' assignments, each expert's weights read once for all lanes
+    (mapping the dispatch instead would gather a copy of the weights per lane, or turn a ``lax.switch`` into
+    running every expert). ``again()`` is what the folded call runs (the final op, so an outer vmap folds
+    its lanes in as well); weights that differ per lane map ``plain``."""
+    op = jax.custom_batching.custom_vmap(plain)
+
+    @op.def_vmap
+    def _fold_lanes(axis_size, in_batched, w, x, experts, weights):
+        w_b, x_b, e_b, g_b = in_batched
+        if any(jax.tree.leaves(w_b)):  # weights differ per lane: nothing to share, map the plain function
+            axes = (jax.tree.map(lambda b: 0 if b else None, w_b), *(0 if b else None for b in (x_b, e_b, g_b)))
+            return jax.vmap(plain, in_axes=axes)(w, x, experts, weights), True
+        lanes = [a if b else jnp.broadcast_to(a, (axis_size, *a.shape)) for a, b in ((x, x_b), (experts, e_b),
+                                                                                      (weights, g_b))]
+        x, experts, weights = (a.reshape(axis_size * a.shape[1], *a.shape[2:]) for a in lanes)
+        y = again()(w, x, experts, weights)
+        return y.reshape(axis_size, -1, y.shape[-1]), True
+
+    return op
+
+
+@functools.lru_cache(maxsize=None)
+def _sorted_dispatch_op(act: str, block_rows: int | None):
+    """``_sorted_dispatch`` with the lane-folding batching rule and a reverse-mode rule (``custom_vmap``
+    alone has none): the backward pass is the plain function's own VJP."""
+
+    def plain(w, x, experts, weights):
+        return _sorted_dispatch(act, w, x, experts, weights, block_rows)
+
+    folding = lane_folding(plain, lambda: op)  # op, not plain: an outer vmap folds its lanes in as well
+
+    def fwd(w, x, experts, weights):
+        return folding(w, x, experts, weights), (w, x, experts, weights)
+
+    def bwd(res, g):
+        w, x, experts, weights = res
+        _, pull = jax.vjp(lambda w, x, weights: plain(w, x, experts, weights), w, x, weights)
+        dw, dx, dweights = pull(g)
+        return dw, dx, None, dweights
+
+    op = jax.custom_vjp(folding)
+    op.defvjp(fwd, bwd)
+    return op
+
+
+def _sorted_dispatch(act: str, p: dict, x, experts, weights, block_rows: int | None):
+    """The sorted layout itself (see ``sorted_routed_experts``); ``p`` holds the stacked gate/up/down."""
+    T, K = experts.shape
+    n, D = p["gate"].shape[0], x.shape[-1]
+    B = block_rows or sorted_block_rows(T, K, n)
+    A = T * K
+    nb = (A + n * (B - 1)) // B
+    flat = experts.reshape(-1)
+    key = jnp.where(flat >= 0, flat, n)  # invalid sort last
+    order = jnp.argsort(key, stable=True)
+    sorted_e = key[order]
+    counts = jnp.zeros(n + 1, jnp.int32).at[key].add(1)[:n]
+    blocks = (counts + B - 1) // B
+    blocks_end = jnp.cumsum(blocks)
+    first_row = (blocks_end - blocks) * B
+    first_sorted = jnp.cumsum(counts) - counts
+    e = jnp.minimum(sorted_e, n - 1)
+    row = jnp.where(sorted_e < n, first_row[e] + jnp.arange(A) - first_sorted[e], nb * B)
+    tok = order // K
+    xin = jnp.zeros((nb * B + 1, D), x.dtype).at[row].set(x[tok])[:-1].reshape(nb, B, D)
+    block_expert = jnp.minimum(jnp.searchsorted(blocks_end, jnp.arange(nb), side="right"), n - 1)
+    used = blocks_end[-1]
+
+    def run_block(b, out):
+        def compute(o):
+            ex = block_expert[b]
+            w = [jax.lax.dynamic_index_in_dim(p[k], ex, 0, keepdims=False) for k in ("gate", "up", "down")]
+            return jax.lax.dynamic_update_index_in_dim(o, _expert_mlp_act(act, xin[b], *w).astype(o.dtype), b, 0)
+        return jax.lax.cond(b < used, compute, lambda o: o, out)
+
+    y = jax.lax.fori_loop(0, nb, run_block, jnp.zeros((nb, B, D), x.dtype)).reshape(nb * B, D)
+    y = jnp.concatenate([y, jnp.zeros((1, D), y.dtype)])
+    w = jnp.where(flat >= 0, weights.reshape(-1), 0)[order].astype(jnp.float32)
+    out = jnp.zeros((T, D), jnp.float32).at[tok].add(y[row].astype(jnp.float32) * w[:, None])
+    return out.astype(x.dtype)
+
+
+# ------------------------------------------------------------------------------- expert parallelism
+def sharded_routed_experts(shards: layout.ExpertShards, cfg: ModelConfig, x, experts, weights):
+    """``routed_experts`` with the experts split over the devices of ``shards.mesh`` (expert parallelism):
+    every device holds N / devices experts and the (replicated) tokens, runs the assignments that fall on
+    its own experts through the usual exact paths (the others masked as dropped slots), and the devices'
+    shares are summed in float32 (``psum``); the result is replicated. The same model as one device up to
+    the order of that sum."""
+    from jax.sharding import PartitionSpec as P
+
+    axis = shards.axis
+
+    def local(gate, up, down, x, experts, weights):
+        n_local = gate.shape[0]
+        ids = experts - jax.lax.axis_index(axis) * n_local
+        mine = (experts >= 0) & (ids >= 0) & (ids < n_local)
+        y = routed_experts({"gate": gate, "up": up, "down": down}, cfg, x, jnp.where(mine, ids, -1),
+                           jnp.where(mine, weights, 0).astype(weights.dtype))
+        return jax.lax.psum(y.astype(jnp.float32), axis)
+
+    spread, whole = P(axis), P()
+    out = jax.shard_map(local, mesh=shards.mesh, in_specs=(spread, spread, spread, whole, whole, whole),
+                        out_specs=whole, check_vma=False)(shards.gate, shards.up, shards.down, x, experts, weights)
+    return out.astype(x.dtype)
+
+
+# ------------------------------------------------------------------------------- serving-layout experts
+def switched_routed_experts(experts_list: layout.ExpertList, cfg: ModelConfig, x, experts, weights,
+                            block_rows: int | None = None):
+    """``routed_experts`` for the serving layout: each expert's matrices are their own buffers and
+    ``lax.switch`` on the expert id hands them to the matmuls, so nothing is gathered or copied and the
+    bytes read are those of the experts chosen (in their stored dtype).
+
+    One token (decode): a loop over its K experts. More tokens: the T·K assignments are sorted by expert
+    and a loop over the experts runs each one's rows in chunks of ``block_rows`` (a dynamic number of
+    chunks: an unused expert costs nothing, a used one is read once per chunk). Exact; results are
+    combined in float32. Under ``jax.vmap`` with shared weights the mapped axis is folded into the tokens
+    (a mapped ``lax.switch`` would run every expert on every lane). Not differentiable (the chunk loop has
+    a traced trip count): training uses the canonical layout."""
+    return _switched_op(cfg.hidden_act, block_rows)(experts_list, x, experts, weights)
+
+
+def grouped_block_rows(T: int, K: int, n: int) -> int:
+    """Rows per chunk of the grouped loop: twice the mean assignments per expert as a power of two, in
+    [8, 64] (most experts then run in one chunk, i.e. their weights are read once; 64 rows already make a
+    compute-efficient matmul)."""
+    mean = max(1, -(-2 * T * K // n))
+    return int(min(64, max(8, 1 << (mean - 1).bit_length())))
+
+
+def _expert_rows(act: str, rows: jax.Array, gate_up: jax.Array, down: jax.Array) -> jax.Array:
+    """One serving-layout expert on rows [R, D] -> [R, D] float32; rounded after each matmul to the rows'
+    dtype as the canonical path (and Hugging Face) round."""
+    f = gate_up.shape[0] // 2
+    gu = layout.nt_dot(rows, gate_up).astype(rows.dtype)
+    h = _activate(act, gu[:, :f]) * gu[:, f:]
+    return layout.nt_dot(h, down).astype(rows.dtype).astype(jnp.float32)
+
+
+def _expert_branches(act: str, n: int) -> list:
+    """``lax.switch`` branches: expert e's computation on (rows, ExpertList); branch n returns zeros."""
+    def one(e):
+        return lambda rows, el: _expert_rows(act, rows, *el.expert(e))
+
+    def none(rows, el):
+        return jnp.zeros((rows.shape[0], el.down[0].shape[0]), jnp.float32)
+
+    return [one(e) for e in range(n)] + [none]
+
+
+def _switched_one_token(act: str, el: layout.ExpertList, x, experts, weights):
+    n, K = el.n_experts, experts.shape[1]
+    branches = _expert_branches(act, n)
+
+    def body(k, acc):
+        e = experts[0, k]
+        y = jax.lax.switch(jnp.where(e >= 0, e, n), branches, x, el)
+        return acc + y * weights[0, k].astype(jnp.float32)
+
+    out = jax.lax.fori_loop(0, K, body, jnp.zeros((1, x.shape[-1]), jnp.float32))
+    return out.astype(x.dtype)
+
+
+def _switched_grouped(act: str, el: layout.ExpertList, x, experts, weights, block_rows: int | None):
+    T, K = experts.shape
+    n, D = el.n_experts, x.shape[-1]
+    B = block_rows or grouped_block_rows(T, K, n)
+    A = T * K
+    flat = experts.reshape(-1)
+    key = jnp.where(flat >= 0, flat, n)  # invalid sort last and belong to no expert
+    order = jnp.argsort(key, stable=True)
+    counts = jnp.zeros(n + 1, jnp.int32).at[key].add(1)
+    starts = jnp.cumsum(counts) - counts
+    tok = order // K
+    xs = jnp.concatenate([x[tok], jnp.zeros((B, D), x.dtype)])  # a chunk may read past the last row
+    branches = _expert_branches(act, n)[:n]
+
+    def per_expert(e, y):
+        start_e, end_e = starts[e], starts[e] + counts[e]
+
+        def chunk(j, y):
+            start = start_e + j * B
+            rows = jax.lax.dynamic_slice_in_dim(xs, start, B)
+            out = jax.lax.switch(e, branches, rows, el)
+            keep = (start + jnp.arange(B) < end_e)[:, None]  # rows past this expert's run are the next's
+            return jax.lax.dynamic_update_slice_in_dim(
+                y, jnp.where(keep, out, jax.lax.dynamic_slice_in_dim(y, start, B)), start, 0)
+
+        return jax.lax.fori_loop(0, (counts[e] + B - 1) // B, chunk, y)
+
+    y = jax.lax.fori_loop(0, n, per_expert, jnp.zeros((A + B, D), jnp.float32))[:A]
+    w = jnp.where(flat >= 0, weights.reshape(-1), 0)[order].astype(jnp.float32)
+    out = jnp.zeros((T, D), jnp.float32).at[tok].add(y * w[:, None])
+    return out.astype(x.dtype)
+
+
+@functools.lru_cache(maxsize=None)
+def _switched_op(act: str, block_rows: int | None):
+    """The serving-layout dispatch with the lane-folding batching rule (``lane_folding``)."""
+
+    def plain(el, x, experts, weights):
+        if experts.shape[0] == 1:
+            return _switched_one_token(act, el, x, experts, weights)
+        return _switched_grouped(act, el, x, experts, weights, block_rows)
+
+    op = lane_folding(plain, lambda: op)
+    return op
+
+
+def capacity_experts(p: dict, cfg: ModelConfig, x: jax.Array, experts: jax.Array, weights: jax.Array,
+                     capacity: int) -> tuple[jax.Array, jax.Array]:
+    """Capacity-based sparse MoE over S tokens (training; drops assignments past the capacity): x [S, D], experts/weights [S, K].
+
+    Assignments are queued per expert, first choices of all tokens before second choices (Switch
+    priority); each expert takes at most ``capacity`` of them, computed as one batched matmul over
+    [N, capacity, D]. Returns (output [S, D], fraction of assignments dropped). With
+    ``capacity >= S`` nothing is dropped and the result equals ``routed_experts``."""
+    S, K = experts.shape
+    N, D = cfg.n_experts, x.shape[-1]
+    a = experts.T.reshape(-1)  # [K*S], k-major
+    tok = jnp.tile(jnp.arange(S), K)
+    w = weights.T.reshape(-1)
+    onehot = jax.nn.one_hot(a, N, dtype=jnp.int32)
+    pos = jnp.take_along_axis(jnp.cumsum(onehot, 0), a[:, None], 1)[:, 0] - 1
+    keep = pos < capacity
+    slot = jnp.where(keep, a * capacity + pos, N * capacity)  # dropped -> a dummy slot
+    xin = jnp.zeros((N * capacity + 1, D), x.dtype).at[slot].set(x[tok])[:-1].reshape(N, capacity, D)
+    h = activation(cfg, jnp.einsum("ecd,edf->ecf", xin, p["gate"])) * jnp.einsum("ecd,edf->ecf", xin, p["up"])
+    y = jnp.einsum("ecf,efd->ecd", h, p["down"]).reshape(N * capacity, D)
+    y = jnp.concatenate([y, jnp.zeros((1, D), y.dtype)])
+    contrib = y[slot] * (w * keep).astype(y.dtype)[:, None]
+    return jnp.zeros((S, D), y.dtype).at[tok].add(contrib), jnp.mean(~keep)
+
+
+def router_logits(p: dict, x: jax.Array) -> jax.Array:
+    """[T, N] float32 router logits (DeepSeek computes them in float32; equal for fp32 weights)."""
+    return x.astype(jnp.float32) @ p["router"].astype(jnp.float32)
+
+
+def shared_experts(p: dict, cfg: ModelConfig, x: jax.Array) -> jax.Array:
+    y = dense_mlp(p["shared"], cfg, x)
+    if "shared_gate" in p:
+        y = jax.nn.sigmoid(x @ p["shared_gate"]) * y
+    return y
+
+
+def embed(params: Params, tokens: jax.Array) -> jax.Array:
+    """The embedding rows of ``tokens``. XLA:CPU gathers bf16 from an f32 conversion of the table (fused:
+    only the rows gathered are converted), but inside a loop it hoists that conversion out as loop-
+    invariant: an f32 copy of the whole table every decode chunk (80 ms at a 50k vocabulary). Tying the
+    table to the tokens in one optimisation barrier keeps the conversion in the loop, fused."""
+    table, tokens = jax.lax.optimization_barrier((params["embed"], tokens))
+    return table[tokens]
+
+
+def lm_head(params: Params, cfg: ModelConfig):
+    """The output projection: ``lm_head``, or the embedding (``[V, D]``, already ``[out, in]``) when tied
+    (or its int8 copy, when the serving layout quantised the matrices)."""
+    if not cfg.tie_word_embeddings:
+        return params["lm_head"]
+    return params[layout.TIED_INT8_HEAD] if layout.TIED_INT8_HEAD in params else layout.OutIn(params["embed"])
+
+
+# ------------------------------------------------------------------------------------------- forward
+def original_router(cfg: ModelConfig) -> RouterHook:
+    """The architecture's own routing, with no cache: the reference every policy is compared with."""
+
+    def hook(moe_index: int, z: jax.Array, state: Any):
+        experts, weights = original_routing(cfg.gating, z)
+        return experts, weights, state, {}
+
+    return hook
+
+
+@dataclasses.dataclass
+class ForwardOutput:
+    logits: jax.Array  # [T, V]
+    router_logits: jax.Array  # [moe_layers, T, N]
+    experts: jax.Array  # [moe_layers, T, K], highest weight first
+    weights: jax.Array  # [moe_layers, T, K]
+    records: dict  # router hook records, each stacked to [moe_layers, T, ...]
+    kv: Any
+    router_state: Any
+
+
+jax.tree_util.register_dataclass(
+    ForwardOutput,
+    data_fields=["logits", "router_logits", "experts", "weights", "records", "kv", "router_state"],
+    meta_fields=[],
+)
+
+
+def forward(
+    params: Params,
+    cfg: ModelConfig,
+    tokens: jax.Array,
+    pos0: jax.Array | int = 0,
+    kv: list | None = None,
+    router: RouterHook | None = None,
+    router_state: Any = None,
+    last_logits_only: bool = False,
+) -> ForwardOutput:
+    """Run ``tokens`` [T] at positions ``pos0..pos0+T-1``.
+
+    With ``kv`` (from ``init_kv``) the new keys/values are written at ``pos0`` and attention covers the
+    cache; without it attention covers ``tokens`` alone (teacher-forced pass). ``last_logits_only``: the
+    logits of the last position only ([1, V]; a prefill needs no more, and the LM head is the largest
+    matrix)."""
+    router = router or original_router(cfg)
+    T = tokens.shape[0]
+    positions = jnp.asarray(pos0, jnp.int32) + jnp.arange(T, dtype=jnp.int32)
+    cos, sin = rope_tables(cfg, positions)
+    x = embed(params, tokens)
+    attend = mla_attention if cfg.mla else gqa_attention
+    new_kv, zs, es, ws, recs = [], [], [], [], []
+    moe_index = 0
+    wants = getattr(router, "wants_prediction", None)
+    predict = bool(wants is not None and wants(router_state))
+    moe_ids = [i for i in range(len(params["layers"])) if cfg.moe_layers[i]]
+    compute = getattr(router, "compute", None)
+    z_pred = None
+    for i, lp in enumerate(params["layers"]):
+        a, layer_kv = attend(lp["attn"], cfg, i, norm(x, lp["attn_norm"], cfg), cos, sin, positions,
+                             None if kv is None else kv[i], pos0)
+        new_kv.append(layer_kv)
+        x = x + a
+        h = norm(x, lp["mlp_norm"], cfg)
+        if cfg.moe_layers[i]:
+            p = lp["moe"]
+            z = router_logits(p, h)
+            if predict:
+                experts, weights, router_state, rec = router(moe_index, z, router_state, z_pred=z_pred)
+                if moe_index + 1 < len(moe_ids):  # the next MoE layer's router on this hidden state
+                    nxt = params["layers"][moe_ids[moe_index + 1]]
+                    z_pred = router_logits(nxt["moe"], norm(x, nxt["mlp_norm"], cfg))
+            else:
+                experts, weights, router_state, rec = router(moe_index, z, router_state)
+            if compute is not None:
+                y, router_state = compute(moe_index, p, cfg, h, experts, weights, rec, router_state)
+            else:
+                y = routed_experts(p, cfg, h, experts, weights)
+            if "shared" in p:
+                y = y + shared_experts(p, cfg, h)
+            zs.append(z), es.append(experts), ws.append(weights), recs.append(rec)
+            moe_index += 1
+        else:
+            y = dense_mlp(lp["mlp"], cfg, h)
+        x = x + y
+    x = norm(x[-1:] if last_logits_only else x, params["final_norm"], cfg)
+    logits = linear(x, lm_head(params, cfg), params.get("lm_head_bias")).astype(jnp.float32)
+    records = jax.tree.map(lambda *r: jnp.stack(r), *recs) if recs and recs[0] else {}
+    return ForwardOutput(
+        logits=logits,
+        router_logits=jnp.stack(zs) if zs else jnp.zeros((0, T, cfg.n_experts)),
+        experts=jnp.stack(es) if es else jnp.zeros((0, T, cfg.top_k), jnp.int32),
+        weights=jnp.stack(ws) if ws else jnp.zeros((0, T, cfg.top_k)),
+        records=records,
+        kv=None if kv is None else new_kv,
+        router_state=router_state,
+    )
+
+
+def forward_sequential(params: Params, cfg: ModelConfig, tokens: jax.Array, pos0, kv: list, router=None,
+                       router_state: Any = None) -> ForwardOutput:
+    """``forward`` one token at a time (a ``lax.scan`` over the KV-cache path), so every token routes with
+    the router state left by the previous one in *all* layers — what a global expert cache needs.
+    Outputs are laid out as ``forward``'s ([moe_layers, T, ...])."""
+
+    def step(carry, inp):
+        kv, state = carry
+        pos, tok = inp
+        out = forward(params, cfg, tok[None], pos, kv, router, state)
+        keep = (out.logits[0], out.router_logits[:, 0], out.experts[:, 0], out.weights[:, 0],
+                jax.tree.map(lambda r: r[:, 0], out.records))
+        return (out.kv, out.router_state), keep
+
+    positions = jnp.asarray(pos0, jnp.int32) + jnp.arange(tokens.shape[0], dtype=jnp.int32)
+    (kv, state), (logits, z, e, w, rec) = jax.lax.scan(step, (kv, router_state), (positions, tokens))
+    swap = lambda a: jnp.swapaxes(a, 0, 1)  # noqa: E731  [T, L, ...] -> [L, T, ...]
+    return ForwardOutput(logits, swap(z), swap(e), swap(w), jax.tree.map(swap, rec), kv, state)
+
+
+def init_kv(cfg: ModelConfig, max_len: int, dtype=jnp.float32) -> list[dict]:
+    """An empty KV cache for ``max_len`` positions (MLA: compressed latent + shared rotary key)."""
+    if cfg.mla:
+        shape = {"latent": (max_len, cfg.kv_lora_rank), "k_pe": (max_len, cfg.qk_rope_head_dim)}
+    else:
+        shape = {"k": (max_len, cfg.num_kv_heads, cfg.head_dim), "v": (max_len, cfg.num_kv_heads, cfg.head_dim)}
+    return [{k: jnp.zeros(s, dtype) for k, s in shape.items()} for _ in range(cfg.num_layers)]

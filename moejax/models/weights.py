@@ -1,0 +1,341 @@
+"""Weights that stay where they are: tensors left in a checkpoint's own files until placed.
+
+A checkpoint opened lazily is the usual parameter tree whose leaves are ``LazyTensor`` (one tensor, a
+read-only view into its safetensors file's memory map) and ``ExpertStack`` (one MoE layer's routed experts
+for one matrix, ``[N, in, out]`` in moejax's orientation, one view per expert — in whatever orientation
+the file stores them: HF keeps ``[out, in]`` per expert, so those views are transposed). Nothing is read
+until a leaf is placed, and every read releases the mapped pages it touched again, so the process's
+resident set holds what was placed, not the file.
+
+Placement (``place``) puts every non-expert tensor on the device (embeddings, attention, norms, routers,
+shared experts, dense layers, LM head) and the routed experts either on the device too (simulation: one
+stacked array per layer and matrix, built one stack at a time) or nowhere (``experts="lazy"``: the expert
+stacks stay in the files; the offload store pages them from there, one expert at a time).
+
+Streaming writers (``chunks``) take any leaf — a lazy one, a numpy or a jax array — and yield it piece by
+piece in moejax's orientation, so conversions never hold more than one expert (or one non-expert tensor).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Iterator
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from moejax.base import distributed
+from moejax.models import layout
+from moejax.models.safetensors_io import SafetensorsFile
+
+EXPERTS_PLACEMENTS = ("device", "lazy")
+
+
+def _copy(file: SafetensorsFile, view: np.ndarray, transposed: bool, dtype) -> np.ndarray:
+    """A host copy of a stored view in moejax's orientation, as ``dtype``; the mapped pages are released."""
+    out = np.array(view.T if transposed else view, dtype=dtype, order="C")
+    file.release(view)
+    return out
+
+
+def _to_device(file: SafetensorsFile, view: np.ndarray, transposed: bool, dtype) -> jax.Array:
+    """A device array of a stored view in moejax's orientation: straight from the mapped bytes when no
+    transpose or conversion is needed (no host copy in between), else through one; pages released."""
+    if transposed or view.dtype != np.dtype(dtype):
+        return jnp.asarray(_copy(file, view, transposed, dtype))
+    out = jnp.asarray(view)
+    jax.block_until_ready(out)
+    file.release(view)
+    return out
+
+
+def _take(view: np.ndarray, transposed: bool, coords: tuple) -> np.ndarray:
+    """Elements at moejax-orientation ``coords`` of a stored view (the last two axes swapped if transposed)."""
+    if transposed:
+        coords = (*coords[:-2], coords[-1], coords[-2])
+    return view[coords]
+
+
+class LazyTensor:
+    """One tensor in a checkpoint file, read (as ``dtype``, in moejax's orientation) only when placed."""
+
+    def __init__(self, file: SafetensorsFile, view: np.ndarray, transposed: bool = False, dtype=None):
+        self.file, self.view, self.transposed = file, view, transposed
+        self.stored_dtype = view.dtype
+        self.dtype = np.dtype(dtype or view.dtype)
+        self.shape = tuple(reversed(view.shape)) if transposed else tuple(view.shape)
+
+    @property
+    def ndim(self) -> int:
+        return len(self.shape)
+
+    @property
+    def nbytes(self) -> int:
+        return int(np.prod(self.shape, dtype=np.int64)) * self.dtype.itemsize
+
+    def astype(self, dtype) -> "LazyTensor":
+        return LazyTensor(self.file, self.view, self.transposed, dtype)
+
+    def read(self) -> np.ndarray:
+        """A copy in host memory (the mapped pages are released again)."""
+        return _copy(self.file, self.view, self.transposed, self.dtype)
+
+    def take_flat(self, idx: np.ndarray) -> np.ndarray:
+        """Elements at these indices of the flattened (moejax-orientation) tensor, as ``dtype``."""
+        coords = np.unravel_index(idx, self.shape)
+        return np.asarray(_take(self.view, self.transposed, coords), dtype=self.dtype)
+
+    def __repr__(self) -> str:
+        return f"LazyTensor({self.shape}, {self.dtype}, {self.file.path})"
+
+
+class ExpertStack:
+    """The routed experts of one MoE layer and matrix, ``[N, in, out]`` in moejax's orientation, left in
+    the checkpoint files: ``stored(e)`` is expert ``e``'s bytes as the file holds them (a contiguous
+    read-only view; transposed when ``transposed``), ``read_expert(e)`` a host copy in moejax's layout."""
+
+    def __init__(self, parts: list[tuple[SafetensorsFile, np.ndarray]], transposed: bool, dtype=None):
+        if not parts:
+            raise ValueError("an expert stack needs at least one expert")
+        shapes = {v.shape for _, v in parts}
+        if len(shapes) != 1:
+            raise ValueError(f"experts of one stack differ in shape: {sorted(shapes)}")
+        self.parts, self.transposed = parts, transposed
+        view = parts[0][1]
+        self.stored_dtype = view.dtype
+        self.dtype = np.dtype(dtype or view.dtype)
+        one = tuple(reversed(view.shape)) if transposed else tuple(view.shape)
+        self.shape = (len(parts), *one)
+
+    @property
+    def ndim(self) -> int:
+        return len(self.shape)
+
+    @property
+    def n_experts(self) -> int:
+        return self.shape[0]
+
+    @property
+    def nbytes(self) -> int:
+        return int(np.prod(self.shape, dtype=np.int64)) * self.dtype.itemsize
+
+    @property
+    def stored_expert_nbytes(self) -> int:
+        """Bytes of one expert as stored (what paging it from the file moves)."""
+        return self.parts[0][1].nbytes
+
+    def astype(self, dtype) -> "ExpertStack":
+        return ExpertStack(self.parts, self.transposed, dtype)
+
+    def stored(self, e: int) -> np.ndarray:
+        return self.parts[e][1]
+
+    def release(self, e: int) -> None:
+        file, view = self.parts[e]
+        file.release(view)
+
+    def read_expert(self, e: int) -> np.ndarray:
+        file, view = self.parts[e]
+        return _copy(file, view, self.transposed, self.dtype)
+
+    def read(self) -> np.ndarray:
+        """The whole stack in host memory (one copy; each expert's pages released after it is copied)."""
+        out = np.empty(self.shape, self.dtype)
+        for e in range(self.n_experts):
+            view = self.stored(e)
+            out[e] = view.T if self.transposed else view
+            self.release(e)
+        return out
+
+    def take_flat(self, idx: np.ndarray) -> np.ndarray:
+        e, *rest = np.unravel_index(idx, self.shape)
+        out = np.empty(idx.shape, self.dtype)
+        for j in np.unique(e):
+            sel = e == j
+            out[sel] = _take(self.stored(int(j)), self.transposed, tuple(r[sel] for r in rest))
+        return out
+
+    def __repr__(self) -> str:
+        files = sorted({f.path for f, _ in self.parts})
+        return f"ExpertStack({self.shape}, {self.dtype}, {len(files)} file(s), transposed={self.transposed})"
+
+
+# leaves read on demand: tensors in their files, and canonical views of serving-layout arrays
+LAZY_TYPES = (LazyTensor, ExpertStack, *layout.VIEW_TYPES)
+
+
+def is_lazy(x: Any) -> bool:
+    return isinstance(x, LAZY_TYPES)
+
+
+def tree_map(fn, tree):
+    """``jax.tree.map`` that treats lazy leaves as leaves."""
+    return jax.tree.map(fn, tree, is_leaf=is_lazy)
+
+
+def leaves(tree) -> list:
+    return jax.tree.leaves(tree, is_leaf=is_lazy)
+
+
+def has_lazy_experts(params: dict) -> bool:
+    """True when any routed expert stack of ``params`` is still in its files (a model loaded for offload)."""
+    return any(isinstance(x, ExpertStack) for x in leaves(params))
+
+
+def with_dtype(tree, dtype):
+    """Every leaf as ``dtype`` (lazy leaves convert when read; arrays now); None keeps the stored dtypes."""
+    if dtype is None:
+        return tree
+    return tree_map(lambda x: x.astype(dtype), tree)
+
+
+def place(tree, experts: str = "device", arrangement: str = "canonical",
+          quantization: "layout.Quantization | None" = None, mesh=None):
+    """Non-expert tensors on the default device; routed expert stacks on the device too (``"device"``) or
+    left in their files (``"lazy"``). Reads one tensor (one stack, or one expert) at a time: the host never
+    holds more. ``arrangement="serving"`` places the tree in ``layout``'s serving layout (matrices
+    ``[out, in]``, one buffer per expert), reading Hugging Face files' ``[out, in]`` bytes as they are;
+    ``quantization`` (serving only) holds the matrices it names as int8, each quantised as it is placed.
+    ``mesh`` (axis "experts"): every MoE layer's experts as ``layout.ExpertShards`` split over its devices
+    (each device reads only its own experts from the files), everything else replicated on them."""
+    if experts not in EXPERTS_PLACEMENTS:
+        raise ValueError(f"unknown expert placement {experts!r}; expected one of {EXPERTS_PLACEMENTS}")
+    if arrangement not in layout.ARRANGEMENTS:
+        raise ValueError(f"unknown layout {arrangement!r}; expected one of {layout.ARRANGEMENTS}")
+    if quantization is not None and arrangement != "serving":
+        raise ValueError("int8 weights need the serving layout (layout='serving'): the canonical layout is for "
+                         "training and checkpoints")
+    if mesh is not None:
+        if experts != "device" or quantization is not None:
+            raise ValueError("experts spread over devices stay in their dtype on the devices: expert sharding "
+                             "does not combine with offload or int8 weights")
+        return _place_sharded(tree, arrangement, mesh)
+
+    def one(x):
+        if isinstance(x, ExpertStack):
+            return x if experts == "lazy" else jnp.asarray(x.read())
+        if isinstance(x, LazyTensor):
+            return _to_device(x.file, x.view, x.transposed, x.dtype)
+        if is_lazy(x):  # a canonical view of serving-layout arrays
+            return jnp.asarray(x.read())
+        return x
+
+    if arrangement == "canonical":
+        return tree_map(one, tree)
+
+    def arrange_experts(moe: dict):
+        stacks = {k: moe[k] for k in layout.EXPERT_MATRICES}
+        if experts == "lazy":
+            return stacks
+        return layout.expert_list(int(stacks["gate"].shape[0]), lambda e: expert_out_in(stacks, e),
+                                  quantization=quantization)
+
+    return layout.arrange(tree, read_out_in, arrange_experts, one, quantization)
+
+
+def _sharded_stack(stack, mesh) -> jax.Array:
+    """One expert stack ``[N, a, b]`` (lazy or an array) split along N over ``mesh``'s devices: each device's
+    experts are read (from the files, for a lazy stack) straight into that device's shard."""
+    from jax.sharding import NamedSharding, PartitionSpec as P
+
+    shape = tuple(int(n) for n in stack.shape)
+    devices = int(mesh.devices.size)
+    if shape[0] % devices:
+        raise ValueError(f"{shape[0]} experts do not split evenly over {devices} devices: pick a device count "
+                         f"that divides {shape[0]}")
+    dtype = np.dtype(stack.dtype)
+
+    def shard(index):
+        first, stop, _ = index[0].indices(shape[0])
+        return np.stack([np.asarray(expert_matrix(stack, e), dtype) for e in range(first, stop)])
+
+    return jax.make_array_from_callback(shape, NamedSharding(mesh, P(distributed.EXPERTS)), shard)
+
+
+def _place_sharded(tree, arrangement: str, mesh):
+    """``place`` for expert parallelism (see there)."""
+    everywhere = distributed.replicated(mesh)
+
+    def replicate(x):
+        if isinstance(x, ExpertStack):
+            x = x.read()
+        elif isinstance(x, LazyTensor):
+            x = x.read()
+        elif is_lazy(x):
+            x = x.read()
+        return distributed.global_array(x, everywhere)
+
+    def shards(moe: dict):
+        stacks = {k: _sharded_stack(moe[k], mesh) for k in layout.EXPERT_MATRICES}
+        return layout.ExpertShards(stacks["gate"], stacks["up"], stacks["down"], mesh, distributed.EXPERTS)
+
+    if arrangement == "serving":
+        out = layout.arrange(tree, read_out_in, shards, replicate)
+    else:
+        out = _with_expert_shards(tree, shards, replicate)
+    return jax.tree.map(lambda x: x if isinstance(x, layout.ExpertShards) else distributed.global_array(x, everywhere),
+                        out, is_leaf=lambda x: isinstance(x, layout.ExpertShards))
+
+
+def _with_expert_shards(tree, shards, put):
+    layers = []
+    for lp in tree["layers"]:
+        new = {k: tree_map(put, v) for k, v in lp.items() if k != "moe"}
+        if "moe" in lp:
+            moe = {k: tree_map(put, v) for k, v in lp["moe"].items() if k not in layout.EXPERT_MATRICES}
+            moe["experts"] = shards(lp["moe"])
+            new["moe"] = moe
+        layers.append(new)
+    out = {k: tree_map(put, v) for k, v in tree.items() if k != "layers"}
+    out["layers"] = layers
+    return out
+
+
+def read_out_in(x):
+    """A 2-D leaf (lazy or an array, canonical ``[in, out]``) as an ``[out, in]`` array: a Hugging Face
+    file's bytes as they are stored (placed straight from the mapping), anything else transposed."""
+    if isinstance(x, LazyTensor):
+        return _to_device(x.file, x.view, not x.transposed, x.dtype)
+    return np.ascontiguousarray(np.asarray(x).T)
+
+
+def _expert_out_in(stack, e: int) -> np.ndarray:
+    if isinstance(stack, ExpertStack):
+        file, view = stack.parts[e]
+        return _copy(file, view, not stack.transposed, stack.dtype)
+    return np.ascontiguousarray(np.asarray(stack[e]).T)
+
+
+def expert_out_in(stacks: dict, e: int) -> tuple[np.ndarray, np.ndarray]:
+    """Expert ``e`` of canonical ``gate``/``up``/``down`` stacks (lazy or arrays) in the serving layout:
+    ``(gate_up [2F, D], down [D, F])``."""
+    gate, up = _expert_out_in(stacks["gate"], e), _expert_out_in(stacks["up"], e)
+    return np.concatenate([gate, up]), _expert_out_in(stacks["down"], e)
+
+
+def to_host(x) -> np.ndarray:
+    """A leaf (lazy or an array) whole in host memory, in moejax's orientation."""
+    return x.read() if is_lazy(x) else np.asarray(x)
+
+
+def chunks(x) -> Iterator[np.ndarray]:
+    """A leaf's data in moejax's orientation, in pieces whose concatenation (row-major) is the leaf: one
+    expert at a time for an expert stack, the whole tensor otherwise."""
+    if hasattr(x, "read_expert"):
+        for e in range(x.shape[0]):
+            yield x.read_expert(e)
+    else:
+        yield to_host(x)
+
+
+def expert_matrix(x, e: int) -> np.ndarray:
+    """Expert ``e`` of a stacked leaf (lazy, a canonical view or an array) as a host array in moejax's
+    orientation."""
+    return x.read_expert(e) if hasattr(x, "read_expert") else np.asarray(x[e])
+
+
+def sample_flat(x, idx: np.ndarray) -> np.ndarray:
+    """Elements ``idx`` of the flattened leaf, reading only those (lazy leaves) — for fingerprints."""
+    if is_lazy(x):
+        return x.take_flat(idx)
+    return np.asarray(x).reshape(-1)[idx]

@@ -1,0 +1,356 @@
+"""The Python API: ``model = moejax.load(path)``; ``model.forward(ids)``; ``model.generate(...)``."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import os
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from moejax.base import distributed, textproc
+from moejax.models import assets, checkpoint, gating, layout as layout_lib, weights
+from moejax.models.config import ModelConfig
+from moejax.models.model import forward as model_forward
+from moejax.experts import routing as routing_lib
+from moejax.runtime import decode, offload as offload_lib, simulate
+from moejax.runtime.decode import CHUNK as DECODE_CHUNK  # a default inside Model, whose decode() hides the module
+
+DEFAULT_MODEL_NAME = assets.DEFAULT_MODEL_NAME  # "default": the embedded model, in every command
+resolve_model_path = assets.resolve_model_path
+
+
+@dataclasses.dataclass
+class Output:
+    """What ``Model.forward`` returns (numpy arrays)."""
+
+    logits: np.ndarray  # [T, vocab]
+    router_logits: np.ndarray  # [moe_layers, T, n_experts]
+    experts: np.ndarray  # [moe_layers, T, K] chosen expert ids, highest weight first
+    weights: np.ndarray  # [moe_layers, T, K] their mixing weights
+    hits: np.ndarray | None = None  # [moe_layers, T, K] bool, when a cache is simulated
+    stats: dict | None = None  # cache metrics (simulate.summarize), when a cache is simulated
+    state: Any = None  # router state after the pass: pass it as ``state=`` to carry the cache over
+
+
+class Tokenizer:
+    """A ``tokenizer.json`` (HF ``tokenizers``) plus the chat template of ``tokenizer_config.json``."""
+
+    def __init__(self, folder: str):
+        from tokenizers import Tokenizer as _Tok
+
+        path = os.path.join(folder, "tokenizer.json")
+        try:
+            self._tok = _Tok.from_file(path)
+        except Exception as e:  # the tokenizers library raises its own Exception type for a damaged file
+            raise checkpoint.CheckpointError(f"{path} is not a tokenizers file: {e}") from None
+        self.config: dict[str, Any] = {}
+        path = os.path.join(folder, "tokenizer_config.json")
+        if os.path.isfile(path):
+            self.config = checkpoint.read_json_object(path, "a tokenizer configuration")
+        self.chat_template = self.config.get("chat_template")
+        self.chat_template_path = path
+        jinja = os.path.join(folder, "chat_template.jinja")
+        if os.path.isfile(jinja):
+            try:
+                with open(jinja, encoding="utf-8") as f:
+                    self.chat_template = f.read()
+            except UnicodeDecodeError as e:
+                raise checkpoint.CheckpointError(f"{jinja} is not UTF-8 text: {e}") from None
+            self.chat_template_path = jinja
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError:  # lone surrogates: bytes that were not UTF-8 on the command line
+            raise ValueError(f"the text is not valid UTF-8 (at character {len(text.encode('utf-8', 'ignore'))}): "
+                             f"{text[:40]!r}") from None
+        return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def decode(self, ids, skip_special_tokens: bool = True) -> str:
+        return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def _special(self, name: str) -> str:
+        value = self.config.get(name)
+        return value.get("content", "") if isinstance(value, dict) else (value or "")
+
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+        if not self.chat_template:
+            raise ValueError("this checkpoint's tokenizer has no chat template (tokenizer_config.json "
+                             "'chat_template' or chat_template.jinja); drop --chat")
+        import jinja2
+        from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+        def raise_exception(message):
+            raise jinja2.exceptions.TemplateError(message)
+
+        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                            extensions=["jinja2.ext.loopcontrols"])
+        env.globals["raise_exception"] = raise_exception
+        try:
+            template = env.from_string(self.chat_template)
+        except jinja2.TemplateSyntaxError as e:
+            raise checkpoint.CheckpointError(f"{self.chat_template_path}: the chat template is not valid Jinja "
+                                             f"(line {e.lineno}: {e.message})") from None
+        try:
+            return template.render(messages=messages, add_generation_prompt=add_generation_prompt,
+                                   bos_token=self._special("bos_token"), eos_token=self._special("eos_token"))
+        except jinja2.TemplateError as e:  # raise_exception(...) in the template: it refuses these messages
+            raise ValueError(f"the chat template of {self.chat_template_path} refused the messages: {e}") from None
+
+
+@functools.partial(jax.jit, static_argnames=("cfg",))
+def _forward_original(params, cfg: ModelConfig, tokens):
+    return model_forward(params, cfg, tokens)
+
+
+def check_output(cfg: ModelConfig, router_logits, logits=None) -> None:
+    """``gating.NonFiniteError`` naming the layer when a pass's router logits (or logits) are NaN/inf."""
+    gating.check_finite(router_logits, "router logits", cfg)
+    if logits is not None:
+        gating.check_finite(np.asarray(logits)[None], "output logits", layer_names=["the LM head"])
+
+
+class Model:
+    """A loaded MoE model: parameters, configuration and (when the folder has one) a tokenizer."""
+
+    def __init__(self, params: dict, cfg: ModelConfig, tokenizer: Tokenizer | None = None,
+                 path: str | None = None, generation_config: dict | None = None,
+                 offload: "offload_lib.OffloadConfig | None" = None):
+        self.params, self.cfg, self.tokenizer, self.path = params, cfg, tokenizer, path
+        self.generation_config = generation_config or {}
+        self.offload = offload  # the default of forward/generate: a model loaded for offload pages its experts
+        self._stores: dict = {}  # expert stores built for this model (a host store reads the experts once)
+
+    def _offload(self, offload):
+        """The offload settings of a call: its own (``False``: none), else the model's; refuses to simulate
+        a model whose experts were left in the files (that would read them all onto the device)."""
+        offload = None if offload is False else offload_config(offload) if offload is not None else self.offload
+        if offload is not None and self.offload is not None and self.offload.slot_dtype != offload.slot_dtype:
+            offload = dataclasses.replace(offload, slot_dtype=self.offload.slot_dtype)  # as loaded (int8 experts)
+        if offload is None and weights.has_lazy_experts(self.params):
+            raise ValueError("this model was loaded with offload (moejax.load(path, offload=...)): its routed "
+                             "experts are in the checkpoint files, not on the device; pass offload=... to this "
+                             "call, or load the model without offload to simulate")
+        return offload
+
+    @property
+    def fingerprint(self) -> str:
+        """``checkpoint.params_fingerprint`` of the weights (cached per params object): keys results."""
+        cached = getattr(self, "_fingerprint", None)
+        if cached is None or cached[0] is not self.params:
+            cached = self._fingerprint = (self.params, checkpoint.params_fingerprint(self.params))
+        return cached[1]
+
+    def __repr__(self) -> str:
+        c = self.cfg
+        return (f"Model({c.model_type}, layers={c.num_layers}, moe_layers={c.n_moe_layers}, "
+                f"experts={c.n_experts}, top_k={c.top_k}, path={self.path!r})")
+
+    @property
+    def eos_token_ids(self) -> tuple[int, ...]:
+        eos = self.generation_config.get("eos_token_id")
+        if eos is None:
+            return self.cfg.eos_token_ids
+        return tuple(eos) if isinstance(eos, list) else (eos,)
+
+    def _tokens(self, token_ids) -> jax.Array:
+        ids = np.asarray(token_ids)
+        if ids.ndim != 1 or ids.size == 0:
+            raise ValueError(f"token_ids must be a non-empty 1-D array, got shape {ids.shape}")
+        if not np.issubdtype(ids.dtype, np.integer):
+            raise ValueError(f"token_ids must be integers, got {ids.dtype}")
+        if ids.min() < 0 or ids.max() >= self.cfg.vocab_size:
+            raise ValueError(f"token ids must be in 0..{self.cfg.vocab_size - 1}")
+        return jnp.asarray(ids, jnp.int32)
+
+    def _policy(self, routing):
+
+        if routing is None or isinstance(routing, str):
+            return routing_lib.make_policy(routing or "original", self.cfg.top_k)
+        return routing
+
+    def router_state(self, routing=None, cache: "simulate.CacheConfig | None" = None) -> dict:
+        """A fresh router state for ``routing`` (policy or kind name) and ``cache`` (default: N/2 LRU)."""
+
+        return simulate.init_router_state(self.cfg, self._policy(routing), cache or simulate.CacheConfig())
+
+    def _resolve_state(self, routing, cache, state: dict | None) -> dict:
+        """``state`` carried over (with ``routing``'s policy swapped in, if given), or a fresh one."""
+        if state is None:
+            return self.router_state(routing, cache)
+        return state if routing is None else {**state, "policy": self._policy(routing)}
+
+    def forward(self, token_ids, *, routing=None, cache=None, state: dict | None = None,
+                sequential: bool | None = None, offload=None) -> Output:
+        """Teacher-forced pass over ``token_ids`` (1-D).
+
+        With no ``routing``/``cache``/``state``: the architecture's own routing, no cache. Otherwise the
+        routing policy (``routing.make_policy(...)`` or a kind name) runs against a simulated expert cache
+        (``simulate.CacheConfig``; default N/2 per layer, LRU), starting from ``state`` when given (e.g.
+        ``previous_output.state``: the cache carried over from the previous sequence, statistics
+        accumulating). Per-layer caches take the layer-parallel path, global ones the token-sequential
+        path (``sequential=True`` forces it; both give the same result for per-layer caches).
+
+        ``offload`` (``offload.OffloadConfig``): the experts live in host memory and each token's misses are
+        paged into device slots for real (token by token, host-driven); ``stats["offload"]`` has the
+        bytes moved, transfer time and device memory."""
+        tokens = self._tokens(token_ids)
+        offload = self._offload(offload)
+        if offload is not None:
+
+            state = self._resolve_state(routing, cache, state)
+            out = offload_lib.host_forward(self.params, self.cfg, np.asarray(tokens), state, offload, self._stores)
+            check_output(self.cfg, out["router_logits"], out["logits"])
+            stats = simulate.summarize(out["router_state"], self.params, self.cfg)
+            stats["offload"] = out["offload"]
+            return Output(out["logits"], out["router_logits"], out["experts"], out["weights"], out["hits"], stats,
+                          out["router_state"])
+        if routing is None and cache is None and state is None:
+            out = _forward_original(self.params, self.cfg, tokens)
+            check_output(self.cfg, out.router_logits, out.logits)
+            return Output(np.asarray(out.logits), np.asarray(out.router_logits), np.asarray(out.experts),
+                          np.asarray(out.weights))
+
+        state = self._resolve_state(routing, cache, state)
+        out = simulate.forward_with_cache(self.params, self.cfg, tokens, state, sequential)
+        check_output(self.cfg, out.router_logits, out.logits)
+        return Output(np.asarray(out.logits), np.asarray(out.router_logits), np.asarray(out.experts),
+                      np.asarray(out.weights), np.asarray(out.records["hits"]),
+                      simulate.summarize(out.router_state, self.params, self.cfg), out.router_state)
+
+    def encode(self, text: str) -> list[int]:
+        if self.tokenizer is None:
+            raise ValueError(f"{self.path} has no tokenizer.json: pass token ids (--prompt-ids) instead of text")
+        return self.tokenizer.encode(text)
+
+    def decode(self, ids) -> str:
+        if self.tokenizer is None:
+            return " ".join(str(i) for i in ids)
+        return self.tokenizer.decode(ids)
+
+    def text(self, ids) -> str:
+        """``ids`` as text for a reader: decoded, with WikiText spacing undone for wikitext-style models."""
+        raw = self.decode(ids)
+        return textproc.wikitext_detokenize(raw) if textproc.is_wikitext_style(self.generation_config) else raw
+
+    def generate(self, prompt_ids, max_new_tokens: int = 64, temperature: float = 0.0, top_p: float = 1.0,
+                 seed: int = 0, stop_at_eos: bool = True, on_tokens=None, chunk: int = DECODE_CHUNK,
+                 routing=None, cache=None, state: dict | None = None,
+                 prefill_routing=None, offload=None, stop=(), cancelled=None,
+                 bucketed: bool = False, keep_slots: bool = False, on_cache=None) -> decode.GenerateResult:
+        """Prefill + scan decode. With ``routing``/``cache``/``state`` the expert cache is simulated for
+        every token (prompt included) and ``result.stats["cache"]`` holds its metrics. ``prefill_routing``
+        routes the prompt with another policy (e.g. "original": the policy then acts during generation
+        only, as in the paper's GSM8K protocol). ``offload`` (``offload.OffloadConfig``): experts in host
+        memory, misses paged into device slots for real; ``result.stats["offload"]`` has what moved.
+
+        ``stop``: stop strings, matched on ``self.text`` of the new tokens; the tokens end with the one that
+        completes the first match (``decode.cut_at_stops(model.text(ids), stop)`` is the text before it)
+        and ``stats["stopped"]`` is "stop". ``cancelled()`` is polled between chunks ("cancelled").
+        ``bucketed``: compile-friendly shapes for long-running callers (``decode.generate``). ``keep_slots``
+        (offload, host paging): keep the device slots for a next call that continues from ``result.
+        router_state`` (``offload.host_generate``), as a server carrying one cache does. ``on_cache``: the
+        cache as it changes (``decode.generate``; offloaded: token by token)."""
+        cfg = dataclasses.replace(self.cfg, eos_token_ids=self.eos_token_ids)
+        stop = decode.Stop(tuple(stop), self.text if stop else None, cancelled)
+        router = None
+        offload = self._offload(offload)
+        if offload is not None:
+
+            state = self._resolve_state(routing, cache, state)
+            prefill_policy = None if prefill_routing is None else self._policy(prefill_routing)
+            result = offload_lib.generate(self.params, cfg, prompt_ids, state, offload,
+                                          max_new_tokens=max_new_tokens, sampling=decode.Sampling(temperature, top_p),
+                                          seed=seed, stop_at_eos=stop_at_eos, on_tokens=on_tokens,
+                                          prefill_policy=prefill_policy, stores=self._stores, stop=stop,
+                                          bucketed=bucketed, keep_slots=keep_slots, on_cache=on_cache)
+            result.stats["cache"] = simulate.summarize(result.router_state, self.params, self.cfg)
+            return result
+        if routing is not None or cache is not None or state is not None:
+
+            router = simulate.CacheRouter(self.cfg.gating)
+            state = self._resolve_state(routing, cache, state)
+        prefill_policy = None if prefill_routing is None else self._policy(prefill_routing)
+        if prefill_policy is not None and router is None:
+            raise ValueError("prefill_routing needs routing=, cache= or state= (an expert cache)")
+        result = decode.generate(self.params, cfg, prompt_ids, max_new_tokens=max_new_tokens,
+                                 sampling=decode.Sampling(temperature, top_p), seed=seed,
+                                 stop_at_eos=stop_at_eos, on_tokens=on_tokens, chunk=chunk, router=router,
+                                 router_state=state, prefill_policy=prefill_policy, stop=stop,
+                                 bucketed=bucketed, on_cache=on_cache)
+        if router is not None:
+
+            result.stats["cache"] = simulate.summarize(result.router_state, self.params, self.cfg)
+        return result
+
+
+def offload_config(offload) -> "offload_lib.OffloadConfig | None":
+    """``load``'s ``offload``: None/False, True (host store), a store name ("host", "flash") or a config."""
+    if offload is None or offload is False:
+        return None
+    if offload is True:
+        return offload_lib.OffloadConfig()
+    if isinstance(offload, str):
+        return offload_lib.OffloadConfig(store=offload)
+    if isinstance(offload, offload_lib.OffloadConfig):
+        return offload
+    raise TypeError(f"offload must be None, True, 'host', 'flash' or an offload.OffloadConfig, got {offload!r}")
+
+
+SHARDINGS = ("experts",)
+
+
+def load(path: str, dtype=None, offload=None, layout: str = "serving", weight_dtype: str | None = None,
+         expert_dtype: str | None = None, shard: str | None = None, devices: int | None = None) -> Model:
+    """Load a moejax checkpoint folder, a Hugging Face folder (read in place), or ``"default"``.
+
+    Non-expert weights go to the device one tensor at a time. Without ``offload`` the routed experts do
+    too (every pass can then simulate any cache). With ``offload`` (True, "host", "flash" or an
+    ``offload.OffloadConfig``) they never reach the device: they stay in the checkpoint's files, and
+    forward/generate page them into the cache's device slots — from host memory (read once) or straight
+    from the files' memory maps ("flash": no copy, no temporary file).
+
+    ``layout``: "serving" (default: matrices ``[out, in]``, one buffer per expert, read in place in their
+    stored dtype: see ``moejax.models.layout``) or "canonical" (``x @ W``, experts stacked: what training and the
+    checkpoint formats use). Both compute the same model.
+
+    ``weight_dtype="int8"`` holds every matrix (attention, MLPs, routed experts, LM head) as int8 with one
+    scale per output row, quantised as it is placed (half the memory of bf16; decode reads half the bytes);
+    ``expert_dtype`` ("int8" or "stored") overrides it for the routed experts alone. Serving layout only;
+    see ``moejax.models.layout`` for the scheme and its error bound. With ``offload`` the experts stay in the files
+    and int8 experts mean int8 device slots (``offload.OffloadConfig.slot_dtype``): every page is quantised
+    on the device as it arrives, so the cache holds twice the experts in the same memory.
+
+    ``shard="experts"``: for models larger than one device, each MoE layer's experts are split over the first
+    ``devices`` devices (default all; N must divide evenly), every device reading only its own experts from
+    the files, the rest replicated (``moejax.base.distributed``); forward, generate and sweeps then run on all."""
+    path = resolve_model_path(path)
+    offload = offload_config(offload)
+    mesh = None
+    if shard is not None:
+        if shard not in SHARDINGS:
+            raise ValueError(f"unknown sharding {shard!r}; expected one of {', '.join(SHARDINGS)}")
+        if offload is not None:
+            raise ValueError("shard='experts' spreads the experts over device memory; offload pages them into one "
+                             "device: use one or the other")
+        mesh = distributed.experts_mesh(devices)
+    elif devices is not None:
+        raise ValueError("devices= goes with shard='experts'")
+    quantization = layout_lib.Quantization.from_dtypes(weight_dtype, expert_dtype)
+    if quantization is not None and layout != "serving":
+        raise ValueError(f"int8 weights (weight_dtype/expert_dtype) need layout='serving', got layout={layout!r}")
+    if quantization is not None and quantization.experts and offload is not None:
+        offload = dataclasses.replace(offload, slot_dtype="int8")  # the experts stay in the files; slots hold int8
+    params, cfg = checkpoint.load_params(path, dtype, "lazy" if offload is not None else "device", layout,
+                                         quantization, mesh)
+    folder = os.path.abspath(os.path.expanduser(path))
+    tokenizer = Tokenizer(folder) if os.path.isfile(os.path.join(folder, "tokenizer.json")) else None
+    gen_path = os.path.join(folder, "generation_config.json")
+    generation_config = {}
+    if os.path.isfile(gen_path):
+        generation_config = checkpoint.read_json_object(gen_path, "a generation configuration")
+    return Model(params, cfg, tokenizer, folder, generation_config, offload)

@@ -1,0 +1,204 @@
+"""Routing-policy and expert-cache command-line options, shared by generate, evaluate and trace."""
+
+from __future__ import annotations
+
+import argparse
+
+from moejax.base import distributed
+from moejax.experts import cache as cache_lib, prior as prior_lib, routing as routing_lib
+from moejax.runtime.offload import OffloadConfig
+from moejax.runtime.simulate import CacheConfig
+
+
+def add_routing_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("routing policy (DESIGN §2)")
+    g.add_argument("--routing", choices=routing_lib.KINDS, default=None,
+                   help="expert ranking policy (default: original); any routing option turns the cache on")
+    g.add_argument("--lam", type=float, default=0.5, help="cache-prior strength λ (default 0.5)")
+    g.add_argument("--top-j", type=int, default=None, help="always keep the top-J (default 1 if K=2 else 2)")
+    g.add_argument("--max-rank", type=int, default=None, help="max-rank M (default K)")
+    g.add_argument("--cumsum-p", type=float, default=0.9, help="cumsum probability threshold p (default 0.9)")
+    g.add_argument("--prune-h", type=int, default=None, help="pruning: keep ranks 1..h-1 (default K)")
+    g.add_argument("--delta", type=float, default=None,
+                   help="cache-prior: fixed calibrated Δ instead of the running mean of max(z)-min(z)")
+    g.add_argument("--prior", default=None, metavar="PATH",
+                   help="learned-prior: checkpoint folder written by `python -m moejax.train_prior`")
+    c = p.add_argument_group("expert cache")
+    c.add_argument("--cache-size", default=None,
+                   help="capacity: a count ('6') or, with a decimal point, a fraction of N ('0.5'); "
+                        "in global scope of all L·N experts (default 0.5 when a cache is on)")
+    c.add_argument("--cache-scope", choices=cache_lib.SCOPES, default="layer")
+    c.add_argument("--eviction", choices=cache_lib.ONLINE_EVICTIONS, default="lru",
+                   help="eviction policy (Belady is an offline oracle: use `moejax.trace replay`)")
+    c.add_argument("--cache-init", choices=cache_lib.INITS, default="empty")
+    c.add_argument("--cache-seed", type=int, default=0, help="seed of --cache-init random")
+    c.add_argument("--miss", choices=cache_lib.MISS_MODES, default="fetch",
+                   help="miss handling: fetch (lossless), drop / substitute / cascade a low-importance miss")
+    c.add_argument("--miss-rank", default="1",
+                   help="0-based position (by weight) from which a miss is low-importance; cascade: one per "
+                        "tier, e.g. '1,3' with --cascade-bits 8,4 (default 1)")
+    c.add_argument("--cascade-bits", default="8", help="cascade: bit width per tier, 8 and/or 4 (default 8)")
+    c.add_argument("--quant-group", type=int, default=None,
+                   help="cascade: quantisation group size along the input axis (default: per channel)")
+    c.add_argument("--prefetch", type=float, default=0.0, metavar="F",
+                   help="speculative next-layer prefetch of the top round(K·F) predicted experts (0 = off)")
+    c.add_argument("--prefetch-percentile", type=float, default=None, metavar="Q",
+                   help="prefetch every expert whose predicted probability is above the Q-th percentile")
+
+
+def _int_list(text: str, flag: str) -> tuple[int, ...]:
+    try:
+        return tuple(int(x) for x in str(text).split(",") if x.strip())
+    except ValueError:
+        raise ValueError(f"{flag} takes comma-separated integers, got {text!r}") from None
+
+
+def add_weight_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("weights in memory")
+    g.add_argument("--weight-dtype", choices=("stored", "int8"), default=None,
+                   help="int8: every matrix (attention, MLPs, routed experts, LM head) held as int8 with one scale "
+                        "per output row, quantised on load: half the memory and bytes per token of bf16, "
+                        "like llama.cpp's Q8_0 (default: stored)")
+    g.add_argument("--expert-dtype", choices=("stored", "int8"), default=None,
+                   help="the same for the routed experts alone (overrides --weight-dtype for them)")
+
+
+def weight_kwargs(args: argparse.Namespace) -> dict:
+    """``moejax.load``'s ``weight_dtype`` / ``expert_dtype`` from the flags."""
+    return {"weight_dtype": getattr(args, "weight_dtype", None), "expert_dtype": getattr(args, "expert_dtype", None)}
+
+
+def weight_label(args: argparse.Namespace) -> str:
+    """What the weight flags add to a model's label in results ("", "+int8", "+int8-experts", ...)."""
+    w, e = getattr(args, "weight_dtype", None), getattr(args, "expert_dtype", None)
+    matrices, experts = w == "int8", (w == "int8") if e is None else e == "int8"
+    if matrices and experts:
+        return "+int8"
+    return "+int8-experts" if experts else "+int8-matrices" if matrices else ""
+
+
+SHARD_HELP = ("experts: split each MoE layer's experts over the devices (--devices N, default all) for models "
+              "larger than one device; every device computes its own experts, the rest is replicated")
+
+
+def add_shard_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("devices (moejax.base.distributed)")
+    g.add_argument("--shard", choices=("experts",), default=None, help=SHARD_HELP)
+    g.add_argument("--devices", type=int, default=None, metavar="N", help="devices --shard uses (default: all)")
+
+
+def shard_kwargs(args: argparse.Namespace) -> dict:
+    """``moejax.load``'s ``shard`` / ``devices`` from the flags (``--devices`` alone spreads sweeps, not a model)."""
+    if getattr(args, "devices", None) is not None and args.devices < 1:
+        raise ValueError(f"--devices must be >= 1, got {args.devices}")
+    if getattr(args, "shard", None) is None:
+        return {}
+    return {"shard": args.shard, "devices": args.devices}
+
+
+def add_distributed_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("devices and hosts (moejax.base.distributed)")
+    g.add_argument("--devices", type=int, default=None, metavar="N",
+                   help="spread the points of a sweep over the first N devices (default: every device; "
+                        "one device = no spreading); with --shard experts: the devices the experts are split over")
+    g.add_argument("--shard", choices=("experts",), default=None, help=SHARD_HELP + " (sweeps then run on them "
+                   "one batch at a time)")
+    g.add_argument("--distributed", action="store_true",
+                   help="run as one program over several processes/hosts (jax.distributed): every process runs "
+                        "the same command; process 0 writes the results (also implied by JAX_COORDINATOR_ADDRESS)")
+    g.add_argument("--coordinator", default=None, metavar="HOST:PORT",
+                   help="process 0's address (default: JAX_COORDINATOR_ADDRESS)")
+    g.add_argument("--num-processes", type=int, default=None, help="default: JAX_NUM_PROCESSES")
+    g.add_argument("--process-id", type=int, default=None, help="default: JAX_PROCESS_ID")
+
+
+def start_distributed(args: argparse.Namespace):
+    """Join the multi-process run the flags (or the ``JAX_*`` variables) ask for, then the sweep mesh over
+    ``--devices`` (None: one device). Call before anything touches a JAX device."""
+
+    asked = args.distributed or any(getattr(args, k) is not None for k in ("coordinator", "num_processes",
+                                                                          "process_id"))
+    if args.devices is not None and args.devices < 1:
+        raise ValueError(f"--devices must be >= 1, got {args.devices}")
+    if asked or distributed.requested():
+        distributed.initialize(args.coordinator, args.num_processes, args.process_id)
+    if getattr(args, "shard", None) is not None:
+        if distributed.is_multiprocess():
+            raise ValueError("--shard experts runs in one process (its devices); a multi-process run spreads "
+                             "sweep points: drop one of them")
+        return None  # the devices hold the experts; a sweep's batches run on all of them
+    return distributed.points_mesh(args.devices)
+
+
+def add_offload_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("expert offloading (experts in host memory, device slots = the cache)")
+    g.add_argument("--offload", action="store_true",
+                   help="page experts from host memory into device slots for real (turns the cache on)")
+    g.add_argument("--paging", choices=("host", "jit"), default="host",
+                   help="host: host-driven between jitted stages (everywhere, bandwidth emulation); "
+                        "jit: inside the scanned decode loop from host-memory arrays")
+    g.add_argument("--expert-store", choices=("host", "flash"), default="host",
+                   help="host: host memory (pinned_host where the backend has it), read once from the checkpoint; "
+                        "flash: paged straight from the checkpoint's own files through their memory map")
+    g.add_argument("--store-dir", default=None,
+                   help="API only: where a model loaded whole writes its flash-tier file (default: a temporary "
+                        "folder); the command-line --offload pages from the checkpoint and writes nothing")
+    g.add_argument("--bandwidth-gbps", type=float, default=None,
+                   help="emulate a host→device link of this bandwidth (GB/s), e.g. 2 (flash), 25 (PCIe)")
+    g.add_argument("--latency-us", type=float, default=0.0, help="emulated per-transfer latency (µs)")
+
+
+def offload_from_args(args: argparse.Namespace):
+    """An ``offload.OffloadConfig`` when ``--offload`` was given, else None (options without it: error)."""
+    if not getattr(args, "offload", False):
+        if getattr(args, "bandwidth_gbps", None) is not None or getattr(args, "latency_us", 0.0):
+            raise ValueError("--bandwidth-gbps / --latency-us emulate transfers: they need --offload")
+        return None
+
+    return OffloadConfig(paging=args.paging, store=args.expert_store, bandwidth_gbps=args.bandwidth_gbps,
+                         latency_us=args.latency_us, store_dir=args.store_dir)
+
+
+def cache_requested(args: argparse.Namespace) -> bool:
+    # a --prior without --routing still goes through policy_from_args, which rejects it (never silently ignored)
+    return (args.routing is not None or args.cache_size is not None or getattr(args, "prior", None) is not None
+            or getattr(args, "offload", False) or args.miss != "fetch" or bool(args.prefetch)
+            or args.prefetch_percentile is not None)
+
+
+def policy_from_args(args: argparse.Namespace, top_k: int) -> routing_lib.RoutingPolicy:
+    prior_path = getattr(args, "prior", None)
+    params = None
+    if args.routing == "learned-prior":
+        if not prior_path:
+            raise ValueError("--routing learned-prior needs --prior PATH (a checkpoint folder written by "
+                             "`python -m moejax.train_prior`)")
+
+        params = prior_lib.load_prior(prior_path, top_k=top_k)  # N and layers are checked against the model
+    elif prior_path:
+        raise ValueError("--prior only applies to --routing learned-prior "
+                         f"(got --routing {args.routing or 'original'})")
+    return routing_lib.make_policy(args.routing or "original", top_k, lam=args.lam, top_j=args.top_j,
+                                   max_rank=args.max_rank, cumsum_p=args.cumsum_p, prune_h=args.prune_h,
+                                   delta=args.delta, prior=params)
+
+
+def cache_from_args(args: argparse.Namespace):
+
+    cfg = CacheConfig(size=str(args.cache_size or "0.5"), scope=args.cache_scope, eviction=args.eviction,
+                      init=args.cache_init, seed=args.cache_seed, miss=args.miss,
+                      miss_rank=_int_list(args.miss_rank, "--miss-rank"),
+                      cascade_bits=_int_list(args.cascade_bits, "--cascade-bits"), quant_group=args.quant_group,
+                      prefetch=args.prefetch, prefetch_percentile=args.prefetch_percentile)
+    cfg.miss_config(), cfg.prefetch_config()  # bad values fail here, with the option's own message
+    return cfg
+
+
+def describe(args: argparse.Namespace) -> dict:
+    """The routing/cache settings of a run, for tables and JSON."""
+    return {"routing": args.routing or "original", "lam": args.lam, "top_j": args.top_j,
+            "max_rank": args.max_rank, "cumsum_p": args.cumsum_p, "prune_h": args.prune_h, "delta": args.delta,
+            "cache_size": args.cache_size or "0.5", "scope": args.cache_scope, "eviction": args.eviction,
+            "cache_init": args.cache_init, "prior": getattr(args, "prior", None), "miss": args.miss,
+            "miss_rank": args.miss_rank, "cascade_bits": args.cascade_bits, "prefetch": args.prefetch,
+            "prefetch_percentile": args.prefetch_percentile}

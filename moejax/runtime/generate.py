@@ -1,0 +1,211 @@
+"""``python -m moejax.generate``: generate text from an MoE checkpoint, streaming it as it comes.
+
+    python -m moejax.generate --model PATH --prompt "The capital of France" --max-new-tokens 64
+    python -m moejax.generate --model PATH --prompt-ids 5,17,42 --json
+    python -m moejax.generate --model PATH --routing cache-prior --lam 0.5 --cache-size 0.5 --trace-out t.npz
+
+Any routing or cache option simulates an expert cache over every token (prompt included) and prints its
+statistics (overall and per MoE layer) after the text; ``--json`` puts them under ``stats.cache``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+from moejax.base import errors, interrupts, textproc
+from moejax.models import gating
+from moejax.experts import trace as trace_lib
+from moejax.runtime import api, cli_options, decode
+
+DEFAULT_PROMPT = "The history of the"
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m moejax.generate", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default=api.DEFAULT_MODEL_NAME,
+                   help="moejax or Hugging Face checkpoint folder, or 'default' (the embedded model)")
+    src = p.add_mutually_exclusive_group()
+    src.add_argument("--prompt", help=f"prompt text (default: {DEFAULT_PROMPT!r})")
+    src.add_argument("--prompt-ids", help="comma-separated token ids, e.g. 5,17,42 (no tokenizer needed)")
+    p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--chat", action="store_true", help="wrap the prompt in the checkpoint's chat template")
+    p.add_argument("--ignore-eos", action="store_true", help="keep generating past end-of-sequence tokens")
+    p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], help="compute dtype (default: stored)")
+    p.add_argument("--json", action="store_true", help="print one JSON object with text, token_ids and stats")
+    p.add_argument("--trace-out", metavar="FILE.npz",
+                   help="record the routing trace (experts, weights, router logits per token and MoE layer)")
+    cli_options.add_weight_args(p)
+    cli_options.add_routing_args(p)
+    cli_options.add_offload_args(p)
+    cli_options.add_shard_args(p)
+    return p
+
+
+def parse_prompt_ids(text: str) -> list[int]:
+    try:
+        ids = [int(t) for t in text.replace(" ", "").split(",") if t != ""]
+    except ValueError:
+        raise ValueError(f"--prompt-ids must be comma-separated integers, got {text!r}") from None
+    if not ids:
+        raise ValueError("the prompt is empty: --prompt-ids has no token ids")
+    return ids
+
+
+def is_utf8(text: str) -> bool:
+    """False for the lone surrogates Python makes of command-line bytes that are not UTF-8."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+def prompt_token_ids(model: api.Model, args: argparse.Namespace) -> list[int]:
+    if args.prompt_ids is not None:
+        return parse_prompt_ids(args.prompt_ids)
+    text = DEFAULT_PROMPT if args.prompt is None else args.prompt
+    if not text.strip():
+        raise ValueError("the prompt is empty: give some text with --prompt")
+    if args.chat:
+        if model.tokenizer is None:
+            raise ValueError(f"{model.path} has no tokenizer.json, so --chat cannot apply a chat template")
+        templated = model.tokenizer.apply_chat_template([{"role": "user", "content": text}])
+        return model.tokenizer.encode(templated, add_special_tokens=False)
+    return model.encode(text)
+
+
+class Streamer:
+    """Prints text as tokens arrive. It decodes the whole continuation each time (so BPE merges come out
+    right) and holds back trailing whitespace, which WikiText detokenisation may still remove."""
+
+    def __init__(self, model: api.Model, render, out=None):
+        self.model, self.render, self.out, self.ids, self.printed = model, render, out or sys.stdout, [], ""
+
+    def text(self) -> str:
+        text = self.render(self.model.decode(self.ids))
+        return text + " " if self.model.tokenizer is None and text else text
+
+    def __call__(self, new_ids: list[int]) -> None:
+        self.ids += new_ids
+        stable = self.text().rstrip()
+        if stable.startswith(self.printed):
+            self.out.write(stable[len(self.printed):])
+            self.printed = stable
+        self.out.flush()
+
+    def finish(self) -> None:
+        text = self.text()
+        self.out.write(text[len(os.path.commonprefix([text, self.printed])):])  # what is not printed yet
+        self.out.write("\n")
+        self.out.flush()
+
+
+def format_offload(o: dict) -> str:
+    """One block of offload figures for the terminal."""
+    mem = o.get("device_memory", {})
+    mib = lambda b: "n/a" if b is None else f"{b / 2**20:.1f} MiB"  # noqa: E731
+    gbps = o.get("achieved_gbps")
+    lines = [f"offload ({o['paging']} paging, {o.get('store', 'host')} store"
+             + (f", emulated {o['bandwidth_gbps']} GB/s" if o.get("bandwidth_gbps") else "") + ")",
+             f"  bytes moved {o['bytes_moved'] / 2**20:.1f} MiB, {o['bytes_per_token'] / 2**20:.2f} MiB/token"
+             + (f", achieved {gbps:.2f} GB/s" if gbps else ""),
+             f"  device memory: accounted {mib(mem.get('accounted_total'))} (experts on host "
+             f"{mib(mem.get('all_experts_on_host'))}), measured peak {mib(mem.get('measured_peak'))}"]
+    return "\n".join(lines)
+
+
+def run(args: argparse.Namespace) -> dict:
+    dtype = None if args.dtype is None else {"float32": "float32", "bfloat16": "bfloat16",
+                                             "float16": "float16"}[args.dtype]
+    offload = cli_options.offload_from_args(args)  # with --offload the routed experts never reach the device
+    if args.devices is not None and args.shard is None:
+        raise ValueError("--devices goes with --shard experts (the devices the experts are split over)")
+    if args.max_new_tokens < 0:
+        raise ValueError(f"--max-new-tokens must be >= 0, got {args.max_new_tokens}")
+    if args.prompt is not None and not is_utf8(args.prompt):
+        raise ValueError("--prompt is not valid UTF-8 text (the shell passed bytes of another encoding)")
+    if args.trace_out:  # checked before the work: a generation must not be lost to an unwritable path
+        check_writable(args.trace_out, "--trace-out")
+    t_load = time.perf_counter()
+    model = api.load(args.model, dtype=dtype, offload=offload, **cli_options.weight_kwargs(args),
+                     **cli_options.shard_kwargs(args))
+    load_time = time.perf_counter() - t_load
+    ids = prompt_token_ids(model, args)
+    routing = cache = None
+    if cli_options.cache_requested(args):  # every option is validated before anything is printed
+        routing = cli_options.policy_from_args(args, model.cfg.top_k)
+        cache = cli_options.cache_from_args(args)
+        cache.capacity(model.cfg)
+    positions = model.cfg.max_position_embeddings
+    budget = decode.generation_budget(len(ids), args.max_new_tokens, positions)
+    if budget < args.max_new_tokens:
+        sys.stderr.write(f"note: the context holds {positions} positions and the prompt takes {len(ids)}: "
+                         f"at most {budget} new tokens (not {args.max_new_tokens})\n")
+    render = textproc.wikitext_detokenize if textproc.is_wikitext_style(model.generation_config) else str
+    streamer = None
+    if not args.json:
+        if args.prompt_ids is None and not args.chat:
+            sys.stdout.write(render(args.prompt if args.prompt is not None else DEFAULT_PROMPT))
+            sys.stdout.write(" " if not model.decode(ids[-1:]).endswith(" ") else "")
+        streamer = Streamer(model, render)
+    result = model.generate(ids, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
+                            top_p=args.top_p, seed=args.seed, stop_at_eos=not args.ignore_eos,
+                            on_tokens=streamer, routing=routing, cache=cache, offload=offload)
+    raw_text = model.decode(result.token_ids)
+    text = render(raw_text)
+    result.stats["load_time_s"] = load_time
+    if "cache" in result.stats:
+        result.stats["cache"].update(cli_options.describe(args), capacity=cache.capacity(model.cfg),
+                                     layers=model.cfg.n_moe_layers, experts_per_token=model.cfg.top_k,
+                                     n_experts=model.cfg.n_experts)
+    if args.trace_out:
+        tr = result.trace()
+        trace_lib.save_trace(args.trace_out, tr["experts"], tr["weights"], tr["logits"], model.cfg.n_experts,
+                             gating.spec(model.cfg.gating))
+    if not args.json:
+        streamer.finish()
+        s = result.stats
+        sys.stderr.write(f"[{s['prompt_tokens']} prompt tokens, {s['generated_tokens']} generated, "
+                         f"time to first token {s['time_to_first_token_s']:.3f} s, "
+                         f"{s['tokens_per_s']:.1f} tokens/s]\n")
+        if "cache" in s:
+            sys.stderr.write(trace_lib.format_table(s["cache"]) + "\n")
+        if "offload" in s:
+            sys.stderr.write(format_offload(s["offload"]) + "\n")
+    return {"text": text, "raw_text": raw_text, "token_ids": result.token_ids, "prompt_ids": ids,
+            "stopped": result.stats["stopped"], "stats": trace_lib.json_safe(result.stats)}
+
+
+def check_writable(path: str, flag: str) -> None:
+    """An output file's folder must exist and be writable, and the path must not be a folder."""
+    folder = os.path.dirname(os.path.abspath(path))
+    if os.path.isdir(path):
+        raise ValueError(f"{flag} {path} is a folder; give a file name")
+    if not os.path.isdir(folder):
+        raise ValueError(f"{flag} {path}: the folder {folder} does not exist")
+    if not os.access(folder, os.W_OK):
+        raise ValueError(f"{flag} {path}: the folder {folder} is not writable")
+
+
+def main(argv: list[str] | None = None) -> int:
+    interrupts.exit_cleanly_on_signals()
+    args = build_parser().parse_args(argv)
+    try:
+        result = run(args)
+    except errors.HANDLED as e:
+        return errors.report(e)
+    if args.json:
+        print(json.dumps(result))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

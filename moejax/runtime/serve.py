@@ -1,0 +1,872 @@
+"""``python -m moejax.serve``: an OpenAI-compatible server whose expert cache is one live state that every
+request shares, as it would be on the device.
+
+    pip install -e ".[serve]"
+    python -m moejax.serve --model default [--routing cache-prior --lam 0.5] [--cache-size 0.5]
+                           [--offload --bandwidth-gbps 2] [--host 127.0.0.1] [--port 8000] [--max-queue 16]
+
+Endpoints (OpenAI's shapes; every failure is OpenAI's error object with status 400, 404, 429 or 500):
+
+  GET  /v1/models                 the served model (its id: the --model argument, or --served-name)
+  POST /v1/completions            prompt (text or token ids), max_tokens (16), temperature, top_p, seed, stop,
+                                  stream (+ stream_options.include_usage)
+  POST /v1/chat/completions       messages through the checkpoint's chat template (a plain "role: content"
+                                  template when it has none); max_tokens (256, capped at the context left)
+  GET  /metrics                   Prometheus text: requests, tokens, time to first token and tokens/s
+                                  histograms, queue, cache hits/misses/loads/bytes moved, per MoE layer
+  GET  /v1/moejax/cache           the cache as JSON: residency per layer, the last request's hits and misses
+                                  per expert, lifetimes, totals since start
+  GET  /                          a dashboard: a prompt box that streams, and a live heat map of the cache
+
+Every routing / cache / miss / prefetch / offload option of ``generate`` sets the server's policy and
+cache; a cache is always simulated (N/2 per layer, LRU, original routing unless told otherwise), so the
+counters are there to watch. A request may override the routing policy (not the cache) with an extra body
+field ``"moejax": {"routing": "cache-prior", "lam": 0.3}`` (keys: routing, lam, top_j, max_rank, cumsum_p,
+prune_h, delta). Responses carry an extra ``"moejax"`` field: the request's own cache counters and why it
+stopped.
+
+One engine runs batch 1: requests wait in one first-come-first-served queue (at most ``--max-queue`` waiting:
+the next gets 429). A streaming client that disconnects frees the engine at the next decode chunk. Prompts
+are prefilled in power-of-two pieces and the KV cache is bucketed (``decode.generate(bucketed=True)``), so
+a new prompt length costs no compilation once its pieces have been seen.
+"""
+
+# no `from __future__ import annotations`: FastAPI reads the route annotations (Request) at run time
+
+import argparse
+import asyncio
+import collections
+import dataclasses
+import json
+import queue
+import signal
+import sys
+import threading
+import time
+import uuid
+from typing import Any, Callable
+
+import numpy as np
+
+from moejax.base import errors
+from moejax.experts import routing as routing_lib, trace as trace_lib
+from moejax.runtime import api, cli_options, decode, simulate
+
+FALLBACK_CHAT_TEMPLATE = "role: content lines, then 'assistant:'"  # what /v1/models reports when it is used
+ROUTING_OVERRIDE_KEYS = ("routing", "lam", "top_j", "max_rank", "cumsum_p", "prune_h", "delta")
+TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+TPS_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000)
+
+
+class RequestError(ValueError):
+    """A request the server refuses: an OpenAI error object with this HTTP status."""
+
+    def __init__(self, message: str, status: int = 400, param: str | None = None, code: str | None = None):
+        super().__init__(message)
+        self.status, self.param, self.code = status, param, code
+
+    @property
+    def kind(self) -> str:
+        return {400: "invalid_request_error", 404: "not_found_error", 429: "rate_limit_error"}.get(
+            self.status, "server_error")
+
+    def body(self) -> dict:
+        return {"error": {"message": str(self), "type": self.kind, "param": self.param, "code": self.code}}
+
+
+# ------------------------------------------------------------------------------------------------ requests
+
+
+@dataclasses.dataclass
+class Job:
+    """One generation request, as the engine runs it. ``emit(kind, payload)`` is called from the engine's
+    thread: ("tokens", [ids]) as they come, then ("done", result dict) or ("error", exception)."""
+
+    prompt_ids: list[int]
+    max_tokens: int
+    temperature: float = 0.0
+    top_p: float = 1.0
+    seed: int = 0
+    stop: tuple[str, ...] = ()
+    routing: dict | None = None
+    emit: Callable[[str, Any], None] = lambda kind, payload: None
+    cancelled: threading.Event = dataclasses.field(default_factory=threading.Event)
+    submitted: float = dataclasses.field(default_factory=time.perf_counter)
+
+
+def _number(body: dict, key: str, default, lo: float, hi: float, integer: bool = False):
+    value = body.get(key, default)
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or (integer and not float(value).is_integer()):
+        raise RequestError(f"'{key}' must be {'an integer' if integer else 'a number'}, got {value!r}", param=key)
+    if not (lo <= value <= hi):  # NaN fails too
+        raise RequestError(f"'{key}' must be in [{lo}, {hi}], got {value!r}", param=key)
+    return int(value) if integer else float(value)
+
+
+def _stop_strings(body: dict) -> tuple[str, ...]:
+    stop = body.get("stop")
+    if stop is None:
+        return ()
+    stop = [stop] if isinstance(stop, str) else stop
+    if not isinstance(stop, list) or len(stop) > 4 or not all(isinstance(s, str) and s for s in stop):
+        raise RequestError("'stop' must be a non-empty string or a list of up to 4 non-empty strings", param="stop")
+    return tuple(stop)
+
+
+def _unsupported(body: dict) -> None:
+    """Refuse what the engine does not do rather than silently ignore it."""
+    for key in ("n", "best_of"):
+        if body.get(key) not in (None, 1):
+            raise RequestError(f"'{key}' must be 1: the engine runs one sequence per request", param=key)
+    for key in ("logprobs", "top_logprobs", "echo", "suffix", "tools", "functions", "logit_bias"):
+        if body.get(key):
+            raise RequestError(f"'{key}' is not supported by moejax.serve", param=key)
+
+
+def _routing_override(body: dict) -> dict | None:
+    extra = body.get("moejax")
+    if extra is None:
+        return None
+    if not isinstance(extra, dict):
+        raise RequestError("'moejax' must be an object, e.g. {\"routing\": \"cache-prior\", \"lam\": 0.3}",
+                           param="moejax")
+    unknown = sorted(set(extra) - set(ROUTING_OVERRIDE_KEYS))
+    if unknown:
+        raise RequestError(f"'moejax' has unknown keys {unknown}; allowed: {list(ROUTING_OVERRIDE_KEYS)}",
+                           param="moejax")
+    kind = extra.get("routing", "original")
+    if kind not in routing_lib.KINDS or kind == "learned-prior":
+        raise RequestError(f"'moejax.routing' must be one of {[k for k in routing_lib.KINDS if k != 'learned-prior']}"
+                           f", got {kind!r}", param="moejax.routing")
+    return dict(extra, routing=kind)
+
+
+# ------------------------------------------------------------------------------------------------ telemetry
+
+
+class Histogram:
+    def __init__(self, buckets):
+        self.buckets, self.counts, self.sum, self.count = tuple(buckets), [0] * len(buckets), 0.0, 0
+
+    def observe(self, value: float) -> None:
+        self.sum += value
+        self.count += 1
+        for i, b in enumerate(self.buckets):
+            if value <= b:
+                self.counts[i] += 1
+
+    def lines(self, name: str) -> list[str]:
+        out = [f'{name}_bucket{{le="{b:g}"}} {c}' for b, c in zip(self.buckets, self.counts)]
+        return out + [f'{name}_bucket{{le="+Inf"}} {self.count}', f"{name}_sum {self.sum:.6f}",
+                      f"{name}_count {self.count}"]
+
+
+class Telemetry:
+    """What /metrics and /v1/moejax/cache report; updated by the engine thread under ``lock``."""
+
+    def __init__(self, n_layers: int, n_experts: int):
+        self.lock = threading.Lock()
+        self.requests = collections.Counter()  # (endpoint, status) -> count
+        self.prompt_tokens = self.generated_tokens = 0
+        self.ttft, self.tps = Histogram(TTFT_BUCKETS), Histogram(TPS_BUCKETS)
+        self.recent_hits = np.zeros((n_layers, n_experts), np.int64)  # the running (or last) request's accesses
+        self.recent_misses = np.zeros((n_layers, n_experts), np.int64)
+        self.total_hits = np.zeros((n_layers, n_experts), np.int64)
+        self.total_misses = np.zeros((n_layers, n_experts), np.int64)
+        self.cache: dict = {}  # simulate.summarize of the shared state after the last request
+        self.resident = np.zeros((n_layers, n_experts), bool)
+        self.finished = 0
+        self.bytes_moved_offload = 0
+
+    def count(self, endpoint: str, status: int) -> None:
+        with self.lock:
+            self.requests[(endpoint, status)] += 1
+
+
+# ------------------------------------------------------------------------------------------------ engine
+
+
+class Engine:
+    """The model, its one shared expert-cache state, and a worker thread running one request at a time in
+    arrival order. Thread-safe: ``submit`` from any thread; everything else runs on the worker."""
+
+    def __init__(self, model: api.Model, policy, cache: simulate.CacheConfig, offload=None, max_queue: int = 16,
+                 name: str = "default"):
+        self.model, self.policy, self.cache_config, self.offload, self.name = model, policy, cache, offload, name
+        self.state = model.router_state(policy, cache)
+        self.telemetry = Telemetry(model.cfg.n_moe_layers, model.cfg.n_experts)
+        self._queue: queue.Queue = queue.Queue()
+        self._slots = threading.BoundedSemaphore(max_queue + 1)  # waiting + the one running
+        self._busy = False
+        self._closing = False
+        self._current: Job | None = None
+        self._live_at = 0.0
+        self._thread = threading.Thread(target=self._work, name="moejax-engine", daemon=True)
+        self._thread.start()
+
+    # -- called from the server
+    def submit(self, job: Job) -> None:
+        if self._closing:
+            raise RequestError("the server is shutting down", status=503, code="shutting_down")
+        if not self._slots.acquire(blocking=False):
+            raise RequestError("the queue is full; retry later", status=429, code="queue_full")
+        self._queue.put(job)
+
+    @property
+    def queued(self) -> int:
+        return self._queue.qsize()
+
+    @property
+    def busy(self) -> bool:
+        return self._busy
+
+    def close(self) -> None:
+        """Stop taking work, cancel what runs and waits, and let the worker end."""
+        self._closing = True
+        current = self._current
+        if current is not None:
+            current.cancelled.set()
+        while True:
+            try:
+                job = self._queue.get_nowait()
+            except queue.Empty:
+                break
+            job.cancelled.set()
+            job.emit("error", RequestError("the server is shutting down", status=503, code="shutting_down"))
+            self._slots.release()
+        self._queue.put(None)
+        self._thread.join(timeout=30)
+
+    # -- the worker thread
+    def _work(self) -> None:
+        while True:
+            job = self._queue.get()
+            if job is None:
+                return
+            try:
+                if job.cancelled.is_set():  # its client went away while it waited
+                    continue
+                self._current, self._busy = job, True
+                try:
+                    job.emit("done", self.run(job))
+                except Exception as e:  # noqa: BLE001 - reported to the request; the server keeps serving
+                    job.emit("error", e)
+            finally:
+                self._current, self._busy = None, False
+                self._slots.release()
+
+    def warm_up(self, max_prompt: int, max_tokens: int = 256) -> float:
+        """Compile, before serving, what prompts up to ``max_prompt`` tokens with up to ``max_tokens`` new
+        tokens need under the server's policy. Programs are keyed by (prefill piece, KV bucket) and (decode
+        chunk, KV bucket): per bucket B, a prompt of 2^k - 1 tokens (every piece up to the largest a prompt in
+        B can have) with enough new tokens to land in B, and if that needed no decode chunk, one more
+        generation that fills B exactly. EOS and sampling as served (greedy). Runs on throwaway cache states,
+        so the shared cache starts as configured. Returns the seconds it took."""
+        t0 = time.perf_counter()
+        context = self.model.cfg.max_position_embeddings
+        max_prompt = max(1, min(int(max_prompt), context - 1))
+        max_tokens = max(1, min(int(max_tokens), context - 1))
+        chunk = decode.CHUNK
+        top = decode.kv_bucket(decode.kv_rows(max_prompt, max_tokens))
+        bos = self.model.cfg.bos_token_id or 0
+        bucket = decode.MIN_KV_BUCKET
+        while bucket <= top:
+            longest_piece = 1 << (min(max_prompt, bucket - 1).bit_length() - 1)
+            n = min(bucket - 1, 2 * longest_piece - 1)  # holds every piece up to longest_piece
+            chunks = max(0, -(-(bucket // 2 + 1 - (n + 1)) // chunk))  # enough new tokens to land in the bucket
+            runs = [(n, chunk * chunks + 1)]
+            if not chunks:  # that run has no decode chunk: one that fills the bucket exactly
+                runs.append((bucket - chunk - 1, 2))
+            for n, new in runs:
+                if n >= 1 and n + new <= context:
+                    assert decode.kv_bucket(decode.kv_rows(n, new)) == bucket
+                    self.model.generate([bos] * n, max_new_tokens=new, offload=self.offload,  # EOS set as served
+                                        state=self.model.router_state(self.policy, self.cache_config), bucketed=True)
+            bucket *= 2
+        return time.perf_counter() - t0
+
+    def policy_for(self, override: dict | None):
+        if override is None:
+            return self.policy
+        kw = {k: override[k] for k in ROUTING_OVERRIDE_KEYS[1:] if override.get(k) is not None}
+        try:
+            return routing_lib.make_policy(override["routing"], self.model.cfg.top_k, **kw)
+        except (ValueError, TypeError) as e:
+            raise RequestError(f"'moejax': {e}", param="moejax") from None
+
+    def run(self, job: Job) -> dict:
+        """Generate for ``job`` from the shared cache state, and carry the state on."""
+        policy = self.policy_for(job.routing)
+        before = simulate.summarize(self.state, self.model.params, self.model.cfg)
+        state = {**self.state, "policy": policy}
+        t0 = time.perf_counter()
+        with self.telemetry.lock:
+            self.telemetry.recent_hits[:] = 0
+            self.telemetry.recent_misses[:] = 0
+        self._live_at = 0.0
+        result = self.model.generate(
+            job.prompt_ids, max_new_tokens=job.max_tokens, temperature=job.temperature, top_p=job.top_p,
+            seed=job.seed, state=state, offload=self.offload, stop=job.stop, cancelled=job.cancelled.is_set,
+            on_tokens=lambda ids: job.emit("tokens", list(ids)), bucketed=True, keep_slots=True,
+            on_cache=self._live)
+        self.state = {**result.router_state, "policy": self.policy}  # the same cache object: slots stay kept
+        after = simulate.summarize(self.state, self.model.params, self.model.cfg)
+        stats = result.stats
+        self._record(stats, after)
+        mine = {k: after[k] - before[k] for k in ("accesses", "misses", "loads", "prefetch_loads", "evictions")}
+        mine["hits"] = mine["accesses"] - mine["misses"]
+        mine["miss_rate"] = mine["misses"] / mine["accesses"] if mine["accesses"] else 0.0
+        if "offload" in stats:
+            mine["bytes_moved"] = int(stats["offload"]["bytes_moved"])
+        elif "bytes_moved" in after:
+            mine["bytes_moved"] = after["bytes_moved"] - before["bytes_moved"]
+        return {"token_ids": result.token_ids, "stopped": stats["stopped"], "prompt_tokens": stats["prompt_tokens"],
+                "time_to_first_token_s": stats["time_to_first_token_s"], "tokens_per_s": stats["tokens_per_s"],
+                "compile_time_s": stats["compile_time_s"], "queued_s": t0 - job.submitted, "cache": mine}
+
+    def _accesses(self, experts, hits) -> tuple[np.ndarray, np.ndarray]:
+        """Hits and misses per (MoE layer, expert) of records [t, L, K] (dropped slots, -1, skipped)."""
+        L, N = self.telemetry.recent_hits.shape
+        h, m = np.zeros((L, N), np.int64), np.zeros((L, N), np.int64)
+        if experts is None:
+            return h, m
+        experts = np.asarray(experts).reshape(-1, L, np.shape(experts)[-1])
+        hits = (np.zeros(experts.shape, bool) if hits is None else np.asarray(hits).reshape(experts.shape)).astype(bool)
+        valid = experts >= 0
+        layer = np.broadcast_to(np.arange(L)[None, :, None], experts.shape)
+        np.add.at(h, (layer[valid & hits], experts[valid & hits]), 1)
+        np.add.at(m, (layer[valid & ~hits], experts[valid & ~hits]), 1)
+        return h, m
+
+    def _live(self, cache_state, experts, hits) -> None:
+        """``on_cache`` during a generation: the dashboard sees hits, misses, residency and the totals as
+        tokens arrive (totals recomputed at most every 0.1 s)."""
+        h, m = self._accesses(experts, hits)
+        now = time.perf_counter()
+        fresh = now - self._live_at >= 0.1
+        if fresh:
+            self._live_at = now
+            resident = np.asarray(cache_state.resident)
+            summary = simulate.summarize({"cache": cache_state}, self.model.params, self.model.cfg)
+        t = self.telemetry
+        with t.lock:
+            t.recent_hits += h
+            t.recent_misses += m
+            if fresh:
+                t.resident, t.cache = resident.reshape(t.resident.shape), summary
+
+    def _record(self, stats: dict, summary: dict) -> None:
+        """A finished request into the telemetry (its hits and misses per expert came in through ``_live``)."""
+        t = self.telemetry
+        with t.lock:
+            t.prompt_tokens += stats["prompt_tokens"]
+            t.generated_tokens += stats["generated_tokens"]
+            t.ttft.observe(stats["time_to_first_token_s"] + stats.get("compile_time_s", 0.0))  # what a client waits
+            if stats["generated_tokens"] > 1:
+                t.tps.observe(stats["tokens_per_s"])
+            t.total_hits += t.recent_hits
+            t.total_misses += t.recent_misses
+            t.cache = summary
+            t.resident = np.asarray(self.state["cache"].resident).reshape(t.resident.shape)
+            t.finished += 1
+            if "offload" in stats:
+                t.bytes_moved_offload += int(stats["offload"]["bytes_moved"])
+
+    # -- views
+    def cache_view(self) -> dict:
+        t = self.telemetry
+        with t.lock:
+            s = t.cache or simulate.summarize(self.state, self.model.params, self.model.cfg)
+            return trace_lib.json_safe({
+                "layers": int(t.resident.shape[0]), "experts": int(t.resident.shape[1]),
+                "capacity": self.cache_config.capacity(self.model.cfg), "scope": self.cache_config.scope,
+                "eviction": self.cache_config.eviction, "policy": self.describe_policy(),
+                "requests_finished": t.finished, "busy": self.busy, "queued": self.queued,
+                "resident": t.resident.astype(int).tolist(),
+                "recent": {"hits": t.recent_hits.tolist(), "misses": t.recent_misses.tolist()},
+                "totals": {"hits": t.total_hits.tolist(), "misses": t.total_misses.tolist()},
+                "summary": {k: v for k, v in s.items() if k != "per_layer"},
+                "per_layer": s.get("per_layer", {}),
+            })
+
+    def describe_policy(self) -> dict:
+        p = self.policy
+        return {"routing": p.kind, "lam": float(p.lam), "top_j": int(p.top_j), "max_rank": int(p.max_rank),
+                "cumsum_p": float(p.cumsum_p), "prune_h": int(p.prune_h)}
+
+    def metrics_text(self) -> str:
+        t = self.telemetry
+        with t.lock:
+            s = t.cache or simulate.summarize(self.state, self.model.params, self.model.cfg)
+            lines = ["# HELP moejax_requests_total Requests by endpoint and HTTP status.",
+                     "# TYPE moejax_requests_total counter"]
+            lines += [f'moejax_requests_total{{endpoint="{e}",status="{c}"}} {n}'
+                      for (e, c), n in sorted(t.requests.items())]
+            lines += ["# TYPE moejax_prompt_tokens_total counter", f"moejax_prompt_tokens_total {t.prompt_tokens}",
+                      "# TYPE moejax_generated_tokens_total counter",
+                      f"moejax_generated_tokens_total {t.generated_tokens}",
+                      "# HELP moejax_time_to_first_token_seconds Compilation of new shapes + prefill of each request "
+                      "(queueing excluded).",
+                      "# TYPE moejax_time_to_first_token_seconds histogram",
+                      *t.ttft.lines("moejax_time_to_first_token_seconds"),
+                      "# HELP moejax_tokens_per_second Decode speed of each request.",
+                      "# TYPE moejax_tokens_per_second histogram", *t.tps.lines("moejax_tokens_per_second"),
+                      "# TYPE moejax_queue_depth gauge", f"moejax_queue_depth {self.queued}",
+                      "# TYPE moejax_busy gauge", f"moejax_busy {int(self.busy)}"]
+            hits = s["accesses"] - s["misses"]
+            lines += ["# HELP moejax_cache_miss_rate Misses / accesses of the shared expert cache since start.",
+                      "# TYPE moejax_cache_miss_rate gauge", f"moejax_cache_miss_rate {s['miss_rate']:.6f}",
+                      "# TYPE moejax_cache_hits_total counter", f"moejax_cache_hits_total {hits}",
+                      "# TYPE moejax_cache_misses_total counter", f"moejax_cache_misses_total {s['misses']}",
+                      "# TYPE moejax_cache_loads_total counter", f"moejax_cache_loads_total {s['loads']}",
+                      "# HELP moejax_bytes_moved_total Expert bytes moved into the cache (offload: really paged).",
+                      "# TYPE moejax_bytes_moved_total counter",
+                      f"moejax_bytes_moved_total {t.bytes_moved_offload if self.offload else s.get('bytes_moved', 0)}"]
+            pl = s["per_layer"]
+            for name, key in (("hits", None), ("misses", "misses"), ("loads", "loads")):
+                lines.append(f"# TYPE moejax_cache_layer_{name}_total counter")
+                for i, acc in enumerate(pl["accesses"]):
+                    value = acc - pl["misses"][i] if key is None else pl[key][i]
+                    lines.append(f'moejax_cache_layer_{name}_total{{layer="{i}"}} {value}')
+            lines.append("# TYPE moejax_cache_layer_miss_rate gauge")
+            lines += [f'moejax_cache_layer_miss_rate{{layer="{i}"}} {r:.6f}' for i, r in enumerate(pl["miss_rate"])]
+        return "\n".join(lines) + "\n"
+
+
+# ------------------------------------------------------------------------------------------------ the API
+
+
+def continuation_text(model: api.Model, prefix_ids: list[int], ids: list[int]) -> str:
+    """The text ``ids`` add after ``prefix_ids`` (so that prompt + text reads right: the space between them
+    included), or the text of ``ids`` alone when rendering the two together changes the prefix."""
+    if prefix_ids:
+        before, full = model.text(prefix_ids), model.text(list(prefix_ids) + list(ids))
+        if full.startswith(before):
+            return full[len(before):]
+    return model.text(ids)
+
+
+class TextDeltas:
+    """Streamed text: the rendered text of all new tokens so far, handing out only what cannot change any
+    more (held back: trailing whitespace, a partial UTF-8 character, and a tail that could start a stop
+    string)."""
+
+    def __init__(self, model: api.Model, stop: tuple[str, ...], prefix_ids: list[int] = ()):
+        self.model, self.stop, self.prefix, self.ids, self.sent = model, stop, list(prefix_ids), [], ""
+        self.hold = max((len(s) for s in stop), default=1) - 1
+
+    def text(self) -> str:
+        return decode.cut_at_stops(continuation_text(self.model, self.prefix, self.ids), self.stop)
+
+    def add(self, ids: list[int]) -> str:
+        self.ids += ids
+        full = continuation_text(self.model, self.prefix, self.ids)
+        cut = decode.cut_at_stops(full, self.stop)
+        stable = cut if len(cut) < len(full) else full[:max(0, len(full) - self.hold)]
+        stable = stable.rstrip().rstrip("\ufffd")
+        return self._advance(stable)
+
+    def finish(self) -> str:
+        return self._advance(self.text())
+
+    def _advance(self, stable: str) -> str:
+        if not stable.startswith(self.sent) or len(stable) <= len(self.sent):
+            return ""
+        delta, self.sent = stable[len(self.sent):], stable
+        return delta
+
+
+FINISH_REASON = {"eos": "stop", "stop": "stop", "max_new_tokens": "length", "context_length": "length",
+                 "cancelled": "stop"}
+
+
+class Server:
+    """Request parsing and responses around an ``Engine`` (no web framework in here: ``create_app`` wires
+    these to routes)."""
+
+    def __init__(self, engine: Engine):
+        self.engine = engine
+        self.model = engine.model
+        self.created = int(time.time())
+
+    @property
+    def context(self) -> int:
+        return self.model.cfg.max_position_embeddings
+
+    def check_model(self, body: dict) -> None:
+        name = body.get("model")
+        if name is None:
+            return
+        if not isinstance(name, str) or name != self.engine.name:
+            raise RequestError(f"the model {name!r} does not exist; this server serves {self.engine.name!r}",
+                               status=404, param="model", code="model_not_found")
+
+    def models(self) -> dict:
+        tok = self.model.tokenizer
+        return {"object": "list", "data": [{
+            "id": self.engine.name, "object": "model", "created": self.created, "owned_by": "moejax",
+            "context_length": self.context, "n_experts": self.model.cfg.n_experts, "top_k": self.model.cfg.top_k,
+            "chat_template": "checkpoint" if tok is not None and tok.chat_template else FALLBACK_CHAT_TEMPLATE}]}
+
+    def chat_prompt(self, messages) -> list[int]:
+        if not isinstance(messages, list) or not messages:
+            raise RequestError("'messages' must be a non-empty list of {role, content} objects", param="messages")
+        clean = []
+        for i, m in enumerate(messages):
+            if not isinstance(m, dict) or not isinstance(m.get("role"), str):
+                raise RequestError(f"messages[{i}] must be an object with a string 'role'", param="messages")
+            content = m.get("content")
+            if isinstance(content, list):  # [{"type": "text", "text": ...}]
+                if not all(isinstance(c, dict) and c.get("type") == "text" and isinstance(c.get("text"), str)
+                           for c in content):
+                    raise RequestError(f"messages[{i}].content: only text parts are supported", param="messages")
+                content = "".join(c["text"] for c in content)
+            if not isinstance(content, str):
+                raise RequestError(f"messages[{i}].content must be a string", param="messages")
+            clean.append({"role": m["role"], "content": content})
+        tok = self.model.tokenizer
+        if tok is None:
+            raise RequestError(f"{self.engine.name} has no tokenizer: use /v1/completions with token ids")
+        if tok.chat_template:
+            try:
+                text = tok.apply_chat_template(clean)
+            except ValueError as e:
+                raise RequestError(str(e), param="messages") from None
+            return tok.encode(text, add_special_tokens=False)
+        text = "".join(f"{m['role']}: {m['content']}\n" for m in clean) + "assistant:"
+        return self.model.encode(text)
+
+    def completion_prompt(self, prompt) -> list[int]:
+        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+            prompt = prompt[0]  # a batch of one
+        if isinstance(prompt, str):
+            if not prompt:
+                raise RequestError("'prompt' is empty", param="prompt")
+            if self.model.tokenizer is None:
+                raise RequestError(f"{self.engine.name} has no tokenizer: send 'prompt' as a list of token ids",
+                                   param="prompt")
+            return self.model.encode(prompt)
+        if isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+            V = self.model.cfg.vocab_size
+            if min(prompt) < 0 or max(prompt) >= V:
+                raise RequestError(f"token ids must be in 0..{V - 1}", param="prompt")
+            return list(prompt)
+        raise RequestError("'prompt' must be a string or a list of token ids (one prompt per request)",
+                           param="prompt")
+
+    def job(self, body: dict, chat: bool) -> Job:
+        if not isinstance(body, dict):
+            raise RequestError("the request body must be a JSON object")
+        self.check_model(body)
+        _unsupported(body)
+        if chat:
+            ids = self.chat_prompt(body.get("messages"))
+        else:
+            if "prompt" not in body:
+                raise RequestError("'prompt' is required", param="prompt")
+            ids = self.completion_prompt(body["prompt"])
+        if len(ids) >= self.context:
+            raise RequestError(f"the prompt has {len(ids)} tokens; this model's context is {self.context} tokens "
+                               "and at least one must be left to generate", param="messages" if chat else "prompt",
+                               code="context_length_exceeded")
+        room = self.context - len(ids)
+        key = "max_completion_tokens" if chat and body.get("max_completion_tokens") is not None else "max_tokens"
+        max_tokens = _number(body, key, min(256, room) if chat else 16, 1, self.context, integer=True)
+        if max_tokens > room:
+            raise RequestError(f"{key} = {max_tokens} does not fit: the prompt takes {len(ids)} of the "
+                               f"{self.context} positions ({room} left)", param=key, code="context_length_exceeded")
+        return Job(prompt_ids=ids, max_tokens=max_tokens,
+                   temperature=_number(body, "temperature", 0.0, 0.0, 2.0),
+                   top_p=_number(body, "top_p", 1.0, 1e-6, 1.0),
+                   seed=_number(body, "seed", 0, -(2 ** 63), 2 ** 63 - 1, integer=True) % (2 ** 32),
+                   stop=_stop_strings(body), routing=_routing_override(body))
+
+    def response(self, chat: bool, rid: str, result: dict, text: str) -> dict:
+        n_gen = len(result["token_ids"])
+        usage = {"prompt_tokens": result["prompt_tokens"], "completion_tokens": n_gen,
+                 "total_tokens": result["prompt_tokens"] + n_gen}
+        finish = FINISH_REASON[result["stopped"]]
+        if chat:
+            choice = {"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": finish,
+                      "logprobs": None}
+        else:
+            choice = {"index": 0, "text": text, "finish_reason": finish, "logprobs": None}
+        return {"id": rid, "object": "chat.completion" if chat else "text_completion", "created": int(time.time()),
+                "model": self.engine.name, "choices": [choice], "usage": usage, "moejax": self.extension(result)}
+
+    @staticmethod
+    def extension(result: dict) -> dict:
+        return trace_lib.json_safe({k: result[k] for k in ("stopped", "cache", "time_to_first_token_s",
+                                                           "tokens_per_s", "compile_time_s", "queued_s",
+                                                           "token_ids")})
+
+    def chunk(self, chat: bool, rid: str, delta: str | None, finish: str | None, first: bool = False) -> dict:
+        if chat:
+            d = {} if delta is None else {"content": delta}
+            if first:
+                d["role"] = "assistant"
+            choice = {"index": 0, "delta": d, "finish_reason": finish, "logprobs": None}
+        else:
+            choice = {"index": 0, "text": delta or "", "finish_reason": finish, "logprobs": None}
+        return {"id": rid, "object": "chat.completion.chunk" if chat else "text_completion",
+                "created": int(time.time()), "model": self.engine.name, "choices": [choice]}
+
+
+def create_app(engine: Engine, dashboard_html: str | None = None):
+    """The FastAPI application over ``engine`` (``pip install -e '.[serve]'``)."""
+    from fastapi import FastAPI, Request
+    from fastapi.responses import HTMLResponse, JSONResponse, PlainTextResponse, StreamingResponse
+    from starlette.exceptions import HTTPException as StarletteHTTPException
+
+    server = Server(engine)
+    app = FastAPI(title="moejax", docs_url=None, redoc_url=None, openapi_url=None)
+    app.state.server = server
+
+    def error(e: RequestError, endpoint: str) -> JSONResponse:
+        engine.telemetry.count(endpoint, e.status)
+        return JSONResponse(e.body(), status_code=e.status)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, exc: StarletteHTTPException):
+        e = RequestError(f"{request.method} {request.url.path}: {exc.detail}", status=exc.status_code)
+        return JSONResponse(e.body(), status_code=exc.status_code)
+
+    @app.exception_handler(Exception)
+    async def internal_error(request: Request, exc: Exception):  # never a traceback to the client
+        e = RequestError(f"internal error: {type(exc).__name__}: {exc}", status=500)
+        return JSONResponse(e.body(), status_code=500)
+
+    async def read_body(request: Request) -> dict:
+        raw = await request.body()
+        try:
+            body = json.loads(raw or b"null")
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise RequestError(f"the request body is not valid JSON: {e}") from None
+        if not isinstance(body, dict):
+            raise RequestError("the request body must be a JSON object")
+        return body
+
+    async def generate(request: Request, chat: bool):
+        endpoint = "chat" if chat else "completions"
+        try:
+            body = await read_body(request)
+            job = server.job(body, chat)
+            stream = bool(body.get("stream", False))
+            include_usage = bool((body.get("stream_options") or {}).get("include_usage", False)) if isinstance(
+                body.get("stream_options"), (dict, type(None))) else False
+        except RequestError as e:
+            return error(e, endpoint)
+        loop = asyncio.get_running_loop()
+        events: asyncio.Queue = asyncio.Queue()
+        job.emit = lambda kind, payload: loop.call_soon_threadsafe(events.put_nowait, (kind, payload))
+        try:
+            engine.submit(job)
+        except RequestError as e:
+            return error(e, endpoint)
+        rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
+
+        if not stream:
+            try:
+                while True:
+                    kind, payload = await events.get()
+                    if kind == "done":
+                        break
+                    if kind == "error":
+                        raise payload
+            except asyncio.CancelledError:
+                job.cancelled.set()
+                raise
+            except RequestError as e:
+                return error(e, endpoint)
+            except Exception as e:  # noqa: BLE001 - the model failed (e.g. non-finite routing): 500, server lives
+                return error(RequestError(f"generation failed: {e}", status=500), endpoint)
+            text = decode.cut_at_stops(continuation_text(engine.model, [] if chat else job.prompt_ids,
+                                                         payload["token_ids"]), job.stop)
+            engine.telemetry.count(endpoint, 200)
+            return JSONResponse(server.response(chat, rid, payload, text))
+
+        async def sse():
+            deltas = TextDeltas(engine.model, job.stop, [] if chat else job.prompt_ids)
+            first = True
+            try:
+                if chat:
+                    yield _sse(server.chunk(chat, rid, "", None, first=True))
+                    first = False
+                while True:
+                    kind, payload = await events.get()
+                    if kind == "tokens":
+                        delta = deltas.add(payload)
+                        if delta:
+                            yield _sse(server.chunk(chat, rid, delta, None, first=first))
+                            first = False
+                    elif kind == "error":
+                        e = payload if isinstance(payload, RequestError) else RequestError(
+                            f"generation failed: {payload}", status=500)
+                        engine.telemetry.count(endpoint, e.status)
+                        yield _sse(e.body())
+                        yield "data: [DONE]\n\n"
+                        return
+                    else:
+                        deltas.ids = list(payload["token_ids"])
+                        rest = deltas.finish()
+                        final = server.chunk(chat, rid, rest or None, FINISH_REASON[payload["stopped"]])
+                        final["moejax"] = server.extension(payload)
+                        yield _sse(final)
+                        if include_usage:
+                            n = len(payload["token_ids"])
+                            usage = {"prompt_tokens": payload["prompt_tokens"], "completion_tokens": n,
+                                     "total_tokens": payload["prompt_tokens"] + n}
+                            yield _sse({**server.chunk(chat, rid, None, None), "choices": [], "usage": usage})
+                        yield "data: [DONE]\n\n"
+                        engine.telemetry.count(endpoint, 200)
+                        return
+            finally:  # the client went away (or we are done): a running generation stops at its next chunk
+                job.cancelled.set()
+
+        return StreamingResponse(sse(), media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        return await generate(request, chat=False)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request):
+        return await generate(request, chat=True)
+
+    @app.get("/v1/models")
+    async def models():
+        return JSONResponse(server.models())
+
+    @app.get("/v1/models/{name:path}")
+    async def model(name: str):
+        if name != engine.name:
+            e = RequestError(f"the model {name!r} does not exist; this server serves {engine.name!r}", status=404,
+                             param="model", code="model_not_found")
+            return JSONResponse(e.body(), status_code=404)
+        return JSONResponse(server.models()["data"][0])
+
+    @app.get("/metrics")
+    async def metrics():
+        return PlainTextResponse(engine.metrics_text(), media_type="text/plain; version=0.0.4")
+
+    @app.get("/v1/moejax/cache")
+    async def cache():
+        return JSONResponse(engine.cache_view())
+
+    @app.get("/")
+    async def dashboard():
+        return HTMLResponse(dashboard_html if dashboard_html is not None else _dashboard_html())
+
+    @app.get("/health")
+    async def health():
+        return JSONResponse({"status": "ok", "busy": engine.busy, "queued": engine.queued})
+
+    return app
+
+
+def _sse(obj: dict) -> str:
+    return f"data: {json.dumps(obj)}\n\n"
+
+
+def _dashboard_html() -> str:
+    from importlib import resources
+
+    return resources.files("moejax").joinpath("assets/serve/dashboard.html").read_text(encoding="utf-8")
+
+
+# ------------------------------------------------------------------------------------------------ the command
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m moejax.serve", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default=api.DEFAULT_MODEL_NAME,
+                   help="moejax or Hugging Face checkpoint folder, or 'default' (the embedded model)")
+    p.add_argument("--served-name", default=None, help="the model id clients send (default: the --model argument)")
+    p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], help="compute dtype (default: stored)")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--max-queue", type=int, default=16, help="requests that may wait (the next one gets 429)")
+    p.add_argument("--warmup", type=int, default=0, metavar="TOKENS",
+                   help="before listening, compile everything prompts up to TOKENS tokens need (with up to 256 "
+                        "new tokens), so no request waits for XLA (default 0: compile on first use; a few "
+                        "seconds per program on a CPU; JAX_COMPILATION_CACHE_DIR keeps them across restarts)")
+    p.add_argument("--log-level", default="warning", choices=["critical", "error", "warning", "info", "debug"])
+    cli_options.add_weight_args(p)
+    cli_options.add_routing_args(p)
+    cli_options.add_offload_args(p)
+    return p
+
+
+def check_args(args: argparse.Namespace) -> None:
+    if not 0 <= args.port <= 65535:
+        raise ValueError(f"--port must be in 0..65535, got {args.port}")
+    if args.max_queue < 0:
+        raise ValueError(f"--max-queue must be >= 0, got {args.max_queue}")
+    if args.warmup < 0:
+        raise ValueError(f"--warmup must be >= 0, got {args.warmup}")
+    if args.served_name is not None and not args.served_name.strip():
+        raise ValueError("--served-name is empty")
+
+
+def build_engine(args: argparse.Namespace) -> Engine:
+    offload = cli_options.offload_from_args(args)
+    model = api.load(args.model, offload=offload, dtype=args.dtype, **cli_options.weight_kwargs(args))
+    policy = cli_options.policy_from_args(args, model.cfg.top_k)
+    cache = cli_options.cache_from_args(args)
+    cache.capacity(model.cfg)  # a bad --cache-size fails here, before the server starts
+    return Engine(model, policy, cache, offload, args.max_queue, args.served_name or args.model)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        import fastapi  # noqa: F401
+        import uvicorn
+    except ImportError:
+        print("error: moejax.serve needs its extra: pip install -e '.[serve]' (FastAPI and uvicorn)",
+              file=sys.stderr)
+        return errors.FAILURE
+    try:
+        check_args(args)
+        engine = build_engine(args)
+        app = create_app(engine)
+        if args.warmup:
+            print(f"moejax.serve: compiling for prompts up to {args.warmup} tokens ...", file=sys.stderr, flush=True)
+            print(f"moejax.serve: warm-up took {engine.warm_up(args.warmup):.1f} s", file=sys.stderr, flush=True)
+    except errors.HANDLED as e:
+        return errors.report(e)
+    config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
+                            timeout_graceful_shutdown=5, lifespan="off")
+    server = uvicorn.Server(config)
+    print(f"moejax.serve: {engine.name} on http://{args.host}:{args.port} (Ctrl-C stops)", file=sys.stderr,
+          flush=True)
+    # uvicorn catches SIGINT/SIGTERM, stops accepting, closes open streams, then raises the signal again
+    # with the handlers it found: these, which end the run here with status 0
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, _stop_serving)
+    try:
+        server.run()
+    except _Stopped:
+        pass
+    except SystemExit:  # uvicorn exits during startup when it cannot bind
+        print(f"error: could not listen on {args.host}:{args.port} (in use, or not allowed)", file=sys.stderr)
+        return errors.FAILURE
+    finally:
+        engine.close()
+    return 0
+
+
+class _Stopped(Exception):
+    """Raised by the signal handler once uvicorn has shut down (see ``main``)."""
+
+
+def _stop_serving(signum, frame):  # noqa: ARG001 - the signal handler signature
+    raise _Stopped(signum)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

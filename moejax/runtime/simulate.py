@@ -1,0 +1,197 @@
+"""Simulation mode: the model runs with an expert cache kept as bookkeeping around the router step.
+
+All experts stay on the device; at every MoE layer the router hook calls ``router.router_step`` (one
+token) or ``router.route_tokens`` (all tokens of a layer: the layer-parallel path of DESIGN §3), so the
+chosen experts, their weights and the cache statistics are exactly what an offloaded run would see.
+
+The router state that flows through the model (and through the decode loop) is one pytree::
+
+    {"cache": CacheState, "routing": RoutingState, "policy": RoutingPolicy}
+
+Everything numeric (λ, J, M, p, h, Δ) is data, so sweeps are ``jax.vmap`` over a stacked policy.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from moejax.models import layout, quant
+from moejax.models.config import ModelConfig
+from moejax.models.gating import Gating
+from moejax.models.model import ForwardOutput, forward, forward_sequential, init_kv, routed_experts
+from moejax.experts import cache as cache_lib, routing as routing_lib
+from moejax.experts.router import route_tokens, router_step
+
+
+@dataclasses.dataclass(frozen=True)
+class CacheConfig:
+    """Expert cache: ``size`` as a count ("6") or a fraction of N — of L·N in global scope — ("0.5").
+
+    Miss handling (``miss``, ``miss_rank``, ``cascade_bits``, ``quant_group``: ``cache.MissConfig``) and
+    speculative prefetch (``prefetch`` overfetch factor or ``prefetch_percentile``: ``cache.PrefetchConfig``)
+    are part of the cache: they change what is loaded, and for the lossy miss modes what is computed."""
+
+    size: str = "0.5"
+    scope: str = "layer"  # "layer" | "global"
+    eviction: str = "lru"  # lru | lfu | fld | score | least-stale
+    init: str = "empty"  # empty | random
+    seed: int = 0
+    miss: str = "fetch"  # fetch | drop | substitute | cascade
+    miss_rank: tuple = (1,)
+    cascade_bits: tuple = (8,)
+    quant_group: int | None = None
+    prefetch: float = 0.0
+    prefetch_percentile: float | None = None
+
+    def capacity(self, cfg: ModelConfig) -> int:
+        return cache_lib.parse_capacity(self.size, cfg.n_experts, cfg.n_moe_layers, self.scope)
+
+    def miss_config(self) -> cache_lib.MissConfig:
+        return cache_lib.MissConfig(self.miss, tuple(self.miss_rank), tuple(self.cascade_bits), self.quant_group)
+
+    def prefetch_config(self) -> cache_lib.PrefetchConfig:
+        return cache_lib.PrefetchConfig(float(self.prefetch), self.prefetch_percentile)
+
+
+def lowbit_experts(p: dict, ids: jax.Array | None, bits: int, group_size: int | None) -> dict:
+    """The routed experts as their ``bits`` copy would compute (quantise, dequantise); ``ids`` [K] gathers
+    first (one token), None keeps all N. Quantisation is per expert, so gathering first is the same."""
+
+    if "experts" in p:  # serving layout: canonical stacks of the experts needed
+        p = layout.canonical_experts(p["experts"]) if ids is None else layout.gather_experts(p["experts"], ids)
+        ids = None
+    out = {}
+    for name in ("gate", "up", "down"):
+        w = p[name] if ids is None else p[name][ids]
+        out[name] = quant.dequantize(quant.quantize(w, bits, group_size), w.dtype)
+    return out
+
+
+def compute_tiers(p: dict, cfg: ModelConfig, h, experts, weights, tier, miss: cache_lib.MissConfig):
+    """Routed experts where ``tier`` [T, K] says which are computed from a low-bit copy (cascade)."""
+    y = routed_experts(p, cfg, h, jnp.where(tier == 0, experts, -1), jnp.where(tier == 0, weights, 0.0))
+    for bits in sorted(set(miss.bits)):
+        sel = tier == bits
+        if h.shape[0] == 1:  # gather the K experts, then quantise them: ids are 0..K-1 in the copy
+            low = lowbit_experts(p, jnp.maximum(experts[0], 0), bits, miss.group_size)
+            ids = jnp.where(sel, jnp.arange(experts.shape[1])[None], -1)
+            y = y + routed_experts(low, cfg, h, ids, jnp.where(sel, weights, 0.0))
+        else:
+            low = lowbit_experts(p, None, bits, miss.group_size)
+            y = y + routed_experts(low, cfg, h, jnp.where(sel, experts, -1), jnp.where(sel, weights, 0.0))
+    return y
+
+
+@dataclasses.dataclass(frozen=True)
+class CacheRouter:
+    """Router hook that routes through the expert cache (static: it holds only the gating)."""
+
+    gating: Gating
+
+    @staticmethod
+    def token_sequential(state: dict) -> bool:
+        """A global cache couples layers: several tokens must then be routed one at a time."""
+        return state["cache"].scope == "global"
+
+    @staticmethod
+    def wants_prediction(state: dict) -> bool:
+        return state["cache"].prefetcher.enabled
+
+    def __call__(self, moe_index: int, z: jax.Array, state: dict, z_pred: jax.Array | None = None):
+        cs, rs, policy = state["cache"], state["routing"], state["policy"]
+        if z.shape[0] == 1:
+            e, w, h, tier, cs, rs = router_step(z[0], cs, rs, policy, self.gating, moe_index,
+                                                z_pred=None if z_pred is None else z_pred[0], with_tier=True)
+            e, w, h, tier = e[None], w[None], h[None], tier[None]
+        else:
+            e, w, h, tier, cs, rs = route_tokens(z, moe_index, cs, rs, policy, self.gating, z_pred=z_pred,
+                                                 with_tier=True)
+        record = {"hits": h}
+        if cs.miss.mode == "cascade":
+            record["tier"] = tier
+        return e, w, {**state, "cache": cs, "routing": rs}, record
+
+    @staticmethod
+    def compute(moe_index, p, cfg, h, experts, weights, record, state):
+        miss = state["cache"].miss
+        if miss.mode != "cascade":
+            return routed_experts(p, cfg, h, experts, weights), state
+        return compute_tiers(p, cfg, h, experts, weights, record["tier"], miss), state
+
+
+def init_router_state(cfg: ModelConfig, policy: routing_lib.RoutingPolicy, cache: CacheConfig) -> dict:
+    cache_state = cache_lib.init_cache(cfg.n_moe_layers, cfg.n_experts, cache.capacity(cfg), cache.scope,
+                                       cache.eviction, cache.init, cache.seed, cache.miss_config(),
+                                       cache.prefetch_config())
+    return {"cache": cache_state, "routing": routing_lib.init_routing_state(cfg.n_moe_layers), "policy": policy}
+
+
+def expert_bytes(params: dict, cfg: ModelConfig) -> int:
+    """Bytes one routed expert occupies (what a miss moves): int8 experts count their values and scales."""
+    for lp in params["layers"]:
+        experts = lp.get("moe", {}).get("experts")
+        if isinstance(experts, layout.ExpertList) and layout.is_int8(experts.gate_up[0]):
+            return layout.matrix_nbytes(experts.gate_up[0]) + layout.matrix_nbytes(experts.down[0])
+    return cfg.expert_params * jnp.dtype(params["embed"].dtype).itemsize
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "router"))
+def forward_layer_parallel(params, cfg: ModelConfig, tokens, router, router_state) -> ForwardOutput:
+    """Teacher-forced pass: each MoE layer routes all T tokens with one scan over its own cache.
+    Exact for per-layer caches (a layer's routing depends only on its logits and its cache)."""
+    return forward(params, cfg, tokens, 0, None, router, router_state)
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "router"))
+def forward_token_sequential(params, cfg: ModelConfig, tokens, router, router_state) -> ForwardOutput:
+    """Teacher-forced pass one token at a time through all layers (KV cache), as decoding sees it.
+    Needed for global caches, whose layers share one pool."""
+    kv = init_kv(cfg, tokens.shape[0], params["embed"].dtype)
+    out = forward_sequential(params, cfg, tokens, 0, kv, router, router_state)
+    return dataclasses.replace(out, kv=None)
+
+
+def forward_with_cache(params, cfg: ModelConfig, tokens, router_state: dict, sequential: bool | None = None):
+    """Pick the exact path: layer-parallel for per-layer caches, token-sequential for global ones."""
+    router = CacheRouter(cfg.gating)
+    if sequential is None:
+        sequential = router_state["cache"].scope == "global"
+    if not sequential and router_state["cache"].scope == "global":
+        raise ValueError("a global cache couples layers: it needs the token-sequential path")
+    run = forward_token_sequential if sequential else forward_layer_parallel
+    return run(params, cfg, tokens, router, router_state)
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "sequential"))
+def sweep_forward(params, cfg: ModelConfig, tokens, router_state: dict, policies, sequential: bool = False):
+    """One vmapped pass over a stacked batch of policies (``routing.stack_policies``), same start state."""
+    router = CacheRouter(cfg.gating)
+    run = forward_token_sequential if sequential else forward_layer_parallel
+
+    def one(policy):
+        out = run(params, cfg, tokens, router, {**router_state, "policy": policy})
+        return out.logits, out.experts, out.weights, out.records, out.router_state
+
+    return jax.vmap(one)(policies)
+
+
+def lowbit_expert_bytes(cfg: ModelConfig, bits: int, group_size: int | None, dtype=jnp.float32) -> int:
+    """Real stored bytes of one expert's ``bits`` copy (values + scales), from ``quant``'s layout."""
+
+    d, f = cfg.hidden_size, cfg.moe_intermediate_size
+    shapes = {"gate": (1, d, f), "up": (1, d, f), "down": (1, f, d)}
+    q = {k: jax.eval_shape(lambda s=s: quant.quantize(jnp.zeros(s, dtype), bits, group_size)) for k, s in shapes.items()}
+    return quant.expert_nbytes(q)
+
+
+def summarize(router_state: dict, params: dict, cfg: ModelConfig) -> dict:
+    """Cache metrics as Python numbers, bytes included (low-bit loads at their real size)."""
+    cs = router_state["cache"]
+    low = None
+    if cs.miss.mode == "cascade":
+        low = {b: lowbit_expert_bytes(cfg, b, cs.miss.group_size, params["embed"].dtype) for b in cs.miss.bits}
+    return cache_lib.summarize(cs, expert_bytes(params, cfg), low_bit_bytes=low)

@@ -1,0 +1,751 @@
+"""``python -m moejax.train``: train a small granular Qwen3-MoE on the WikiText-style corpus, and ship it.
+
+    python -m moejax.train --out /work/train-run/run1 --config small --steps 3000 --batch 16 --seq-len 256 \
+        --time-budget-min 50 --data-dir /work/train-run/data
+    python -m moejax.train --out /work/train-run/run1 --resume            # continue from the last checkpoint
+    python -m moejax.train --out /work/train-run/run1 --export moejax/assets/default-model   # bf16 moejax folder
+
+The model is the pure ``moejax.models.model.forward`` (vmapped over the batch) with the architecture's own
+routing, so what is trained is exactly what inference runs. Loss = cross-entropy + ``aux_coef`` × the
+Switch/Qwen load-balancing loss ``N · Σ_i f_i · P_i`` per MoE layer (f_i: share of the token-expert
+assignments expert i receives, P_i: its mean router probability), averaged over layers. AdamW with linear
+warmup and cosine decay, global-norm clipping. Checkpoints (orbax: params, optimizer state, step, data
+position, rng) are written atomically every ``--ckpt-every`` steps and when the time budget runs out.
+The command is the same on CPU and GPU; the data order is a pure function of (seed, position), so a run is
+reproducible and a resumed run continues exactly where the interrupted one stopped.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import functools
+import json
+import math
+import os
+import platform
+import shutil
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from moejax.base import errors, interrupts
+from moejax.models import checkpoint, model as M
+from moejax.models.config import ModelConfig, from_hf
+from moejax.models.gating import original_routing
+from moejax.models.model import forward
+from moejax.training import data
+
+# name -> (hidden, layers, heads, kv heads, head_dim, experts, top_k, expert ffn)
+CONFIGS = {
+    "micro": (32, 2, 4, 2, 8, 8, 2, 16),
+    "tiny": (128, 2, 4, 2, 32, 32, 4, 64),
+    "small": (256, 4, 8, 4, 32, 32, 4, 112),
+    "medium": (384, 6, 12, 4, 32, 64, 8, 96),
+    # the GPU-trained default (issue 15): OLMoE-like granularity, 64 experts top-8, ~30M parameters
+    "granular": (384, 8, 6, 2, 64, 64, 8, 40),
+}
+
+
+def hf_config(name: str = "small", vocab_size: int = data.DEFAULT_VOCAB, max_len: int = 1024,
+              eos_id: int = 0, **overrides) -> dict:
+    """A Qwen3-MoE ``config.json`` dict for one of ``CONFIGS`` (what transformers loads)."""
+    d, layers, heads, kv, hd, n, k, f = CONFIGS[name]
+    hf = {
+        "architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "vocab_size": vocab_size,
+        "hidden_size": d, "intermediate_size": 4 * f, "moe_intermediate_size": f, "num_hidden_layers": layers,
+        "num_attention_heads": heads, "num_key_value_heads": kv, "head_dim": hd, "num_experts": n,
+        "num_experts_per_tok": k, "norm_topk_prob": True, "decoder_sparse_step": 1, "mlp_only_layers": [],
+        "hidden_act": "silu", "rms_norm_eps": 1e-6, "rope_theta": 10000.0, "max_position_embeddings": max_len,
+        "tie_word_embeddings": True, "attention_bias": False, "attention_dropout": 0.0,
+        "use_sliding_window": False, "sliding_window": None, "initializer_range": 0.02,
+        "router_aux_loss_coef": 0.01, "output_router_logits": False, "use_cache": True,
+        "bos_token_id": eos_id, "eos_token_id": eos_id, "pad_token_id": None,
+    }
+    hf.update(overrides)
+    return hf
+
+
+def count_params(params) -> int:
+    return int(sum(np.prod(x.shape) for x in jax.tree.leaves(params)))
+
+
+def init_params(cfg: ModelConfig, key: jax.Array, std: float = 0.02) -> dict:
+    """Normal(0, std) matrices (output projections scaled by 1/sqrt(2·layers)), ones for norm scales."""
+    shapes = checkpoint.abstract_params(cfg, jnp.float32)
+    leaves, treedef = jax.tree_util.tree_flatten_with_path(shapes)
+    keys = jax.random.split(key, len(leaves))
+    out_std = std / np.sqrt(2 * cfg.num_layers)
+    values = []
+    for (path, leaf), k in zip(leaves, keys):
+        name = str(getattr(path[-1], "key", path[-1]))
+        if name in ("scale", "q_norm", "k_norm"):
+            values.append(jnp.ones(leaf.shape, leaf.dtype))
+        else:
+            s = out_std if name in ("o", "down") else std
+            values.append(s * jax.random.normal(k, leaf.shape, leaf.dtype))
+    return jax.tree_util.tree_unflatten(treedef, values)
+
+
+# ---------------------------------------------------------------------------------------- the loss
+def load_balancing_loss(router_logits: jax.Array, experts: jax.Array, n_experts: int) -> jax.Array:
+    """Switch/Qwen auxiliary loss per MoE layer, averaged over layers: ``N · Σ_i f_i · P_i``.
+
+    router_logits [L, ..., N], experts [L, ..., K]. It is 1 for perfectly uniform routing."""
+    L = router_logits.shape[0]
+    probs = jax.nn.softmax(router_logits.reshape(L, -1, n_experts).astype(jnp.float32), -1)
+    onehot = jax.nn.one_hot(experts.reshape(L, -1, experts.shape[-1]), n_experts, dtype=jnp.float32)
+    f = jax.lax.stop_gradient(onehot.sum(-2).mean(-2) / experts.shape[-1])  # [L, N], sums to 1
+    P = probs.mean(-2)  # [L, N]
+    return (n_experts * jnp.sum(f * P, -1)).mean()
+
+
+def router_z_loss(router_logits: jax.Array) -> jax.Array:
+    """ST-MoE router z-loss ``mean(logsumexp(z)^2)``: keeps router logits small, so the softmax stays
+    soft and the router cannot lock onto a few experts early in training."""
+    return jnp.mean(jax.nn.logsumexp(router_logits.astype(jnp.float32), -1) ** 2)
+
+
+def router_offset_loss(router_logits: jax.Array) -> jax.Array:
+    """Spread across experts of the batch-mean router logit, per MoE layer, averaged.
+
+    Early in training the residual stream is dominated by one direction shared by every token (the model
+    learns unigram statistics first), so ``z = W·h`` ranks the experts alike for all tokens and the router
+    collapses onto K of them. The batch mean of ``z`` is the router's response to that shared direction;
+    asking it to be equal for all experts keeps routing decided by what differs between tokens."""
+    L, N = router_logits.shape[0], router_logits.shape[-1]
+    mean = router_logits.reshape(L, -1, N).astype(jnp.float32).mean(1)  # [L, N]
+    return jnp.mean(jnp.var(mean, -1))
+
+
+def cast_params(params, dtype):
+    """Mixed precision: every weight in ``dtype`` except the routers (routing decisions in float32)."""
+    if dtype is None:
+        return params
+
+    def cast(path, x):
+        return x if any(getattr(k, "key", None) == "router" for k in path) else x.astype(dtype)
+
+    return jax.tree_util.tree_map_with_path(cast, params)
+
+
+def batched_attention(lp: dict, cfg: ModelConfig, h: jax.Array, cos, sin, implementation: str | None):
+    """Causal grouped-query attention over a batch [B, T, D] with ``jax.nn.dot_product_attention``
+    (``implementation`` None lets JAX pick a fused kernel, e.g. cuDNN flash attention on GPUs)."""
+    q, k, v = M.gqa_qkv(lp, cfg, h, cos, sin)
+    out = jax.nn.dot_product_attention(q, k, v, scale=cfg.attn_scale, is_causal=True,
+                                       implementation=implementation)
+    B, T = h.shape[:2]
+    return M.linear(out.reshape(B, T, -1), lp["o"], lp.get("o_bias"))
+
+
+def batch_forward(params, cfg: ModelConfig, tokens: jax.Array):
+    """``model.forward`` vmapped over a batch of sequences [B, T] -> (logits [B,T,V], router logits
+    [L,B,T,N], experts [L,B,T,K], dropped fraction 0). Exact, but every expert runs on every token."""
+    out = jax.vmap(lambda t: forward(params, cfg, t))(tokens)
+    return (out.logits, jnp.moveaxis(out.router_logits, 1, 0), jnp.moveaxis(out.experts, 1, 0),
+            jnp.zeros((), jnp.float32))
+
+
+def sparse_batch_forward(params, cfg: ModelConfig, tokens: jax.Array, capacity_factor: float,
+                         attention: str = "model"):
+    """The decoder of ``moejax.models.model`` over [B, T] with capacity-based sparse experts (batch-wide
+    capacity ``ceil(capacity_factor · B·T·K / N)``); routing is ``model``'s own function. ``attention``:
+    "model" = ``model.gqa_attention`` per sequence; "auto" / "xla" / "cudnn" = ``batched_attention``
+    (full causal attention only: no sliding windows, no MLA)."""
+    B, T = tokens.shape
+    S = B * T
+    capacity = min(S, int(np.ceil(capacity_factor * S * cfg.top_k / cfg.n_experts)))
+    positions = jnp.arange(T, dtype=jnp.int32)
+    cos, sin = M.rope_tables(cfg, positions)
+    x = params["embed"][tokens]  # [B, T, D]
+    zs, es, drops = [], [], []
+    fused = attention != "model"
+    if fused and (cfg.mla or any(cfg.sliding_windows)):
+        raise ValueError("batched attention supports full causal grouped-query attention only")
+    for i, lp in enumerate(params["layers"]):
+        if fused:
+            x = x + batched_attention(lp["attn"], cfg, M.norm(x, lp["attn_norm"], cfg), cos, sin,
+                                      None if attention == "auto" else attention)
+        else:
+            attend = lambda h: M.gqa_attention(lp["attn"], cfg, i, h, cos, sin, positions, None, 0)[0]  # noqa: E731,B023
+            x = x + jax.vmap(attend)(M.norm(x, lp["attn_norm"], cfg))
+        h = M.norm(x, lp["mlp_norm"], cfg).reshape(S, -1)
+        z = M.router_logits(lp["moe"], h)
+        e, w = original_routing(cfg.gating, z)
+        y, drop = M.capacity_experts(lp["moe"], cfg, h, e, w, capacity)
+        x = x + y.reshape(B, T, -1)
+        zs.append(z.reshape(B, T, -1)), es.append(e.reshape(B, T, -1)), drops.append(drop)
+    x = M.norm(x, params["final_norm"], cfg)
+    head = params["embed"].T if cfg.tie_word_embeddings else params["lm_head"]
+    return (x @ head).astype(jnp.float32), jnp.stack(zs), jnp.stack(es), jnp.stack(drops).mean()
+
+
+def loss_fn(params, cfg: ModelConfig, batch: jax.Array, aux_coef: float, capacity_factor: float = 0.0,
+            z_coef: float = 0.0, compute_dtype=None, attention: str = "model", offset_coef: float = 0.0):
+    """batch [B, T+1] int32 -> (total loss, metrics). ``capacity_factor`` 0: exact dense experts
+    (``model.forward``); > 0: capacity-based sparse experts (3-4x cheaper for 32 experts, top-4).
+    ``compute_dtype`` (e.g. bfloat16): mixed precision, float32 master weights and routers."""
+    inputs, targets = batch[:, :-1], batch[:, 1:]
+    p = cast_params(params, compute_dtype)
+    if capacity_factor > 0:
+        logits, z, e, dropped = sparse_batch_forward(p, cfg, inputs, capacity_factor, attention)
+    else:
+        logits, z, e, dropped = batch_forward(p, cfg, inputs)
+    logp = jax.nn.log_softmax(logits.astype(jnp.float32), -1)
+    ce = -jnp.take_along_axis(logp, targets[..., None], -1).mean()
+    aux = load_balancing_loss(z, e, cfg.n_experts)
+    zloss = router_z_loss(z)
+    offset = router_offset_loss(z)
+    load = jax.nn.one_hot(e.reshape(e.shape[0], -1), cfg.n_experts).mean(1)  # [L, N] share of slots
+    metrics = {"ce": ce, "aux": aux, "z_loss": zloss, "offset_loss": offset, "min_load": load.min() * cfg.n_experts,
+               "max_load": load.max() * cfg.n_experts, "dead_experts": jnp.sum(load == 0) / load.shape[0],
+               "dropped": dropped}
+    return ce + aux_coef * aux + z_coef * zloss + offset_coef * offset, metrics
+
+
+def lr_at(step, total, peak: float, warmup: int, min_lr_ratio: float = 0.1):
+    """Learning rate of optimizer step ``step`` (0-based): linear warmup over ``warmup`` steps, then cosine
+    decay to ``min_lr_ratio · peak`` at ``total``. ``step`` and ``total`` may be traced: a run whose length
+    is fixed by a time budget (``--steps auto``) sets ``total`` once it has measured its speed."""
+    step = jnp.asarray(step, jnp.float32)
+    total = jnp.maximum(jnp.asarray(total, jnp.float32), warmup + 1)
+    warm = peak * step / max(1, warmup)
+    frac = jnp.clip((step - warmup) / (total - warmup), 0.0, 1.0)
+    cos = peak * (min_lr_ratio + (1 - min_lr_ratio) * 0.5 * (1 + jnp.cos(jnp.pi * frac)))
+    return jnp.where(step < warmup, warm, cos)
+
+
+def make_optimizer(weight_decay: float = 0.1, clip: float = 1.0):
+    """Clipping + AdamW with unit learning rate: the scheduled rate (and the router's scale) multiply
+    its updates in ``train_step``, which is exactly AdamW with that rate (decoupled weight decay)."""
+    decay_mask = lambda p: jax.tree.map(lambda x: x.ndim >= 2, p)  # noqa: E731  no decay on norm scales
+    return optax.chain(optax.clip_by_global_norm(clip),
+                       optax.adamw(1.0, b1=0.9, b2=0.95, eps=1e-8, weight_decay=weight_decay, mask=decay_mask))
+
+
+def _is_router(path) -> bool:
+    return any(getattr(k, "key", None) == "router" for k in path)
+
+
+@dataclasses.dataclass(frozen=True)
+class StepConfig:
+    """Everything a compiled training step depends on (hashable: one compilation per distinct value)."""
+
+    lr: float
+    warmup: int
+    weight_decay: float = 0.1
+    clip: float = 1.0
+    aux_coef: float = 0.5
+    aux_coef_start: float | None = None  # balancing weight at step 0, decaying linearly to aux_coef
+    aux_decay_steps: int = 0
+    z_coef: float = 0.0
+    offset_coef: float = 0.0
+    router_lr_scale: float = 1.0
+    capacity_factor: float = 0.0
+    eval_capacity_factor: float = 0.0
+    compute_dtype: str | None = None
+    attention: str = "model"
+    min_lr_ratio: float = 0.1
+
+
+def aux_coef_at(step, sc: StepConfig):
+    """Balancing-loss weight at ``step``: ``aux_coef``, or a linear decay from ``aux_coef_start`` to it over
+    the first ``aux_decay_steps`` steps. An untrained model's tokens share most of their MLP input, so they
+    all rank the experts alike; a strong balancing push while representations form keeps the router
+    spread, and the small standard weight takes over once experts have specialised."""
+    if sc.aux_coef_start is None or sc.aux_decay_steps <= 0:
+        return jnp.float32(sc.aux_coef)
+    frac = jnp.clip(jnp.asarray(step, jnp.float32) / sc.aux_decay_steps, 0.0, 1.0)
+    return jnp.float32(sc.aux_coef_start) + (sc.aux_coef - sc.aux_coef_start) * frac
+
+
+def make_steps(cfg: ModelConfig, opt, sc: StepConfig):
+    dtype = None if sc.compute_dtype in (None, "float32") else jnp.dtype(sc.compute_dtype)
+
+    @functools.partial(jax.jit, donate_argnums=(0, 1))
+    def train_step(params, opt_state, batch, step, total):
+        aux_coef = aux_coef_at(step, sc)
+        (loss, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(
+            params, cfg, batch, aux_coef, sc.capacity_factor, sc.z_coef, dtype, sc.attention, sc.offset_coef)
+        updates, opt_state = opt.update(grads, opt_state, params)
+        lr = lr_at(step, total, sc.lr, sc.warmup, sc.min_lr_ratio)
+        updates = jax.tree_util.tree_map_with_path(
+            lambda path, u: u * (lr * (sc.router_lr_scale if _is_router(path) else 1.0)).astype(u.dtype), updates)
+        params = optax.apply_updates(params, updates)
+        return params, opt_state, {**metrics, "loss": loss, "grad_norm": optax.global_norm(grads), "lr": lr,
+                                   "aux_coef": aux_coef}
+
+    @jax.jit
+    def eval_step(params, batch):
+        return loss_fn(params, cfg, batch, sc.aux_coef, sc.eval_capacity_factor, sc.z_coef, dtype, sc.attention,
+                       sc.offset_coef)[1]
+
+    return train_step, eval_step
+
+
+@functools.lru_cache(maxsize=8)
+def _compiled(cfg: ModelConfig, sc: StepConfig):
+    """Optimizer and jitted steps, shared by runs with the same settings in one process (tests)."""
+    opt = make_optimizer(sc.weight_decay, sc.clip)
+    return (opt, *make_steps(cfg, opt, sc))
+
+
+# ---------------------------------------------------------------------------------- checkpoints
+def _ckpt_root(out: str) -> str:
+    return os.path.join(out, "checkpoints")
+
+
+RUN_FILES = ("run.json", "metrics.jsonl", "checkpoints", "tokenizer", "export-files")
+
+
+def check_out_folder(out: str, resume: bool, overwrite: bool) -> None:
+    """Refuse to start a fresh run over a folder that holds a run (its metrics and checkpoints would be
+    lost) or unrelated files, unless ``--resume`` (continue it) or ``--overwrite`` (start over)."""
+    if not os.path.lexists(out):
+        return
+    if not os.path.isdir(out):
+        raise FileExistsError(f"--out {out} exists and is not a folder")
+    names = set(os.listdir(out))
+    if names & set(RUN_FILES):
+        if not resume and not overwrite:
+            raise FileExistsError(f"--out {out} holds a training run ({', '.join(sorted(names & set(RUN_FILES)))}): "
+                                  "pass --resume to continue it, or --overwrite to start over (its checkpoints "
+                                  "and metrics are deleted)")
+    elif names and not resume:
+        raise FileExistsError(f"--out {out} is not empty and holds no training run ({', '.join(sorted(names)[:5])}"
+                              "): choose an empty or new folder")
+
+
+def remove_run(out: str) -> None:
+    """Delete a previous run's own files in ``out`` (never anything else)."""
+    for name in RUN_FILES:
+        path = os.path.join(out, name)
+        if os.path.isdir(path) and not os.path.islink(path):
+            shutil.rmtree(path)
+        elif os.path.lexists(path):
+            os.remove(path)
+
+
+def save_state(out: str, step: int, params, opt_state, data_pos: int, rng: jax.Array, keep: int = 2) -> str:
+    """Orbax checkpoint of the whole training state; ``latest.json`` is switched atomically afterwards."""
+    import orbax.checkpoint as ocp
+
+    root = _ckpt_root(out)
+    os.makedirs(root, exist_ok=True)
+    path = os.path.join(root, f"step_{step:08d}")
+    state = {"params": params, "opt_state": {str(i): x for i, x in enumerate(jax.tree.leaves(opt_state))},
+             "step": np.int64(step), "data_pos": np.int64(data_pos), "rng": np.asarray(jax.random.key_data(rng))}
+    if os.path.exists(path):
+        shutil.rmtree(path)
+    ckpt = ocp.StandardCheckpointer()
+    ckpt.save(path, state)  # orbax writes to a temporary folder and renames it when complete
+    ckpt.wait_until_finished()
+    ckpt.close()
+    checkpoint.write_json_atomic(os.path.join(root, "latest.json"), {"step": step, "path": os.path.basename(path)})
+    old = sorted(p for p in os.listdir(root) if p.startswith("step_") and p != os.path.basename(path))
+    for p in old[:max(0, len(old) - keep + 1)]:
+        shutil.rmtree(os.path.join(root, p), ignore_errors=True)
+    return path
+
+
+def latest_checkpoint(out: str) -> str | None:
+    meta = os.path.join(_ckpt_root(out), "latest.json")
+    if not os.path.isfile(meta):
+        return None
+    with open(meta) as f:
+        return os.path.join(_ckpt_root(out), json.load(f)["path"])
+
+
+def restore_state(path: str, params_like, opt_state_like, rng_like):
+    import orbax.checkpoint as ocp
+
+    abstract = lambda t: jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype), t)  # noqa: E731
+    opt_leaves, opt_def = jax.tree.flatten(opt_state_like)
+    target = {"params": abstract(params_like), "opt_state": {str(i): abstract(x) for i, x in enumerate(opt_leaves)},
+              "step": jax.ShapeDtypeStruct((), np.int64), "data_pos": jax.ShapeDtypeStruct((), np.int64),
+              "rng": abstract(np.asarray(jax.random.key_data(rng_like)))}
+    ckpt = ocp.StandardCheckpointer()
+    try:
+        state = ckpt.restore(os.path.abspath(path), target)
+    finally:
+        ckpt.close()
+    opt_state = jax.tree.unflatten(opt_def, [state["opt_state"][str(i)] for i in range(len(opt_leaves))])
+    rng = jax.random.wrap_key_data(jnp.asarray(state["rng"]))
+    return state["params"], opt_state, int(state["step"]), int(state["data_pos"]), rng
+
+
+def load_trained_params(out: str) -> tuple[dict, ModelConfig, dict]:
+    """Parameters of the latest checkpoint of a run folder, its config and the run record."""
+    run = read_run(os.path.join(out, "run.json"))
+    cfg = from_hf(run["hf_config"])
+    path = latest_checkpoint(out)
+    if path is None:
+        raise FileNotFoundError(f"{out} has no checkpoint yet")
+    import orbax.checkpoint as ocp
+
+    ckpt = ocp.StandardCheckpointer()
+    try:
+        meta = ckpt.metadata(os.path.abspath(path))
+        tree = getattr(meta, "item_metadata", meta)
+        tree = getattr(tree, "tree", tree)
+        target = {k: jax.tree.map(lambda m: jax.ShapeDtypeStruct(tuple(m.shape), m.dtype), v)
+                  for k, v in tree.items()}
+        state = ckpt.restore(os.path.abspath(path), target)
+    finally:
+        ckpt.close()
+    return state["params"], cfg, {**run, "step": int(state["step"]), "data_pos": int(state["data_pos"])}
+
+
+# ------------------------------------------------------------------------------------------ train
+def _log_jsonl(path: str, record: dict) -> None:
+    with open(path, "a") as f:
+        f.write(json.dumps(record) + "\n")
+
+
+RESUMED_ARGS = ("config", "batch", "seq_len", "lr", "seed", "steps", "warmup", "aux_coef", "weight_decay", "clip",
+                "capacity_factor", "data_dir", "corpus_dir", "vocab_size", "z_coef", "router_lr_scale",
+                "compute_dtype", "attention", "min_lr_ratio", "time_budget_min", "aux_coef_start",
+                "aux_decay_steps", "offset_coef")
+
+
+def read_run(path: str) -> dict:
+    """A run's ``run.json``, or a ``Failure`` naming it when it is damaged."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            run = json.load(f)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise errors.Failure(f"{path} is not valid JSON: {e}") from None
+    if not isinstance(run, dict) or not isinstance(run.get("args"), dict):
+        raise errors.Failure(f"{path} is not a training run record (a JSON object with \"args\")")
+    return run
+
+
+def resume_args(args: argparse.Namespace, run_path: str) -> dict:
+    """The previous run's record; its settings replace those of ``args`` (a resumed run continues as begun)."""
+    run = read_run(run_path)
+    for k in RESUMED_ARGS:
+        if k in run["args"]:
+            setattr(args, k, run["args"][k])
+    return run
+
+
+def train(args: argparse.Namespace) -> dict:
+    """Run (or resume) training; returns a summary. Every step's metrics go to ``OUT/metrics.jsonl``."""
+    from tqdm import tqdm
+
+    out = os.path.abspath(args.out)
+    check_out_folder(out, args.resume, args.overwrite)
+    run_path = os.path.join(out, "run.json")
+    run_prev = resume_args(args, run_path) if args.resume and os.path.isfile(run_path) else {}
+    data.split_shards(args.corpus_dir)  # no corpus: fail before creating or deleting anything
+    if args.overwrite and not args.resume:
+        remove_run(out)
+    os.makedirs(out, exist_ok=True)
+    log = lambda s: tqdm.write(s, file=sys.stderr)  # noqa: E731
+    ds = data.TokenData(args.data_dir, args.corpus_dir, args.vocab_size, args.seq_len, args.seed, log=log)
+    hf = hf_config(args.config, ds.vocab_size, max_len=max(1024, args.seq_len), eos_id=ds.eos_id)
+    cfg = from_hf(hf)
+    tok_dir = os.path.join(out, "tokenizer")
+    if not os.path.isfile(os.path.join(tok_dir, "tokenizer.json")):
+        os.makedirs(tok_dir, exist_ok=True)
+        for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+            shutil.copy2(os.path.join(args.data_dir, name), os.path.join(tok_dir, name))
+
+    sc = step_config(args)
+    opt, train_step, eval_step = _compiled(cfg, sc)
+    auto_steps = args.steps == "auto"
+    # planned length of the LR schedule: fixed, or (auto) set once the speed is measured after warmup
+    total_steps = int(run_prev.get("planned_steps") or 0) if auto_steps else int(args.steps)
+    rng = jax.random.key(args.seed)
+    rng, init_key = jax.random.split(rng)
+    params = init_params(cfg, init_key)
+    opt_state = opt.init(params)
+    step, data_pos = 0, 0
+    metrics_path = os.path.join(out, "metrics.jsonl")
+    if args.resume:
+        path = latest_checkpoint(out)
+        if path is None:
+            log(f"--resume: no checkpoint in {out}, starting from scratch")
+        else:
+            params, opt_state, step, data_pos, rng = restore_state(path, params, opt_state, rng)
+            log(f"resumed from {path} (step {step}, data position {data_pos})")
+    if step == 0 and os.path.exists(metrics_path):
+        os.remove(metrics_path)
+    n_params = count_params(params)
+    run = {"args": {k: v for k, v in vars(args).items() if k not in ("export", "resume", "overwrite")}, "hf_config": hf,
+           "params": n_params, "hardware": hardware(), "planned_steps": total_steps or None}
+    checkpoint.write_json_atomic(run_path, run)
+    log(f"model {args.config}: {n_params / 1e6:.2f}M params ({cfg.n_experts} experts, top-{cfg.top_k}, "
+        f"{cfg.num_layers} layers, d={cfg.hidden_size}); {jax.devices()[0].platform}; "
+        f"batch {args.batch} x {args.seq_len} tokens")
+
+
+    def evaluate(params) -> dict:
+        ms = [eval_step(params, jnp.asarray(b)) for b in ds.val_batches(args.eval_seqs, args.batch)]
+        return {k: float(np.mean([m[k] for m in ms])) for k in ms[0]} if ms else {}
+
+    prior_time = float((run_prev.get("last") or {}).get("time_s", 0.0)) if step else 0.0
+    start = time.time()
+    budget = args.time_budget_min * 60 if args.time_budget_min else None
+    tokens_per_step = args.batch * args.seq_len
+    max_steps = (1 << 62) if auto_steps else int(args.steps)
+    bar = tqdm(total=None if auto_steps else max_steps, initial=step, desc="train", dynamic_ncols=True,
+               mininterval=2.0, file=sys.stderr)
+    last_ckpt_time, window_t, window_steps, stop_reason = time.time(), time.time(), 0, "steps"
+    m, first_step = None, step
+    probe_from = None  # (step, time) where the speed measurement of --steps auto starts
+    next_batch = ds.batch(data_pos, args.batch)
+    while step < max_steps:
+        if auto_steps and not total_steps:
+            # the schedule's length does not matter during warmup; measure the speed there, then fix it
+            probe_start, probe_end = min(10, args.warmup // 4), max(min(args.warmup, 200), 20)
+            if step == probe_start:
+                probe_from = (step, time.time())
+            elif probe_from and step >= probe_end:
+                per_step = (time.time() - probe_from[1]) / (step - probe_from[0])
+                left = budget - (time.time() - start) - 0.03 * budget  # a margin for evaluation and the last checkpoint
+                total_steps = max(step + 1, args.warmup + 1, step + int(left / per_step))
+                run["planned_steps"] = total_steps
+                checkpoint.write_json_atomic(run_path, run)
+                log(f"--steps auto: {per_step * 1e3:.1f} ms/step -> schedule of {total_steps} steps")
+        batch, next_pos = next_batch
+        params, opt_state, m = train_step(params, opt_state, jnp.asarray(batch), jnp.int32(step),
+                                          jnp.int32(total_steps or max(args.warmup + 1, 1 << 30)))
+        step, data_pos = step + 1, next_pos
+        if step < max_steps:
+            next_batch = ds.batch(data_pos, args.batch)  # prepared while the step runs
+        m = {k: float(v) for k, v in m.items()}
+        window_steps += 1
+        now = time.time()
+        tps = window_steps * tokens_per_step / max(now - window_t, 1e-9)
+        if now - window_t > 30:
+            window_t, window_steps = now, 0
+        rec = {"step": step, "tokens": step * tokens_per_step,
+               "time_s": round(prior_time + now - start, 2), "tokens_per_s": round(tps, 1), **m}
+        bar.set_postfix(loss=f"{m['ce']:.3f}", aux=f"{m['aux']:.3f}", tok_s=f"{tps:.0f}", refresh=False)
+        bar.update(1)
+        if args.eval_every and (step % args.eval_every == 0 or step == (total_steps if auto_steps else args.steps)):
+            ev = evaluate(params)
+            rec["val_ce"] = ev.get("ce")
+            log(f"step {step}: train ce {m['ce']:.4f}  val ce {ev.get('ce', float('nan')):.4f}  "
+                f"aux {m['aux']:.3f}  z {m['z_loss']:.2f}  load min/max {m['min_load']:.2f}/{m['max_load']:.2f}  "
+                f"dropped {m['dropped']:.3f}  lr {m['lr']:.2e}  {tps:.0f} tok/s")
+        if not (np.isfinite(m["loss"]) and np.isfinite(m["grad_norm"])):
+            _log_jsonl(metrics_path, rec)
+            raise FloatingPointError(f"step {step}: loss {m['loss']}, gradient norm {m['grad_norm']} (not finite); "
+                                     "the last checkpoint is untouched")
+        _log_jsonl(metrics_path, rec)
+        out_of_time = budget is not None and now - start > budget
+        interrupted = args.stop_after is not None and step - first_step >= args.stop_after
+        out_of_time = out_of_time or interrupted
+        if auto_steps and total_steps and step >= total_steps:
+            out_of_time = True  # the schedule is done
+        if (args.ckpt_every and step % args.ckpt_every == 0) or out_of_time or step == max_steps \
+                or (args.ckpt_minutes and now - last_ckpt_time > args.ckpt_minutes * 60):
+            save_state(out, step, params, opt_state, data_pos, rng)
+            last_ckpt_time = time.time()
+        if out_of_time:
+            stop_reason = ("interrupted" if interrupted else
+                           "schedule done" if auto_steps and step >= total_steps else "time budget")
+            break
+    bar.close()
+    final_eval = evaluate(params) if args.eval_every else {}
+    summary = {"step": step, "tokens": step * tokens_per_step, "stop": stop_reason,
+               "time_s": round(prior_time + time.time() - start, 1),
+               "train_ce": m["ce"] if m else (run_prev.get("last") or {}).get("train_ce"), "val_ce": final_eval.get("ce"),
+               "params": n_params}
+    run["last"] = summary
+    checkpoint.write_json_atomic(run_path, run)
+    log(f"done: {json.dumps(summary)}")
+    return summary
+
+
+def step_config(args: argparse.Namespace) -> StepConfig:
+    return StepConfig(lr=args.lr, warmup=args.warmup, weight_decay=args.weight_decay, clip=args.clip,
+                      aux_coef=args.aux_coef, aux_coef_start=args.aux_coef_start,
+                      aux_decay_steps=args.aux_decay_steps, z_coef=args.z_coef, router_lr_scale=args.router_lr_scale,
+                      capacity_factor=args.capacity_factor, eval_capacity_factor=args.eval_capacity_factor,
+                      compute_dtype=args.compute_dtype, attention=args.attention, min_lr_ratio=args.min_lr_ratio,
+                      offset_coef=args.offset_coef)
+
+
+def hardware() -> dict:
+    dev = jax.devices()[0]
+    return {"platform": dev.platform, "device": getattr(dev, "device_kind", str(dev)), "cpus": os.cpu_count(),
+            "machine": platform.machine(), "jax": jax.__version__}
+
+
+# ------------------------------------------------------------------------------------------ export
+def export(out: str, folder: str, dtype=jnp.bfloat16, text_style: str = "wikitext", overwrite: bool = False) -> str:
+    """Write the run's latest parameters as a moejax checkpoint folder (bf16) with the tokenizer, a
+    ``generation_config.json`` (``"text_style": "wikitext"``) and a README recording how it was trained.
+    An existing ``folder`` is replaced only with ``overwrite`` and only if it is a checkpoint."""
+    checkpoint.check_replaceable(folder, overwrite, protect=(out,))
+    params, cfg, run = load_trained_params(out)
+    params = jax.tree.map(lambda x: jnp.asarray(x, dtype), params)
+    eos = cfg.eos_token_ids[0] if cfg.eos_token_ids else 0
+    staging = os.path.join(out, "export-files")
+    os.makedirs(staging, exist_ok=True)
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+        shutil.copy2(os.path.join(out, "tokenizer", name), os.path.join(staging, name))
+    checkpoint.write_json_atomic(os.path.join(staging, "generation_config.json"), {
+        "bos_token_id": eos, "eos_token_id": eos, "do_sample": False, "max_new_tokens": 64,
+        "text_style": text_style})
+    folder = checkpoint.save_moejax(params, cfg, folder, tokenizer_from=staging, overwrite=overwrite, protect=(out,))
+    a = run["args"]
+    last = run.get("last") or {}
+    info = {"model": "qwen3_moe", "params": run["params"], "step": run["step"],
+            "tokens": run["step"] * a["batch"] * a["seq_len"], "val_ce": last.get("val_ce"),
+            "time_s": last.get("time_s"), "hardware": run["hardware"], "command": command_line(a)}
+    checkpoint.write_json_atomic(os.path.join(folder, "training.json"), info)
+    with open(os.path.join(folder, "README.md"), "w") as f:
+        f.write(readme_text(cfg, info))
+    os.chmod(folder, 0o755)
+    return folder
+
+
+def hw_text(hw: dict) -> str:
+    return f"{hw.get('platform')} ({hw.get('device')}, {hw.get('cpus')} CPU cores, jax {hw.get('jax')})"
+
+
+def command_line(a: dict) -> str:
+    return (f"python -m moejax.train --out OUT --config {a['config']} --steps {a['steps']} --batch {a['batch']} "
+            f"--seq-len {a['seq_len']} --lr {a['lr']} --warmup {a['warmup']} --seed {a['seed']} "
+            f"--capacity-factor {a['capacity_factor']} "
+            f"--eval-every {a['eval_every']}"
+            + (f" --time-budget-min {a['time_budget_min']:g}" if a.get("time_budget_min") else "") + " --data-dir DATA")
+
+
+def readme_text(cfg: ModelConfig, info: dict) -> str:
+    ppl = f"{np.exp(info['val_ce']):.1f}" if info.get("val_ce") else "n/a"
+    return f"""# moejax default model
+
+A small granular Qwen3-MoE trained from scratch by `moejax.train` on the WikiText-style English Wikipedia
+corpus (Wikipedia contributors, CC BY-SA 3.0 / GFDL; share-alike applies to verbatim outputs).
+
+- architecture: qwen3_moe, {cfg.num_layers} layers, d_model {cfg.hidden_size}, {cfg.num_heads} heads x {cfg.head_dim}
+  ({cfg.num_kv_heads} KV heads), {cfg.n_experts} routed experts per layer, top-{cfg.top_k}, expert FFN
+  {cfg.moe_intermediate_size}, tied embeddings, byte-level BPE vocabulary {cfg.vocab_size}
+- parameters: {info['params']:,} (stored bf16)
+- trained: {info['step']} steps, {info['tokens']:,} tokens, {info.get('time_s')} s on {hw_text(info['hardware'])}
+- validation (corpus shard -07) cross-entropy {info.get('val_ce')} nats/token (perplexity {ppl}, BPE tokens)
+- text style: WikiText (` @-@ `, spaces before punctuation); `generation_config.json` has
+  `"text_style": "wikitext"` and `moejax.base.textproc.wikitext_detokenize` undoes the spacing
+- command: `{info['command']}`, then `python -m moejax.train --out OUT --export moejax/assets/default-model`
+"""
+
+
+# --------------------------------------------------------------------------------------------- CLI
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m moejax.train", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", required=True, help="run folder: checkpoints, metrics.jsonl, run.json, tokenizer")
+    p.add_argument("--config", default="small", choices=sorted(CONFIGS))
+    p.add_argument("--steps", type=_steps_arg, default=3000,
+                   help="total steps (the LR schedule's length), or 'auto': as many as --time-budget-min allows "
+                        "at the speed measured during warmup")
+    p.add_argument("--batch", type=int, default=16)
+    p.add_argument("--seq-len", type=int, default=256)
+    p.add_argument("--lr", type=float, default=3e-3)
+    p.add_argument("--warmup", type=int, default=100)
+    p.add_argument("--weight-decay", type=float, default=0.1)
+    p.add_argument("--clip", type=float, default=1.0)
+    p.add_argument("--min-lr-ratio", type=float, default=0.1, help="final learning rate / peak (cosine decay)")
+    p.add_argument("--aux-coef", type=float, default=0.5,
+                   help="load-balancing loss coefficient (alone, 0.01-0.1 let the CPU run's router collapse onto 4 "
+                        "experts early on; with --z-coef and --router-lr-scale 0.01 is enough)")
+    p.add_argument("--aux-coef-start", type=float, default=None,
+                   help="balancing weight at step 0, decaying linearly to --aux-coef over --aux-decay-steps")
+    p.add_argument("--aux-decay-steps", type=int, default=0)
+    p.add_argument("--z-coef", type=float, default=0.0, help="router z-loss coefficient (ST-MoE uses 1e-3)")
+    p.add_argument("--offset-coef", type=float, default=0.0,
+                   help="penalty on the variance across experts of the batch-mean router logit: a common-mode "
+                        "offset makes every token pick the same experts (the collapse seen on CPU runs)")
+    p.add_argument("--router-lr-scale", type=float, default=1.0, help="router learning rate / the others'")
+    p.add_argument("--compute-dtype", default="float32", choices=("float32", "bfloat16"),
+                   help="forward/backward precision (float32 master weights and routers either way)")
+    p.add_argument("--attention", default="model", choices=("model", "auto", "xla", "cudnn"),
+                   help="training attention: model.gqa_attention per sequence, or jax.nn.dot_product_attention "
+                        "over the batch (auto: fused kernel where the backend has one)")
+    p.add_argument("--capacity-factor", type=float, default=1.25,
+                   help="sparse expert capacity per batch (x B·T·K/N); 0 = exact dense experts (model.forward)")
+    p.add_argument("--eval-capacity-factor", type=float, default=2.0,
+                   help="capacity factor of the periodic validation loss (0 = exact)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--resume", action="store_true", help="continue from OUT's latest checkpoint")
+    p.add_argument("--overwrite", action="store_true",
+                   help="start over in an OUT that holds a run (deleting it), or replace an existing --export "
+                        "checkpoint folder")
+    p.add_argument("--eval-every", type=int, default=200, help="validation loss every N steps (0: never)")
+    p.add_argument("--eval-seqs", type=int, default=64, help="validation sequences per evaluation")
+    p.add_argument("--ckpt-every", type=int, default=500)
+    p.add_argument("--ckpt-minutes", type=float, default=10.0, help="also checkpoint every M minutes")
+    p.add_argument("--time-budget-min", type=float, default=None,
+                   help="stop cleanly (final checkpoint) after M minutes")
+    p.add_argument("--stop-after", type=int, default=None, help=argparse.SUPPRESS)  # tests: simulate an interruption
+    p.add_argument("--data-dir", default=data.DEFAULT_DATA_DIR)
+    p.add_argument("--corpus-dir", default=data.DEFAULT_CORPUS_DIR)
+    p.add_argument("--vocab-size", type=int, default=data.DEFAULT_VOCAB)
+    p.add_argument("--export", metavar="DIR", help="write OUT's latest params as a bf16 moejax folder and exit")
+    return p
+
+
+def _steps_arg(text: str):
+    if text == "auto":
+        return text
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number of steps or 'auto', got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"--steps must be >= 1, got {value}")
+    return value
+
+
+_INTS = {"batch": 1, "seq_len": 1, "eval_seqs": 1, "vocab_size": 1, "warmup": 0, "aux_decay_steps": 0,
+         "eval_every": 0, "ckpt_every": 0}  # name -> smallest value
+_POSITIVE_FLOATS = ("lr", "clip", "time_budget_min")
+_NON_NEGATIVE_FLOATS = ("weight_decay", "min_lr_ratio", "aux_coef", "aux_coef_start", "z_coef", "offset_coef",
+                        "router_lr_scale", "capacity_factor", "eval_capacity_factor", "ckpt_minutes")
+
+
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def check_args(args: argparse.Namespace) -> None:
+    """Refuse flag values training cannot run with (NaN included), before anything is created."""
+    for name, low in _INTS.items():
+        if getattr(args, name) < low:
+            raise ValueError(f"{_flag(name)} must be >= {low}, got {getattr(args, name)}")
+    for name in _POSITIVE_FLOATS + _NON_NEGATIVE_FLOATS:
+        value, strict = getattr(args, name), name in _POSITIVE_FLOATS
+        if value is not None and not (math.isfinite(value) and (value > 0 if strict else value >= 0)):
+            raise ValueError(f"{_flag(name)} must be a finite number {'>' if strict else '>='} 0, got {value}")
+    if args.steps == "auto" and not args.time_budget_min:
+        raise ValueError("--steps auto needs --time-budget-min (the run's length is what the budget allows)")
+
+
+def main(argv: list[str] | None = None) -> int:
+    interrupts.exit_cleanly_on_signals()
+    args = build_parser().parse_args(argv)
+    args.data_dir = os.path.abspath(os.path.expanduser(args.data_dir))
+    args.corpus_dir = os.path.abspath(os.path.expanduser(args.corpus_dir))
+    try:
+        if args.export:
+            print(export(args.out, args.export, overwrite=args.overwrite))
+            return 0
+        check_args(args)
+        train(args)
+    except errors.HANDLED as e:
+        return errors.report(e)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
