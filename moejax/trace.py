@@ -1,0 +1,8 @@
+"""``python -m moejax.trace``: the command lives in ``moejax.experts.trace`` (this module only starts it)."""
+
+import sys
+
+from moejax.experts.trace import main
+
+if __name__ == "__main__":
+    sys.exit(main())
