@@ -14,7 +14,7 @@ from test_evaluate import TEXT, _FakeTasks, make_word_model
 from moejax.models import gating
 from moejax.experts import routing
 from moejax.runtime import simulate
-from moejax.evaluation import perplexity, studies, sweep
+from moejax.evaluation import perplexity, results as results_file, studies, sweep
 
 
 @pytest.fixture(scope="module")
@@ -132,7 +132,7 @@ def test_studies_runner_on_a_tiny_budget(lm, data, tmp_path, capsys):
     printed = capsys.readouterr().out
     assert "== pareto" in printed and "== cache_size" in printed
     names = ("pareto", "lifetimes", "init", "delta", "cache_size")
-    files = {name: sweep.load_results(os.path.join(out, f"{name}.jsonl")) for name in names}
+    files = {name: results_file.load_results(os.path.join(out, f"{name}.jsonl")) for name in names}
     k, n = lm.cfg.top_k, lm.cfg.n_experts  # 2, 8
     pareto = files["pareto"]
     assert all(r["study"] == "pareto" and r["model"] == sweep.model_label(lm.path) + "@float32" for r in pareto)
@@ -192,15 +192,15 @@ def test_sensitivity_and_eviction_studies(lm, data, tmp_path):
     out = str(tmp_path / "studies")
     _run(lm, data, out, "pareto,sensitivity,eviction", "--evictions", "lru,least-stale,belady")
     k = lm.cfg.top_k
-    pareto_keys = {r["key"] for r in sweep.load_results(os.path.join(out, "pareto.jsonl"))}
-    sens = sweep.load_results(os.path.join(out, "sensitivity.jsonl"))
+    pareto_keys = {r["key"] for r in results_file.load_results(os.path.join(out, "pareto.jsonl"))}
+    sens = results_file.load_results(os.path.join(out, "sensitivity.jsonl"))
     assert len(sens) == 1 + 2 * k and all(r["cache"] is None and r["miss_rate"] is None for r in sens)
     base = sens[0]["ppl"]
     drop1 = [r for r in sens if r["routing"].get("drop_rank") == 1][0]
     assert drop1["ppl"] > base  # no routed expert at all
     random1 = [r for r in sens if r["routing"].get("random_rank") == 1][0]
     assert random1["ppl"] > base and random1["routing"]["seed"] == 0 and random1["routing"]["kind"] == "original"
-    records = sweep.load_results(os.path.join(out, "eviction.jsonl"))
+    records = results_file.load_results(os.path.join(out, "eviction.jsonl"))
     ev = [r for r in records if r["method"] == "replay"]
     assert len(ev) == len(studies.GLOBAL_SIZES) * 3
     assert all(r["cache"]["scope"] == "global" and r["collision_misses"] is not None for r in ev)
@@ -223,7 +223,7 @@ def test_tasks_study(lm, data, tmp_path, capsys, monkeypatch):
     fake = _FakeTasks()
     monkeypatch.setattr(sweep, "tasks", fake)
     assert studies.main(argv) == 0
-    recs = sweep.load_results(os.path.join(out, "tasks.jsonl"))
+    recs = results_file.load_results(os.path.join(out, "tasks.jsonl"))
     assert [(r["task"], r["routing"]["lam"]) for r in recs] == [
         ("mmlu", 0.0), ("mmlu", 0.3), ("mmlu", 0.5), ("mmlu", 0.9),
         ("gsm8k", 0.0), ("gsm8k", 0.3), ("gsm8k", 0.5), ("gsm8k", 0.9)]

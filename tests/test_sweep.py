@@ -13,7 +13,7 @@ from test_evaluate import TEXT, make_word_model
 from moejax.models import checkpoint
 from moejax.experts import routing
 from moejax.runtime import api, simulate
-from moejax.evaluation import perplexity, sweep
+from moejax.evaluation import perplexity, results as results_file, sweep
 
 # ------------------------------------------------------------------------------------------ spec parsing
 
@@ -95,29 +95,29 @@ def _rec(key: str, **kw) -> dict:
 
 def test_results_file_torn_tail_and_errors(tmp_path):
     path = str(tmp_path / "sub" / "r.jsonl")
-    assert sweep.load_results(path) == []
-    sweep.append_result(path, _rec("a"))
-    sweep.append_result(path, _rec("b", x=float("nan"), v=np.float32(2.5), n=np.int64(3), arr=np.arange(2)))
+    assert results_file.load_results(path) == []
+    results_file.append_result(path, _rec("a"))
+    results_file.append_result(path, _rec("b", x=float("nan"), v=np.float32(2.5), n=np.int64(3), arr=np.arange(2)))
     with open(path, "ab") as f:
         f.write(b'{"key": "c", "ppl": 1.')  # a crash in the middle of a write
-    assert [r["key"] for r in sweep.load_results(path)] == ["a", "b"]
-    assert sweep.load_results(path)[1] == {"key": "b", "ppl": 1.5, "x": None, "v": 2.5, "n": 3, "arr": [0, 1]}
-    sweep.append_result(path, _rec("d"))  # the torn line is cut off first
+    assert [r["key"] for r in results_file.load_results(path)] == ["a", "b"]
+    assert results_file.load_results(path)[1] == {"key": "b", "ppl": 1.5, "x": None, "v": 2.5, "n": 3, "arr": [0, 1]}
+    results_file.append_result(path, _rec("d"))  # the torn line is cut off first
     lines = open(path).read().splitlines()
     assert [json.loads(x)["key"] for x in lines] == ["a", "b", "d"]
     with open(path, "ab") as f:
         f.write(b'{"key": "e"}')  # complete but unterminated: kept, newline added on the next append
-    assert [r["key"] for r in sweep.load_results(path)] == ["a", "b", "d", "e"]
-    sweep.append_result(path, _rec("f"))
-    assert [r["key"] for r in sweep.load_results(path)] == ["a", "b", "d", "e", "f"]
+    assert [r["key"] for r in results_file.load_results(path)] == ["a", "b", "d", "e"]
+    results_file.append_result(path, _rec("f"))
+    assert [r["key"] for r in results_file.load_results(path)] == ["a", "b", "d", "e", "f"]
     with open(path, "w") as f:
         f.write('{"key": "a"}\nnot json\n{"key": "b"}\n')
     with pytest.raises(ValueError, match=r"r\.jsonl:2: not a moejax results file \(malformed line"):
-        sweep.load_results(path)
+        results_file.load_results(path)
     with open(path, "w") as f:
         f.write('{"key": "a"}\n[1, 2]\n')
     with pytest.raises(ValueError, match=r":2: .*string 'key'"):
-        sweep.load_results(path)
+        results_file.load_results(path)
 
 
 @pytest.mark.parametrize("content", [b'{"lr": 0.001}', b'{"lr": 0.001}\n{"warmup": 10}', b"plain text, no newline",
@@ -128,9 +128,9 @@ def test_results_file_never_truncates_a_bystander(tmp_path, content):
     path = tmp_path / "settings.json"
     path.write_bytes(content)
     with pytest.raises(ValueError, match="not a moejax results file"):
-        sweep.append_result(str(path), _rec("x"))
+        results_file.append_result(str(path), _rec("x"))
     with pytest.raises(ValueError, match="not a moejax results file"):
-        sweep.load_results(str(path))
+        results_file.load_results(str(path))
     assert path.read_bytes() == content
 
 
@@ -213,10 +213,10 @@ def test_resume_after_interruption(lm, data, tmp_path, monkeypatch):
     monkeypatch.setattr(sweep, "run_forward_batch", dies_after_two)
     with pytest.raises(KeyboardInterrupt):
         _runner(lm, results, batch_size=2).run(pts)
-    assert [r["sweep"] for r in sweep.load_results(results)] == [{"lam": 0.0}, {"lam": 0.25}]
+    assert [r["sweep"] for r in results_file.load_results(results)] == [{"lam": 0.0}, {"lam": 0.25}]
     with open(results, "ab") as f:  # and the crash tore a third line in half
         f.write(json.dumps(reference[2]).encode()[:57])
-    assert len(sweep.load_results(results)) == 2
+    assert len(results_file.load_results(results)) == 2
 
     def counting(*args, **kw):
         calls.append(args[5][0].record["sweep"])
@@ -228,7 +228,7 @@ def test_resume_after_interruption(lm, data, tmp_path, monkeypatch):
     resumed = runner.run(pts)
     assert calls == [{"lam": 0.5}, {"lam": 1.0}] and runner.computed == 3  # batches [0.5, 0.75], [1.0]
     assert [_strip(r) for r in resumed] == reference
-    assert [_strip(r) for r in sweep.load_results(results)] == reference  # torn line gone, order = completion
+    assert [_strip(r) for r in results_file.load_results(results)] == reference  # torn line gone, order = completion
     calls.clear()
     again = _runner(lm, results, batch_size=2)
     assert [_strip(r) for r in again.run(pts)] == reference and calls == [] and again.computed == 0
@@ -262,11 +262,11 @@ def test_batches_write_every_point_and_keys_identify_points(lm, data, tmp_path):
     assert _points(lm, data, [0.5], size="0.5")[0].key == pts[1].key  # capacity 4 either way
     assert _points(lm, data, [0.5], size="3")[0].key != pts[1].key
     recs = _runner(lm, results, batch_size=2).run(pts + pts[:1])  # duplicates are evaluated once
-    assert len(recs) == 3 and len(sweep.load_results(results)) == 3
+    assert len(recs) == 3 and len(results_file.load_results(results)) == 3
     required = {"key", "study", "task", "model", "routing", "cache", "sweep", "ppl", "accuracy", "miss_rate",
                 "lifetime", "lifetime_std", "bytes_per_token", "collision_misses", "prefetch_precision",
                 "prefetch_recall", "metrics", "time_s", "finished_at"}
-    for rec in sweep.load_results(results):
+    for rec in results_file.load_results(results):
         assert required <= set(rec)
         assert rec["cache"] == {"size": "4", "capacity": 4, "scope": "layer", "eviction": "lru", "init": "empty",
                                 "seed": None}

@@ -63,7 +63,7 @@ from moejax.base import distributed, errors, interrupts, paths
 from moejax.models.gating import descending_order
 from moejax.experts import routing as routing_lib
 from moejax.runtime import api, cli_options, simulate
-from moejax.evaluation import perplexity, sweep
+from moejax.evaluation import perplexity, results as results_file, sweep
 
 STUDIES = ("pareto", "lifetimes", "init", "delta", "cache_size", "sensitivity", "eviction", "tasks")
 SHARD_07 = os.path.join(paths.CORPUS_DIR, "enwiki-2015-wikitext-style-07.txt.gz")
@@ -230,7 +230,7 @@ class Context:
         out = {}
         for name in STUDIES:
             if name != study:
-                for rec in sweep.load_results(os.path.join(self.out, f"{name}.jsonl")):
+                for rec in results_file.load_results(os.path.join(self.out, f"{name}.jsonl")):
                     if rec.get("method") != "selection":
                         out.setdefault(rec["key"], rec)
         return out
@@ -285,7 +285,7 @@ def knee_index(miss: list[float], ppl: list[float]) -> int:
 def pareto_knee_lam(ctx: Context, size: int) -> tuple[float, str]:
     """(λ, how it was chosen): the knee of the cache-prior front at capacity ``size`` in ``pareto.jsonl``
     (the largest run there, by scored tokens), else 0.5."""
-    recs = [r for r in sweep.load_results(os.path.join(ctx.out, "pareto.jsonl"))
+    recs = [r for r in results_file.load_results(os.path.join(ctx.out, "pareto.jsonl"))
             if r["routing"]["kind"] == "cache-prior" and r.get("model") == ctx.label and r.get("method") == "forward"
             and (r.get("cache") or {}).get("capacity") == size and r.get("ppl") is not None
             and r.get("miss_rate") is not None and r["routing"].get("delta") is None]
@@ -410,10 +410,10 @@ def study_cache_size(ctx: Context) -> list[dict]:
     runner = ctx.runner("cache_size")
     records = runner.run(pts)
     selections = select_within_bounds(records, runner)
-    done = {r["key"] for r in sweep.load_results(runner.results)}
+    done = {r["key"] for r in results_file.load_results(runner.results)}
     for rec in selections:
         if rec["key"] not in done:
-            sweep.append_result(runner.results, rec)
+            results_file.append_result(runner.results, rec)
     return records + selections
 
 
@@ -447,7 +447,7 @@ def select_within_bounds(records: list[dict], runner: sweep.Runner) -> list[dict
                                 "ppl_increase": best["ppl"] / base["ppl"] - 1, "lru_miss_rate": base["miss_rate"],
                                 "candidates": len(ok) + 1},
                        time_s=0.0, finished_at=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"))
-            out.append(sweep._as_json(rec))
+            out.append(results_file.as_json(rec))
     return out
 
 

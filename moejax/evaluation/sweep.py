@@ -58,11 +58,11 @@ import numpy as np
 
 from moejax.base import distributed, errors
 from moejax.models import gating
+from moejax.models.assets import DEFAULT_MODEL_NAME
 from moejax.models.model import forward
 from moejax.experts import cache as cache_lib, routing as routing_lib, trace as trace_lib
 from moejax.runtime import simulate
-from moejax.models.assets import DEFAULT_MODEL_NAME
-from moejax.evaluation import perplexity, tasks
+from moejax.evaluation import perplexity, results as results_file, tasks
 
 
 def default_batch_size() -> int:
@@ -312,131 +312,6 @@ def make_point(model, model_name: str, *, task: str = "wikitext", study: str | N
     return Point(identity, record, method, policy, cache, hook, hook_state, opts, offload=offload)
 
 
-# ---------------------------------------------------------------------------------------- results file
-
-
-def _as_json(x):
-    """numpy scalars/arrays -> Python, NaN/inf -> null (JSON has neither)."""
-    if isinstance(x, dict):
-        return {str(k): _as_json(v) for k, v in x.items()}
-    if isinstance(x, (list, tuple)):
-        return [_as_json(v) for v in x]
-    if isinstance(x, np.ndarray):
-        return _as_json(x.tolist())
-    if isinstance(x, (np.bool_, bool)):
-        return bool(x)
-    if isinstance(x, np.integer):
-        return int(x)
-    if isinstance(x, (float, np.floating)):
-        x = float(x)
-        return x if math.isfinite(x) else None
-    return x
-
-
-RECORD_PREFIX = b'{"key": '  # every record line starts so (json.dumps of a dict whose first key is "key")
-
-
-def _parse_lines(path: str, data: bytes) -> tuple[list[dict], int]:
-    """Records and the byte length of the file's valid prefix.
-
-    An unterminated last line that does not parse is a write cut short by a crash, and is cut off, but
-    only where the file is evidently a results file: the earlier lines are all records, and either there
-    are some or the torn line starts like one. Anything else (an unrelated file, a settings.json without
-    its final newline) raises ``ValueError`` instead of being truncated: never lose what the user had."""
-    records, good_end, pos = [], 0, 0
-    lines = data.split(b"\n")
-    for i, raw in enumerate(lines):
-        end = pos + len(raw) + (1 if i < len(lines) - 1 else 0)
-        terminated = i < len(lines) - 1
-        if raw.strip():
-            complete = False  # a whole JSON value is never a torn record, whatever it holds
-            try:
-                rec = json.loads(raw.decode("utf-8"))
-                complete = True
-                if not isinstance(rec, dict) or not isinstance(rec.get("key"), str):
-                    raise ValueError("not a JSON object with a string 'key'")
-            except (ValueError, UnicodeDecodeError) as e:
-                torn = not terminated and (bool(records) or raw.lstrip().startswith(RECORD_PREFIX))
-                if torn and not complete:  # a write cut short by a crash: ignore it
-                    return records, good_end
-                what = "line" if terminated else "last line"
-                raise errors.Failure(f"{path}:{i + 1}: not a moejax results file (malformed {what}: {e}); "
-                                 "fix or remove that line, or choose another results path") from None
-            records.append(rec)
-        good_end = end
-        pos = end
-    return records, good_end
-
-
-def load_results(path: str) -> list[dict]:
-    """Every record of a JSONL results file, in file order ([] if the file does not exist). A truncated
-    last line (crash mid-write) is ignored; a malformed complete line raises ``ValueError`` with file:line.
-    In a multi-process run process 0 reads the file and every process gets its records (``distributed``)."""
-    if distributed.is_multiprocess():
-        got = distributed.broadcast(_read_or_error(path) if distributed.is_leader() else None)
-        if "error" in got:
-            raise ValueError(got["error"])
-        return got["records"]
-    return _read_results(path)
-
-
-def _read_results(path: str) -> list[dict]:
-    if not os.path.exists(path):
-        return []
-    with open(path, "rb") as f:
-        data = f.read()
-    return _parse_lines(path, data)[0]
-
-
-def _read_or_error(path: str) -> dict:
-    try:
-        return {"records": _read_results(path)}
-    except (ValueError, OSError) as e:
-        return {"error": str(e)}
-
-
-def _repair(f, path: str) -> None:
-    """Cut a half-written last line off an open (r+b) results file; terminate a complete unterminated one."""
-    f.seek(0, os.SEEK_END)
-    size = f.tell()
-    if size == 0:
-        return
-    f.seek(size - 1)
-    if f.read(1) == b"\n":
-        return
-    f.seek(0)
-    _, good_end = _parse_lines(path, f.read())
-    if good_end >= size:  # the last line parses: it only lacks its newline
-        f.seek(0, os.SEEK_END)
-        f.write(b"\n")
-    else:
-        f.truncate(good_end)
-    f.flush()
-
-
-def append_result(path: str, record: dict) -> None:
-    """Append one record as one line: repair a torn tail first, then write + flush + fsync (under an
-    exclusive lock, so two processes appending to one file do not interleave). In a multi-process run only
-    process 0 writes."""
-    if not distributed.is_leader():  # a multi-process run: process 0 writes for all
-        return
-    line = json.dumps(_as_json(record), allow_nan=False) + "\n"
-    folder = os.path.dirname(os.path.abspath(path))
-    os.makedirs(folder, exist_ok=True)
-    with open(path, "a+b") as f:
-        try:
-            import fcntl
-
-            fcntl.flock(f.fileno(), fcntl.LOCK_EX)
-        except (ImportError, OSError):  # no flock here: appends are still whole lines
-            pass
-        _repair(f, path)
-        f.seek(0, os.SEEK_END)
-        f.write(line.encode("utf-8"))
-        f.flush()
-        os.fsync(f.fileno())
-
-
 def make_record(point: Point, result: dict, time_s: float) -> dict:
     """The JSONL record of a finished point (schema in the module docstring)."""
     result = {**result, **point.extra}
@@ -457,7 +332,7 @@ def make_record(point: Point, result: dict, time_s: float) -> dict:
            "prefetch_recall": pick("prefetch_recall"),
            "metrics": result, "time_s": float(time_s),
            "finished_at": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
-    return _as_json(rec)
+    return results_file.as_json(rec)
 
 
 # ---------------------------------------------------------------------------------------- WikiText engine
@@ -751,7 +626,7 @@ class Runner:
             plain = make_point(self.model, ident["model"], context=ident["context"], max_tokens=ident["max_tokens"],
                                data=point.task_options.get("data"))
             res, tr = run_forward_single(self.model, inp.chunks, inp.text, inp.ids, inp.context, plain, keep_trace=True)
-            res = _as_json(res)
+            res = results_file.as_json(res)
             if path:
                 os.makedirs(self.trace_dir, exist_ok=True)
                 tmp = path + ".tmp.npz"
@@ -804,7 +679,7 @@ class Runner:
     # -- the loop
     def plan(self, points: list[Point]) -> tuple[list[dict], list[list[Point]]]:
         """(records already done, batches still to compute) — points deduplicated by key."""
-        done = {r["key"]: r for r in load_results(self.results)} if self.results else {}
+        done = {r["key"]: r for r in results_file.load_results(self.results)} if self.results else {}
         seen, todo, finished = set(), [], []
         for p in points:
             if p.key in seen:
@@ -865,7 +740,7 @@ class Runner:
 
     def _emit(self, rec: dict, by_key: dict, bar) -> None:
         if self.results:
-            append_result(self.results, rec)
+            results_file.append_result(self.results, rec)
         by_key[rec["key"]] = rec
         if bar is not None:
             bar.update(1)
