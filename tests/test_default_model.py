@@ -17,7 +17,7 @@ import moejax
 from moejax.base import textproc
 from moejax.models import assets, checkpoint
 from moejax.runtime import api
-from moejax.evaluation import tasks
+from moejax.evaluation.tasks import common
 
 MAX_BYTES = 32 * 1024 * 1024
 
@@ -50,7 +50,7 @@ def test_default_model_uses_its_experts(default):
 
 @pytest.mark.numerics
 def test_right_padding_never_reaches_the_real_tokens(default):
-    """Reliability part 1. A causal pass right-padded (tasks.Stream pads to a multiple of 64) leaves the
+    """Reliability part 1. A causal pass right-padded (common.Stream pads to a multiple of 64) leaves the
     real tokens' logits as they are up to kernel rounding: checked on a float32 copy of the default model,
     where rounding is ~1e-6. (In bf16, XLA:CPU's shape-dependent matmul kernels round 1 ulp differently and
     near-tied top-k choices can flip, so padded and unpadded bf16 passes are close, not equal.)"""
@@ -60,9 +60,9 @@ def test_right_padding_never_reaches_the_real_tokens(default):
     padded = np.zeros(64, int)
     padded[:55] = ids
     np.testing.assert_allclose(f32.forward(padded).logits[:55], f32.forward(ids).logits, atol=1e-4, rtol=1e-4)
-    assert tasks.padded_length(55, 1024, default.cfg.rope_long_after) == 64
-    assert tasks.padded_length(3990, 8192, 4000) == 4000  # longrope: never across the long-factor switch
-    assert tasks.padded_length(4010, 8192, 4000) == 4032 and tasks.padded_length(1000, 1000, 10**9) == 1000
+    assert common.padded_length(55, 1024, default.cfg.rope_long_after) == 64
+    assert common.padded_length(3990, 8192, 4000) == 4000  # longrope: never across the long-factor switch
+    assert common.padded_length(4010, 8192, 4000) == 4032 and common.padded_length(1000, 1000, 10**9) == 1000
 
 
 def test_generate_with_no_arguments():

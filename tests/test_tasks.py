@@ -19,6 +19,7 @@ import pytest
 
 from moejax.runtime import simulate
 from moejax.evaluation import tasks
+from moejax.evaluation.tasks import common, gsm8k, mmlu, nq_open, truthfulqa
 
 FIXTURES = os.path.join(os.path.dirname(__file__), "data", "tasks")
 V = 512  # fake vocabulary size
@@ -104,66 +105,66 @@ def fake_summary(monkeypatch):
 
 # --------------------------------------------------------------------------------- metrics by hand
 def test_number_extraction_and_match():
-    assert tasks.extract_number("so 3 + 2 = 5 apples. The answer is 5.") == "5"
-    assert tasks.extract_number("The answer is $1,205.") == "1205"
-    assert tasks.extract_number("the answer is: -3.5 degrees") == "-3.5"
-    assert tasks.extract_number("first 12, then 7 and finally 1,000.") == "1000"  # last number
-    assert tasks.extract_number("The answer is 4. Then 9") == "4"  # the stated answer beats the last number
-    assert tasks.extract_number("no digits here") is None
-    assert tasks.numbers_match("18.00", "18") and tasks.numbers_match("1205", "1,205")
-    assert not tasks.numbers_match("17", "18") and not tasks.numbers_match(None, "18")
+    assert gsm8k.extract_number("so 3 + 2 = 5 apples. The answer is 5.") == "5"
+    assert gsm8k.extract_number("The answer is $1,205.") == "1205"
+    assert gsm8k.extract_number("the answer is: -3.5 degrees") == "-3.5"
+    assert gsm8k.extract_number("first 12, then 7 and finally 1,000.") == "1000"  # last number
+    assert gsm8k.extract_number("The answer is 4. Then 9") == "4"  # the stated answer beats the last number
+    assert gsm8k.extract_number("no digits here") is None
+    assert gsm8k.numbers_match("18.00", "18") and gsm8k.numbers_match("1205", "1,205")
+    assert not gsm8k.numbers_match("17", "18") and not gsm8k.numbers_match(None, "18")
     text = " 5 apples.\n\nQuestion: next\nAnswer: 6"
-    assert tasks.cut_at_stops(text) == " 5 apples."
-    assert tasks.cut_at_stops("a Question: b\n\n\nc") == "a "
-    assert tasks.cut_at_stops("x\n\n\ny Question:") == "x"
-    assert tasks.cut_at_stops("no stop") == "no stop"
+    assert gsm8k.cut_at_stops(text) == " 5 apples."
+    assert gsm8k.cut_at_stops("a Question: b\n\n\nc") == "a "
+    assert gsm8k.cut_at_stops("x\n\n\ny Question:") == "x"
+    assert gsm8k.cut_at_stops("no stop") == "no stop"
 
 
 def test_squad_normalization_and_exact_match():
-    assert tasks.normalize_answer("The  Beatles!") == "beatles"
-    assert tasks.normalize_answer("An apple, a day.") == "apple day"
-    assert tasks.normalize_answer("Theatre") == "theatre"  # articles only as whole words
-    assert tasks.exact_match("the Beatles.", ["Beatles"])
-    assert tasks.exact_match("8", ["eight", "8"])
-    assert not tasks.exact_match("Beatles band", ["The Beatles"])
+    assert nq_open.normalize_answer("The  Beatles!") == "beatles"
+    assert nq_open.normalize_answer("An apple, a day.") == "apple day"
+    assert nq_open.normalize_answer("Theatre") == "theatre"  # articles only as whole words
+    assert nq_open.exact_match("the Beatles.", ["Beatles"])
+    assert nq_open.exact_match("8", ["eight", "8"])
+    assert not nq_open.exact_match("Beatles band", ["The Beatles"])
 
 
 def test_mc1_and_mc2_by_hand():
     scores = [math.log(0.5), math.log(0.2), math.log(0.3)]
-    assert tasks.mc2_score(scores, (1, 0, 1)) == pytest.approx(0.8)
+    assert truthfulqa.mc2_score(scores, (1, 0, 1)) == pytest.approx(0.8)
     # unnormalised log-likelihoods: only their ratios matter
-    assert tasks.mc2_score([s - 40.0 for s in scores], (0, 1, 0)) == pytest.approx(0.2)
-    assert tasks.mc1_correct(scores, (1, 0, 0))
-    assert not tasks.mc1_correct(scores, (0, 0, 1))
-    assert not tasks.mc1_correct([-1.0, -1.0], (1, 0))  # a tie is not a win
+    assert truthfulqa.mc2_score([s - 40.0 for s in scores], (0, 1, 0)) == pytest.approx(0.2)
+    assert truthfulqa.mc1_correct(scores, (1, 0, 0))
+    assert not truthfulqa.mc1_correct(scores, (0, 0, 1))
+    assert not truthfulqa.mc1_correct([-1.0, -1.0], (1, 0))  # a tie is not a win
 
 
 def test_log_softmax_at():
     logits = np.array([[0.0, math.log(3.0)], [5.0, 5.0]])
-    np.testing.assert_allclose(tasks.log_softmax_at(logits, [0, 1], [1, 0]), [math.log(0.75), math.log(0.5)])
+    np.testing.assert_allclose(common.log_softmax_at(logits, [0, 1], [1, 0]), [math.log(0.75), math.log(0.5)])
 
 
 # ------------------------------------------------------------------------------------------- prompts
 def test_prompt_formats():
-    row = tasks.MultipleChoice("high_school_physics", "What is g?", ("1", "9.8", "3", "4"), 1)
-    shot = tasks.MultipleChoice("high_school_physics", "Unit of force?", ("N", "J", "W", "Pa"), 0)
-    assert tasks.mmlu_prompt(row, [shot]) == (
+    row = mmlu.MultipleChoice("high_school_physics", "What is g?", ("1", "9.8", "3", "4"), 1)
+    shot = mmlu.MultipleChoice("high_school_physics", "Unit of force?", ("N", "J", "W", "Pa"), 0)
+    assert mmlu.mmlu_prompt(row, [shot]) == (
         "The following are multiple choice questions (with answers) about high school physics.\n\n"
         "Unit of force?\nA. N\nB. J\nC. W\nD. Pa\nAnswer: A\n\n"
         "What is g?\nA. 1\nB. 9.8\nC. 3\nD. 4\nAnswer:")
-    train = tasks.read_jsonl(os.path.join(FIXTURES, "gsm8k", "train.jsonl"), tasks._math_problem)
-    assert tasks.gsm8k_exemplar(train[1]) == (
+    train = common.read_jsonl(os.path.join(FIXTURES, "gsm8k", "train.jsonl"), gsm8k._math_problem)
+    assert gsm8k.gsm8k_exemplar(train[1]) == (
         "Question: A box holds 3 rows of 4 eggs. How many eggs are in the box?\n"
         "Answer: There are 3 rows.\nEach row has 4 eggs, so 3 * 4 = 12 eggs. The answer is 12.\n\n")
-    q = tasks.MathProblem("How many?", "#### 2", "2")
-    assert tasks.gsm8k_prompt(q, train[:1]) == tasks.gsm8k_exemplar(train[0]) + "Question: How many?\nAnswer:"
-    assert tasks.truthfulqa_prompt(tasks.TruthfulQuestion("Is it?", ("a",), (1,), ("a",), (1,))) == "Q: Is it?\nA:"
-    nq = [tasks.OpenQuestion("who wrote hamlet", ("Shakespeare",)), tasks.OpenQuestion("what is 2+2?", ("4",))]
-    assert tasks.nq_prompt(nq[1], nq[:1]) == "Q: who wrote hamlet?\nA: Shakespeare\n\nQ: what is 2+2?\nA:"
+    q = gsm8k.MathProblem("How many?", "#### 2", "2")
+    assert gsm8k.gsm8k_prompt(q, train[:1]) == gsm8k.gsm8k_exemplar(train[0]) + "Question: How many?\nAnswer:"
+    assert truthfulqa.truthfulqa_prompt(truthfulqa.TruthfulQuestion("Is it?", ("a",), (1,), ("a",), (1,))) == "Q: Is it?\nA:"
+    nq = [nq_open.OpenQuestion("who wrote hamlet", ("Shakespeare",)), nq_open.OpenQuestion("what is 2+2?", ("4",))]
+    assert nq_open.nq_prompt(nq[1], nq[:1]) == "Q: who wrote hamlet?\nA: Shakespeare\n\nQ: what is 2+2?\nA:"
 
 
 def test_continuation_tokens_follow_running_text():
-    enc = tasks.Encoder(FakeModel(tokenizer=FakeTokenizer(r"[^\s]+|\s")))
+    enc = common.Encoder(FakeModel(tokenizer=FakeTokenizer(r"[^\s]+|\s")))
     # " A" after "Answer:" is two pieces here: " " and "A"
     assert [enc.tok.pieces[i] for i in enc.continuation("Answer:", " A")] == [" ", "A"]
     assert enc.prompt("x y")[0] == 0
@@ -375,9 +376,9 @@ def test_mmlu_letter_scoring_by_hand():
     forwards = [c for c in model.calls if c[0] == "forward"]
     assert len(forwards) == 6
     first = tasks.load_task("mmlu", os.path.join(FIXTURES, "mmlu"))
-    expected = model.tokenizer.encode(tasks.mmlu_prompt(first.examples[0], first.shots["abstract_algebra"][:2]))
+    expected = model.tokenizer.encode(mmlu.mmlu_prompt(first.examples[0], first.shots["abstract_algebra"][:2]))
     assert forwards[0][1][: len(expected)] == expected and len(forwards[0][1]) % 64 == 0
-    assert res["tokens"] == sum(len(model.tokenizer.encode(tasks.mmlu_prompt(r, first.shots[r.subject][:2])))
+    assert res["tokens"] == sum(len(model.tokenizer.encode(mmlu.mmlu_prompt(r, first.shots[r.subject][:2])))
                                 for r in first.examples)
 
 
@@ -448,9 +449,9 @@ def test_gsm8k_generation_extraction_and_samples():
     assert res["samples"][0]["generation"] == " 3 + 2 = 5 apples. The answer is 5."
     assert res["samples"][1]["gold"] == "1205" and res["max_new_tokens"] == 256
     name, ids, kw = model.calls[0]
-    train = tasks.read_jsonl(os.path.join(FIXTURES, "gsm8k", "train.jsonl"), tasks._math_problem)
-    test = tasks.read_jsonl(os.path.join(FIXTURES, "gsm8k", "test.jsonl"), tasks._math_problem)
-    assert name == "generate" and ids == model.tokenizer.encode(tasks.gsm8k_prompt(test[0], train))
+    train = common.read_jsonl(os.path.join(FIXTURES, "gsm8k", "train.jsonl"), gsm8k._math_problem)
+    test = common.read_jsonl(os.path.join(FIXTURES, "gsm8k", "test.jsonl"), gsm8k._math_problem)
+    assert name == "generate" and ids == model.tokenizer.encode(gsm8k.gsm8k_prompt(test[0], train))
     assert kw["max_new_tokens"] == 256 and kw["chunk"] == 4  # options passed through
     assert "prefill_routing" not in kw and kw["state"] is None  # no cache: plain generation
 
@@ -475,24 +476,24 @@ def test_prompts_drop_shots_then_truncate_from_the_left_to_fit_the_context():
     data = tasks.load_task("mmlu", os.path.join(FIXTURES, "mmlu"))
     row, pool = data.examples[0], data.shots["abstract_algebra"]
     tok = FakeTokenizer()
-    one_shot = tok.encode(tasks.mmlu_prompt(row, pool[:1]))
-    two_shot = tok.encode(tasks.mmlu_prompt(row, pool[:2]))
+    one_shot = tok.encode(mmlu.mmlu_prompt(row, pool[:1]))
+    two_shot = tok.encode(mmlu.mmlu_prompt(row, pool[:2]))
     assert len(one_shot) < len(two_shot)
     model = FakeModel(_mmlu_scores, context=len(one_shot), tokenizer=tok)
     res = tasks.evaluate_task(model, "mmlu", os.path.join(FIXTURES, "mmlu"), shots=2, limit=1)
     assert res["shortened"] == 1 and res["truncated"] == 0 and res["mean_shots"] == 1.0
     assert model.calls[0][1] == one_shot and res["accuracy"] == 1.0
 
-    zero_shot = tok.encode(tasks.mmlu_prompt(row, []))
+    zero_shot = tok.encode(mmlu.mmlu_prompt(row, []))
     model = FakeModel(_mmlu_scores, context=10, tokenizer=tok)
     res = tasks.evaluate_task(model, "mmlu", os.path.join(FIXTURES, "mmlu"), shots=2, limit=1)
     assert res["shortened"] == 1 and res["truncated"] == 1 and res["mean_shots"] == 0.0
     assert model.calls[0][1] == [0] + zero_shot[-9:]  # BOS kept, the start of the prompt cut
 
     # generation leaves room for max_new_tokens
-    test = tasks.read_jsonl(os.path.join(FIXTURES, "gsm8k", "test.jsonl"), tasks._math_problem)
-    train = tasks.read_jsonl(os.path.join(FIXTURES, "gsm8k", "train.jsonl"), tasks._math_problem)
-    one = len(tok.encode(tasks.gsm8k_prompt(test[0], train[:1])))
+    test = common.read_jsonl(os.path.join(FIXTURES, "gsm8k", "test.jsonl"), gsm8k._math_problem)
+    train = common.read_jsonl(os.path.join(FIXTURES, "gsm8k", "train.jsonl"), gsm8k._math_problem)
+    one = len(tok.encode(gsm8k.gsm8k_prompt(test[0], train[:1])))
     model = FakeModel(reply=_gsm8k_reply, context=one + 20, tokenizer=tok)
     res = tasks.evaluate_task(model, "gsm8k", os.path.join(FIXTURES, "gsm8k"), limit=1, max_new_tokens=20)
     assert res["shortened"] == 1 and res["mean_shots"] == 1.0 and len(model.calls[0][1]) == one
@@ -527,22 +528,22 @@ def test_cache_state_is_carried_through_every_call_in_order(fake_summary):
 
 
 def test_program_budget_clears_compiled_programs_before_the_maps_run_out(monkeypatch):
-    real_regions = tasks._mapped_regions()
+    real_regions = common._mapped_regions()
     assert real_regions is None or real_regions > 0
     cleared = []
     monkeypatch.setattr(jax, "clear_caches", lambda: cleared.append(1))
-    monkeypatch.setattr(tasks, "_mapped_regions", lambda: 100)
-    budget = tasks.ProgramBudget(budget=150)
+    monkeypatch.setattr(common, "_mapped_regions", lambda: 100)
+    budget = common.ProgramBudget(budget=150)
     budget.before(("forward", 10))
     budget.before(("forward", 11))
     assert cleared == []
-    monkeypatch.setattr(tasks, "_mapped_regions", lambda: 200)
+    monkeypatch.setattr(common, "_mapped_regions", lambda: 200)
     budget.before(("forward", 11))  # a shape already compiled: nothing to make room for
     assert cleared == []
     budget.before(("forward", 12))
     assert len(cleared) == 1 and budget.shapes == {("forward", 12)} and budget.clears == 1
-    monkeypatch.setattr(tasks, "_mapped_regions", lambda: None)  # no /proc: count shapes instead
-    budget = tasks.ProgramBudget(budget=150, fallback_shapes=2)
+    monkeypatch.setattr(common, "_mapped_regions", lambda: None)  # no /proc: count shapes instead
+    budget = common.ProgramBudget(budget=150, fallback_shapes=2)
     for n in range(3):
         budget.before(("generate", n, 16))
     assert len(cleared) == 2 and budget.clears == 1
@@ -583,12 +584,12 @@ def test_default_model_mmlu_original_routing_with_cache_equals_no_cache(default_
     # differences flip near-tied top-k choices (measured on this model: logits up to 0.07 apart below 64
     # tokens and 1.7 at 1,000, argmax agreement >= 98 %; bench/RESULTS.md). That the padding itself never
     # reaches the real tokens is checked in float32 in test_default_model.
-    ids = tasks.Encoder(m).prompt(prompts[0])
-    padded = np.zeros(tasks.padded_length(len(ids), m.cfg.max_position_embeddings, m.cfg.rope_long_after), int)
+    ids = common.Encoder(m).prompt(prompts[0])
+    padded = np.zeros(common.padded_length(len(ids), m.cfg.max_position_embeddings, m.cfg.rope_long_after), int)
     padded[: len(ids)] = ids
-    np.testing.assert_array_equal(tasks.Stream(m).logits(ids), m.forward(padded).logits[: len(ids)])
+    np.testing.assert_array_equal(common.Stream(m).logits(ids), m.forward(padded).logits[: len(ids)])
     unpadded = m.forward(ids).logits
-    assert np.mean(tasks.Stream(m).logits(ids).argmax(-1) == unpadded.argmax(-1)) >= 0.9
+    assert np.mean(common.Stream(m).logits(ids).argmax(-1) == unpadded.argmax(-1)) >= 0.9
 
 
 def test_default_model_gsm8k_generation_carries_the_cache_like_chained_generate_calls(default_model, tmp_path):
@@ -598,13 +599,13 @@ def test_default_model_gsm8k_generation_carries_the_cache_like_chained_generate_
     routing, cache = "cache-prior", simulate.CacheConfig(size="0.5")
     res, state = tasks.evaluate_task(m, "gsm8k", str(tmp_path), shots=0, max_new_tokens=3, routing=routing,
                                      cache=cache, return_state=True)
-    ids = tasks.Encoder(m).prompt("Question: Tom has 3 apples and buys 2 more. How many apples does he have?"
+    ids = common.Encoder(m).prompt("Question: Tom has 3 apples and buys 2 more. How many apples does he have?"
                                   "\nAnswer:")
-    chained = tasks.own_state(m.router_state(routing, cache))  # committed, as evaluate_task carries it
+    chained = common.own_state(m.router_state(routing, cache))  # committed, as evaluate_task carries it
     generated = []
     for _ in range(2):
         out = m.generate(ids, max_new_tokens=3, state=chained, prefill_routing="original", bucketed=True,
-                         stop=tasks.GSM8K_STOPS)
+                         stop=gsm8k.GSM8K_STOPS)
         chained = out.router_state
         generated.append(len(out.token_ids))
     assert simulate.summarize(chained, m.params, m.cfg) == res["cache"]

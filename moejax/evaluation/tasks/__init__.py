@@ -1,0 +1,229 @@
+"""Downstream tasks: MMLU, GSM8K, TruthfulQA (MC1/MC2) and NaturalQuestions-open, with any routing policy
+and expert cache.
+
+    from moejax.evaluation import tasks
+    from moejax.runtime import simulate
+    res = tasks.evaluate_task(model, "mmlu", limit=100, routing="cache-prior",
+                              cache=simulate.CacheConfig(size="0.5"))
+    res["accuracy"], res["miss_rate"]
+
+Every prompt is plain text with the model's BOS token (``cfg.bos_token_id``, when it has one) in front.
+A continuation is tokenised the way lm-evaluation-harness does it: the tokens that ``context +
+continuation`` has beyond ``context``. Its score is the sum of its tokens' log-probabilities from one
+teacher-forced forward over ``context + continuation[:-1]``.
+
+- ``mmlu`` (Hendrycks et al.; paper §4: 5-shot): shots are the first ``shots`` rows of the subject's
+  ``dev`` file, prompt ``"The following are multiple choice questions (with answers) about {subject}.\\n\\n"``
+  + per shot ``"{question}\\nA. ..\\nB. ..\\nC. ..\\nD. ..\\nAnswer: X\\n\\n"`` + the question ending in
+  ``"Answer:"``. The prediction is the letter whose continuation (" A" .. " D") has the highest
+  log-likelihood: one forward over the prompt when every letter is one token (reading the last position),
+  one forward per letter otherwise. Reports micro ``accuracy``, per-subject accuracies and their mean.
+  Order (what ``limit`` takes first): subjects round-robin in sorted name order, rows in file order.
+- ``gsm8k`` (paper §4: 8-shot chain of thought, policy during generation only): exemplars are the first
+  ``shots`` rows of ``train.jsonl`` as ``"Question: {q}\\nAnswer: {reasoning} The answer is N.\\n\\n"``
+  (the ``#### N`` line becomes the last sentence, ``<<...>>`` calculator notes are removed); the test
+  question ends in ``"Answer:"``. Greedy generation of ``max_new_tokens`` (256); with a cache the prompt
+  is routed with the original policy (``prefill_routing="original"``) and the policy acts on the
+  generated tokens, both sharing one cache. The text is cut at the first "\\n\\nQuestion:", "Question:"
+  or "\\n\\n\\n"; the answer is the number after "The answer is", else the last number; exact numeric
+  match against the number after ``####``. Order: ``test.jsonl`` file order.
+- ``truthfulqa`` (Lin et al., MC1/MC2 of ``mc_task.json``): 0-shot prompt ``"Q: {question}\\nA:"``, each
+  choice scored as the continuation ``" {choice}"``. MC1 = the true answer scores strictly above every
+  false one (ties are wrong, as in the TruthfulQA reference code); MC2 = probability mass of the true
+  answers normalised over all MC2 choices. ``accuracy`` = MC1. Each distinct choice string of a question
+  is scored once (MC1 choices first, then the MC2-only ones); with a cache every scored continuation is a
+  forward that moves the cache, in that order. Order: file order.
+- ``nq_open`` (Lee et al.; exact match): prompt ``"Q: {question}?\\nA:"``, ``shots`` (default 0)
+  exemplars ``"Q: {question}?\\nA: {first answer}\\n\\n"`` taken from the first rows of the same file and
+  excluded from scoring (so scoring starts at row ``shots + 1``); greedy generation of 16 tokens cut at
+  the first newline; exact match after SQuAD normalisation (lower case, no punctuation, no articles,
+  single spaces) against any gold answer.
+
+Generated text is decoded as ``generate`` shows it (WikiText spacing undone for wikitext-style models such
+as the default one) before answers are extracted. Prompts are the standard ones, not WikiText-spaced.
+
+Context: a prompt must leave room in ``cfg.max_position_embeddings`` for the scored continuation (minus
+its last token) or for ``max_new_tokens``. When it does not, shots are dropped from the end (counted in
+``shortened``); when even the 0-shot prompt does not fit it is cut from the left, BOS kept (``truncated``).
+
+Expert cache: with ``routing``, ``cache`` or ``state`` one cache state stream runs through every forward
+and generation of the evaluation in the order above (as ``perplexity.wikitext_perplexity`` carries it across
+chunks) and the result gains ``miss_rate``, ``lifetime``, ``lifetime_std``, ``bytes_per_token`` and
+``cache`` (``simulate.summarize``). Note: generation ends at the chunk of 16 decode steps in which a stop string
+appears (GSM8K: the next question; NQ-open: a newline), so the cache sees at most 15 tokens past it; it is
+bucketed (``decode.generate(bucketed=True)``: a bounded set of compiled programs for all prompt lengths).
+
+The ``state`` given is copied, never changed (``Model.generate`` donates the arrays it gets); the final
+state comes back with ``return_state=True``. ``seconds_per_example`` includes XLA compilation.
+
+Batch 1 throughout. Without a cache (and without extra ``options``) the scoring forwards are right-padded
+to a multiple of 64 tokens so XLA compiles a handful of shapes (causal attention and per-token routing
+leave earlier positions unchanged); with a cache nothing is padded (padding tokens would be routed and
+move the cache), so each distinct prompt length compiles once; before the compiled programs exhaust the
+process's memory maps (XLA:CPU) they are dropped (``ProgramBudget``; ``compile_cache_clears`` counts it).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import Any
+
+from moejax.base import paths
+from moejax.runtime import simulate as sim
+from moejax.evaluation.tasks.common import Encoder, Stream, TaskData, _file_in, _progress, read_jsonl
+from moejax.evaluation.tasks.gsm8k import _math_problem, run_gsm8k
+from moejax.evaluation.tasks.mmlu import _multiple_choice, interleave_subjects, load_mmlu_files, run_mmlu
+from moejax.evaluation.tasks.nq_open import _open_question, run_nq_open
+from moejax.evaluation.tasks.truthfulqa import _truthful_question, read_truthfulqa, run_truthfulqa
+
+TASKS = ("mmlu", "gsm8k", "truthfulqa", "nq_open")
+
+
+DEFAULT_DATA = {task: os.path.join(paths.SHARED_DATA, task) for task in TASKS}
+
+
+DEFAULT_FILES = {"gsm8k": "test.jsonl", "truthfulqa": "mc_task.json", "nq_open": "NQ-open.dev.jsonl"}
+
+
+DEFAULT_SHOTS = {"mmlu": 5, "gsm8k": 8, "truthfulqa": 0, "nq_open": 0}
+
+
+DEFAULT_MAX_NEW_TOKENS = {"gsm8k": 256, "nq_open": 16}
+
+
+def load_task_files(task: str, path: str, shots: int) -> TaskData:
+    """Read ``task``'s examples (and few-shot pool) from a local file or folder."""
+    if task == "mmlu":
+        return load_mmlu_files(path)
+    file = _file_in(path, DEFAULT_FILES[task])
+    if not os.path.isfile(file):
+        raise FileNotFoundError(f"{task} data file {file} does not exist")
+    if task == "truthfulqa":
+        return TaskData(read_truthfulqa(file), [], [file])
+    if task == "nq_open":
+        rows = read_jsonl(file, _open_question)
+        return TaskData(rows[shots:], rows[:shots], [file])
+    train = os.path.join(os.path.dirname(file), "train.jsonl")
+    pool: list = []
+    if shots:
+        if not os.path.isfile(train):
+            raise FileNotFoundError(f"gsm8k few-shot exemplars: {train} does not exist (pass shots=0 or add it)")
+        pool = read_jsonl(train, _math_problem, n=shots)
+    return TaskData(read_jsonl(file, _math_problem), pool, [file] + ([train] if shots else []))
+
+
+HF_SOURCES = {  # task -> (dataset name, config, splits)
+    "mmlu": ("cais/mmlu", "all", ("test", "dev")),
+    "gsm8k": ("gsm8k", "main", ("test", "train")),
+    "truthfulqa": ("truthful_qa", "multiple_choice", ("validation",)),
+    "nq_open": ("nq_open", None, ("validation",)),
+}
+
+
+def fetch_hf(task: str) -> dict[str, list]:
+    """The task's splits from Hugging Face ``datasets`` (network needed): {split: [row dict]}."""
+    import datasets
+
+    name, config, splits = HF_SOURCES[task]
+    args = (name, config) if config else (name,)
+    return {split: list(datasets.load_dataset(*args, split=split)) for split in splits}
+
+
+def parse_hf(task: str, rows: dict[str, list], shots: int) -> TaskData:
+    """HF rows validated like the local files (errors name ``hf:NAME[split] row N``)."""
+    name = HF_SOURCES[task][0]
+
+    def parsed(split, parse, n=None):
+        return [parse(r, f"hf:{name}[{split}] row {i}") for i, r in enumerate(rows[split][:n], 1)]
+
+    if task == "mmlu":
+        parts = {}
+        for split in ("test", "dev"):
+            grouped: dict[str, list] = {}
+            for row in parsed(split, lambda r, where: _multiple_choice(
+                    str(r.get("subject", "")), [r.get("question", "")] + list(r.get("choices", []))
+                    + [r.get("answer", "")], where)):
+                grouped.setdefault(row.subject, []).append(row)
+            parts[split] = grouped
+        return TaskData(interleave_subjects(parts["test"]), parts["dev"], [f"hf:{name}"])
+    if task == "gsm8k":
+        return TaskData(parsed("test", _math_problem), parsed("train", _math_problem, shots), [f"hf:{name}"])
+    if task == "truthfulqa":
+        return TaskData(parsed("validation", _truthful_question), [], [f"hf:{name}"])
+    questions = parsed("validation", _open_question)
+    return TaskData(questions[shots:], questions[:shots], [f"hf:{name}"])
+
+
+def load_task(task: str, data: str | None = None, shots: int = 0) -> TaskData:
+    """``data`` (file or folder), else the repository's ``../shared/data`` copy, else HF ``datasets``."""
+    if task not in TASKS:
+        raise ValueError(f"unknown task {task!r}; expected one of {TASKS}")
+    if data is not None:
+        if not os.path.exists(data):
+            raise FileNotFoundError(f"{task} data {data} does not exist")
+        return load_task_files(task, data, shots)
+    path = DEFAULT_DATA[task]
+    if os.path.exists(path):
+        return load_task_files(task, path, shots)
+    try:  # the usual recipe, where the network is there
+        rows = fetch_hf(task)
+    except Exception as e:  # noqa: BLE001 - report the real cause with the local path we looked for
+        name, config, _ = HF_SOURCES[task]
+        raise FileNotFoundError(f"no {task} data at {path} and the HF datasets copy ({name} {config or ''}) failed "
+                                f"({type(e).__name__}: {e}); pass data=PATH") from e
+    return parse_hf(task, rows, shots)
+
+
+def evaluate_task(model, task: str, data: str | None = None, *, limit: int | None = None, routing=None,
+                  cache=None, state=None, shots: int | None = None, max_new_tokens: int | None = None,
+                  progress: bool = False, return_state: bool = False, **options) -> dict:
+    """Accuracy of ``model`` on ``task`` (see the module docstring for each task's protocol).
+
+    ``data``: a file or folder (default: ``../shared/data/{task}``, else HF ``datasets``); ``limit``: score
+    the first N examples; ``shots`` / ``max_new_tokens``: override the task's defaults (``max_new_tokens``
+    only matters for gsm8k and nq_open); ``routing`` / ``cache`` / ``state``: simulate the expert cache, one
+    state carried through the whole evaluation (``return_state=True`` returns ``(result, final_state)``);
+    ``options`` go unchanged to every ``model.forward`` / ``model.generate`` call."""
+    if task not in TASKS:
+        raise ValueError(f"unknown task {task!r}; expected one of {TASKS}")
+    shots = DEFAULT_SHOTS[task] if shots is None else int(shots)
+    if shots < 0:
+        raise ValueError(f"shots must be >= 0, got {shots}")
+    if task == "truthfulqa" and shots:
+        raise ValueError(f"truthfulqa is evaluated 0-shot (MC1/MC2); got shots={shots}")
+    if limit is not None and limit < 1:
+        raise ValueError(f"limit must be at least 1, got {limit}")
+    max_new_tokens = DEFAULT_MAX_NEW_TOKENS.get(task, 0) if max_new_tokens is None else int(max_new_tokens)
+    enc = Encoder(model)
+    loaded = load_task(task, data, shots)
+    if not loaded.examples:
+        raise ValueError(f"no {task} examples to score in {', '.join(loaded.files)}")
+    if limit is not None:
+        loaded.examples = loaded.examples[:limit]
+    stream = Stream(model, routing, cache, state, options)
+    update, close = _progress(len(loaded.examples), task, progress)
+    t0 = time.perf_counter()
+    try:
+        if task == "mmlu":
+            res = run_mmlu(stream, enc, loaded, shots, update)
+        elif task == "gsm8k":
+            res = run_gsm8k(stream, enc, loaded, shots, max_new_tokens, update)
+        elif task == "truthfulqa":
+            res = run_truthfulqa(stream, enc, loaded, update)
+        else:
+            res = run_nq_open(stream, enc, loaded, shots, max_new_tokens, update)
+    finally:
+        close()
+    seconds = time.perf_counter() - t0
+    result: dict[str, Any] = {"task": task, "examples": res.pop("examples"), "accuracy": res.pop("accuracy"),
+                              "shots": shots, "data": loaded.files, **res, "tokens": stream.tokens,
+                              "compile_cache_clears": stream.programs.clears, "seconds": seconds,
+                              "seconds_per_example": seconds / len(loaded.examples)}
+    if stream.simulate:
+
+        stats = sim.summarize(stream.state, model.params, model.cfg)
+        result.update(miss_rate=stats["miss_rate"], lifetime=stats["lifetime_mean"],
+                      lifetime_std=stats["lifetime_std"], bytes_per_token=stats.get("bytes_per_token"),
+                      cache=stats)
+    return (result, stream.state) if return_state else result
