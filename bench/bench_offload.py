@@ -34,6 +34,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import moejax  # noqa: E402
 from moejax.experts import routing
+from moejax.runtime import expert_store
 from moejax.runtime import offload  # noqa: E402
 from moejax.runtime.simulate import CacheConfig  # noqa: E402
 
@@ -115,7 +116,7 @@ def cpu_suite(args) -> dict:
 def measure_device_put(shapes: dict[str, tuple], dtype, repeat: int = 20) -> dict:
     """Pinned host → device bandwidth (GB/s, median) for each named list of array shapes."""
     dev = jax.devices()[0]
-    host = offload._host_sharding(dev)
+    host = expert_store._host_sharding(dev)
     target = jax.sharding.SingleDeviceSharding(dev, memory_kind="device") if host is not None else dev
     out = {}
     for name, shape_list in shapes.items():

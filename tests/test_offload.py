@@ -23,7 +23,7 @@ from conftest import get_moejax_model
 from moejax.models import layout, weights
 from moejax.models.gating import SoftmaxTopK
 from moejax.experts import cache as cache_lib, router
-from moejax.runtime import offload, simulate
+from moejax.runtime import expert_store, offload, simulate
 from moejax.runtime.simulate import CacheConfig
 
 PROMPT = np.array([5, 17, 33, 8, 61, 2, 44, 90], np.int32)
@@ -105,7 +105,7 @@ def test_slots_always_hold_what_the_cache_state_names():
                 for k in ("gate", "up", "down"):
                     np.testing.assert_array_equal(
                         layout.CanonicalExpertView(buf, k).read_expert(int(slot[layer, expert])),
-                        weights.expert_matrix(offload.expert_stacks(m.params["layers"][moe_ids[layer]]["moe"])[k],
+                        weights.expert_matrix(expert_store.expert_stacks(m.params["layers"][moe_ids[layer]]["moe"])[k],
                                               int(expert)))
 
 
@@ -132,15 +132,15 @@ def test_store_dir_never_overwrites_user_data_and_temp_store_is_removed(tmp_path
     precious = tmp_path / "experts.safetensors"
     precious.write_bytes(b"not an expert store")
     with pytest.raises(FileExistsError, match="not a moejax expert store"):
-        offload.ExpertStore(m.params, m.cfg, "flash", store_dir=str(tmp_path))
+        expert_store.ExpertStore(m.params, m.cfg, "flash", store_dir=str(tmp_path))
     assert precious.read_bytes() == b"not an expert store"
     ours = tmp_path / "ours"
-    offload.ExpertStore(m.params, m.cfg, "flash", store_dir=str(ours))
-    offload.ExpertStore(m.params, m.cfg, "flash", store_dir=str(ours))  # an earlier store: replaced
+    expert_store.ExpertStore(m.params, m.cfg, "flash", store_dir=str(ours))
+    expert_store.ExpertStore(m.params, m.cfg, "flash", store_dir=str(ours))  # an earlier store: replaced
     assert sorted(os.listdir(ours)) == ["experts.safetensors"]
     tmp = tmp_path / "tmp"
     tmp.mkdir()
-    store = offload.ExpertStore(m.params, m.cfg, "flash")
+    store = expert_store.ExpertStore(m.params, m.cfg, "flash")
     folder = store._tmp
     assert os.path.isfile(os.path.join(folder, "experts.safetensors"))
     del store

@@ -1,0 +1,282 @@
+"""Where offloaded experts live and how a page lands in a device slot.
+
+``ExpertStore`` holds every routed expert off the device, one array per (layer, expert, matrix): in host
+memory (``pinned_host`` where the backend has it, read once from the checkpoint) or on "flash" — the
+checkpoint's own files through their memory map (no copy, no temporary file; a model loaded whole gets a
+temporary file, removed on exit). The device slots are what the cache state names: an ``ExpertList`` of C
+buffers per MoE layer (or one pool) in the stored dtype or int8, or stacked buffers for in-jit paging; a page
+is written into its slot's buffer (donated: paging does not grow the heap). ``offload`` drives the paging.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import shutil
+import weakref
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from moejax.base import tempfiles
+from moejax.models import layout, quant, safetensors_io, weights
+from moejax.models.config import ModelConfig
+from moejax.experts import cache as cache_lib
+
+STORES = ("host", "flash")
+
+
+EXPERT_KEYS = ("gate", "up", "down")
+
+
+def _host_sharding(device):
+    """``pinned_host`` memory of ``device`` where the backend has it, else None (plain host numpy)."""
+    try:
+        kinds = {m.kind for m in device.addressable_memories()}
+    except Exception:  # noqa: BLE001 - older runtimes without memories
+        return None
+    if "pinned_host" not in kinds:
+        return None
+    return jax.sharding.SingleDeviceSharding(device, memory_kind="pinned_host")
+
+
+STORE_FORMAT = "moejax-experts"  # the flash tier's file says so in its safetensors metadata
+
+
+def check_store_file(path: str) -> None:
+    """Refuse to replace a file that is not an earlier flash store (``--store-dir`` pointing at user data)."""
+    if not os.path.lexists(path):
+        return
+    try:
+        ours = safetensors_io.SafetensorsFile(path).metadata.get("format") == STORE_FORMAT
+    except Exception:  # unreadable, not safetensors: certainly not ours
+        ours = False
+    if not ours or not os.path.isfile(path) or os.path.islink(path):
+        raise FileExistsError(f"{path} exists and is not a moejax expert store: refusing to overwrite it "
+                              "(choose another --store-dir)")
+
+
+class ExpertStore:
+    """Every routed expert of every MoE layer, off the device, one array per (layer, expert, matrix)
+    so one expert pages with one ``device_put`` per matrix; optional int8/int4 copies (cascade)."""
+
+    def __init__(self, params: dict, cfg: ModelConfig, store: str = "host", bits: tuple = (),
+                 group_size: int | None = None, store_dir: str | None = None, device=None):
+        self.cfg, self.store = cfg, store
+        self.device = device or jax.devices()[0]
+        self.host_sharding = _host_sharding(self.device) if store == "host" else None
+        # where pages go: the device's own memory (a plain device works where memory kinds do not exist)
+        self.target = (jax.sharding.SingleDeviceSharding(self.device, memory_kind="device")
+                       if _host_sharding(self.device) is not None else self.device)
+        self.moe_ids = [i for i in range(cfg.num_layers) if cfg.moe_layers[i]]
+        self.dtype = params["embed"].dtype
+        self._tmp = None
+        self._stacks = None  # the checkpoint's expert stacks, when pages come straight from its files
+        self.flip: tuple[str, ...] = ()  # matrices stored transposed (HF [out, in]): flipped on the device
+        layers = [expert_stacks(params["layers"][i]["moe"]) for i in self.moe_ids]
+        lazy = all(isinstance(x, weights.ExpertStack) for layer in layers for x in layer.values())
+        n = cfg.n_experts
+        if lazy and store == "flash":  # the checkpoint's own files are the flash tier: no copy, no file
+            self._stacks = layers
+            for file in {f for layer in layers for x in layer.values() for f, _ in x.parts}:
+                file.read_exactly()  # a page reads its expert's bytes (prefetched in get), no readahead
+            self.flip = tuple(k for k in EXPERT_KEYS if layers[0][k].transposed)
+            self.full = [{k: [layer[k].stored(e) for e in range(n)] for k in EXPERT_KEYS} for layer in layers]
+            self.expert_bytes = sum(layers[0][k].stored_expert_nbytes for k in EXPERT_KEYS)
+        elif lazy:  # host memory, read once from the files, one expert at a time
+            self.full = [{k: [self._place(layer[k].read_expert(e)) for e in range(n)] for k in EXPERT_KEYS}
+                         for layer in layers]
+            self.expert_bytes = sum(self.full[0][k][0].nbytes for k in EXPERT_KEYS)
+        else:  # arrays of a model loaded whole
+            full = [{k: weights.to_host(layer[k]) for k in EXPERT_KEYS} for layer in layers]
+            self.expert_bytes = sum(full[0][k][0].nbytes for k in EXPERT_KEYS)
+            if store == "flash":
+                full = self._to_flash(full, store_dir)
+            self.full = [{k: [self._place(layer[k][e]) for e in range(n)] for k in EXPERT_KEYS} for layer in full]
+        self.low: dict[int, list] = {}
+        self.low_bytes: dict[int, int] = {}
+        for b in bits:
+            low_layers = []
+            for layer in layers:  # a lazy layer is read whole for quantising, then dropped
+                q = quant.quantize_experts(weights.place(layer), b, group_size)
+                low_layers.append({k: [jax.tree.map(self._place, quant.take(q[k], e)) for e in range(n)]
+                                   for k in EXPERT_KEYS})
+                self.low_bytes[b] = quant.expert_nbytes({k: q[k] for k in EXPERT_KEYS})
+            self.low[b] = low_layers
+
+    @property
+    def pages_from_files(self) -> bool:
+        return self._stacks is not None
+
+    def release(self, moe_index: int, expert: int) -> None:
+        """After a page from the checkpoint's files is on the device: drop its mapped pages from this
+        process (they stay in the page cache), so paging never grows the resident set."""
+        if self._stacks is not None:
+            for k in EXPERT_KEYS:
+                self._stacks[moe_index][k].release(expert)
+
+    def _place(self, a):
+        if self.host_sharding is not None:
+            return jax.device_put(np.asarray(a), self.host_sharding)
+        return np.asarray(a)
+
+    def _to_flash(self, full: list, store_dir: str | None) -> list:
+        """A model loaded whole has no checkpoint file to page from: write its experts to one safetensors
+        file (``store_dir``, else a temporary folder removed at exit) and map it back."""
+        folder = store_dir or tempfiles.make_temp_dir("moejax-flash-")  # under MOEJAX_TMPDIR if set
+        self._tmp = None if store_dir else folder
+        if self._tmp:  # removed when the store is collected or the interpreter exits (normally or by an error)
+            self._cleanup = weakref.finalize(self, shutil.rmtree, folder, True)
+        os.makedirs(folder, exist_ok=True)
+        path = os.path.join(folder, "experts.safetensors")
+        check_store_file(path)
+        tensors = [(f"{j}.{k}", layer[k]) for j, layer in enumerate(full) for k in EXPERT_KEYS]
+        safetensors_io.write(path, tensors, {"format": STORE_FORMAT})  # atomic: tmp name, then rename
+        reader = safetensors_io.SafetensorsFile(path)
+        return [{k: reader.get(f"{j}.{k}") for k in EXPERT_KEYS} for j in range(len(full))]
+
+    @property
+    def nbytes(self) -> int:
+        return self.expert_bytes * self.cfg.n_experts * len(self.moe_ids)
+
+    def get(self, moe_index: int, expert: int, bits: int = 0) -> dict:
+        layers = self.full if bits == 0 else self.low[bits]
+        if bits == 0 and self._stacks is not None:
+            for k in EXPERT_KEYS:
+                file, view = self._stacks[moe_index][k].parts[expert]
+                file.prefetch(view)
+        return {k: layers[moe_index][k][expert] for k in EXPERT_KEYS}
+
+    def nbytes_of(self, bits: int) -> int:
+        return self.expert_bytes if bits == 0 else self.low_bytes[bits]
+
+
+def expert_stacks(moe: dict) -> dict:
+    """A MoE layer's routed experts as canonical ``gate``/``up``/``down`` stacks: the arrays, the stacks left
+    in the files, or canonical views of a serving-layout ``ExpertList`` (read one expert at a time)."""
+    if "experts" in moe:
+        return {k: layout.CanonicalExpertView(moe["experts"], k) for k in EXPERT_KEYS}
+    return {k: moe[k] for k in EXPERT_KEYS}
+
+
+def expert_store(params: dict, cfg: ModelConfig, store: str, store_dir: str | None = None, tiers: tuple = (),
+                 group_size: int | None = None, stores: dict | None = None) -> ExpertStore:
+    """The ``ExpertStore`` ("host" or "flash") for these settings, reused from ``stores`` (a model's own cache)
+    when there: a host store reads the experts once per model, not once per call."""
+    key = (store, store_dir, tiers, group_size, id(params))
+    if stores is not None and key in stores:
+        return stores[key]
+    store = ExpertStore(params, cfg, store, tiers, group_size, store_dir)
+    if stores is not None:
+        stores.clear()  # one store per model at a time: a second set of host copies would double memory
+        stores[key] = store
+    return store
+
+
+def split_params(params: dict, cfg: ModelConfig) -> dict:
+    """The parameters without the routed experts (what stays on the device)."""
+    layers = []
+    for i, lp in enumerate(params["layers"]):
+        if cfg.moe_layers[i]:
+            lp = {**lp, "moe": {k: v for k, v in lp["moe"].items() if k not in (*EXPERT_KEYS, "experts")}}
+        layers.append(lp)
+    return {**params, "layers": layers}
+
+
+def tree_nbytes(tree) -> int:
+    return int(sum(np.prod(a.shape, dtype=np.int64) * jnp.dtype(a.dtype).itemsize for a in jax.tree.leaves(tree)))
+
+
+def _zero_int8(rows: int, cols: int, dtype) -> quant.QuantizedTensor:
+    return quant.QuantizedTensor(q=jnp.zeros((rows, cols), jnp.int8), scale=jnp.zeros((rows, 1), jnp.float32),
+                                 bits=8, group_size=None, axis=-1, dtype=np.dtype(dtype))
+
+
+def init_slots(cfg: ModelConfig, cache_state: cache_lib.CacheState, dtype, stacked: bool = False,
+               int8: bool = False):
+    """Zeroed slot buffers, per MoE layer or one pool for a global cache: a ``layout.ExpertList`` of C slots
+    (one buffer per slot, what the host pager computes with: each expert read in place; ``int8``: each an
+    int8 ``quant.QuantizedTensor``, half the memory, filled by quantising the pages), or with ``stacked``
+    one ``[C, D, F]``/``[C, F, D]`` set (the in-jit pager writes into stacks)."""
+    cap = int(cache_state.capacity)
+    d, f = cfg.hidden_size, cfg.moe_intermediate_size
+    if int8:
+        one = lambda: layout.ExpertList(tuple(_zero_int8(2 * f, d, dtype) for _ in range(cap)),  # noqa: E731
+                                        tuple(_zero_int8(d, f, dtype) for _ in range(cap)))
+    elif stacked:
+        one = lambda: {"gate": jnp.zeros((cap, d, f), dtype), "up": jnp.zeros((cap, d, f), dtype),  # noqa: E731
+                       "down": jnp.zeros((cap, f, d), dtype)}
+    else:
+        one = lambda: layout.ExpertList(tuple(jnp.zeros((2 * f, d), dtype) for _ in range(cap)),  # noqa: E731
+                                        tuple(jnp.zeros((d, f), dtype) for _ in range(cap)))
+    return one() if cache_state.scope == "global" else [one() for _ in range(cfg.n_moe_layers)]
+
+
+def fill_slots(slots, store: ExpertStore, cache_state: cache_lib.CacheState):
+    """Load whatever the cache state says is resident (a random initial cache, a carried-over one)."""
+    slot = np.asarray(cache_state.slot)
+    for layer, expert in zip(*np.nonzero(slot >= 0)):
+        s = int(slot[layer, expert])
+        data = jax.device_put(store.get(int(layer), int(expert)), store.target)
+        if cache_state.scope == "global":
+            slots = write_slot(slots, data, s, store.flip)
+        else:
+            slots[layer] = write_slot(slots[layer], data, s, store.flip)
+        if store.pages_from_files:
+            jax.block_until_ready(slots)
+            store.release(int(layer), int(expert))
+    return slots
+
+
+def write_slot(buf, data: dict, s: int, flip: tuple[str, ...] = ()):
+    """Slot buffers with expert ``data`` (``gate``/``up``/``down`` on the device; ``flip``: matrices stored
+    transposed, i.e. Hugging Face's ``[out, in]``) in slot ``s``: a new buffer for that slot of an
+    ``ExpertList``, or written in place into stacked slots."""
+    if isinstance(buf, layout.ExpertList):
+        old = buf.expert(s)
+        if layout.is_int8(old[0]):
+            gate_up, down = _int8_expert(data, flip, np.dtype(old[0].dtype))
+        else:
+            gate_up, down = _serving_expert_into(*old, data, flip)
+        return buf.replace(s, gate_up, down)
+    return _write_stacked_slot(buf, data, jnp.int32(s), flip)
+
+
+@functools.partial(jax.jit, static_argnames=("flip",), donate_argnums=(0, 1))
+def _serving_expert_into(gate_up, down, data: dict, flip: tuple[str, ...]):
+    """One paged expert in the serving layout, ``(gate_up [2F, D], down [D, F])``, written into the slot's
+    own buffers (donated: a page allocates nothing that lasts, so paging does not grow the heap)."""
+    out_in = {k: (data[k] if k in flip else data[k].T).astype(gate_up.dtype) for k in EXPERT_KEYS}
+    return jnp.concatenate([out_in["gate"], out_in["up"]]), out_in["down"]
+
+
+def _int8_expert(data: dict, flip: tuple[str, ...], dtype):
+    """One paged expert quantised for int8 slots, ``(gate_up, down)`` as ``quant.QuantizedTensor``s: each matrix
+    in its own small program (rows are quantised independently; XLA:CPU runs the three reductions 3-4x
+    slower fused in one program: 12 vs 3.5 ms per page at Qwen1.5-MoE shapes)."""
+    q = {k: _quantized_out_in(data[k], k in flip, dtype) for k in EXPERT_KEYS}
+    return _stack_rows(q["gate"], q["up"]), q["down"]
+
+
+@functools.partial(jax.jit, static_argnums=(1, 2))
+def _quantized_out_in(x, stored_out_in: bool, dtype):
+    return layout.quantize_matrix((x if stored_out_in else x.T).astype(dtype))
+
+
+@jax.jit
+def _stack_rows(a: quant.QuantizedTensor, b: quant.QuantizedTensor) -> quant.QuantizedTensor:
+    return a.replace(q=jnp.concatenate([a.q, b.q]), scale=jnp.concatenate([a.scale, b.scale]))
+
+
+@functools.partial(jax.jit, donate_argnums=(0,), static_argnames=("flip",))
+def _write_stacked_slot(buf: dict, data: dict, s, flip: tuple[str, ...] = ()):
+    """Write one expert into slot ``s`` of stacked slots (cast to their dtype)."""
+    return {k: jax.lax.dynamic_update_index_in_dim(buf[k], (data[k].T if k in flip else data[k]).astype(buf[k].dtype),
+                                                   s, 0) for k in buf}
+
+
+def slot_changes(before: np.ndarray, after: np.ndarray) -> list[tuple[int, int, int]]:
+    """(layer, expert, slot) for every entry that got a slot it did not hold before: what must be copied."""
+    changed = (after >= 0) & (after != before)
+    return [(int(l), int(e), int(after[l, e])) for l, e in zip(*np.nonzero(changed))]
