@@ -29,10 +29,9 @@ import jax, jax.numpy as jnp
 import numpy as np
 import moejax
 from moejax.base import distributed
-from moejax.models import model as M
+from moejax.evaluation import perplexity, sweep
 from moejax.experts import routing
 from moejax.runtime import simulate
-from moejax.evaluation import perplexity, sweep
 points, max_tokens = int(sys.argv[1]), int(sys.argv[2])
 model = moejax.load("default", dtype=jnp.float32)
 mesh = distributed.points_mesh()
@@ -54,6 +53,7 @@ import json, re, sys
 import jax, jax.numpy as jnp
 import numpy as np
 import moejax
+from moejax.models import model as M
 sh = moejax.load("default", dtype=jnp.float32, shard="experts", layout="canonical")
 cfg = sh.cfg
 out = {"devices": jax.device_count(), "d_model": cfg.hidden_size, "moe_layers": cfg.n_moe_layers, "by_tokens": {}}
