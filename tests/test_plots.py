@@ -13,8 +13,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from moejax.evaluation import plots, report
-from moejax.evaluation.plots import HEAT_EMPTY as E, HEAT_HIT as H, HEAT_MISS as M, HEAT_RESIDENT as R
+from moejax.evaluation import heatmap, plots, records as study_records, report
+from moejax.evaluation.heatmap import HEAT_EMPTY as E, HEAT_HIT as H, HEAT_MISS as M, HEAT_RESIDENT as R
 
 N, K = 8, 2
 
@@ -148,18 +148,18 @@ def write_jsonl(path: Path, records, tail: str = "") -> Path:
 
 
 def test_pareto_front_hand_examples():
-    assert plots.pareto_front([]) == []
-    assert plots.pareto_front([(0.3, 10.0)]) == [(0.3, 10.0)]
+    assert study_records.pareto_front([]) == []
+    assert study_records.pareto_front([(0.3, 10.0)]) == [(0.3, 10.0)]
     # (0.2, 11) and (0.1, 12) trade off against (0.3, 10); (0.3, 11) is dominated by (0.2, 11) and (0.3, 10)
     pts = [(0.3, 10.0), (0.2, 11.0), (0.3, 11.0), (0.1, 12.0), (0.25, 12.0)]
-    assert plots.pareto_front(pts) == [(0.1, 12.0), (0.2, 11.0), (0.3, 10.0)]
-    assert plots.pareto_indices(pts) == [3, 1, 0]
+    assert study_records.pareto_front(pts) == [(0.1, 12.0), (0.2, 11.0), (0.3, 10.0)]
+    assert study_records.pareto_indices(pts) == [3, 1, 0]
     # equal x: only the lower y survives; equal y: only the lower x; identical points both stay
-    assert plots.pareto_front([(0.1, 5.0), (0.1, 4.0)]) == [(0.1, 4.0)]
-    assert plots.pareto_front([(0.2, 4.0), (0.1, 4.0)]) == [(0.1, 4.0)]
-    assert plots.pareto_indices([(0.1, 4.0), (0.1, 4.0), (0.2, 5.0)]) == [0, 1]
+    assert study_records.pareto_front([(0.1, 5.0), (0.1, 4.0)]) == [(0.1, 4.0)]
+    assert study_records.pareto_front([(0.2, 4.0), (0.1, 4.0)]) == [(0.1, 4.0)]
+    assert study_records.pareto_indices([(0.1, 4.0), (0.1, 4.0), (0.2, 5.0)]) == [0, 1]
     # missing or non-finite coordinates are never on the front and never dominate
-    assert plots.pareto_front([(None, 1.0), (0.5, float("nan")), (0.4, 9.0)]) == [(0.4, 9.0)]
+    assert study_records.pareto_front([(None, 1.0), (0.5, float("nan")), (0.4, 9.0)]) == [(0.4, 9.0)]
 
 
 def _dominates(q, p):
@@ -172,7 +172,7 @@ coords = st.integers(0, 6).map(lambda v: v / 4)  # few distinct values: many tie
 @settings(max_examples=300, deadline=None)
 @given(st.lists(st.tuples(coords, coords), max_size=25))
 def test_pareto_front_property(points):
-    front = plots.pareto_indices(points)
+    front = study_records.pareto_indices(points)
     on = set(front)
     for i in front:  # nothing dominates a front point
         assert not any(_dominates(q, points[i]) for q in points)
@@ -197,14 +197,14 @@ def test_ppl_view_zoom():
 def test_best_within_and_cache_size_series():
     rs = [rec("x", "cache-prior", lam=lam, ppl=p, miss=m)
           for lam, p, m in ((0.0, 10.0, 0.4), (0.3, 10.09, 0.3), (0.6, 10.4, 0.2), (0.9, 11.5, 0.1))]
-    assert plots.best_within(rs, 10.0, 0.01)["routing"]["lam"] == 0.3
-    assert plots.best_within(rs, 10.0, 0.05)["routing"]["lam"] == 0.6
-    assert plots.best_within(rs, 10.0, 0.20)["routing"]["lam"] == 0.9
-    assert plots.best_within(rs, 9.0, 0.01) is None
+    assert study_records.best_within(rs, 10.0, 0.01)["routing"]["lam"] == 0.3
+    assert study_records.best_within(rs, 10.0, 0.05)["routing"]["lam"] == 0.6
+    assert study_records.best_within(rs, 10.0, 0.20)["routing"]["lam"] == 0.9
+    assert study_records.best_within(rs, 9.0, 0.01) is None
     acc = [dict(r, accuracy=a) for r, a in zip(rs, (0.5, 0.5, 0.47, 0.40))]
-    assert plots.best_within(acc, 0.5, 0.0, "accuracy")["routing"]["lam"] == 0.3
-    assert plots.best_within(acc, 0.5, 0.05, "accuracy")["routing"]["lam"] == 0.6
-    series = plots.cache_size_series(cache_size_records())
+    assert study_records.best_within(acc, 0.5, 0.0, "accuracy")["routing"]["lam"] == 0.3
+    assert study_records.best_within(acc, 0.5, 0.05, "accuracy")["routing"]["lam"] == 0.6
+    series = study_records.cache_size_series(cache_size_records())
     assert [c for c, _ in series["lru"]] == list(range(1, N + 1))
     assert series["belady"][0] == (1, pytest.approx(0.6 * (1 - 1 / N) * 0.8))
     # ppl(λ) = 10·(1 + 0.15 λ²): +1 % allows λ = 0.25 (+0.94 %), +5 % λ = 0.5 (+3.75 %), +10 % λ = 0.75 (+8.4 %)
@@ -220,29 +220,29 @@ def test_sensitivity_hooks_count_as_their_own_kinds():
     base = rec("sensitivity", cap=None, ppl=10.0, miss=None)
     drop = rec("sensitivity", cap=None, ppl=30.0, miss=None, drop_rank=2)
     repl = rec("sensitivity", cap=None, ppl=40.0, miss=None, random_rank=1, seed=0)
-    assert [plots.kind_of(r) for r in (base, drop, repl)] == ["original", "drop", "random-replace"]
-    assert plots.sensitivity_split([base, drop, repl]) == ([drop], [repl])
-    assert plots.reference_ppl([drop, repl, base]) == 10.0  # the hooks are not "original routing"
-    assert plots.routing_label(drop) == "drop k=2" and plots.policy_param(repl) == ("random_rank", 1)
+    assert [study_records.kind_of(r) for r in (base, drop, repl)] == ["original", "drop", "random-replace"]
+    assert study_records.sensitivity_split([base, drop, repl]) == ([drop], [repl])
+    assert study_records.reference_ppl([drop, repl, base]) == 10.0  # the hooks are not "original routing"
+    assert study_records.routing_label(drop) == "drop k=2" and study_records.policy_param(repl) == ("random_rank", 1)
     text = report.headline_sensitivity([base, drop, repl])
     assert "| 2 | 30.000 (3.00×) | – |" in text and "| 1 | – | 40.000 (4.00×) |" in text
 
 
 def test_n_experts_and_top_k_inference():
     sized = lambda size, cap: {"cache": {"size": size, "capacity": cap, "scope": "layer"}}  # noqa: E731
-    assert plots.n_experts_of([sized("0.5", 16)]) == 32  # not 31, which also rounds to 16
-    assert plots.n_experts_of([sized("16", 16), sized("0.25", 8)]) == 32
-    assert plots.n_experts_of([sized("0.3", 10)]) is None  # ambiguous: no exact N
-    assert plots.n_experts_of([{"metrics": {"expert_usage": {"entropy_max_bits": 5.0}}}]) == 32
-    assert plots.n_experts_of([{"metrics": {"cache": {"n_experts": 60}}}]) == 60
-    assert plots.top_k_of([{"metrics": {"cache": {"tokens": 100, "per_layer": {"accesses": [400, 400]}}}}]) == 4
-    assert plots.top_k_of([{"metrics": {"experts_per_token": 2}}]) == 2
-    token = plots.N_EXPERTS_HINT.set(32)  # the report's fallback: N from all the files it reads
+    assert study_records.n_experts_of([sized("0.5", 16)]) == 32  # not 31, which also rounds to 16
+    assert study_records.n_experts_of([sized("16", 16), sized("0.25", 8)]) == 32
+    assert study_records.n_experts_of([sized("0.3", 10)]) is None  # ambiguous: no exact N
+    assert study_records.n_experts_of([{"metrics": {"expert_usage": {"entropy_max_bits": 5.0}}}]) == 32
+    assert study_records.n_experts_of([{"metrics": {"cache": {"n_experts": 60}}}]) == 60
+    assert study_records.top_k_of([{"metrics": {"cache": {"tokens": 100, "per_layer": {"accesses": [400, 400]}}}}]) == 4
+    assert study_records.top_k_of([{"metrics": {"experts_per_token": 2}}]) == 2
+    token = study_records.N_EXPERTS_HINT.set(32)  # the report's fallback: N from all the files it reads
     try:
-        assert plots.n_experts_of([sized("16", 16)]) == 32
+        assert study_records.n_experts_of([sized("16", 16)]) == 32
     finally:
-        plots.N_EXPERTS_HINT.reset(token)
-    assert plots.n_experts_of([sized("16", 16)]) is None
+        study_records.N_EXPERTS_HINT.reset(token)
+    assert study_records.n_experts_of([sized("16", 16)]) is None
 
 
 # ------------------------------------------------------------------------------------------ plots
@@ -290,34 +290,34 @@ def test_svg_output_is_reproducible(tmp_path):
 
 def test_cache_size_selection_records_are_cross_checked():
     rs = cache_size_records()
-    series = plots.cache_size_series(rs)
+    series = study_records.cache_size_series(rs)
     sel = []
     for name, bound in (("cache-prior +1%", 0.01), ("cache-prior +5%", 0.05)):
         for c, mr, best in series[name]:
             sel.append(dict(best, key=f"sel-{c}-{bound}", method="selection",
                             sweep={"cache_size": str(c), "ppl_bound": bound}))
     # selections are copies: they change neither the curves nor, when right, the headline's verdict
-    assert plots.cache_size_series(rs + sel) == series
-    assert plots.selection_mismatches(rs + sel) == []
+    assert study_records.cache_size_series(rs + sel) == series
+    assert study_records.selection_mismatches(rs + sel) == []
     assert "agree with this recomputation" in report.headline_cache_size(rs + sel)
     sel[0] = dict(sel[0], miss_rate=0.99)
-    assert plots.selection_mismatches(rs + sel) == [
+    assert study_records.selection_mismatches(rs + sel) == [
         "C = 1, +1%: study selected miss rate 0.9900, recomputed 0.4462"]
     assert "**the study's selection records disagree**" in report.headline_cache_size(rs + sel)
 
 
 def test_original_routing_as_lambda_zero():
     # the tasks study runs original routing as cache-prior λ = 0 (bit for bit the same)
-    rs = [r for r in task_records() if plots.kind_of(r) != "original"]
+    rs = [r for r in task_records() if study_records.kind_of(r) != "original"]
     rs += [rec("tasks", "cache-prior", task=t, lam=0.0, ppl=None, accuracy=a, miss=0.4)
            for t, a in (("mmlu", 0.30), ("gsm8k", 0.05))]
-    assert [plots.routing_label(r) for r in plots.original_records(rs)] == ["cache-prior λ=0"] * 2
+    assert [study_records.routing_label(r) for r in study_records.original_records(rs)] == ["cache-prior λ=0"] * 2
     text = report.headline_tasks(rs)
     assert "**mmlu · C = 4 / 8 = N/2** — original routing (cache-prior λ=0): accuracy 30.0%, miss rate 40.00%" in text
 
 
 def test_lifetimes_table_markdown():
-    table = plots.lifetimes_table(lifetime_records()).splitlines()
+    table = study_records.lifetimes_table(lifetime_records()).splitlines()
     assert table[0] == "| model | task | cache size | routing | eviction | lifetime (tokens) | miss rate |"
     assert table[2] == "| default | wikitext | 4 / 8 | original | lru | 20.0 (± 10.0) | 35.0% |"
     assert table[3] == "| default | wikitext | 4 / 8 | cache-prior λ=0.5 | lru | 55.0 (± 27.5) | 15.0% |"
@@ -327,19 +327,19 @@ def test_eviction_labels_show_only_distinguishing_options():
     rs = eviction_records()
     for r in rs:
         r["cache"]["miss"] = "fetch"  # the same everywhere: not part of any label
-    labels = {plots.eviction_label(r, rs) for r in rs}
+    labels = {study_records.eviction_label(r, rs) for r in rs}
     assert labels == {"lru", "fld", "score", "least-stale", "least-stale prefetch=topk overfetch=2"}
 
 
 def test_collision_rate_from_counts():
     r = rec("eviction", miss=0.25)
-    assert plots.collision_rate(r) is None
+    assert study_records.collision_rate(r) is None
     r["collision_misses"] = 50
     r["metrics"]["accesses"] = 1000
-    assert plots.collision_rate(r) == pytest.approx(0.05)
+    assert study_records.collision_rate(r) == pytest.approx(0.05)
     del r["metrics"]["accesses"]
     r["metrics"]["misses"] = 250
-    assert plots.collision_rate(r) == pytest.approx(0.05)  # 50 / 250 of the 25 % miss rate
+    assert study_records.collision_rate(r) == pytest.approx(0.05)  # 50 / 250 of the 25 % miss rate
 
 
 # ------------------------------------------------------------------------------------------ heat map
@@ -351,7 +351,7 @@ def test_heatmap_classification_by_hand(tmp_path):
     # resident until now and is evicted as least recently used -> {0,2}); t4 uses 1 (miss; evicts 0 -> {2,1});
     # t5 uses 2 (hit)
     experts = np.array([0, 1, 0, 2, 1, 2], np.int32)[:, None, None]
-    res = plots.classify_trace({"experts": experts, "n_experts": np.int64(4)}, 0, 2)
+    res = heatmap.classify_trace({"experts": experts, "n_experts": np.int64(4)}, 0, 2)
     expected = np.array([
         # t: 0  1  2  3  4  5
         [M, R, H, R, R, E],  # expert 0
@@ -363,7 +363,7 @@ def test_heatmap_classification_by_hand(tmp_path):
     assert res["misses"] == 4 and res["accesses"] == 6 and res["capacity"] == 2
     # K = 2, same-step order: the higher-weighted (first) expert counts as older; -1 = a dropped slot
     experts2 = np.array([[0, 1], [2, -1], [1, 3]], np.int32)[:, None, :]
-    res2 = plots.classify_trace({"experts": experts2, "n_experts": np.int64(4)}, 0, "0.5")  # 0.5 of N = 2
+    res2 = heatmap.classify_trace({"experts": experts2, "n_experts": np.int64(4)}, 0, "0.5")  # 0.5 of N = 2
     # t0: 0, 1 miss -> {0, 1}; t1: 2 miss, evict 0 (older of the pair) -> {1, 2}; t2: 1 hit, 3 miss, evict 2
     np.testing.assert_array_equal(res2["cells"], np.array([[M, R, E], [M, R, H], [E, M, R], [E, E, M]]))
     np.testing.assert_array_equal(res2["hits"], [[False, False], [False, False], [True, False]])
@@ -375,20 +375,20 @@ def test_heatmap_other_layers_belady_and_global():
     experts = np.stack([rng.permutation(6)[:2] for _ in range(40 * 2)]).reshape(40, 2, 2).astype(np.int32)
     tr = {"experts": experts, "n_experts": np.int64(6)}
     for ev in ("lru", "belady"):
-        res = plots.classify_trace(tr, 1, 3, eviction=ev)
+        res = heatmap.classify_trace(tr, 1, 3, eviction=ev)
         cells = res["cells"]
         assert ((cells == H) | (cells == M)).sum(axis=0).tolist() == [2] * 40  # K used per token
         assert ((cells == H) | (cells == R)).sum(axis=0).max() <= 3  # never more than C resident
     from moejax.experts import trace as trace_lib
 
     stats = trace_lib.replay(trace_lib.validate_trace(experts[:, 1:2], n_experts=6), 3, eviction="belady")
-    assert plots.classify_trace(tr, 1, 3, eviction="belady")["misses"] == stats["misses"]  # next-use indices agree
-    lru, bel = (plots.classify_trace(tr, 0, 3, eviction=e)["misses"] for e in ("lru", "belady"))
+    assert heatmap.classify_trace(tr, 1, 3, eviction="belady")["misses"] == stats["misses"]  # next-use indices agree
+    lru, bel = (heatmap.classify_trace(tr, 0, 3, eviction=e)["misses"] for e in ("lru", "belady"))
     assert bel <= lru
-    g = plots.classify_trace(tr, 1, 4, scope="global")
+    g = heatmap.classify_trace(tr, 1, 4, scope="global")
     assert ((g["cells"] == H) | (g["cells"] == M)).sum(axis=0).tolist() == [2] * 40
     with pytest.raises(ValueError, match="layer 2 out of range"):
-        plots.classify_trace(tr, 2, 3)
+        heatmap.classify_trace(tr, 2, 3)
 
 
 def test_heatmap_cross_checks_recorded_hits(tmp_path):
@@ -396,17 +396,17 @@ def test_heatmap_cross_checks_recorded_hits(tmp_path):
     hits = np.array([0, 0, 1, 0, 0, 1], bool)[:, None, None]
     good = {"experts": experts, "n_experts": np.int64(4), "hits": hits, "capacity": np.int64(2),
             "eviction": np.asarray("lru")}
-    assert plots.classify_trace(good, 0, 2)["misses"] == 4
+    assert heatmap.classify_trace(good, 0, 2)["misses"] == 4
     bad = dict(good, hits=np.array([0, 0, 1, 1, 0, 1], bool)[:, None, None])
     with pytest.raises(ValueError, match="disagree with the replay at token 3"):
-        plots.classify_trace(bad, 0, 2)
-    plots.classify_trace(bad, 0, 3)  # recorded at another capacity: no check
+        heatmap.classify_trace(bad, 0, 2)
+    heatmap.classify_trace(bad, 0, 3)  # recorded at another capacity: no check
     with pytest.raises(ValueError, match="token 3"):
-        plots.classify_trace(bad, 0, 3, check_hits=True)
+        heatmap.classify_trace(bad, 0, 3, check_hits=True)
     path = tmp_path / "t.npz"
     np.savez(path, **bad)
     with pytest.raises(ValueError, match="disagree"):
-        plots.classify_trace(str(path), 0, 2)
+        heatmap.classify_trace(str(path), 0, 2)
 
 
 def test_heatmap_plot_and_cli(tmp_path):
@@ -416,13 +416,13 @@ def test_heatmap_plot_and_cli(tmp_path):
     path = tmp_path / "t.npz"
     trace_lib.save_trace(path, tr.experts, tr.weights, None, tr.n_experts, tr.gating)
     stem = tmp_path / "out" / "heat"
-    paths = plots.trace_heatmap([str(path), str(path)], 1, 4, stem, max_tokens=30, labels=["a", "b"])
+    paths = heatmap.trace_heatmap([str(path), str(path)], 1, 4, stem, max_tokens=30, labels=["a", "b"])
     _check_written(paths, stem)
-    assert plots.main(["heatmap", str(path), "--layer", "0", "--cache-size", "0.5", "--out", str(tmp_path / "cli"),
+    assert heatmap.main(["heatmap", str(path), "--layer", "0", "--cache-size", "0.5", "--out", str(tmp_path / "cli"),
                        "--start", "10"]) == 0
     assert (tmp_path / "cli.png").stat().st_size > 1000 and (tmp_path / "cli.svg").exists()
-    assert plots.main(["heatmap", str(path), "--layer", "5", "--cache-size", "4", "--out", str(tmp_path / "x")]) == 2
-    assert plots.main(["heatmap", str(tmp_path / "missing.npz"), "--cache-size", "4", "--out", str(tmp_path / "x")]) == 1
+    assert heatmap.main(["heatmap", str(path), "--layer", "5", "--cache-size", "4", "--out", str(tmp_path / "x")]) == 2
+    assert heatmap.main(["heatmap", str(tmp_path / "missing.npz"), "--cache-size", "4", "--out", str(tmp_path / "x")]) == 1
     assert not (tmp_path / "x.png").exists()
 
 

@@ -33,10 +33,10 @@ from typing import Any, Callable, Sequence
 
 from moejax.base import errors, interrupts
 from moejax.base.errors import Failure
-from moejax.evaluation import plots
-from moejax.evaluation.plots import (PlotError, cache_of, capacity_of, eviction_of, fmt_num, fmt_pct, fmt_value, group_by,
-                          is_belady, kind_of, kind_rank, md_table, n_experts_of, num, policy_param, routing_label,
-                          routing_of)
+from moejax.evaluation import heatmap, plots, records as rec
+from moejax.evaluation.records import (PlotError, cache_of, capacity_of, eviction_of, fmt_num, fmt_pct, fmt_value,
+                                       group_by, is_belady, kind_of, kind_rank, md_table, n_experts_of, num,
+                                       policy_param, routing_label, routing_of)
 
 STUDY_ORDER = ("pareto", "cache_size", "lifetimes", "sensitivity", "init", "delta", "eviction", "tasks")
 NUMBER_FIELDS = ("ppl", "accuracy", "miss_rate", "lifetime", "lifetime_std", "bytes_per_token", "collision_misses",
@@ -171,7 +171,7 @@ def routing_options(r: dict) -> str:
     for k, v in routing_of(r).items():
         if k in ("kind", main) or v is None:
             continue
-        parts.append(f"{plots.PARAM_SYMBOL.get(k, k)}={fmt_value(v)}")
+        parts.append(f"{rec.PARAM_SYMBOL.get(k, k)}={fmt_value(v)}")
     return ", ".join(parts) or "–"
 
 
@@ -186,7 +186,7 @@ def _collisions(r: dict) -> str:
     c = r.get("collision_misses")
     if c is None:
         c = (r.get("metrics") or {}).get("collision_misses")
-    rate = plots.collision_rate(r)
+    rate = rec.collision_rate(r)
     if c is None and rate is None:
         return "–"
     return " ".join(x for x in (None if c is None else str(int(c)), None if rate is None else f"({fmt_pct(rate)})") if x)
@@ -209,8 +209,8 @@ COLUMNS: dict[str, tuple[Callable[[dict], Any], str]] = {
     "size": (lambda r: cache_of(r).get("size", "–") if r.get("cache") else "–", "r"),
     "scope": (lambda r: cache_of(r).get("scope") or "–", "l"),
     "eviction": (lambda r: eviction_of(r) if r.get("cache") else "–", "l"),
-    "init": (lambda r: "–" if not r.get("cache") else plots.init_label(r)
-             + (f" (seed {cache_of(r)['seed']})" if plots.init_label(r) == "random" and cache_of(r).get("seed") is not None
+    "init": (lambda r: "–" if not r.get("cache") else rec.init_label(r)
+             + (f" (seed {cache_of(r)['seed']})" if rec.init_label(r) == "random" and cache_of(r).get("seed") is not None
                 else ""), "l"),
     "sweep": (lambda r: ", ".join(f"{k}={fmt_value(v)}" for k, v in (r.get("sweep") or {}).items()) or "–", "l"),
     "ppl": (lambda r: fmt_num(r.get("ppl")), "r"),
@@ -244,23 +244,23 @@ def fold(table: str, n_rows: int, summary: str) -> str:
 
 
 def _param_sort(r: dict):
-    return plots._sort_value(policy_param(r)[1])
+    return rec._sort_value(policy_param(r)[1])
 
 
 def sort_records(records: Sequence[dict], study: str) -> list[dict]:
     base = lambda r: (str(r.get("model")), str(r.get("task")))  # noqa: E731
     if study == "eviction":
-        key = lambda r: (base(r), plots._sort_value(capacity_of(r)), plots.eviction_rank(eviction_of(r)),  # noqa: E731
+        key = lambda r: (base(r), rec._sort_value(capacity_of(r)), rec.eviction_rank(eviction_of(r)),  # noqa: E731
                          kind_rank(kind_of(r)), _param_sort(r), json.dumps(cache_of(r), sort_keys=True))
     elif study == "init":
         key = lambda r: (base(r), kind_rank(kind_of(r)), _param_sort(r), str(cache_of(r).get("init")),  # noqa: E731
-                         plots._sort_value(capacity_of(r)), r.get("key") or "")
+                         rec._sort_value(capacity_of(r)), r.get("key") or "")
     elif study == "delta":
-        key = lambda r: (base(r), kind_rank(kind_of(r)), plots.delta_label(r), _param_sort(r))  # noqa: E731
+        key = lambda r: (base(r), kind_rank(kind_of(r)), rec.delta_label(r), _param_sort(r))  # noqa: E731
     elif study == "sensitivity":
-        key = lambda r: (base(r), kind_rank(kind_of(r)), plots._sort_value(plots._rank_k(r)), r.get("key") or "")  # noqa: E731
+        key = lambda r: (base(r), kind_rank(kind_of(r)), rec._sort_value(rec._rank_k(r)), r.get("key") or "")  # noqa: E731
     else:
-        key = lambda r: (base(r), plots._sort_value(capacity_of(r)), is_belady(r), kind_rank(kind_of(r)),  # noqa: E731
+        key = lambda r: (base(r), rec._sort_value(capacity_of(r)), is_belady(r), kind_rank(kind_of(r)),  # noqa: E731
                          _param_sort(r), json.dumps(r.get("sweep") or {}, sort_keys=True))
     return sorted(records, key=key)
 
@@ -283,12 +283,12 @@ def _param_text(r: dict) -> str:
     if kind_of(r) == "original":
         return "original routing"
     name, value = policy_param(r)
-    return "" if name is None else f"{plots.PARAM_SYMBOL.get(name, name)}={fmt_value(value)}"
+    return "" if name is None else f"{rec.PARAM_SYMBOL.get(name, name)}={fmt_value(value)}"
 
 
 def _panels(records: Sequence[dict]) -> list[tuple[tuple, list[dict]]]:
     g = group_by(records, lambda r: (r.get("model"), r.get("task"), capacity_of(r)))
-    return sorted(g.items(), key=lambda kv: tuple(plots._sort_value(v) for v in kv[0]))
+    return sorted(g.items(), key=lambda kv: tuple(rec._sort_value(v) for v in kv[0]))
 
 
 def _panel_name(key: tuple, records: Sequence[dict], n: int | None) -> str:
@@ -307,18 +307,18 @@ def _panel_name(key: tuple, records: Sequence[dict], n: int | None) -> str:
 
 
 def _originals(records: Sequence[dict], metric: str) -> list[dict]:
-    """Original-routing records with a miss rate (``plots.original_records``), those with ``metric`` first."""
-    orig = [r for r in plots.original_records(records) if num(r.get("miss_rate")) is not None]
+    """Original-routing records with a miss rate (``rec.original_records``), those with ``metric`` first."""
+    orig = [r for r in rec.original_records(records) if num(r.get("miss_rate")) is not None]
     return sorted(orig, key=lambda r: num(r.get(metric)) is None)  # stable: keeps forward / LRU first
 
 
-def headline_pareto(records: Sequence[dict], tolerances=plots.PPL_TOLERANCES) -> str:
+def headline_pareto(records: Sequence[dict], tolerances=rec.PPL_TOLERANCES) -> str:
     """Per cache size: original LRU and Belady miss rates, and per routing kind the lowest miss rate whose
     perplexity stays within +1/5/10 % of original routing, with the comparison for cache-prior spelled out."""
     n = n_experts_of(records)
     out = []
     for key, rs in _panels(records):
-        ref = plots.reference_ppl(rs, key[2]) or plots.reference_ppl(records)
+        ref = rec.reference_ppl(rs, key[2]) or rec.reference_ppl(records)
         orig = _originals(rs, "ppl")
         bel = [r for r in records if is_belady(r) and capacity_of(r) == key[2] and r.get("model") == key[0]
                and num(r.get("miss_rate")) is not None]
@@ -339,7 +339,7 @@ def headline_pareto(records: Sequence[dict], tolerances=plots.PPL_TOLERANCES) ->
             cand = [r for r in rs if kind_of(r) == kind and not is_belady(r)]
             row = [kind]
             for t in tolerances:
-                b = plots.best_within(cand, ref, t)
+                b = rec.best_within(cand, ref, t)
                 best[(kind, t)] = b
                 row.append("–" if b is None else f"{fmt_pct(b['miss_rate'])} ({_param_text(b)}, ppl {_rel(b['ppl'], ref)})")
             rows.append(row)
@@ -371,8 +371,8 @@ def headline_cache_size(records: Sequence[dict]) -> str:
     how often cache-prior within +1 % / +5 % perplexity beats the Belady bound."""
     out = []
     for (model, task), rs in sorted(group_by(records, lambda r: (r.get("model"), r.get("task"))).items(),
-                                    key=lambda kv: tuple(plots._sort_value(v) for v in kv[0])):
-        series = plots.cache_size_series(rs)
+                                    key=lambda kv: tuple(rec._sort_value(v) for v in kv[0])):
+        series = rec.cache_size_series(rs)
         caps = sorted({c for pts in series.values() for c, *_ in pts})
         look = {name: {p[0]: p for p in pts} for name, pts in series.items()}
         names = list(series)
@@ -401,9 +401,9 @@ def headline_cache_size(records: Sequence[dict]) -> str:
                 wins = sum(mr < bel[c][1] for c, mr in pts)
                 bullets.append(f"- {name.replace('cache-prior', 'cache-prior within')} perplexity is below the Belady "
                                f"bound at {wins} of {len(pts)} cache sizes with a non-zero bound.")
-        sel = [r for r in rs if plots.is_selection(r)]
+        sel = [r for r in rs if rec.is_selection(r)]
         if sel:
-            bad = plots.selection_mismatches(rs, series)
+            bad = rec.selection_mismatches(rs, series)
             bullets.append(f"- the study's own {len(sel)} selection records (`method: selection`) agree with this "
                            "recomputation" if not bad else "- **the study's selection records disagree**: " + "; ".join(bad))
         if bullets:
@@ -417,7 +417,7 @@ def headline_lifetimes(records: Sequence[dict]) -> str:
     for key, rs in _panels(records):
         orig = _originals(rs, "lifetime")
         for r in rs:
-            if not orig or r is orig[0] or kind_of(r) == "original" or is_belady(r) or plots.is_selection(r):
+            if not orig or r is orig[0] or kind_of(r) == "original" or is_belady(r) or rec.is_selection(r):
                 continue
             o = orig[0]
             lo, lr = num(o.get("lifetime")), num(r.get("lifetime"))
@@ -429,14 +429,14 @@ def headline_lifetimes(records: Sequence[dict]) -> str:
 
 
 def headline_sensitivity(records: Sequence[dict]) -> str:
-    base = plots.reference_ppl(records)
-    drop_pts, repl_pts = plots.sensitivity_split(records)
+    base = rec.reference_ppl(records)
+    drop_pts, repl_pts = rec.sensitivity_split(records)
     cols: list[tuple[str, dict]] = []
     for title, pts in (("drop experts ranked ≥ k", drop_pts), ("replace rank k by a random expert", repl_pts)):
         for kind, group in sorted(group_by(pts, kind_of).items(), key=lambda kv: kind_rank(kv[0])):
             by: dict = {}
             for r in group:
-                by.setdefault(plots._rank_k(r), []).append(float(r["ppl"]))
+                by.setdefault(rec._rank_k(r), []).append(float(r["ppl"]))
             label = title if len({kind_of(r) for r in pts}) == 1 else f"{title} ({kind})"
             cols.append((label, by))
     ks = sorted({k for _, by in cols for k in by})
@@ -456,9 +456,9 @@ def headline_sensitivity(records: Sequence[dict]) -> str:
 
 def headline_init(records: Sequence[dict]) -> str:
     out = []
-    groups = group_by(records, lambda r: plots.init_group_label(r, records))
+    groups = group_by(records, lambda r: rec.init_group_label(r, records))
     for label, rs in sorted(groups.items(), key=lambda kv: (kind_rank(kv[0].split(" ")[0]), kv[0])):
-        by = group_by(rs, plots.init_label)
+        by = group_by(rs, rec.init_label)
         parts = []
         for ini in sorted(by, key=lambda s: (s != "empty", s)):
             mr = [num(r.get("miss_rate")) for r in by[ini] if num(r.get("miss_rate")) is not None]
@@ -473,16 +473,16 @@ def headline_init(records: Sequence[dict]) -> str:
     return "\n".join(out)
 
 
-def headline_delta(records: Sequence[dict], tolerances=plots.PPL_TOLERANCES[:2]) -> str:
-    ref = plots.reference_ppl(records)
+def headline_delta(records: Sequence[dict], tolerances=rec.PPL_TOLERANCES[:2]) -> str:
+    ref = rec.reference_ppl(records)
     if ref is None:
         return "(no original-routing or λ = 0 record to measure perplexity budgets against)"
     rows = []
     prior = [r for r in records if kind_of(r) != "original" and not is_belady(r)]
-    for label, rs in sorted(group_by(prior, plots.delta_label).items()):
+    for label, rs in sorted(group_by(prior, rec.delta_label).items()):
         row = [label]
         for t in tolerances:
-            b = plots.best_within(rs, ref, t)
+            b = rec.best_within(rs, ref, t)
             row.append("–" if b is None else f"{fmt_pct(b['miss_rate'])} ({_param_text(b)})")
         half = [r for r in rs if num(routing_of(r).get("lam")) == 0.5]
         row.append("–" if not half else f"{fmt_pct(half[0].get('miss_rate'))}, ppl {fmt_num(half[0].get('ppl'))}")
@@ -495,16 +495,16 @@ def headline_delta(records: Sequence[dict], tolerances=plots.PPL_TOLERANCES[:2])
 def headline_eviction(records: Sequence[dict]) -> str:
     out = []
     by_scope = group_by([r for r in records if r.get("cache") is not None], lambda r: str(cache_of(r).get("scope")))
-    label = lambda r: plots.eviction_label(r, by_scope[str(cache_of(r).get("scope"))])  # noqa: E731
+    label = lambda r: rec.eviction_label(r, by_scope[str(cache_of(r).get("scope"))])  # noqa: E731
     for (scope, size), group in plots.eviction_panels(records):
         best = min(group, key=lambda r: r["miss_rate"])
-        line = (f"- {plots._scope_name(scope)}, cache size {size[1]}"
+        line = (f"- {rec._scope_name(scope)}, cache size {size[1]}"
                 + (f" (C = {size[0]})" if size[0] is not None and str(size[0]) != size[1] else "")
                 + f": lowest miss rate {label(best)} {fmt_pct(best['miss_rate'])}")
         worst = max(group, key=lambda r: r["miss_rate"])
         if worst is not best:
             line += f" (highest {label(worst)} {fmt_pct(worst['miss_rate'])})"
-        known = {label(r): plots.collision_rate(r) for r in group if plots.collision_rate(r) is not None}
+        known = {label(r): rec.collision_rate(r) for r in group if rec.collision_rate(r) is not None}
         if known and max(known.values()) > 0:
             lo, hi = min(known, key=known.get), max(known, key=known.get)
             line += f"; collision misses from {fmt_pct(known[lo])} ({lo}) to {fmt_pct(known[hi])} ({hi}) of accesses"
@@ -541,7 +541,7 @@ def headline_tasks(records: Sequence[dict], tolerances=(0.0, 0.02)) -> str:
         for kind in sorted({kind_of(r) for r in rs if kind_of(r) != "original" and not is_belady(r)}, key=kind_rank):
             row = [kind]
             for t in tolerances:
-                b = plots.best_within([r for r in rs if kind_of(r) == kind], o["accuracy"], t, "accuracy")
+                b = rec.best_within([r for r in rs if kind_of(r) == kind], o["accuracy"], t, "accuracy")
                 row.append("–" if b is None else f"{fmt_pct(b['miss_rate'])} ({_param_text(b)}, acc {fmt_pct(b['accuracy'], 1)})")
             rows.append(row)
         if rows:
@@ -560,7 +560,7 @@ def pareto_front_records(records: Sequence[dict], metric: str = "ppl") -> list[d
     for _, rs in _panels(records):
         for kind, group in group_by([r for r in rs if not is_belady(r)], kind_of).items():
             pts = [(num(r.get("miss_rate")), None if num(r.get(metric)) is None else sign * r[metric]) for r in group]
-            keep += [group[i] for i in plots.pareto_indices(pts)]
+            keep += [group[i] for i in rec.pareto_indices(pts)]
     keep_ids = {id(r) for r in keep}
     return [r for r in records if id(r) in keep_ids or is_belady(r)]
 
@@ -593,7 +593,7 @@ STUDIES: dict[str, dict] = {
         intro="Mean tokens an expert stays resident from load to eviction (± std) and the miss rate, original "
               "routing vs cache-prior. Paper: cache-prior keeps experts 2–9× longer (e.g. Qwen1.5-MoE 26 → 58 "
               "tokens, miss rate 35 % → 16 % at λ = 0.5).",
-        plot=None, headline=headline_lifetimes, table=plots.lifetimes_table),
+        plot=None, headline=headline_lifetimes, table=rec.lifetimes_table),
     "sensitivity": dict(
         title="Expert-rank sensitivity (paper figure 2)",
         intro="Perplexity when every expert ranked ≥ k is dropped (left) and when the rank-k expert is replaced "
@@ -642,21 +642,21 @@ def slug(name: str) -> str:
 
 
 def _extra_columns(records: Sequence[dict]) -> dict:
-    ref = plots.reference_ppl(records)
-    by_cap = {c: plots.reference_ppl(records, c) for c in {capacity_of(r) for r in records}}
+    ref = rec.reference_ppl(records)
+    by_cap = {c: rec.reference_ppl(records, c) for c in {capacity_of(r) for r in records}}
 
     def dppl(r):
         base = by_cap.get(capacity_of(r)) or ref
         return _rel(r.get("ppl"), base) if base else "–"
 
-    varying = plots.varying_cache_options(records)
+    varying = rec.varying_cache_options(records)
 
     def early(r):
-        pts = plots.first_token_miss_rates(r)
+        pts = rec.first_token_miss_rates(r)
         return " / ".join(f"{fmt_pct(v, 1)} ({n})" for n, v in pts) if pts else "–"
 
-    return {"Δppl": (dppl, "r"), "Δ estimate": (lambda r: plots.delta_label(r), "l"),
-            "cache options": (lambda r: plots.cache_options_text(r, varying) or "–", "l"),
+    return {"Δppl": (dppl, "r"), "Δ estimate": (lambda r: rec.delta_label(r), "l"),
+            "cache options": (lambda r: rec.cache_options_text(r, varying) or "–", "l"),
             "first-token miss rates": (early, "r")}
 
 
@@ -742,11 +742,11 @@ def render_section(name: str, records: list[dict], fig_dir: Path | None, out_dir
 def render_heatmap_section(traces: Sequence[tuple[str, str | None]], layer: int, cache_size: str, eviction: str,
                            max_tokens: int, fig_dir: Path, out_dir: Path, note: str | None = None) -> str:
     labels = [label or Path(path).stem for path, label in traces]
-    paths = plots.trace_heatmap([p for p, _ in traces], layer, cache_size, fig_dir / f"heatmap_layer{layer}",
+    paths = heatmap.trace_heatmap([p for p, _ in traces], layer, cache_size, fig_dir / f"heatmap_layer{layer}",
                                 eviction, max_tokens, labels=labels)
     return "\n".join([
         "## Routing trace heat map (paper figure 7)\n",
-        f"Tokens (x) × experts (y) of MoE layer {layer}, cache size {cache_size}, {plots._eviction_name(eviction)} "
+        f"Tokens (x) × experts (y) of MoE layer {layer}, cache size {cache_size}, {heatmap._eviction_name(eviction)} "
         f"eviction, reconstructed by replaying each recorded trace through `moejax.experts.cache`: green "
         "= cache hit, red = miss, blue = resident but unused. Paper (Phi-3.5-MoE, GSM8K): original routing ~23 % "
         "misses, cache-prior λ = 0.5 ~15 %, with visibly longer residencies.\n",
@@ -765,7 +765,7 @@ def check_traces(traces: Sequence[tuple[str, str | None]], fig_dir: Path | None,
         raise ValueError("--trace needs a figures folder (drop --no-figures)")
     if tokens < 1:
         raise ValueError(f"--trace-tokens must be >= 1, got {tokens}")
-    plots.check_heatmap([p for p, _ in traces], layer, cache_size, flags=("--trace-layer", "--trace-cache-size"))
+    heatmap.check_heatmap([p for p, _ in traces], layer, cache_size, flags=("--trace-layer", "--trace-cache-size"))
 
 
 def build_report(paths: Sequence, out: Path, fig_dir: Path | None, traces: Sequence[tuple[str, str | None]] = (),
@@ -775,12 +775,12 @@ def build_report(paths: Sequence, out: Path, fig_dir: Path | None, traces: Seque
     notes: list[str] = []
     per_file: dict = {}
     records = load_records(paths, notes, per_file)
-    token = plots.N_EXPERTS_HINT.set(n_experts_of(records))  # N for sections that cannot tell it themselves
+    token = rec.N_EXPERTS_HINT.set(n_experts_of(records))  # N for sections that cannot tell it themselves
     try:
         return _build(records, notes, per_file, out, fig_dir, traces, trace_layer, trace_cache_size, trace_eviction,
                       trace_tokens, command, trace_note)
     finally:
-        plots.N_EXPERTS_HINT.reset(token)
+        rec.N_EXPERTS_HINT.reset(token)
 
 
 def _build(records, notes, per_file, out, fig_dir, traces, trace_layer, trace_cache_size, trace_eviction,

@@ -43,7 +43,8 @@ from moejax.models.config import ModelConfig
 from moejax.experts import cache as cache_lib
 from moejax.experts.router import prefetch_step, router_step
 from moejax.runtime import decode
-from moejax.runtime.expert_store import EXPERT_KEYS, ExpertStore, STORES, _host_sharding, expert_stacks, expert_store, fill_slots, init_slots, slot_changes, split_params, tree_nbytes, write_slot
+from moejax.runtime.expert_store import (EXPERT_KEYS, ExpertStore, STORES, _host_sharding, expert_stacks,
+    expert_store, fill_slots, init_slots, slot_changes, split_params, tree_nbytes, write_slot)
 
 PAGINGS = ("host", "jit")
 

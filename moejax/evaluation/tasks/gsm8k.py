@@ -10,7 +10,8 @@ from typing import Any
 import numpy as np
 
 from moejax.runtime import decode
-from moejax.evaluation.tasks.common import Encoder, N_SAMPLES, Stream, Tally, TaskData, _generation_budget, _need_str, fit_prompt
+from moejax.evaluation.tasks.common import (Encoder, N_SAMPLES, Stream, Tally, TaskData, _generation_budget,
+    _need_str, fit_prompt)
 
 GSM8K_STOPS = ("\n\nQuestion:", "Question:", "\n\n\n")
 

@@ -9,7 +9,8 @@ from typing import Any
 
 import numpy as np
 
-from moejax.evaluation.tasks.common import Encoder, Stream, Tally, TaskData, _open_text, fit_prompt, score_continuations
+from moejax.evaluation.tasks.common import (Encoder, Stream, Tally, TaskData, _open_text, fit_prompt,
+    score_continuations)
 
 LETTERS = "ABCD"
 

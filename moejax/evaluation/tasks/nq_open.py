@@ -9,7 +9,8 @@ from typing import Any
 
 import numpy as np
 
-from moejax.evaluation.tasks.common import Encoder, N_SAMPLES, Stream, Tally, TaskData, _generation_budget, _need_str, fit_prompt
+from moejax.evaluation.tasks.common import (Encoder, N_SAMPLES, Stream, Tally, TaskData, _generation_budget,
+    _need_str, fit_prompt)
 
 @dataclasses.dataclass(frozen=True)
 class OpenQuestion:

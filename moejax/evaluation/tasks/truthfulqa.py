@@ -8,7 +8,8 @@ from typing import Any
 
 import numpy as np
 
-from moejax.evaluation.tasks.common import Encoder, Stream, Tally, TaskData, _need_str, _open_text, fit_prompt, score_continuations
+from moejax.evaluation.tasks.common import (Encoder, Stream, Tally, TaskData, _need_str, _open_text, fit_prompt,
+    score_continuations)
 
 @dataclasses.dataclass(frozen=True)
 class TruthfulQuestion:
