@@ -13,7 +13,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from moejax.evaluation import heatmap, plots, records as study_records, report
+from moejax.evaluation import headlines, heatmap, plots, records as study_records, report
 from moejax.evaluation.heatmap import HEAT_EMPTY as E, HEAT_HIT as H, HEAT_MISS as M, HEAT_RESIDENT as R
 
 N, K = 8, 2
@@ -224,7 +224,7 @@ def test_sensitivity_hooks_count_as_their_own_kinds():
     assert study_records.sensitivity_split([base, drop, repl]) == ([drop], [repl])
     assert study_records.reference_ppl([drop, repl, base]) == 10.0  # the hooks are not "original routing"
     assert study_records.routing_label(drop) == "drop k=2" and study_records.policy_param(repl) == ("random_rank", 1)
-    text = report.headline_sensitivity([base, drop, repl])
+    text = headlines.headline_sensitivity([base, drop, repl])
     assert "| 2 | 30.000 (3.00×) | – |" in text and "| 1 | – | 40.000 (4.00×) |" in text
 
 
@@ -299,11 +299,11 @@ def test_cache_size_selection_records_are_cross_checked():
     # selections are copies: they change neither the curves nor, when right, the headline's verdict
     assert study_records.cache_size_series(rs + sel) == series
     assert study_records.selection_mismatches(rs + sel) == []
-    assert "agree with this recomputation" in report.headline_cache_size(rs + sel)
+    assert "agree with this recomputation" in headlines.headline_cache_size(rs + sel)
     sel[0] = dict(sel[0], miss_rate=0.99)
     assert study_records.selection_mismatches(rs + sel) == [
         "C = 1, +1%: study selected miss rate 0.9900, recomputed 0.4462"]
-    assert "**the study's selection records disagree**" in report.headline_cache_size(rs + sel)
+    assert "**the study's selection records disagree**" in headlines.headline_cache_size(rs + sel)
 
 
 def test_original_routing_as_lambda_zero():
@@ -312,7 +312,7 @@ def test_original_routing_as_lambda_zero():
     rs += [rec("tasks", "cache-prior", task=t, lam=0.0, ppl=None, accuracy=a, miss=0.4)
            for t, a in (("mmlu", 0.30), ("gsm8k", 0.05))]
     assert [study_records.routing_label(r) for r in study_records.original_records(rs)] == ["cache-prior λ=0"] * 2
-    text = report.headline_tasks(rs)
+    text = headlines.headline_tasks(rs)
     assert "**mmlu · C = 4 / 8 = N/2** — original routing (cache-prior λ=0): accuracy 30.0%, miss rate 40.00%" in text
 
 
