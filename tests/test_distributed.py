@@ -22,7 +22,7 @@ import time
 import pytest
 
 from moejax.base import distributed
-from moejax.runtime import cli_options
+from moejax.runtime import cli_options, generate
 from moejax.evaluation import evaluate
 
 SWEEP = ["--dtype", "float32", "--sweep", "lam=0:1:5", "--cache-size", "0.5", "--context", "128",
@@ -130,6 +130,7 @@ def test_flags_and_helpers_without_a_cluster():
     assert evaluate.main(["--devices", "3", "--sweep", "lam=0:1:2"]) == 2
     with pytest.raises(ValueError, match="found no cluster"):
         distributed.initialize()
+    assert generate.main(["--devices", "2", "--prompt-ids", "1"]) == 2  # generate has no sweep to spread
 
 
 SHARDED_CHECK = r"""

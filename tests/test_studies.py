@@ -240,3 +240,22 @@ def test_knee_of_a_front_is_the_point_farthest_below_its_chord():
     assert studies.knee_index([0.3, 0.3, 0.3], [1, 2, 3]) == 1  # flat in miss rate: the middle
     # a front already bending the other way (every trade worse than the chord) has its knee at an end
     assert studies.knee_index(miss, [100, 130, 137, 139, 140]) in (0, 4)
+
+
+def test_the_paper_protocol_fills_the_unset_flags_and_explicit_flags_win():
+    def args(*argv):
+        a = studies.build_parser().parse_args(list(argv))
+        studies.apply_protocol(a)
+        return a.points, a.max_tokens, a.lifetimes_max_tokens, a.cache_sizes
+
+    assert args() == (11, 8184, None, "default")
+    assert args("--protocol", "paper") == (50, 65 * 1023, 0, "all")  # 65,536 rounded up to whole chunks of 1023
+    assert args("--protocol", "paper", "--context", "257") == (50, 256 * 256, 0, "all")
+    assert args("--protocol", "paper", "--points", "7", "--max-tokens", "2046", "--cache-sizes", "4,8") == (7, 2046, 0, "4,8")
+    assert studies.cache_sizes("all", 4) == [1, 2, 3, 4] and studies.cache_sizes("8, 2,8", 32) == [2, 8]
+    assert studies.cache_sizes("default", 32) == [1, 2, 4, 6, 8, 12, 16, 20, 24, 28, 32]
+    for bad, message in (("0,4", "every size must be in 1..N"), ("40", "every size must be in 1..N"),
+                         ("x", "takes 'default', 'all'")):
+        with pytest.raises(ValueError, match=message):
+            studies.cache_sizes(bad, 32)
+    assert studies.main(["--cache-sizes", "3,x", "--out", "/nonexistent/never"]) == 2
