@@ -29,16 +29,16 @@ import jax, jax.numpy as jnp
 import numpy as np
 import moejax
 from moejax.base import distributed
-from moejax.evaluation import perplexity, sweep
+from moejax.evaluation import perplexity, sweep, sweep_points
 from moejax.experts import routing
 from moejax.runtime import simulate
 points, max_tokens = int(sys.argv[1]), int(sys.argv[2])
 model = moejax.load("default", dtype=jnp.float32)
 mesh = distributed.points_mesh()
 grid = np.linspace(0, 1, points).tolist()
-pts = [sweep.make_point(model, "default@float32", max_tokens=max_tokens, routing=sweep.routing_record("cache-prior", 4, lam=l),
-                        policy=routing.make_policy("cache-prior", 4, lam=l), cache=simulate.CacheConfig(size="0.5"),
-                        sweep={"lam": l}) for l in grid]
+pts = [sweep_points.make_point(model, "default@float32", max_tokens=max_tokens, routing=sweep_points.routing_record("cache-prior", 4, lam=l),
+                               policy=routing.make_policy("cache-prior", 4, lam=l), cache=simulate.CacheConfig(size="0.5"),
+                               sweep={"lam": l}) for l in grid]
 runner = sweep.Runner(model, batch_size=1, progress=False, load_text=perplexity.load_wikitext, mesh=mesh)
 t0 = time.perf_counter(); first = runner.run(pts); t1 = time.perf_counter()
 runner = sweep.Runner(model, batch_size=1, progress=False, load_text=perplexity.load_wikitext, mesh=mesh)

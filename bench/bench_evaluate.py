@@ -33,16 +33,16 @@ import numpy as np
 import moejax
 from moejax.experts import routing
 from moejax.runtime import simulate
-from moejax.evaluation import perplexity, sweep
+from moejax.evaluation import perplexity, sweep, sweep_points
 
 
 def lam_points(model, label, n_points, tokens, context, size):
     out = []
     for lam in np.linspace(0.0, 1.0, n_points).tolist():
-        out.append(sweep.make_point(model, label, context=context, max_tokens=tokens, sweep={"lam": lam},
-                                    routing=sweep.routing_record("cache-prior", model.cfg.top_k, lam=lam),
-                                    policy=routing.make_policy("cache-prior", model.cfg.top_k, lam=lam),
-                                    cache=simulate.CacheConfig(size)))
+        out.append(sweep_points.make_point(model, label, context=context, max_tokens=tokens, sweep={"lam": lam},
+                                           routing=sweep_points.routing_record("cache-prior", model.cfg.top_k, lam=lam),
+                                           policy=routing.make_policy("cache-prior", model.cfg.top_k, lam=lam),
+                                           cache=simulate.CacheConfig(size)))
     return out
 
 
@@ -60,7 +60,7 @@ def main(argv=None) -> int:
                                                  "evaluate.json"))
     args = p.parse_args(argv)
     model = moejax.load(args.model, dtype=getattr(jnp, args.dtype))
-    label = sweep.model_label(args.model) + f"@{args.dtype}"
+    label = sweep_points.model_label(args.model) + f"@{args.dtype}"
     text = perplexity.load_wikitext()
     size = str(model.cfg.n_experts // 2)
     full_inp = sweep.wikitext_input(model, text, args.context, args.full_tokens or None)
@@ -70,10 +70,10 @@ def main(argv=None) -> int:
               "load_average_start": os.getloadavg()}
 
     if not args.skip_full:
-        pt = sweep.make_point(model, label, context=args.context, max_tokens=args.full_tokens or None,
-                              routing=sweep.routing_record("cache-prior", model.cfg.top_k, lam=0.5),
-                              policy=routing.make_policy("cache-prior", model.cfg.top_k, lam=0.5),
-                              cache=simulate.CacheConfig(size))
+        pt = sweep_points.make_point(model, label, context=args.context, max_tokens=args.full_tokens or None,
+                                     routing=sweep_points.routing_record("cache-prior", model.cfg.top_k, lam=0.5),
+                                     policy=routing.make_policy("cache-prior", model.cfg.top_k, lam=0.5),
+                                     cache=simulate.CacheConfig(size))
         runner = sweep.Runner(model, batch_size=1, progress=True, load_text=lambda data: text)
         t0 = time.perf_counter()
         rec = runner.run([pt])[0]

@@ -75,7 +75,7 @@ def cpu_suite(args) -> dict:
     else:
         model = moejax.load(args.model)
         ids = model.encode(PROMPT)
-    k, n = model.cfg.top_k, model.cfg.n_experts
+    k = model.cfg.top_k
     lams = [float(x) for x in args.lams.split(",")]
     out = {"machine": machine(), "model": args.model, "new_tokens": args.new_tokens, "points": []}
     print(f"{'GB/s':>6} {'C':>4} {'policy':>18} {'tok/s':>8} {'ratio':>6} {'miss':>6} {'MiB/tok':>8} {'xfer%':>6}")
@@ -138,17 +138,17 @@ def measure_device_put(shapes: dict[str, tuple], dtype, repeat: int = 20) -> dic
 
 def real_size_model(layers: int, small: bool, dtype=jnp.bfloat16):
     """OLMoE expert shapes (D=2048, F=1024, N=64, K=8) on a Qwen3-MoE decoder, random weights."""
-    from moejax.training import train
+    from moejax.training import recipe
     from moejax.runtime.api import Model
     from moejax.models.config import ModelConfig
 
     d, f, n, k, heads = (2048, 1024, 64, 8, 16) if not small else (128, 64, 16, 4, 4)
-    hf = train.hf_config("small", vocab_size=50304 if not small else 512, max_len=4096)
+    hf = recipe.hf_config("small", vocab_size=50304 if not small else 512, max_len=4096)
     hf.update(hidden_size=d, moe_intermediate_size=f, intermediate_size=4 * f, num_experts=n, num_experts_per_tok=k,
               num_attention_heads=heads, num_key_value_heads=heads, head_dim=d // heads, num_hidden_layers=layers,
               norm_topk_prob=False)
     cfg = ModelConfig.from_hf(hf)
-    params = train.init_params(cfg, jax.random.PRNGKey(0))
+    params = recipe.init_params(cfg, jax.random.PRNGKey(0))
     for lp in params["layers"]:  # decisive routing, as a trained router would give
         lp["moe"]["router"] = lp["moe"]["router"] * 50.0
     params = jax.tree.map(lambda a: a.astype(dtype), params)

@@ -62,9 +62,9 @@ TRIPWIRES = (
     ("moejax.runtime.api", "_forward_original"),  # teacher-forced passes (evaluate)
     ("moejax.runtime.simulate", "forward_with_cache"),
     ("moejax.runtime.simulate", "sweep_forward"),
-    ("moejax.runtime.offload", "host_forward"),
+    ("moejax.runtime.host_paging", "host_forward"),
     ("moejax.evaluation.sweep", "Runner._evaluate"),  # sweeps and studies: after planning, before the first point
-    ("moejax.training.train", "_compiled"),  # training: before compiling the step
+    ("moejax.training.recipe", "compiled_steps"),  # training: before compiling the step
     ("moejax.training.train_prior", "training_tokens"),  # the prior: before recording
 )
 

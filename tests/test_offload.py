@@ -23,7 +23,7 @@ from conftest import get_moejax_model
 from moejax.models import layout, weights
 from moejax.models.gating import SoftmaxTopK
 from moejax.experts import cache as cache_lib, router
-from moejax.runtime import expert_store, offload, simulate
+from moejax.runtime import decode, expert_store, host_paging, offload, simulate
 from moejax.runtime.simulate import CacheConfig
 
 PROMPT = np.array([5, 17, 33, 8, 61, 2, 44, 90], np.int32)
@@ -91,12 +91,12 @@ def test_slots_always_hold_what_the_cache_state_names():
     m = _model("olmoe_clip")
     for cc in [CacheConfig(size="5", prefetch=1.0), CacheConfig(size="0.3", scope="global", eviction="fld")]:
         state = m.router_state("cache-prior", cc)
-        pager = offload.HostPager(m.params, m.cfg, state, offload.OffloadConfig())
+        pager = host_paging.HostPager(m.params, m.cfg, state, offload.OffloadConfig())
         kv = jax.tree.map(lambda a: a, __import__("moejax.models.model", fromlist=["init_kv"]).init_kv(m.cfg, 16))
         key = jax.random.PRNGKey(0)
         moe_ids = [i for i in range(m.cfg.num_layers) if m.cfg.moe_layers[i]]
         for pos, tok in enumerate(PROMPT.tolist()):
-            _, _, kv, key = pager.step(tok, jnp.int32(pos), kv, key, offload.decode.Sampling())
+            _, _, kv, key = pager.step(tok, jnp.int32(pos), kv, key, decode.Sampling())
             slot = np.asarray(pager.state["cache"].slot)
             resident = np.asarray(pager.state["cache"].resident)
             np.testing.assert_array_equal(slot >= 0, resident)
@@ -273,7 +273,7 @@ def test_prefetch_precision_and_recall_counts():
 
 
 def test_emulated_link_is_a_sequential_queue():
-    link = offload.Link(gbps=1.0, latency_us=10.0)
+    link = host_paging.Link(gbps=1.0, latency_us=10.0)
     done1 = link.schedule(1_000_000, now=0.0)  # 1 MB at 1 GB/s = 1 ms + 10 µs
     done2 = link.schedule(1_000_000, now=0.0)  # queued behind the first
     assert done1 == pytest.approx(0.00101) and done2 == pytest.approx(0.00202)
@@ -325,8 +325,8 @@ def test_kept_slots_continue_the_cache_across_calls_without_paging_it_again():
         sim_state, off_state = ref.router_state, off.router_state
         o = off.stats["offload"]
         assert o["bytes_moved"] == (off.stats["cache"]["loads"] - before) * o["expert_bytes"]
-        pagers.add(id(m._stores[offload.KEPT_PAGER]))
+        pagers.add(id(m._stores[host_paging.KEPT_PAGER]))
     assert len(pagers) == 1  # one pager, its slots carried on
     # a call that does not continue from it (a fresh state) pages from scratch and drops the kept pager
     m.generate(PROMPT, NEW, routing="cache-prior", cache=cc, offload=offload.OffloadConfig())
-    assert offload.KEPT_PAGER not in m._stores
+    assert host_paging.KEPT_PAGER not in m._stores

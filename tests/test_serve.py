@@ -23,7 +23,7 @@ pytest.importorskip("fastapi", reason="the serve tests need the serve extra (Fas
 
 import moejax  # noqa: E402
 from moejax.experts import routing  # noqa: E402
-from moejax.runtime import serve, simulate  # noqa: E402
+from moejax.runtime import serve, serve_engine, simulate  # noqa: E402
 
 PROMPT = "The history of the"
 
@@ -231,11 +231,11 @@ def test_engine_carries_one_cache_across_requests_and_routing_overrides(model):
     override, the cache kept); the shared cache changes what cache-prior routes."""
     policy = routing.make_policy("original", model.cfg.top_k)
     cache = simulate.CacheConfig(size="0.25")
-    engine = serve.Engine(model, policy, cache, max_queue=4)
+    engine = serve_engine.Engine(model, policy, cache, max_queue=4)
     try:
         ids = model.encode(PROMPT)
-        jobs = [serve.Job(ids, 12), serve.Job(ids, 12, routing={"routing": "cache-prior", "lam": 0.9}),
-                serve.Job(ids[:3], 7, routing={"routing": "cache-prior", "lam": 0.9})]
+        jobs = [serve_engine.Job(ids, 12), serve_engine.Job(ids, 12, routing={"routing": "cache-prior", "lam": 0.9}),
+                serve_engine.Job(ids[:3], 7, routing={"routing": "cache-prior", "lam": 0.9})]
         served = [engine.run(j) for j in jobs]
         state = model.router_state(policy, cache)
         for job, got in zip(jobs, served):
@@ -313,12 +313,12 @@ def test_warm_up_compiles_every_program_the_requests_within_its_bounds_need():
     from conftest import get_moejax_model
 
     m = get_moejax_model("qwen3_moe")
-    engine = serve.Engine(m, routing.make_policy("cache-prior", m.cfg.top_k), simulate.CacheConfig())
+    engine = serve_engine.Engine(m, routing.make_policy("cache-prior", m.cfg.top_k), simulate.CacheConfig())
     try:
         engine.warm_up(max_prompt=20, max_tokens=20)  # one KV bucket: pieces 1..16 and its decode chunk
         for n in (1, 3, 17, 20):
             for new in (1, 2, 20):
-                r = engine.run(serve.Job(list(range(3, 3 + n)), new))
+                r = engine.run(serve_engine.Job(list(range(3, 3 + n)), new))
                 assert r["compile_time_s"] < 0.5, (n, new, r["compile_time_s"])  # lowering only, no XLA compile
         assert engine.cache_view()["summary"]["tokens"] > 0
     finally:

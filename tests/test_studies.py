@@ -14,7 +14,7 @@ from test_evaluate import TEXT, _FakeTasks, make_word_model
 from moejax.models import gating
 from moejax.experts import routing
 from moejax.runtime import simulate
-from moejax.evaluation import perplexity, results as results_file, studies, sweep
+from moejax.evaluation import perplexity, results as results_file, studies, sweep, sweep_points
 
 
 @pytest.fixture(scope="module")
@@ -103,7 +103,7 @@ def test_drop_hook_through_the_model_equals_the_pruning_policy(lm, data):
     text = perplexity.load_wikitext(data)
     inp = sweep.wikitext_input(lm, text, 16, 60)
     hook = studies.RankHook(lm.cfg.gating, lm.cfg.n_moe_layers, "drop")
-    p = sweep.make_point(lm, lm.path, data=data, context=16, max_tokens=60, hook=hook, hook_state=hook.init_state(2))
+    p = sweep_points.make_point(lm, lm.path, data=data, context=16, max_tokens=60, hook=hook, hook_state=hook.init_state(2))
     res, _ = sweep.run_forward_single(lm, inp.chunks, inp.text, inp.ids, 16, p)
     pruned = perplexity.wikitext_perplexity(lm, text, 16, 60, routing.make_policy("pruning", 2, prune_h=2),
                                           simulate.CacheConfig("4"))
@@ -135,7 +135,7 @@ def test_studies_runner_on_a_tiny_budget(lm, data, tmp_path, capsys):
     files = {name: results_file.load_results(os.path.join(out, f"{name}.jsonl")) for name in names}
     k, n = lm.cfg.top_k, lm.cfg.n_experts  # 2, 8
     pareto = files["pareto"]
-    assert all(r["study"] == "pareto" and r["model"] == sweep.model_label(lm.path) + "@float32" for r in pareto)
+    assert all(r["study"] == "pareto" and r["model"] == sweep_points.model_label(lm.path) + "@float32" for r in pareto)
     per_size = 1 + (k - 1) + len(studies.max_rank_values(k, n)) + 2 + 2 + 2
     assert len(pareto) == 2 * per_size
     by = {(r["routing"]["kind"], r["method"], r["cache"]["eviction"], r["cache"]["capacity"],

@@ -13,28 +13,28 @@ from test_evaluate import TEXT, make_word_model
 from moejax.models import checkpoint
 from moejax.experts import routing
 from moejax.runtime import api, simulate
-from moejax.evaluation import perplexity, results as results_file, sweep
+from moejax.evaluation import perplexity, results as results_file, sweep, sweep_points
 
 # ------------------------------------------------------------------------------------------ spec parsing
 
 
 def test_parse_good_specs():
-    lam = sweep.parse_sweep("lam=0:1:50")
+    lam = sweep_points.parse_sweep("lam=0:1:50")
     assert lam.name == "lam" and len(lam.values) == 50 and lam.values[0] == 0.0 and lam.values[-1] == 1.0
     np.testing.assert_allclose(np.diff(lam.values), 1 / 49)
-    assert sweep.parse_sweep("max_rank=0:4").values == (0, 1, 2, 3, 4)
-    assert sweep.parse_sweep("max-rank=4:32:8").values == (4, 8, 12, 16, 20, 24, 28, 32)
-    assert sweep.parse_sweep("prune_h=2,3").values == (2, 3)
-    assert sweep.parse_sweep("cache_size=1,2,4,8").values == ("1", "2", "4", "8")
-    assert sweep.parse_sweep("cache_size=0.25, 0.5").values == ("0.25", "0.5")
-    assert sweep.parse_sweep("cache_size=2:4").values == ("2", "3", "4")
-    assert sweep.parse_sweep("cache_size=0.25:1:4").values == ("0.25", "0.5", "0.75", "1.0")
-    assert sweep.parse_sweep("cumsum_p=0.9").values == (0.9,)
-    assert sweep.parse_sweep("lam=0.3:0.3:1").values == (0.3,)
-    grid = sweep.expand_grid([sweep.parse_sweep("cache_size=4,8"), sweep.parse_sweep("lam=0,1")])
+    assert sweep_points.parse_sweep("max_rank=0:4").values == (0, 1, 2, 3, 4)
+    assert sweep_points.parse_sweep("max-rank=4:32:8").values == (4, 8, 12, 16, 20, 24, 28, 32)
+    assert sweep_points.parse_sweep("prune_h=2,3").values == (2, 3)
+    assert sweep_points.parse_sweep("cache_size=1,2,4,8").values == ("1", "2", "4", "8")
+    assert sweep_points.parse_sweep("cache_size=0.25, 0.5").values == ("0.25", "0.5")
+    assert sweep_points.parse_sweep("cache_size=2:4").values == ("2", "3", "4")
+    assert sweep_points.parse_sweep("cache_size=0.25:1:4").values == ("0.25", "0.5", "0.75", "1.0")
+    assert sweep_points.parse_sweep("cumsum_p=0.9").values == (0.9,)
+    assert sweep_points.parse_sweep("lam=0.3:0.3:1").values == (0.3,)
+    grid = sweep_points.expand_grid([sweep_points.parse_sweep("cache_size=4,8"), sweep_points.parse_sweep("lam=0,1")])
     assert grid == [{"cache_size": "4", "lam": 0}, {"cache_size": "4", "lam": 1},
                     {"cache_size": "8", "lam": 0}, {"cache_size": "8", "lam": 1}]
-    assert sweep.expand_grid([]) == [{}]
+    assert sweep_points.expand_grid([]) == [{}]
 
 
 @pytest.mark.parametrize("spec, message", [
@@ -56,34 +56,34 @@ def test_parse_good_specs():
     ("cache_size=big", "is not a count"),
 ])
 def test_parse_bad_specs(spec, message):
-    with pytest.raises(sweep.SweepError) as e:
-        sweep.parse_sweep(spec)
+    with pytest.raises(sweep_points.SweepError) as e:
+        sweep_points.parse_sweep(spec)
     assert message in str(e.value) and spec.split("=")[0] in str(e.value)
 
 
 def test_grid_and_kind_errors():
-    with pytest.raises(sweep.SweepError, match="given twice"):
-        sweep.expand_grid([sweep.parse_sweep("lam=0,1"), sweep.parse_sweep("lam=0.5")])
-    assert sweep.infer_kind(None, ["lam"]) == "cache-prior"
-    assert sweep.infer_kind(None, ["max_rank", "top_j"]) == "max-rank"
-    assert sweep.infer_kind(None, ["cache_size"]) is None
-    assert sweep.infer_kind("cumsum", ["top_j", "cache_size"]) == "cumsum"
-    with pytest.raises(sweep.SweepError, match="lam applies to routing cache-prior, not --routing max-rank"):
-        sweep.infer_kind("max-rank", ["lam"])
-    with pytest.raises(sweep.SweepError, match="give --routing"):
-        sweep.infer_kind(None, ["top_j"])
-    with pytest.raises(sweep.SweepError, match="give --routing"):
-        sweep.infer_kind(None, ["lam", "max_rank"])
+    with pytest.raises(sweep_points.SweepError, match="given twice"):
+        sweep_points.expand_grid([sweep_points.parse_sweep("lam=0,1"), sweep_points.parse_sweep("lam=0.5")])
+    assert sweep_points.infer_kind(None, ["lam"]) == "cache-prior"
+    assert sweep_points.infer_kind(None, ["max_rank", "top_j"]) == "max-rank"
+    assert sweep_points.infer_kind(None, ["cache_size"]) is None
+    assert sweep_points.infer_kind("cumsum", ["top_j", "cache_size"]) == "cumsum"
+    with pytest.raises(sweep_points.SweepError, match="lam applies to routing cache-prior, not --routing max-rank"):
+        sweep_points.infer_kind("max-rank", ["lam"])
+    with pytest.raises(sweep_points.SweepError, match="give --routing"):
+        sweep_points.infer_kind(None, ["top_j"])
+    with pytest.raises(sweep_points.SweepError, match="give --routing"):
+        sweep_points.infer_kind(None, ["lam", "max_rank"])
 
 
 def test_routing_record_is_canonical():
-    a = sweep.routing_record("cache-prior", 4, lam=0.5, max_rank=7, prune_h=3)
-    b = sweep.routing_record("cache-prior", 4, lam=0.5, top_j=2)
+    a = sweep_points.routing_record("cache-prior", 4, lam=0.5, max_rank=7, prune_h=3)
+    b = sweep_points.routing_record("cache-prior", 4, lam=0.5, top_j=2)
     assert a == b == {"kind": "cache-prior", "lam": 0.5, "top_j": 2, "max_rank": None, "cumsum_p": None,
                       "prune_h": None, "delta": None}
-    assert sweep.routing_record("pruning", 4)["prune_h"] == 4
-    assert sweep.routing_record("max-rank", 2)["top_j"] == 1
-    assert sweep.routing_record("original", 4, drop_rank=2)["drop_rank"] == 2
+    assert sweep_points.routing_record("pruning", 4)["prune_h"] == 4
+    assert sweep_points.routing_record("max-rank", 2)["top_j"] == 1
+    assert sweep_points.routing_record("original", 4, drop_rank=2)["drop_rank"] == 2
 
 
 # ------------------------------------------------------------------------------------------ results file
@@ -157,9 +157,9 @@ def _points(lm, data, lams, size="4", scope="layer", eviction="lru"):
     for lam in lams:
         policy = routing.make_policy("cache-prior", lm.cfg.top_k, lam=lam)
         cache = simulate.CacheConfig(size, scope, eviction)
-        out.append(sweep.make_point(lm, lm.path, data=data, context=CONTEXT, max_tokens=MAX_TOKENS,
-                                    routing=sweep.routing_record("cache-prior", lm.cfg.top_k, lam=lam),
-                                    policy=policy, cache=cache, sweep={"lam": lam}))
+        out.append(sweep_points.make_point(lm, lm.path, data=data, context=CONTEXT, max_tokens=MAX_TOKENS,
+                                           routing=sweep_points.routing_record("cache-prior", lm.cfg.top_k, lam=lam),
+                                           policy=policy, cache=cache, sweep={"lam": lam}))
     return out
 
 
@@ -278,9 +278,9 @@ def test_batches_write_every_point_and_keys_identify_points(lm, data, tmp_path):
 def test_replay_of_the_original_trace_equals_the_forward_cache(lm, data, tmp_path):
     """LRU replay of the recorded original-routing trace = the forward pass with an LRU cache; Belady <= LRU."""
     def point(method, eviction):
-        return sweep.make_point(lm, lm.path, data=data, context=CONTEXT, max_tokens=MAX_TOKENS, method=method,
-                                policy=routing.make_policy("original", 2) if method == "forward" else None,
-                                cache=simulate.CacheConfig("3", "layer", eviction))
+        return sweep_points.make_point(lm, lm.path, data=data, context=CONTEXT, max_tokens=MAX_TOKENS, method=method,
+                                       policy=routing.make_policy("original", 2) if method == "forward" else None,
+                                       cache=simulate.CacheConfig("3", "layer", eviction))
 
     runner = sweep.Runner(lm, batch_size=2, progress=False, load_text=perplexity.load_wikitext,
                           trace_dir=str(tmp_path / "traces"))

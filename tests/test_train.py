@@ -14,7 +14,7 @@ import pytest
 from moejax.models import checkpoint
 from moejax.models.config import from_hf
 from moejax.runtime import api
-from moejax.training import data, train
+from moejax.training import data, recipe, train
 from train_fixtures import write_corpus
 
 
@@ -47,8 +47,8 @@ def baseline(dirs):
 
 
 def micro_params(seed=1, router_scale=30.0):
-    cfg = from_hf(train.hf_config("micro", 64))
-    p = train.init_params(cfg, jax.random.key(seed))
+    cfg = from_hf(recipe.hf_config("micro", 64))
+    p = recipe.init_params(cfg, jax.random.key(seed))
     for lp in p["layers"]:
         lp["moe"]["router"] = lp["moe"]["router"] * router_scale  # decisive routing: no near ties
     return cfg, p
@@ -57,17 +57,17 @@ def micro_params(seed=1, router_scale=30.0):
 def test_sparse_dispatch_equals_model_forward():
     cfg, p = micro_params()
     toks = jax.random.randint(jax.random.key(2), (3, 16), 0, 64)
-    dense = jax.jit(lambda q, t: train.batch_forward(q, cfg, t))(p, toks)
-    sparse = jax.jit(lambda q, t: train.sparse_batch_forward(q, cfg, t, cfg.n_experts / cfg.top_k))(p, toks)
+    dense = jax.jit(lambda q, t: recipe.batch_forward(q, cfg, t))(p, toks)
+    sparse = jax.jit(lambda q, t: recipe.sparse_batch_forward(q, cfg, t, cfg.n_experts / cfg.top_k))(p, toks)
     for a, b in zip(dense[:3], sparse[:3]):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=2e-5)
     assert float(sparse[3]) == 0.0
     batch = jax.random.randint(jax.random.key(3), (3, 17), 0, 64)
-    g_dense = jax.jit(jax.grad(lambda q: train.loss_fn(q, cfg, batch, 0.1, 0.0)[0]))(p)
-    g_sparse = jax.jit(jax.grad(lambda q: train.loss_fn(q, cfg, batch, 0.1, cfg.n_experts / cfg.top_k)[0]))(p)
+    g_dense = jax.jit(jax.grad(lambda q: recipe.loss_fn(q, cfg, batch, 0.1, 0.0)[0]))(p)
+    g_sparse = jax.jit(jax.grad(lambda q: recipe.loss_fn(q, cfg, batch, 0.1, cfg.n_experts / cfg.top_k)[0]))(p)
     for a, b in zip(jax.tree.leaves(g_dense), jax.tree.leaves(g_sparse)):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-5)
-    low = jax.jit(lambda q, t: train.sparse_batch_forward(q, cfg, t, 0.5))(p, toks)  # tight capacity: some assignments dropped
+    low = jax.jit(lambda q, t: recipe.sparse_batch_forward(q, cfg, t, 0.5))(p, toks)  # tight capacity: some assignments dropped
     assert 0 < float(low[3]) < 1
 
 
@@ -75,10 +75,10 @@ def test_load_balancing_loss():
     N, K = 8, 2
     z = jnp.zeros((1, 64, N))
     uniform = jnp.stack([jnp.arange(64) % N, (jnp.arange(64) + 1) % N], -1)[None]
-    assert float(train.load_balancing_loss(z, uniform, N)) == pytest.approx(1.0)
+    assert float(recipe.load_balancing_loss(z, uniform, N)) == pytest.approx(1.0)
     collapsed = jnp.zeros((1, 64, K), jnp.int32).at[..., 1].set(1)
     peaked = jnp.zeros((1, 64, N)).at[..., :2].set(5.0)
-    assert float(train.load_balancing_loss(peaked, collapsed, N)) > 3.0
+    assert float(recipe.load_balancing_loss(peaked, collapsed, N)) > 3.0
 
 
 def test_loss_decreases_and_aux_is_finite(baseline):
@@ -159,7 +159,7 @@ def test_export_loads_in_moejax_and_transformers(dirs, baseline, tmp_path):
     ids = model.encode(" The city was founded in 1850 .")
     assert ids[0] == 0
     got = model.forward(ids).logits
-    want = np.asarray(jax.jit(lambda p, t: train.batch_forward(p, cfg, t[None])[0][0])(
+    want = np.asarray(jax.jit(lambda p, t: recipe.batch_forward(p, cfg, t[None])[0][0])(
         jax.tree.map(lambda x: jnp.asarray(x, jnp.bfloat16), trained), jnp.asarray(ids)))
     np.testing.assert_allclose(got, want, atol=1e-2)
     assert "trained:" in open(os.path.join(folder, "README.md")).read()
@@ -170,7 +170,7 @@ def test_export_loads_in_moejax_and_transformers(dirs, baseline, tmp_path):
     hf = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
     with torch.no_grad():
         ref = hf(torch.tensor([ids])).logits[0].numpy()
-    ours = np.asarray(jax.jit(lambda p, t: train.batch_forward(p, model.cfg, t[None])[0][0])(p32, jnp.asarray(ids)))
+    ours = np.asarray(jax.jit(lambda p, t: recipe.batch_forward(p, model.cfg, t[None])[0][0])(p32, jnp.asarray(ids)))
     np.testing.assert_allclose(ours, ref, atol=2e-4, rtol=1e-4)
 
 
@@ -178,8 +178,8 @@ def test_batched_attention_equals_model_attention():
     """The training path's jax.nn.dot_product_attention gives model.forward's logits (float32, XLA)."""
     cfg, p = micro_params()
     toks = jax.random.randint(jax.random.key(4), (2, 16), 0, 64)
-    ref = jax.jit(lambda q, t: train.sparse_batch_forward(q, cfg, t, cfg.n_experts / cfg.top_k))(p, toks)
-    fast = jax.jit(lambda q, t: train.sparse_batch_forward(q, cfg, t, cfg.n_experts / cfg.top_k,
+    ref = jax.jit(lambda q, t: recipe.sparse_batch_forward(q, cfg, t, cfg.n_experts / cfg.top_k))(p, toks)
+    fast = jax.jit(lambda q, t: recipe.sparse_batch_forward(q, cfg, t, cfg.n_experts / cfg.top_k,
                                                            attention="xla"))(p, toks)
     np.testing.assert_allclose(np.asarray(ref[0]), np.asarray(fast[0]), atol=2e-5)
 
@@ -187,28 +187,28 @@ def test_batched_attention_equals_model_attention():
 def test_router_losses():
     """z-loss is mean logsumexp²; the offset loss sees only the expert-wise common mode of the logits."""
     z = jax.random.normal(jax.random.key(5), (2, 3, 7, 8))
-    np.testing.assert_allclose(float(train.router_z_loss(z)), float(np.mean(jax.nn.logsumexp(z, -1) ** 2)),
+    np.testing.assert_allclose(float(recipe.router_z_loss(z)), float(np.mean(jax.nn.logsumexp(z, -1) ** 2)),
                                rtol=1e-6)
     centred = z - z.reshape(2, -1, 8).mean(1)[:, None, None, :]
-    assert float(train.router_offset_loss(centred)) < 1e-10
+    assert float(recipe.router_offset_loss(centred)) < 1e-10
     bias = jnp.arange(8.0)
-    np.testing.assert_allclose(float(train.router_offset_loss(centred + bias)), float(jnp.var(bias)), rtol=1e-5)
+    np.testing.assert_allclose(float(recipe.router_offset_loss(centred + bias)), float(jnp.var(bias)), rtol=1e-5)
 
 
 def test_bf16_loss_keeps_routers_fp32_and_is_close():
     cfg, p = micro_params(router_scale=1.0)
     batch = jax.random.randint(jax.random.key(6), (2, 17), 0, 64)
-    cast = train.cast_params(p, jnp.bfloat16)
+    cast = recipe.cast_params(p, jnp.bfloat16)
     assert cast["layers"][0]["moe"]["router"].dtype == jnp.float32
     assert cast["embed"].dtype == jnp.bfloat16
-    f32 = float(train.loss_fn(p, cfg, batch, 0.01)[0])
-    b16 = float(train.loss_fn(p, cfg, batch, 0.01, compute_dtype=jnp.bfloat16)[0])
+    f32 = float(recipe.loss_fn(p, cfg, batch, 0.01)[0])
+    b16 = float(recipe.loss_fn(p, cfg, batch, 0.01, compute_dtype=jnp.bfloat16)[0])
     assert abs(f32 - b16) < 0.05 * f32
 
 
 def test_lr_schedule_warmup_and_cosine_floor():
-    assert float(train.lr_at(5, 100, 1.0, 10)) == pytest.approx(0.5)
-    assert float(train.lr_at(10, 100, 1.0, 10)) == pytest.approx(1.0)
-    assert float(train.lr_at(100, 100, 1.0, 10, 0.1)) == pytest.approx(0.1)
-    mid = [float(train.lr_at(s, 100, 1.0, 10, 0.1)) for s in range(10, 101)]
+    assert float(recipe.lr_at(5, 100, 1.0, 10)) == pytest.approx(0.5)
+    assert float(recipe.lr_at(10, 100, 1.0, 10)) == pytest.approx(1.0)
+    assert float(recipe.lr_at(100, 100, 1.0, 10, 0.1)) == pytest.approx(0.1)
+    mid = [float(recipe.lr_at(s, 100, 1.0, 10, 0.1)) for s in range(10, 101)]
     assert all(a >= b for a, b in zip(mid, mid[1:]))

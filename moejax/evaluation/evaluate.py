@@ -31,7 +31,7 @@ import jax.numpy as jnp
 from moejax.base import distributed, errors, interrupts
 from moejax.experts.trace import json_safe
 from moejax.runtime import api, cli_options
-from moejax.evaluation import perplexity, sweep, tasks
+from moejax.evaluation import perplexity, sweep, sweep_points, tasks
 
 TASK_NAMES = ("wikitext", "mmlu", "gsm8k", "truthfulqa", "nq_open")
 
@@ -56,7 +56,7 @@ def build_parser() -> argparse.ArgumentParser:
     s = p.add_argument_group("sweeps and results (moejax.evaluation.sweep)")
     s.add_argument("--sweep", action="append", default=[], metavar="NAME=VALUES",
                    help="lam=0:1:50 (n points a..b), max_rank=4:8 (integers a..b), cache_size=1,2,4 (list); "
-                        "parameters: " + ", ".join(sorted(sweep.SWEEP_PARAMS)) + "; several flags = a grid")
+                        "parameters: " + ", ".join(sorted(sweep_points.SWEEP_PARAMS)) + "; several flags = a grid")
     s.add_argument("--results", metavar="FILE.jsonl",
                    help="append each point as one JSON line as soon as it is done; points already there are skipped")
     s.add_argument("--batch-size", type=int, default=None,
@@ -83,14 +83,14 @@ def _check_args(args: argparse.Namespace) -> None:
         raise ValueError(f"--context must be at least 2 tokens, got {args.context}")
 
 
-def build_points(args: argparse.Namespace, model: api.Model) -> list[sweep.Point]:
+def build_points(args: argparse.Namespace, model: api.Model) -> list[sweep_points.Point]:
     """The evaluation points of a command line: one, or the grid of its ``--sweep`` flags. Every point's
     policy and cache are built (and checked against the model) before anything is computed."""
-    axes = [sweep.parse_sweep(spec) for spec in args.sweep]
-    grid = sweep.expand_grid(axes)
-    kind = sweep.infer_kind(args.routing, [a.name for a in axes])
+    axes = [sweep_points.parse_sweep(spec) for spec in args.sweep]
+    grid = sweep_points.expand_grid(axes)
+    kind = sweep_points.infer_kind(args.routing, [a.name for a in axes])
     with_cache = cli_options.cache_requested(args) or bool(axes)
-    label = sweep.model_label(args.model) + (f"@{args.dtype}" if args.dtype else "") + cli_options.weight_label(args)
+    label = sweep_points.model_label(args.model) + (f"@{args.dtype}" if args.dtype else "") + cli_options.weight_label(args)
     points = []
     for values in grid:
         a = argparse.Namespace(**vars(args))
@@ -98,21 +98,22 @@ def build_points(args: argparse.Namespace, model: api.Model) -> list[sweep.Point
         for name, value in values.items():
             setattr(a, name, value)
         policy = cache = None
-        routing = sweep.routing_record("original", model.cfg.top_k)
+        routing = sweep_points.routing_record("original", model.cfg.top_k)
         if with_cache:
             policy = cli_options.policy_from_args(a, model.cfg.top_k)
             cache = cli_options.cache_from_args(a)
             cache.capacity(model.cfg)  # range check against N (or L·N) now, not after hours of work
             kind_now = a.routing or "original"
             extra = {"prior": os.path.realpath(a.prior)} if getattr(a, "prior", None) else {}
-            routing = sweep.routing_record(kind_now, model.cfg.top_k, lam=a.lam, top_j=a.top_j, max_rank=a.max_rank,
-                                           cumsum_p=a.cumsum_p, prune_h=a.prune_h, delta=a.delta, **extra)
+            routing = sweep_points.routing_record(kind_now, model.cfg.top_k, lam=a.lam, top_j=a.top_j,
+                                                  max_rank=a.max_rank, cumsum_p=a.cumsum_p, prune_h=a.prune_h,
+                                                  delta=a.delta, **extra)
         method = "forward" if args.task == "wikitext" else "task"
-        points.append(sweep.make_point(model, label, task=args.task, study=args.study, data=args.data,
-                                       context=args.context, max_tokens=args.max_tokens, limit=args.limit,
-                                       shots=args.shots, max_new_tokens=args.max_new_tokens, routing=routing,
-                                       policy=policy, cache=cache, sweep=values, method=method,
-                                       offload=offload_from_args(args)))
+        points.append(sweep_points.make_point(model, label, task=args.task, study=args.study, data=args.data,
+                                              context=args.context, max_tokens=args.max_tokens, limit=args.limit,
+                                              shots=args.shots, max_new_tokens=args.max_new_tokens, routing=routing,
+                                              policy=policy, cache=cache, sweep=values, method=method,
+                                              offload=offload_from_args(args)))
     return points
 
 

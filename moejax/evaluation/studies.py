@@ -63,7 +63,7 @@ from moejax.base import distributed, errors, interrupts, paths
 from moejax.models.gating import descending_order
 from moejax.experts import routing as routing_lib
 from moejax.runtime import api, cli_options, simulate
-from moejax.evaluation import perplexity, results as results_file, sweep
+from moejax.evaluation import perplexity, results as results_file, sweep, sweep_points
 
 STUDIES = ("pareto", "lifetimes", "init", "delta", "cache_size", "sensitivity", "eviction", "tasks")
 SHARD_07 = os.path.join(paths.CORPUS_DIR, "enwiki-2015-wikitext-style-07.txt.gz")
@@ -193,7 +193,7 @@ class Context:
     def point(self, study: str, kind: str, size: str | int | None, *, sweep_values: dict | None = None,
               scope: str = "layer", eviction: str = "lru", init: str = "empty", seed: int = 0,
               method: str = "forward", task: str = "wikitext", limit: int | None = None,
-              cache_options: dict | None = None, **params) -> sweep.Point:
+              cache_options: dict | None = None, **params) -> sweep_points.Point:
         """A point of routing ``kind`` (with ``params``) against a cache of ``size`` (None: no cache);
         ``cache_options``: further ``simulate.CacheConfig`` fields (prefetch)."""
 
@@ -205,17 +205,17 @@ class Context:
             cache.capacity(self.cfg)
             if method != "replay":
                 policy = routing_lib.make_policy(kind, k, **params)
-        routing = sweep.routing_record(kind, k, **params)
+        routing = sweep_points.routing_record(kind, k, **params)
         base = self._base(study, task)
         if task != "wikitext":
             base.update(limit=limit)
-        return sweep.make_point(self.model, self.label, routing=routing, policy=policy, cache=cache,
-                                sweep=sweep_values, method=method, **base)
+        return sweep_points.make_point(self.model, self.label, routing=routing, policy=policy, cache=cache,
+                                       sweep=sweep_values, method=method, **base)
 
-    def hook_point(self, study: str, hook: RankHook | None, rank: int | None, extra: dict) -> sweep.Point:
-        routing = sweep.routing_record("original", self.cfg.top_k, **extra)
-        p = sweep.make_point(self.model, self.label, routing=routing, sweep=dict(extra), hook=hook,
-                             hook_state=None if hook is None else hook.init_state(rank), **self._base(study))
+    def hook_point(self, study: str, hook: RankHook | None, rank: int | None, extra: dict) -> sweep_points.Point:
+        routing = sweep_points.routing_record("original", self.cfg.top_k, **extra)
+        p = sweep_points.make_point(self.model, self.label, routing=routing, sweep=dict(extra), hook=hook,
+                                    hook_state=None if hook is None else hook.init_state(rank), **self._base(study))
         return p
 
     def runner(self, study: str) -> sweep.Runner:
@@ -440,7 +440,7 @@ def select_within_bounds(records: list[dict], runner: sweep.Runner) -> list[dict
             rec = {k: best[k] for k in ("task", "model", "routing", "cache", "ppl", "accuracy", "miss_rate", "lifetime",
                                         "lifetime_std", "bytes_per_token", "collision_misses",
                                         "prefetch_precision", "prefetch_recall")}
-            rec.update(key=sweep.point_key(ident), study="cache_size", method="selection",
+            rec.update(key=sweep_points.point_key(ident), study="cache_size", method="selection",
                        sweep={"cache_size": size, "ppl_bound": bound},
                        metrics={"selected_key": best["key"], "selected_method": best["method"],
                                 "lam": best["routing"]["lam"] or 0.0, "ppl_original": base["ppl"],
@@ -592,7 +592,7 @@ def main(argv: list[str] | None = None) -> int:
         model = api.load(args.model, dtype=getattr(jnp, args.dtype))
     except errors.HANDLED as e:
         return errors.report(e)
-    label = sweep.model_label(args.model) + ("" if args.dtype == "bfloat16" else f"@{args.dtype}")
+    label = sweep_points.model_label(args.model) + ("" if args.dtype == "bfloat16" else f"@{args.dtype}")
     ctx = Context(model, label, args.out, args.max_tokens or None, args.context, args.points, args.data,
                   args.batch_size or sweep.default_batch_size(), not args.no_progress, args.dtype, args.mmlu_limit,
                   args.gsm8k_limit, evictions,

@@ -16,7 +16,7 @@ from moejax.models import assets, checkpoint, gating, layout as layout_lib, weig
 from moejax.models.config import ModelConfig
 from moejax.models.model import forward as model_forward
 from moejax.experts import routing as routing_lib
-from moejax.runtime import decode, offload as offload_lib, simulate
+from moejax.runtime import decode, host_paging, jit_paging, offload as offload_lib, simulate
 from moejax.runtime.decode import CHUNK as DECODE_CHUNK  # a default inside Model, whose decode() hides the module
 
 DEFAULT_MODEL_NAME = assets.DEFAULT_MODEL_NAME  # "default": the embedded model, in every command
@@ -201,9 +201,8 @@ class Model:
         tokens = self._tokens(token_ids)
         offload = self._offload(offload)
         if offload is not None:
-
             state = self._resolve_state(routing, cache, state)
-            out = offload_lib.host_forward(self.params, self.cfg, np.asarray(tokens), state, offload, self._stores)
+            out = host_paging.host_forward(self.params, self.cfg, np.asarray(tokens), state, offload, self._stores)
             check_output(self.cfg, out["router_logits"], out["logits"])
             stats = simulate.summarize(out["router_state"], self.params, self.cfg)
             stats["offload"] = out["offload"]
@@ -253,25 +252,24 @@ class Model:
         and ``stats["stopped"]`` is "stop". ``cancelled()`` is polled between chunks ("cancelled").
         ``bucketed``: compile-friendly shapes for long-running callers (``decode.generate``). ``keep_slots``
         (offload, host paging): keep the device slots for a next call that continues from ``result.
-        router_state`` (``offload.host_generate``), as a server carrying one cache does. ``on_cache``: the
+        router_state`` (``host_paging.host_generate``), as a server carrying one cache does. ``on_cache``: the
         cache as it changes (``decode.generate``; offloaded: token by token)."""
         cfg = dataclasses.replace(self.cfg, eos_token_ids=self.eos_token_ids)
         stop = decode.Stop(tuple(stop), self.text if stop else None, cancelled)
         router = None
         offload = self._offload(offload)
         if offload is not None:
-
             state = self._resolve_state(routing, cache, state)
             prefill_policy = None if prefill_routing is None else self._policy(prefill_routing)
-            result = offload_lib.generate(self.params, cfg, prompt_ids, state, offload,
-                                          max_new_tokens=max_new_tokens, sampling=decode.Sampling(temperature, top_p),
-                                          seed=seed, stop_at_eos=stop_at_eos, on_tokens=on_tokens,
-                                          prefill_policy=prefill_policy, stores=self._stores, stop=stop,
-                                          bucketed=bucketed, keep_slots=keep_slots, on_cache=on_cache)
+            paged_generate = host_paging.host_generate if offload.paging == "host" else jit_paging.jit_generate
+            result = paged_generate(self.params, cfg, prompt_ids, state, offload,
+                                    max_new_tokens=max_new_tokens, sampling=decode.Sampling(temperature, top_p),
+                                    seed=seed, stop_at_eos=stop_at_eos, on_tokens=on_tokens,
+                                    prefill_policy=prefill_policy, stores=self._stores, stop=stop,
+                                    bucketed=bucketed, keep_slots=keep_slots, on_cache=on_cache)
             result.stats["cache"] = simulate.summarize(result.router_state, self.params, self.cfg)
             return result
         if routing is not None or cache is not None or state is not None:
-
             router = simulate.CacheRouter(self.cfg.gating)
             state = self._resolve_state(routing, cache, state)
         prefill_policy = None if prefill_routing is None else self._policy(prefill_routing)
@@ -283,7 +281,6 @@ class Model:
                                  router_state=state, prefill_policy=prefill_policy, stop=stop,
                                  bucketed=bucketed, on_cache=on_cache)
         if router is not None:
-
             result.stats["cache"] = simulate.summarize(result.router_state, self.params, self.cfg)
         return result
 

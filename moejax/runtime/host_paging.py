@@ -1,0 +1,527 @@
+"""Host-driven offloaded decoding (``OffloadConfig(paging="host")``; works everywhere, CPU included).
+
+The decode step is cut at each MoE layer into jitted stages: stage A (attention, router logits, router
+step, the next layer's prefetch) → the host reads the slot changes, issues ``device_put`` of the missed
+experts (and, asynchronously, of the prefetched ones, which overlap the expert compute) → stage B (experts
+from the slots, residual). Transfers can be throttled to an emulated link (``bandwidth_gbps``,
+``latency_us``: SpecMD appendix A.4), modelled as one sequential queue, so a phone's flash or a laptop's
+PCIe link can be studied on any machine. Miss handling by cascade (low-bit experts) needs this path.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import os
+import time
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from moejax.models import model as model_lib, quant
+from moejax.models.config import ModelConfig
+from moejax.experts.router import prefetch_step, router_step
+from moejax.runtime import decode
+from moejax.runtime.expert_store import (EXPERT_KEYS, expert_store, fill_slots, init_slots, slot_changes,
+    split_params, tree_nbytes, write_slot)
+from moejax.runtime.offload import OffloadConfig, check_capacity
+
+
+# ------------------------------------------------------------------------------------------ emulated link
+
+
+class Link:
+    """Host→device transfers as one sequential queue; with ``gbps`` set each transfer takes
+    latency + bytes / bandwidth on it (emulation), otherwise the real copy time is what it takes."""
+
+    def __init__(self, gbps: float | None = None, latency_us: float = 0.0):
+        self.gbps, self.latency = gbps, latency_us * 1e-6
+        self.free_at = 0.0
+        self.bytes = 0
+        self.transfers = 0
+        self.busy_s = 0.0  # time the link was busy (emulated), or measured issue→ready time (real)
+        self.wait_s = 0.0  # time compute waited for transfers
+
+    @property
+    def emulated(self) -> bool:
+        return self.gbps is not None or self.latency > 0
+
+    def schedule(self, nbytes: int, now: float) -> float:
+        """Queue a transfer issued at ``now``; returns when it completes (emulation) or ``now``."""
+        self.bytes += int(nbytes)
+        self.transfers += 1
+        if not self.emulated:
+            return now
+        start = max(now, self.free_at)
+        dur = self.latency + (nbytes / (self.gbps * 1e9) if self.gbps else 0.0)
+        self.free_at = start + dur
+        self.busy_s += dur
+        return self.free_at
+
+    def wait_until(self, t: float) -> None:
+        now = time.perf_counter()
+        if t > now:
+            if t - now > 2e-3:
+                time.sleep(t - now - 1e-3)
+            while time.perf_counter() < t:
+                pass
+            self.wait_s += t - now
+
+
+# ------------------------------------------------------------------------------------------ stages
+
+
+def _rope(cfg, pos):
+    positions = jnp.asarray(pos, jnp.int32)[None]
+    return positions, *model_lib.rope_tables(cfg, positions)
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "layer"), donate_argnames=("kv",))
+def _dense_layer(lp, cfg: ModelConfig, layer: int, x, pos, kv):
+    positions, cos, sin = _rope(cfg, pos)
+    attend = model_lib.mla_attention if cfg.mla else model_lib.gqa_attention
+    a, kv = attend(lp["attn"], cfg, layer, model_lib.norm(x, lp["attn_norm"], cfg), cos, sin, positions, kv, pos)
+    x = x + a
+    return x + model_lib.dense_mlp(lp["mlp"], cfg, model_lib.norm(x, lp["mlp_norm"], cfg)), kv
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "layer"), donate_argnames=("kv",))
+def _stage_a(lp, next_lp, cfg: ModelConfig, layer: int, moe_index, x, pos, kv, state, prediction):
+    """Attention + router step of one MoE layer, then the next MoE layer's prefetch (cache update only;
+    the host starts its transfers right away). Event order = the simulation's: route(l), prefetch(l+1).
+    ``moe_index`` is traced, so layers of one structure share one compiled stage."""
+    positions, cos, sin = _rope(cfg, pos)
+    attend = model_lib.mla_attention if cfg.mla else model_lib.gqa_attention
+    a, kv = attend(lp["attn"], cfg, layer, model_lib.norm(x, lp["attn_norm"], cfg), cos, sin, positions, kv, pos)
+    x = x + a
+    h = model_lib.norm(x, lp["mlp_norm"], cfg)
+    z = model_lib.router_logits(lp["moe"], h)[0]
+    cs, rs, policy = state["cache"], state["routing"], state["policy"]
+    experts, weights, hits, tier, cs, rs = router_step(z, cs, rs, policy, cfg.gating, moe_index,
+                                                       prediction=prediction, with_tier=True)
+    # slots as this layer computes with them (a global-scope prefetch below may reuse one of them later)
+    slot_ids = cs.slot[moe_index, jnp.maximum(experts, 0)]
+    slot_mid = cs.slot
+    next_prediction = None
+    if next_lp is not None and cs.prefetcher.enabled:
+        z_pred = model_lib.router_logits(next_lp["moe"], model_lib.norm(x, next_lp["mlp_norm"], cfg))[0]
+        cs, next_prediction = prefetch_step(cs, moe_index + 1, z_pred, cfg.gating)
+    state = {**state, "cache": cs, "routing": rs}
+    return x, h, kv, state, next_prediction, (experts, weights, hits, tier, slot_ids, slot_mid, z)
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "tiers"))
+def _stage_b(p, cfg: ModelConfig, x, h, slots, staging, experts, weights, tier, slot_ids, tiers: tuple):
+    """Routed experts from the slot buffers (full precision) and the low-bit staging buffers, + residual."""
+    full = (tier == 0) & (experts >= 0)
+    y = model_lib.routed_experts({"experts": slots}, cfg, h, jnp.where(full, slot_ids, -1)[None],
+                                 jnp.where(full, weights, 0.0)[None])
+    for bits in tiers:
+        sel = (tier == bits) & (experts >= 0)
+        low = {k: quant.dequantize(staging[bits][k], h.dtype) for k in EXPERT_KEYS}
+        y = y + model_lib.routed_experts(low, cfg, h, jnp.where(sel, jnp.arange(tier.shape[0]), -1)[None],
+                                         jnp.where(sel, weights, 0.0)[None])
+    if "shared" in p:
+        y = y + model_lib.shared_experts(p, cfg, h)
+    return x + y
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "sampling"))
+def _head(params, cfg: ModelConfig, x, key, sampling):
+    x = model_lib.norm(x, params["final_norm"], cfg)
+    logits = model_lib.linear(x, model_lib.lm_head(params, cfg), params.get("lm_head_bias")).astype(jnp.float32)
+    key, sub = jax.random.split(key)
+    return decode.sample(logits[0], sub, sampling), logits[0], key
+
+
+@jax.jit
+def _embed(embed, token):
+    return embed[token[None]]
+
+
+# ------------------------------------------------------------------------------------------ the pager
+
+
+def storage_read_bytes() -> int | None:
+    """Bytes this process has read from storage so far (Linux ``/proc/self/io`` ``read_bytes``: page-cache
+    hits do not count), or None where the kernel does not say."""
+    try:
+        with open("/proc/self/io") as f:
+            for line in f:
+                if line.startswith("read_bytes:"):
+                    return int(line.split()[1])
+    except OSError:
+        return None
+    return None
+
+
+@dataclasses.dataclass
+class PagingStats:
+    tokens: int = 0
+    demand_loads: int = 0
+    prefetch_loads: int = 0
+    low_bit_loads: int = 0
+    bytes_moved: int = 0
+    transfer_s: float = 0.0  # real: issue → ready of each demand batch (the host waits on it alone)
+    timed_bytes: int = 0  # bytes of those batches
+
+
+PAGE_MMAP_THRESHOLD = 1 << 20
+
+
+@functools.lru_cache(maxsize=None)
+def return_large_frees_to_the_os() -> bool:
+    """Pin glibc's mmap threshold (``mallopt(M_MMAP_THRESHOLD)``) at ``PAGE_MMAP_THRESHOLD``, once per
+    process: every page moves an expert through transient buffers of several MB, and with glibc's default
+    *dynamic* threshold each freed one raises the threshold, so later ones come from the heap and are never
+    returned: measured on Qwen1.5-MoE shapes, +3.8 GB of resident memory over 320 pages (a 12 GiB budget
+    overrun), flat with the threshold pinned. No effect where the C library is not glibc, or when the user
+    set ``MALLOC_MMAP_THRESHOLD_`` already. Returns whether it was set."""
+    if os.environ.get("MALLOC_MMAP_THRESHOLD_") is not None:
+        return False
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL("libc.so.6")
+        return bool(libc.mallopt(-3, PAGE_MMAP_THRESHOLD))  # M_MMAP_THRESHOLD
+    except (OSError, AttributeError):
+        return False
+
+
+class HostPager:
+    """Host-driven offloaded decoding (module docstring): states as explicit values, stages jitted."""
+
+    def __init__(self, params: dict, cfg: ModelConfig, router_state: dict, offload: OffloadConfig,
+                 stores: dict | None = None):
+        return_large_frees_to_the_os()
+        cs = router_state["cache"]
+        check_capacity(cfg, cs)
+        self.cfg, self.offload = cfg, offload
+        self.miss = cs.miss
+        self.tiers = tuple(sorted(set(cs.miss.bits))) if cs.miss.mode == "cascade" else ()
+        self.store = expert_store(params, cfg, offload.store, offload.store_dir, self.tiers, cs.miss.group_size, stores)
+        self.device = self.store.device
+        self.params = jax.device_put(split_params(params, cfg), self.device)
+        self.dtype = params["embed"].dtype
+        self.moe_ids = self.store.moe_ids
+        self.link = Link(offload.bandwidth_gbps, offload.latency_us)
+        self.stats = PagingStats()
+        self.global_scope = cs.scope == "global"
+        self.slots = fill_slots(init_slots(cfg, cs, self.dtype, int8=offload.slot_dtype == "int8"), self.store, cs)
+        self.state = router_state
+        k = cfg.top_k
+        self.staging = {}
+        for b in self.tiers:  # K low-bit experts per layer step, quantised layout
+            one = self.store.get(0, 0, b)
+            self.staging[b] = {name: jax.tree.map(lambda a: jnp.zeros((k, *a.shape), a.dtype), one[name])
+                               for name in EXPERT_KEYS}
+        # one compiled stage per distinct layer structure (sliding window), not per layer
+        self._rep = {i: min(j for j in range(cfg.num_layers) if cfg.sliding_windows[j] == cfg.sliding_windows[i]
+                            and cfg.moe_layers[j] == cfg.moe_layers[i]) for i in range(cfg.num_layers)}
+
+    # ---- memory
+    def device_bytes(self, kv) -> dict:
+        slots = tree_nbytes(self.slots)
+        staging = tree_nbytes(self.staging)
+        acc = {"non_expert_weights": tree_nbytes(self.params), "slots": slots, "kv_cache": tree_nbytes(kv),
+               "low_bit_staging": staging}
+        acc["accounted_total"] = sum(acc.values())
+        measured = None
+        try:
+            ms = self.device.memory_stats()
+            if ms and "peak_bytes_in_use" in ms:
+                measured = int(ms["peak_bytes_in_use"])
+        except Exception:  # noqa: BLE001 - backends without memory stats (CPU)
+            measured = None
+        acc["measured_peak"] = measured
+        acc["all_experts_on_host"] = self.store.nbytes
+        return acc
+
+    def summary(self, kv, tokens: int, seconds: float) -> dict:
+        s, link = self.stats, self.link
+        transfer_s = link.busy_s if link.emulated else s.transfer_s
+        return {
+            "paging": "host", "store": self.offload.store, "bandwidth_gbps": self.offload.bandwidth_gbps,
+            "latency_us": self.offload.latency_us, "expert_bytes": self.store.expert_bytes,
+            "bytes_moved": s.bytes_moved, "bytes_per_token": s.bytes_moved / max(tokens, 1),
+            "demand_loads": s.demand_loads, "prefetch_loads": s.prefetch_loads, "low_bit_loads": s.low_bit_loads,
+            "transfer_s": transfer_s, "compute_wait_s": link.wait_s,
+            # emulated: bytes over link busy time; real: demand batches' bytes over their issue→ready time
+            "achieved_gbps": ((s.bytes_moved if link.emulated else s.timed_bytes) / transfer_s / 1e9
+                              if transfer_s > 0 else None),
+            "tokens_per_s": tokens / seconds if seconds > 0 else None,
+            "device_memory": self.device_bytes(kv),
+        }
+
+    # ---- paging
+    def _issue(self, loads, bits=0, now=None):
+        """device_put each (moe_index, expert, slot) from the store; returns (arrays, done_time)."""
+        now = time.perf_counter() if now is None else now
+        out, done = [], now
+        for moe_index, expert, s in loads:
+            data = jax.device_put(self.store.get(moe_index, expert, bits), self.store.target)
+            done = self.link.schedule(self.store.nbytes_of(bits), now)
+            self.stats.bytes_moved += self.store.nbytes_of(bits)
+            out.append((moe_index, expert, s, data))
+        return out, done
+
+    def _complete(self, issued, done_time, t_issue, timed: bool = True):
+        """Wait for a batch (emulated link time, or the real copies) and write it into the slots.
+        ``timed``: the batch ran alone (demand loads: the host has just synchronised on the router step),
+        so issue→ready is its transfer time; a prefetch batch overlaps compute and is not timed."""
+        if not issued:
+            return
+        if self.link.emulated:
+            self.link.wait_until(done_time)
+        else:
+            jax.block_until_ready([d for *_, d in issued])
+            if timed:
+                self.stats.transfer_s += time.perf_counter() - t_issue
+                self.stats.timed_bytes += sum(self.store.nbytes_of(0) for _ in issued)
+        flip = self.store.flip
+        for moe_index, _, s, data in issued:
+            if self.global_scope:
+                self.slots = write_slot(self.slots, data, s, flip)
+            else:
+                self.slots[moe_index] = write_slot(self.slots[moe_index], data, s, flip)
+        if self.store.pages_from_files:
+            jax.block_until_ready(self.slots)
+            for moe_index, expert, _, _ in issued:
+                self.store.release(moe_index, expert)
+
+    def step(self, token, pos, kv, key, sampling, record: list | None = None):
+        """One token through every layer with paging; returns (next token, logits, kv, key).
+        ``record`` (a list) receives this token's (experts, weights, hits) per MoE layer."""
+        cfg = self.cfg
+        x = _embed(self.params["embed"], jnp.asarray(token, jnp.int32))
+        prediction = None
+        pending = ([], 0.0, 0.0)  # prefetch batch for the next MoE layer: (issued, done, t_issue)
+        moe_index = 0
+        for i, lp in enumerate(self.params["layers"]):
+            rep = self._rep[i]
+            if not cfg.moe_layers[i]:
+                x, kv[i] = _dense_layer(lp, cfg, rep, x, pos, kv[i])
+                continue
+            nxt = self.params["layers"][self.moe_ids[moe_index + 1]] if moe_index + 1 < len(self.moe_ids) else None
+            before = np.asarray(self.state["cache"].slot)
+            x, h, kv[i], self.state, prediction, routed = _stage_a(
+                lp, nxt, cfg, rep, jnp.int32(moe_index), x, pos, kv[i], self.state, prediction)
+            experts, weights, hits, tier, slot_ids, slot_mid, z = routed
+            if record is not None:
+                record.append((experts, weights, hits, z))
+            mid, after = np.asarray(slot_mid), np.asarray(self.state["cache"].slot)
+            t_issue = time.perf_counter()
+            demand = slot_changes(before, mid)  # this layer's misses: needed before its experts run
+            ahead = slot_changes(mid, after)  # the next layer's prefetch: overlaps this layer's compute
+            issued, done = self._issue(demand, now=t_issue)
+            self.stats.demand_loads += len(demand)
+            tier_np = np.asarray(tier)
+            low_issued = []
+            if self.tiers and tier_np.any():
+                e_np = np.asarray(experts)
+                for kpos in np.nonzero(tier_np)[0]:
+                    b = int(tier_np[kpos])
+                    data = jax.device_put(self.store.get(moe_index, int(e_np[kpos]), b), self.store.target)
+                    done = max(done, self.link.schedule(self.store.nbytes_of(b), t_issue))
+                    self.stats.bytes_moved += self.store.nbytes_of(b)
+                    self.stats.low_bit_loads += 1
+                    low_issued.append((b, int(kpos), data))
+            # the previous layer's prefetch for this layer must be in place before its experts run
+            self._complete(*pending, timed=False)
+            self._complete(issued, done, t_issue)
+            for b, kpos, data in low_issued:
+                if not self.link.emulated:
+                    jax.block_until_ready(data)
+                self.staging[b] = {n: jax.tree.map(lambda buf, d: buf.at[kpos].set(d), self.staging[b][n], data[n])
+                                   for n in EXPERT_KEYS}
+            slots = self.slots if self.global_scope else self.slots[moe_index]
+            x = _stage_b(lp["moe"], cfg, x, h, slots, self.staging, experts, weights, tier, slot_ids, self.tiers)
+            # prefetch transfers start now and overlap this layer's expert compute and the next attention
+            t_pf = time.perf_counter()
+            pf_issued, pf_done = self._issue(ahead, now=t_pf)
+            self.stats.prefetch_loads += len(ahead)
+            pending = (pf_issued, pf_done, t_pf)
+            moe_index += 1
+        self._complete(*pending, timed=False)
+        nxt_token, logits, key = _head(self.params, cfg, x, key, sampling)
+        self.stats.tokens += 1
+        return nxt_token, logits, kv, key
+
+
+def host_forward(params, cfg: ModelConfig, tokens, router_state: dict, offload: OffloadConfig,
+                 stores: dict | None = None) -> dict:
+    """Teacher-forced pass with real paging, token by token (evaluation with ``--offload``): every
+    token's experts are paged in exactly as when decoding. Returns logits [T, V], experts / weights / hits
+    [L, T, K], the router state after the pass and the offload statistics."""
+    tokens = np.asarray(tokens, np.int32)
+    pager = HostPager(params, cfg, router_state, offload, stores)
+    kv = model_lib.init_kv(cfg, tokens.size, params["embed"].dtype)
+    key = jax.random.PRNGKey(0)
+    logits, rec = [], []
+    t0 = time.perf_counter()
+    for pos, tok in enumerate(tokens.tolist()):
+        _, lg, kv, key = pager.step(tok, jnp.int32(pos), kv, key, decode.Sampling(), record=rec)
+        logits.append(lg)
+    jax.block_until_ready(logits[-1])
+    elapsed = time.perf_counter() - t0
+    out = stack_records(rec, tokens.size, len(pager.moe_ids))
+    return {"logits": np.stack([np.asarray(x) for x in logits]), **out, "router_state": pager.state,
+            "offload": pager.summary(kv, tokens=tokens.size, seconds=elapsed)}
+
+
+def stack_records(rec: list, n_tokens: int, n_moe: int) -> dict:
+    """Per-(token, MoE layer) records -> experts / weights / hits [L, T, K] and router_logits [L, T, N]."""
+    def stack(j):
+        return np.stack([np.asarray(r[j]) for r in rec]).reshape(n_tokens, n_moe, -1).swapaxes(0, 1)
+
+    return {"experts": stack(0), "weights": stack(1), "hits": stack(2), "router_logits": stack(3)}
+
+
+def host_generate(params, cfg: ModelConfig, prompt_ids, router_state: dict, offload: OffloadConfig, *,
+                  max_new_tokens: int, sampling: decode.Sampling = decode.Sampling(), seed: int = 0,
+                  stop_at_eos: bool = True, on_tokens: Callable[[list[int]], None] | None = None,
+                  prefill_policy=None, warmup: bool = True, stores: dict | None = None,
+                  stop: decode.Stop = decode.NO_STOP, bucketed: bool = False,
+                  keep_slots: bool = False, on_cache=None) -> decode.GenerateResult:
+    """Offloaded generation with host-driven paging; same sampling and key schedule as ``decode.generate``,
+    so with the same policy the tokens are the simulation's. The prompt is routed token by token.
+    ``bucketed``: a KV cache of ``decode.kv_bucket`` rows (the stages compile once per bucket).
+    ``keep_slots`` (needs ``stores``): keep the pager, with its device slots, in ``stores`` after the call; a
+    next call whose ``router_state["cache"]`` is the one this call returned continues with those slots instead
+    of paging the resident experts in again (and without a warm-up: new shapes compile on first use) — what
+    a server that carries one cache from request to request needs. Without it a kept pager is dropped."""
+    prompt = np.asarray(prompt_ids, dtype=np.int32)
+    context = cfg.max_position_embeddings
+    if prompt.ndim != 1 or prompt.size == 0:
+        raise ValueError("the prompt is empty: give at least one token")
+    if prompt.size > context:
+        raise ValueError(f"the prompt has {prompt.size} tokens, longer than the context of {context}")
+    if np.any(prompt < 0) or np.any(prompt >= cfg.vocab_size):
+        raise ValueError(f"token ids must be in 0..{cfg.vocab_size - 1}")
+    requested, max_new_tokens = max_new_tokens, decode.generation_budget(prompt.size, max_new_tokens, context)
+    eos = tuple(cfg.eos_token_ids) if stop_at_eos else ()
+    decode_policy = router_state["policy"]
+    if prefill_policy is not None:
+        router_state = {**router_state, "policy": prefill_policy}
+    pager = _continuing_pager(stores, router_state, offload) if keep_slots else None
+    if stores is not None and pager is None:
+        stores.pop(KEPT_PAGER, None)  # its slots are freed before new ones are filled
+    if pager is not None:
+        warmup = False
+        pager.state, pager.stats, pager.link = router_state, PagingStats(), Link(offload.bandwidth_gbps,
+                                                                                  offload.latency_us)
+    else:
+        pager = HostPager(params, cfg, router_state, offload, stores)
+    dtype = params["embed"].dtype
+    kv_rows = prompt.size + max_new_tokens + 1
+    kv = model_lib.init_kv(cfg, decode.kv_bucket(kv_rows) if bucketed else kv_rows, dtype)
+
+    t_compile = time.perf_counter()
+    if warmup:  # compile every stage on throwaway copies of the states (no transfers counted)
+        # the slots are not copied (that would double the largest buffer): afterwards whatever the saved
+        # cache state names as resident is paged in again, so the slots hold exactly what it says
+        saved = (pager.state, dataclasses.replace(pager.stats), pager.link.__dict__.copy(),
+                 {b: dict(v) for b, v in pager.staging.items()})
+        warm_kv = model_lib.init_kv(cfg, kv[0][next(iter(kv[0]))].shape[0], dtype)
+        link = pager.link
+        pager.link = Link()
+        # two steps: the second sees states that come out of jitted stages (what every later token sees)
+        warm_key = jax.random.PRNGKey(0)
+        for pos in range(2):
+            _, _, warm_kv, warm_key = pager.step(int(prompt[0]), jnp.int32(pos), warm_kv, warm_key, sampling)
+        if decode_policy is not router_state["policy"]:
+            pager.state = {**pager.state, "policy": decode_policy}
+            for pos in range(2, 4):
+                _, _, warm_kv, warm_key = pager.step(int(prompt[0]), jnp.int32(pos), warm_kv, warm_key, sampling)
+        jax.block_until_ready(pager.slots)
+        pager.state, pager.stats, _, pager.staging = saved
+        pager.slots = fill_slots(pager.slots, pager.store, pager.state["cache"])
+        pager.link = link
+    compile_time = time.perf_counter() - t_compile
+
+    key = jax.random.PRNGKey(seed)
+    rec: list = []
+    read0 = storage_read_bytes()
+    t0 = time.perf_counter()
+    n_moe = len(pager.moe_ids)
+
+    def report():  # decode.generate's on_cache, token by token: the last token's records
+        if on_cache is not None:
+            last = stack_records(rec[-n_moe:], 1, n_moe)
+            decode.report_cache(on_cache, pager.state, {k: np.swapaxes(last[k], 0, 1) for k in ("experts", "hits")})
+
+    for pos, tok in enumerate(prompt.tolist()):
+        nxt, logits, kv, key_after = pager.step(tok, jnp.int32(pos), kv, key, sampling, record=rec)
+        report()
+    # decode.prefill splits the key once for the first token
+    key = key_after
+    first = int(nxt)
+    ttft = time.perf_counter() - t0
+    moved_prefill = pager.stats.bytes_moved
+    if prefill_policy is not None:
+        pager.state = {**pager.state, "policy": decode_policy}
+    tokens = [first] if max_new_tokens > 0 else []
+    _, ended_by = stop.check(tokens, 0)
+    if tokens and on_tokens:
+        on_tokens(tokens[:])
+    finished = not tokens or first in eos or ended_by is not None
+    pos = prompt.size
+    token = first
+    read_decode = storage_read_bytes()
+    t_decode = time.perf_counter()
+    while not finished and len(tokens) < max_new_tokens:
+        token_arr, _, kv, key = pager.step(token, jnp.int32(pos), kv, key, sampling, record=rec)
+        report()
+        token = int(token_arr)
+        pos += 1
+        tokens.append(token)
+        _, ended_by = stop.check(tokens, len(tokens) - 1)  # one token per step: nothing to cut
+        if on_tokens:
+            on_tokens([token])
+        if token in eos or ended_by is not None:
+            finished = True
+    total = time.perf_counter() - t0
+    decode_time = time.perf_counter() - t_decode
+    n_decode = max(len(tokens) - 1, 0)
+    summary = pager.summary(kv, tokens=pager.stats.tokens, seconds=total)
+    summary.pop("tokens_per_s")
+    summary["bytes_moved_prefill"] = moved_prefill
+    summary["bytes_per_decode_token"] = (pager.stats.bytes_moved - moved_prefill) / max(n_decode, 1)
+    read_end = storage_read_bytes()
+    if read0 is not None and read_end is not None:  # what really came from storage (page-cache misses)
+        summary["storage_read_bytes_prefill"] = read_decode - read0
+        summary["storage_read_per_decode_token"] = (read_end - read_decode) / max(n_decode, 1)
+    stats = {
+        "prompt_tokens": int(prompt.size),
+        "generated_tokens": len(tokens),
+        "time_to_first_token_s": ttft,
+        "total_time_s": total,
+        "compile_time_s": compile_time,
+        "tokens_per_s": n_decode / decode_time if n_decode and decode_time > 0 else 0.0,
+        "stopped": decode.stop_reason(tokens, requested, eos, ended_by),
+        "fed_tokens": int(prompt.size) + max(len(tokens) - 1, 0),
+        "offload": summary,
+    }
+    fed = len(rec) // len(pager.moe_ids)
+    out = stack_records(rec, fed, len(pager.moe_ids))
+    decode.check_step(cfg, out["router_logits"], True, "the prompt or the generated tokens")
+    # decode.GenerateResult.trace() layout: one prefill-like record over every fed token
+    records = [{"experts": out["experts"], "weights": out["weights"], "logits": out["router_logits"],
+                "hits": out["hits"]}]
+    if keep_slots and stores is not None:
+        stores[KEPT_PAGER] = pager
+    return decode.GenerateResult(tokens, stats, records, pager.state)
+
+
+KEPT_PAGER = "kept host pager"
+
+
+def _continuing_pager(stores: dict | None, router_state: dict, offload: OffloadConfig):
+    """The pager kept by the previous ``keep_slots`` call when ``router_state`` continues exactly from it
+    (the same cache state object, so the slots hold what it says), else None."""
+    pager = None if stores is None else stores.get(KEPT_PAGER)
+    if pager is None or pager.offload != offload or pager.state["cache"] is not router_state["cache"]:
+        return None
+    return pager
