@@ -81,7 +81,7 @@ def roundtrip(tmp_path_factory):
     def get(name: str):
         if name not in cache:
             src = get_hf_model(name).folder
-            mj = checkpoint.convert_hf_to_moejax(src, str(root / f"{name}-moejax"))
+            mj = checkpoint.convert_to_moejax(src, str(root / f"{name}-moejax"))
             back = checkpoint.convert_moejax_to_hf(mj, str(root / f"{name}-hf"))
             cache[name] = (src, mj, back)
         return cache[name]
@@ -194,7 +194,7 @@ def test_safetensors_reader_matches_reference(tmp_path):
 # -------------------------------------------------------------------------------------------- dtypes
 def test_bfloat16_conversion(tmp_path):
     src = get_hf_model("qwen3_moe").folder
-    mj = checkpoint.convert_hf_to_moejax(src, str(tmp_path / "bf16"), dtype=jnp.bfloat16)
+    mj = checkpoint.convert_to_moejax(src, str(tmp_path / "bf16"), dtype=jnp.bfloat16)
     with open(os.path.join(mj, checkpoint.FORMAT_FILE)) as f:
         assert json.load(f)["dtype"] == "bfloat16"
     model = moejax.load(mj)
@@ -240,7 +240,7 @@ def test_missing_folder(tmp_path):
     with pytest.raises(CheckpointError, match="does not exist"):
         moejax.load(str(tmp_path / "nope"))
     with pytest.raises(CheckpointError, match="does not exist"):
-        checkpoint.convert_hf_to_moejax(str(tmp_path / "nope"), str(tmp_path / "out"))
+        checkpoint.convert_to_moejax(str(tmp_path / "nope"), str(tmp_path / "out"))
     assert not os.path.exists(tmp_path / "out")
 
 
@@ -283,7 +283,7 @@ def test_pickle_only_folder_is_refused_without_unpickling(tmp_path, monkeypatch)
     assert "pytorch_model.bin" in msg and "never" in msg and "unpickle" in msg
     assert "save_pretrained" in msg and "safe_serialization=True" in msg  # says how to convert
     with pytest.raises(CheckpointError, match="pytorch_model.bin"):
-        checkpoint.convert_hf_to_moejax(str(folder), str(tmp_path / "out"))
+        checkpoint.convert_to_moejax(str(folder), str(tmp_path / "out"))
     assert not os.path.exists(tmp_path / "out")
 
 
@@ -373,7 +373,7 @@ def test_interrupted_moejax_conversion_leaves_nothing(tmp_path, monkeypatch):
     # crash after the params are written, while writing moejax.json
     monkeypatch.setattr(checkpoint, "write_json_atomic", _fail_on_call(1, checkpoint.write_json_atomic))
     with pytest.raises(RuntimeError, match="simulated crash"):
-        checkpoint.convert_hf_to_moejax(src, str(target))
+        checkpoint.convert_to_moejax(src, str(target))
     assert os.listdir(target.parent) == []
     with pytest.raises(CheckpointError):
         moejax.load(str(target))
@@ -386,7 +386,7 @@ def test_interrupted_overwrite_keeps_the_old_target(tmp_path, monkeypatch, round
     before = sorted(os.listdir(tmp_path))
     monkeypatch.setattr(checkpoint, "write_json_atomic", _fail_on_call(1, checkpoint.write_json_atomic))
     with pytest.raises(RuntimeError, match="simulated crash"):
-        checkpoint.convert_hf_to_moejax(get_hf_model("olmoe").folder, target, overwrite=True)
+        checkpoint.convert_to_moejax(get_hf_model("olmoe").folder, target, overwrite=True)
     assert sorted(os.listdir(tmp_path)) == before
     assert moejax.load(target).cfg.model_type == "mixtral"
 
@@ -397,7 +397,7 @@ def test_existing_target_needs_overwrite(tmp_path, capsys):
     target.mkdir()
     (target / "keep.txt").write_text("precious")
     with pytest.raises(FileExistsError, match="--overwrite"):
-        checkpoint.convert_hf_to_moejax(src, str(target))
+        checkpoint.convert_to_moejax(src, str(target))
     assert convert_cli.main(["hf-to-moejax", src, str(target)]) == 2  # usage: pass --overwrite
     assert "already exists" in capsys.readouterr().err
     assert (target / "keep.txt").read_text() == "precious"
@@ -426,7 +426,7 @@ def test_overwrite_never_deletes_the_source_or_its_parent(tmp_path, capsys, dire
     if direction == "hf-to-moejax":
         shutil.copytree(get_hf_model("mixtral").folder, src)
     else:
-        checkpoint.convert_hf_to_moejax(get_hf_model("mixtral").folder, src)
+        checkpoint.convert_to_moejax(get_hf_model("mixtral").folder, src)
     (parent / "sibling.txt").write_text("mine")
     before = _tree(str(tmp_path))
     capsys.readouterr()  # building the shared mixtral checkpoint (first use in this worker) prints progress
@@ -451,7 +451,7 @@ def test_cli_errors_are_reported_not_raised(tmp_path, capsys):
     # the direction must match the source
     assert convert_cli.main(["moejax-to-hf", src, str(tmp_path / "o")]) == 1
     assert "not a moejax checkpoint" in capsys.readouterr().err
-    mj = checkpoint.convert_hf_to_moejax(src, str(tmp_path / "mj"))
+    mj = checkpoint.convert_to_moejax(src, str(tmp_path / "mj"))
     assert convert_cli.main(["hf-to-moejax", mj, str(tmp_path / "o")]) == 1
     assert "already a moejax checkpoint" in capsys.readouterr().err
     with pytest.raises(SystemExit):

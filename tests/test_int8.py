@@ -22,7 +22,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import moejax
-from moejax.models import layout, model as M, quant
+from moejax.models import checkpoint, layout, model as M, quant
 from moejax.models.config import from_hf
 from moejax.runtime import cli_options, decode, generate, offload, simulate
 
@@ -208,3 +208,99 @@ def test_generate_command_takes_the_int8_flags(capsys):
     with pytest.raises(SystemExit) as e:
         generate.build_parser().parse_args(["--weight-dtype", "int4"])
     assert e.value.code == 2
+
+
+# ------------------------------------------------------------------------------ int8 experts on storage
+
+
+def _int8_folder(tmp_path, name="qwen2_moe"):
+    src = get_hf_model(name).folder
+    dst = str(tmp_path / f"{name}-int8")
+    checkpoint.convert_to_moejax(src, dst, expert_dtype="int8")
+    return src, dst
+
+
+def test_int8_expert_folder_loads_the_bits_that_int8_loading_makes(tmp_path):
+    """A folder written with int8 experts (format version 3) holds exactly ``layout.quantize_matrix`` of each
+    expert: loaded (int8 by default) it is bit for bit the model ``expert_dtype="int8"`` makes from the
+    full-precision folder, its expert tensors take a quarter of the float32 bytes (+ row scales), and the
+    canonical layout reads the dequantised values."""
+    src, dst = _int8_folder(tmp_path)
+    meta = json.load(open(f"{dst}/moejax.json"))
+    assert meta["version"] == 3 and meta["experts"] == "int8"
+    ref = moejax.load(src, expert_dtype="int8")
+    m = moejax.load(dst)
+    for lp_ref, lp in zip(ref.params["layers"], m.params["layers"]):
+        if "moe" in lp:
+            for a, b in zip(lp_ref["moe"]["experts"].gate_up + lp_ref["moe"]["experts"].down,
+                            lp["moe"]["experts"].gate_up + lp["moe"]["experts"].down):
+                assert layout.is_int8(b) and b.dtype == a.dtype
+                np.testing.assert_array_equal(np.asarray(a.q), np.asarray(b.q))
+                np.testing.assert_array_equal(np.asarray(a.scale), np.asarray(b.scale))
+    ids = [3, 5, 7, 11, 2, 9]
+    np.testing.assert_array_equal(m.forward(ids).logits, ref.forward(ids).logits)
+    # bytes: the experts as int8 + one float32 scale per output row
+    cfg = m.cfg
+    d, f = cfg.hidden_size, cfg.moe_intermediate_size
+    files = checkpoint.safetensors_io.SafetensorsFile(f"{dst}/params.safetensors")
+    q8 = [k for k in files.keys() if k.endswith(".q8")]
+    assert len(q8) == 3 * cfg.n_moe_layers and not [k for k in files.keys() if k.endswith((".gate", ".up", ".down"))
+                                                     and ".moe." in k and ".shared" not in k]
+    assert simulate.expert_bytes(m.params, cfg) == 3 * d * f + 4 * (2 * f + d)
+    canonical = moejax.load(dst, layout="canonical")
+    gate = np.asarray(canonical.params["layers"][1]["moe"]["gate"][2])  # [D, F] = deq(q [F, D]).T
+    gu = ref.params["layers"][1]["moe"]["experts"].gate_up[2]
+    np.testing.assert_array_equal(gate, np.asarray(quant.dequantize(gu))[:f].T)
+    assert moejax.load(dst, expert_dtype="stored").params["layers"][1]["moe"]["experts"].gate_up[0].q.dtype == jnp.int8
+
+
+@pytest.mark.parametrize("store", ["flash", pytest.param("host", marks=pytest.mark.slow)])
+def test_int8_expert_folder_pages_the_stored_int8_bytes(tmp_path, store):
+    """Offloaded from an int8 folder: each page moves the stored int8 bytes + scales (a quarter of the float32
+    expert here) straight into int8 slots, with the tokens and misses of the int8 simulation."""
+    src, dst = _int8_folder(tmp_path)
+    cache = simulate.CacheConfig(size="0.5")
+    ref = moejax.load(src, expert_dtype="int8").generate([3, 5, 7], max_new_tokens=8, stop_at_eos=False,
+                                                         routing="original", cache=cache)
+    m = moejax.load(dst, offload=store)
+    assert m.offload.slot_dtype == "int8"
+    got = m.generate([3, 5, 7], max_new_tokens=8, stop_at_eos=False, routing="original", cache=cache)
+    assert got.token_ids == ref.token_ids
+    assert got.stats["cache"]["misses"] == ref.stats["cache"]["misses"]
+    cfg = m.cfg
+    d, f = cfg.hidden_size, cfg.moe_intermediate_size
+    off = got.stats["offload"]
+    assert off["expert_bytes"] == 3 * d * f + 4 * (2 * f + d)
+    assert off["bytes_moved"] % off["expert_bytes"] == 0 and off["bytes_moved"] > 0
+    assert simulate.expert_bytes(m.params, cfg) == off["expert_bytes"]  # what the cache statistics count per miss
+
+
+def test_convert_writes_and_keeps_int8_experts(tmp_path, capsys):
+    """``--expert-dtype int8`` on the command line; a moejax-to-moejax copy keeps them int8; moejax-to-hf
+    dequantises; a damaged int8 folder is one clear error."""
+    from moejax.models import convert
+
+    src = get_hf_model("olmoe").folder
+    a, b, c = (str(tmp_path / n) for n in ("a", "b", "c"))
+    assert convert.main(["hf-to-moejax", src, a, "--expert-dtype", "int8"]) == 0
+    assert convert.main(["moejax-to-moejax", a, b]) == 0
+    assert json.load(open(f"{b}/moejax.json"))["experts"] == "int8"
+    assert convert.main(["moejax-to-hf", b, c]) == 0
+    ids = [4, 8, 15, 16, 23]
+    np.testing.assert_allclose(moejax.load(c).forward(ids).logits, moejax.load(a, layout="canonical").forward(ids).logits,
+                               rtol=1e-6, atol=1e-6)
+    np.testing.assert_array_equal(moejax.load(b).forward(ids).logits, moejax.load(a).forward(ids).logits)
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as e:  # moejax-to-hf has no --expert-dtype: argparse's usage error
+        convert.main(["moejax-to-hf", a, str(tmp_path / "d"), "--expert-dtype", "int8"])
+    assert e.value.code == 2
+    # damaged: the scales of one stack are gone
+    from moejax.models import safetensors_io
+
+    path = f"{b}/params.safetensors"
+    f = safetensors_io.SafetensorsFile(path)
+    kept = [(k, np.array(f.get(k))) for k in f.keys() if k != "layers.0.moe.up.scale"]
+    del f
+    safetensors_io.write(path, kept, {"format": "moejax"})
+    with pytest.raises(checkpoint.CheckpointError, match=r"missing tensor 'layers.0.moe.up.scale'"):
+        moejax.load(b)

@@ -159,7 +159,7 @@ def test_lazy_serving_placement_equals_converting_eager_params(name, tmp_path):
     the canonical tree converted afterwards."""
     hf = get_hf_model(name).folder
     mj = str(tmp_path / "mj")
-    checkpoint.convert_hf_to_moejax(hf, mj)
+    checkpoint.convert_to_moejax(hf, mj)
     for folder in (hf, mj):
         lazy, _ = checkpoint.load_params(folder, arrangement="serving")
         eager = layout.to_serving(checkpoint.load_params(folder)[0])

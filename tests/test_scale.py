@@ -108,7 +108,7 @@ def test_offload_from_the_files_generates_the_simulation_tokens(preset, tiny):
 @pytest.mark.parametrize("preset", ["qwen1.5-moe-a2.7b", pytest.param("olmoe-1b-7b", marks=pytest.mark.slow)])
 def test_moejax_format_pages_from_its_stacks_and_host_store_reads_once(preset, tiny, tmp_path):
     folder = tiny(preset)
-    mj = checkpoint.convert_hf_to_moejax(folder, str(tmp_path / "mj"))
+    mj = checkpoint.convert_to_moejax(folder, str(tmp_path / "mj"))
     assert {"moejax.json", "params.safetensors"} <= set(os.listdir(mj)) and "params" not in os.listdir(mj)
     cache = CacheConfig(size="0.5", eviction="lfu")
     ref = _simulated(folder, cache)
@@ -239,7 +239,7 @@ def test_conversion_streams_one_tensor_at_a_time(tiny, tmp_path, monkeypatch):
             yield part
 
     monkeypatch.setattr(weights, "chunks", spy)
-    checkpoint.convert_hf_to_moejax(folder, str(tmp_path / "mj"))
+    checkpoint.convert_to_moejax(folder, str(tmp_path / "mj"))
     stacks = [(x, n) for x, n in seen if isinstance(x, weights.ExpertStack)]
     assert len(stacks) == 3 * cfg.n_moe_layers * cfg.n_experts  # experts go one at a time, never as a stack
     assert all(n == x.nbytes // x.n_experts for x, n in stacks)

@@ -8,6 +8,14 @@ moejax checkpoint folder (version 2)::
                        (or params-0000i-of-0000n.safetensors + params.safetensors.index.json)
     tokenizer.json ... tokenizer and generation files copied from the source folder
 
+Version 3 is version 2 with the routed experts stored as int8 (``save_moejax(..., expert_dtype="int8")``,
+``python -m moejax.convert ... --expert-dtype int8``; ``"experts": "int8"`` in moejax.json): per stack
+``layers.3.moe.gate.q8`` int8 ``[N, out, in]`` and ``layers.3.moe.gate.scale`` float32 ``[N, out, 1]``, each
+expert exactly ``layout.quantize_matrix`` of its ``[out, in]`` matrix (symmetric, one scale per output row),
+so loading it int8 gives bit for bit the model that ``moejax.load(..., expert_dtype="int8")`` makes from
+the full-precision folder, and offloading pages half the bytes per expert from storage. Everything else
+stays in ``dtype``.
+
 Version 1 folders (``params/`` saved with orbax) are still read, whole. Both readers hand back lazy trees
 (``weights``): nothing is read until placed, so a model larger than memory opens instantly and its
 experts can stay in the files for offloading.
@@ -36,8 +44,11 @@ from moejax.models import hf_keys, layout, safetensors_io, weights
 from moejax.models.config import ModelConfig, UnsupportedModelError, from_hf
 
 FORMAT_FILE = "moejax.json"
-FORMAT_VERSION = 2  # written; version 1 (orbax params/) is still read
-READ_VERSIONS = (1, 2)
+FORMAT_VERSION = 2  # written (3 when the experts are int8); version 1 (orbax params/) is still read
+INT8_EXPERTS_VERSION = 3
+READ_VERSIONS = (1, 2, 3)
+EXPERT_DTYPES = ("stored", "int8")  # how save_moejax writes the routed experts
+INT8_SUFFIX, SCALE_SUFFIX = ".q8", ".scale"
 TOKENIZER_FILES = (
     "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json",
     "chat_template.jinja", "chat_template.json",
@@ -427,11 +438,51 @@ def tensor_key(path: tuple) -> str:
     return ".".join(str(p) for p in path)
 
 
+def _int8_expert(leaf, e: int) -> tuple[np.ndarray, np.ndarray]:
+    """Expert ``e`` of a stack (lazy, an array or a canonical view; ``[N, in, out]``) as int8 ``[out, in]``
+    and float32 scales ``[out, 1]``: stored int8 as it is, anything else through ``layout.quantize_matrix``
+    (what int8 serving does at load time, so both give the same bits)."""
+    if weights.is_int8_stack(leaf):
+        qt = leaf.stored_copy(e)
+    else:
+        qt = layout.quantize_matrix(np.ascontiguousarray(weights.expert_matrix(leaf, e).T))
+    return np.asarray(qt.q), np.asarray(qt.scale, np.float32)
+
+
+def _int8_expert_pieces(leaves: dict):
+    """``data(key)`` of ``write_sharded`` for an int8 folder: the ``.q8`` and ``.scale`` tensors of each expert
+    stack, one expert at a time (each expert quantised once: its scales wait for the ``.scale`` tensor)."""
+    pending: dict[str, list] = {}
+
+    def data(name: str):
+        if name.endswith(INT8_SUFFIX):
+            stack = name[: -len(INT8_SUFFIX)]
+            scales = pending[stack] = []
+            for e in range(leaves[stack].shape[0]):
+                q, scale = _int8_expert(leaves[stack], e)
+                scales.append(scale)
+                yield q
+        elif name.endswith(SCALE_SUFFIX) and name[: -len(SCALE_SUFFIX)] in leaves:
+            stack = name[: -len(SCALE_SUFFIX)]
+            scales = pending.pop(stack, None)
+            if scales is None:  # written before its values (never with write_sharded's order): quantise again
+                scales = [_int8_expert(leaves[stack], e)[1] for e in range(leaves[stack].shape[0])]
+            yield from scales
+        else:
+            yield from weights.chunks(leaves[name])
+
+    return data
+
+
 def save_moejax(params: dict, cfg: ModelConfig, folder: str, *, tokenizer_from: str | None = None,
-                overwrite: bool = False, protect: tuple[str, ...] = (), max_shard_bytes: int = 4 << 30) -> str:
+                overwrite: bool = False, protect: tuple[str, ...] = (), max_shard_bytes: int = 4 << 30,
+                expert_dtype: str = "stored") -> str:
     """Write a moejax folder (format version 2): every tensor in safetensors shards under its tree path,
     each MoE layer's experts as one ``[N, in, out]`` stack per matrix (one expert = one contiguous slice,
-    so offloading pages it straight from the file). Streams: ``params`` may be lazy (or serving-layout)."""
+    so offloading pages it straight from the file). Streams: ``params`` may be lazy (or serving-layout).
+    ``expert_dtype="int8"``: the routed experts as int8 + scales (version 3, module docstring)."""
+    if expert_dtype not in EXPERT_DTYPES:
+        raise ValueError(f"expert_dtype must be one of {', '.join(EXPERT_DTYPES)}, got {expert_dtype!r}")
     params = layout.canonical_view(params)
     paths = tree_paths(cfg)
     leaves = {tensor_key(p): _get(params, p) for p in paths}
@@ -439,11 +490,23 @@ def save_moejax(params: dict, cfg: ModelConfig, folder: str, *, tokenizer_from: 
     shapes = param_shapes(cfg)
     for key, path in zip(leaves, paths):
         _check_shape(key, leaves[key].shape, _get(shapes, path))
-    specs = [(key, _leaf_dtype(leaf), tuple(leaf.shape)) for key, leaf in leaves.items()]
+    int8 = expert_dtype == "int8" or (expert_dtype == "stored" and weights.has_int8_experts(params))
+    stacks = {tensor_key(p) for p in expert_paths(cfg)} if int8 else set()
+    specs = []
+    for key, leaf in leaves.items():
+        if key in stacks:
+            n, d_in, d_out = (int(x) for x in leaf.shape)
+            specs += [(key + INT8_SUFFIX, np.dtype(np.int8), (n, d_out, d_in)),
+                      (key + SCALE_SUFFIX, np.dtype(np.float32), (n, d_out, 1))]
+        else:
+            specs.append((key, _leaf_dtype(leaf), tuple(leaf.shape)))
     with atomic_folder(folder, overwrite, protect) as tmp:
-        write_sharded(tmp, PARAMS_STEM, specs, lambda key: weights.chunks(leaves[key]), max_shard_bytes,
-                      {"format": "moejax"})
-        meta = {"format": "moejax", "version": FORMAT_VERSION, "dtype": str(dtype), "hf_config": cfg.hf}
+        write_sharded(tmp, PARAMS_STEM, specs, _int8_expert_pieces(leaves) if int8 else
+                      (lambda key: weights.chunks(leaves[key])), max_shard_bytes, {"format": "moejax"})
+        meta = {"format": "moejax", "version": INT8_EXPERTS_VERSION if int8 else FORMAT_VERSION, "dtype": str(dtype),
+                "hf_config": cfg.hf}
+        if int8:
+            meta["experts"] = "int8"
         write_json_atomic(os.path.join(tmp, FORMAT_FILE), meta)
         if tokenizer_from:
             _copy_tokenizer(tokenizer_from, tmp)
@@ -484,14 +547,39 @@ def _read_orbax(folder: str, cfg: ModelConfig, stored) -> dict:
         ckpt.close()
 
 
-def moejax_tree(folder: str, cfg: ModelConfig) -> dict:
-    """A version 2 folder's parameter tree with every leaf left in its files, keys and shapes checked."""
+def _int8_stack(folder: str, tensors: dict, key: str, want: tuple, dtype) -> "weights.QuantizedExpertStack":
+    """The int8 expert stack ``key`` of a version 3 folder (``.q8`` + ``.scale``), shapes and dtypes checked."""
+    n, d_in, d_out = want
+    parts = {}
+    for suffix, shape, kind in ((INT8_SUFFIX, (n, d_out, d_in), np.int8), (SCALE_SUFFIX, (n, d_out, 1), np.float32)):
+        name = key + suffix
+        if name not in tensors:
+            raise CheckpointError(f"{folder}: missing tensor {name!r} (its experts are stored as int8)")
+        file = tensors[name]
+        _check_shape(name, file.shape(name), shape)
+        view = file.get(name)
+        if view.dtype != kind:
+            raise CheckpointError(f"{folder}: tensor {name!r} is {view.dtype}, expected {np.dtype(kind)}")
+        parts[suffix] = [(file, view[e]) for e in range(n)]
+    return weights.QuantizedExpertStack(parts[INT8_SUFFIX], parts[SCALE_SUFFIX], dtype)
+
+
+def moejax_tree(folder: str, cfg: ModelConfig, meta: dict | None = None) -> dict:
+    """A version 2 or 3 folder's parameter tree with every leaf left in its files, keys and shapes checked
+    (version 3: the routed experts as ``weights.QuantizedExpertStack``, computing in the folder's dtype)."""
+    meta = meta or {}
     tensors = _open_shards(folder, f"{PARAMS_STEM}.safetensors.index.json", PARAMS_STEM)
     shapes, stacks = param_shapes(cfg), expert_paths(cfg)
+    int8 = meta.get("experts") == "int8"
     tree: dict = {}
     used = set()
     for path in tree_paths(cfg):
         key = tensor_key(path)
+        if int8 and path in stacks:
+            stack = _int8_stack(folder, tensors, key, _get(shapes, path), jnp.dtype(meta.get("dtype", "bfloat16")))
+            used.update((key + INT8_SUFFIX, key + SCALE_SUFFIX))
+            _set(tree, path, stack)
+            continue
         if key not in tensors:
             raise CheckpointError(f"{folder}: missing tensor {key!r}")
         used.add(key)
@@ -508,6 +596,14 @@ def moejax_tree(folder: str, cfg: ModelConfig) -> dict:
     return tree
 
 
+def stored_expert_dtype(folder: str) -> str:
+    """"int8" for a moejax folder whose routed experts are stored as int8 (version 3), else "stored"."""
+    folder = os.path.abspath(os.path.expanduser(folder))
+    if os.path.isdir(folder) and is_moejax_folder(folder):
+        return "int8" if _read_meta(folder).get("experts") == "int8" else "stored"
+    return "stored"
+
+
 def open_params(folder: str, dtype=None) -> tuple[dict, ModelConfig]:
     """The parameter tree of a moejax or Hugging Face folder without reading the weights (lazy leaves;
     version 1 moejax folders are restored whole), as ``dtype`` (default: the checkpoint's own)."""
@@ -520,7 +616,7 @@ def open_params(folder: str, dtype=None) -> tuple[dict, ModelConfig]:
         if meta["version"] == 1:
             tree = _read_orbax(folder, cfg, jnp.dtype(meta.get("dtype", "float32")))
         else:
-            tree = moejax_tree(folder, cfg)
+            tree = moejax_tree(folder, cfg, meta)
     else:
         cfg = from_hf(read_hf_config(folder))
         tree = hf_tree(folder, cfg)
@@ -537,11 +633,13 @@ def load_params(folder: str, dtype=None, experts: str = "device",
     return weights.place(tree, experts, arrangement, quantization, mesh), cfg
 
 
-def convert_hf_to_moejax(src: str, dst: str, dtype=None, overwrite: bool = False) -> str:
-    """Streams: one tensor (one expert) in memory at a time, whatever the model size."""
+def convert_to_moejax(src: str, dst: str, dtype=None, overwrite: bool = False, expert_dtype: str = "stored") -> str:
+    """A Hugging Face or moejax folder as a moejax folder (``expert_dtype="int8"``: int8 experts, version 3).
+    Streams: one tensor (one expert) in memory at a time, whatever the model size."""
     check_replaceable(dst, overwrite, (src,))  # before reading a byte: refusals are instant
     tree, cfg = open_params(src, dtype)
-    return save_moejax(tree, cfg, dst, tokenizer_from=src, overwrite=overwrite, protect=(src,))
+    return save_moejax(tree, cfg, dst, tokenizer_from=src, overwrite=overwrite, protect=(src,),
+                       expert_dtype=expert_dtype)
 
 
 def convert_moejax_to_hf(src: str, dst: str, dtype=None, overwrite: bool = False) -> str:
@@ -550,7 +648,8 @@ def convert_moejax_to_hf(src: str, dst: str, dtype=None, overwrite: bool = False
     return save_hf(tree, cfg, dst, tokenizer_from=src, overwrite=overwrite, protect=(src,))
 
 
+
 __all__ = [
     "CheckpointError", "UnsupportedModelError", "load_params", "open_params", "save_moejax", "save_hf",
-    "convert_hf_to_moejax", "convert_moejax_to_hf", "read_hf_params",
+    "convert_to_moejax", "convert_moejax_to_hf", "read_hf_params",
 ]

@@ -25,7 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from moejax.base import distributed
-from moejax.models import layout
+from moejax.models import layout, quant
 from moejax.models.safetensors_io import SafetensorsFile
 
 EXPERTS_PLACEMENTS = ("device", "lazy")
@@ -130,6 +130,15 @@ class ExpertStack:
     def stored(self, e: int) -> np.ndarray:
         return self.parts[e][1]
 
+    def files(self) -> set:
+        """The checkpoint files this stack's experts are in."""
+        return {f for f, _ in self.parts}
+
+    def prefetch(self, e: int) -> None:
+        """Ask the kernel to read expert ``e``'s bytes now (``SafetensorsFile.prefetch``)."""
+        file, view = self.parts[e]
+        file.prefetch(view)
+
     def release(self, e: int) -> None:
         file, view = self.parts[e]
         file.release(view)
@@ -158,6 +167,82 @@ class ExpertStack:
     def __repr__(self) -> str:
         files = sorted({f.path for f, _ in self.parts})
         return f"ExpertStack({self.shape}, {self.dtype}, {len(files)} file(s), transposed={self.transposed})"
+
+
+class QuantizedExpertStack(ExpertStack):
+    """An ``ExpertStack`` stored as int8 (a moejax folder written with ``expert_dtype="int8"``): per expert one
+    ``[out, in]`` int8 matrix (``parts``) and its float32 scales ``[out, 1]`` (``scale_parts``), exactly
+    ``layout.quantize_matrix`` of the matrix. ``stored(e)`` is the ``quant.QuantizedTensor`` as the file holds
+    it (views: what int8 serving and int8 offload slots take as they are, half the bytes of bf16);
+    everything that wants numbers (``read``, ``read_expert``, ``take_flat``: the canonical layout, conversion
+    to Hugging Face, fingerprints) gets the dequantised values in ``dtype``."""
+
+    def __init__(self, parts: list[tuple[SafetensorsFile, np.ndarray]],
+                 scale_parts: list[tuple[SafetensorsFile, np.ndarray]], dtype):
+        super().__init__(parts, transposed=True, dtype=dtype)
+        if len(scale_parts) != len(parts):
+            raise ValueError(f"{len(parts)} int8 experts but {len(scale_parts)} scale tensors")
+        rows = parts[0][1].shape[0]
+        for _, view in scale_parts:
+            if view.shape != (rows, 1) or view.dtype != np.float32:
+                raise ValueError(f"int8 expert scales must be float32 [{rows}, 1], got {view.dtype} {list(view.shape)}")
+        self.scale_parts = scale_parts
+
+    @property
+    def stored_expert_nbytes(self) -> int:
+        return self.parts[0][1].nbytes + self.scale_parts[0][1].nbytes
+
+    def astype(self, dtype) -> "QuantizedExpertStack":
+        return QuantizedExpertStack(self.parts, self.scale_parts, dtype)
+
+    def stored(self, e: int) -> quant.QuantizedTensor:
+        return quant.QuantizedTensor(q=self.parts[e][1], scale=self.scale_parts[e][1], bits=8, group_size=None,
+                                     axis=-1, dtype=self.dtype)
+
+    def files(self) -> set:
+        return {f for f, _ in (*self.parts, *self.scale_parts)}
+
+    def prefetch(self, e: int) -> None:
+        for file, view in (self.parts[e], self.scale_parts[e]):
+            file.prefetch(view)
+
+    def release(self, e: int) -> None:
+        for file, view in (self.parts[e], self.scale_parts[e]):
+            file.release(view)
+
+    def stored_copy(self, e: int) -> quant.QuantizedTensor:
+        """Expert ``e`` as int8 in host memory (copies; the mapped pages are released)."""
+        q = self.stored(e)
+        out = q.replace(q=np.array(q.q), scale=np.array(q.scale))
+        self.release(e)
+        return out
+
+    def _out_in(self, e: int) -> np.ndarray:
+        """Expert ``e`` dequantised, ``[out, in]`` (float32 products, then ``dtype``: ``quant.dequantize``)."""
+        q, s = self.parts[e][1], self.scale_parts[e][1]
+        out = (q.astype(np.float32) * s).astype(self.dtype)
+        self.release(e)
+        return out
+
+    def read_expert(self, e: int) -> np.ndarray:
+        return np.ascontiguousarray(self._out_in(e).T)
+
+    def read_out_in(self, e: int) -> np.ndarray:
+        return self._out_in(e)
+
+    def read(self) -> np.ndarray:
+        out = np.empty(self.shape, self.dtype)
+        for e in range(self.n_experts):
+            out[e] = self._out_in(e).T
+        return out
+
+    def take_flat(self, idx: np.ndarray) -> np.ndarray:
+        e, rows, cols = np.unravel_index(idx, self.shape)  # canonical [N, in, out]: stored [out, in]
+        q = np.empty(idx.shape, np.float32)
+        for j in np.unique(e):
+            sel = e == j
+            q[sel] = self.parts[int(j)][1][cols[sel], rows[sel]] * self.scale_parts[int(j)][1][cols[sel], 0]
+        return q.astype(self.dtype)
 
 
 # leaves read on demand: tensors in their files, and canonical views of serving-layout arrays
@@ -227,6 +312,9 @@ def place(tree, experts: str = "device", arrangement: str = "canonical",
         stacks = {k: moe[k] for k in layout.EXPERT_MATRICES}
         if experts == "lazy":
             return stacks
+        if quantization is not None and quantization.experts and all(is_int8_stack(x) for x in stacks.values()):
+            return layout.expert_list(int(stacks["gate"].shape[0]), lambda e: stored_int8_out_in(stacks, e),
+                                      put=lambda q: jax.tree.map(jnp.asarray, q))  # stored int8, as it is
         return layout.expert_list(int(stacks["gate"].shape[0]), lambda e: expert_out_in(stacks, e),
                                   quantization=quantization)
 
@@ -300,6 +388,8 @@ def read_out_in(x):
 
 
 def _expert_out_in(stack, e: int) -> np.ndarray:
+    if isinstance(stack, QuantizedExpertStack):
+        return stack.read_out_in(e)
     if isinstance(stack, ExpertStack):
         file, view = stack.parts[e]
         return _copy(file, view, not stack.transposed, stack.dtype)
@@ -311,6 +401,24 @@ def expert_out_in(stacks: dict, e: int) -> tuple[np.ndarray, np.ndarray]:
     ``(gate_up [2F, D], down [D, F])``."""
     gate, up = _expert_out_in(stacks["gate"], e), _expert_out_in(stacks["up"], e)
     return np.concatenate([gate, up]), _expert_out_in(stacks["down"], e)
+
+
+def is_int8_stack(x) -> bool:
+    """An expert stack stored as int8 in its files (``QuantizedExpertStack``)."""
+    return isinstance(x, QuantizedExpertStack)
+
+
+def has_int8_experts(tree) -> bool:
+    """True when the routed experts of ``tree`` are stored as int8 (a moejax folder saved that way)."""
+    return any(is_int8_stack(x) for x in leaves(tree))
+
+
+def stored_int8_out_in(stacks: dict, e: int) -> tuple[quant.QuantizedTensor, quant.QuantizedTensor]:
+    """Expert ``e`` of int8-stored stacks in the int8 serving layout, ``(gate_up [2F, D], down [D, F])``,
+    copied from the files as stored (no dequantise/requantise round trip)."""
+    gate, up = stacks["gate"].stored_copy(e), stacks["up"].stored_copy(e)
+    gate_up = gate.replace(q=np.concatenate([gate.q, up.q]), scale=np.concatenate([gate.scale, up.scale]))
+    return gate_up, stacks["down"].stored_copy(e)
 
 
 def to_host(x) -> np.ndarray:

@@ -317,7 +317,9 @@ def load(path: str, dtype=None, offload=None, layout: str = "serving", weight_dt
 
     ``weight_dtype="int8"`` holds every matrix (attention, MLPs, routed experts, LM head) as int8 with one
     scale per output row, quantised as it is placed (half the memory of bf16; decode reads half the bytes);
-    ``expert_dtype`` ("int8" or "stored") overrides it for the routed experts alone. Serving layout only;
+    ``expert_dtype`` ("int8" or "stored") overrides it for the routed experts alone. A moejax folder saved with
+    int8 experts (``python -m moejax.convert ... --expert-dtype int8``) loads them int8 as stored, without
+    requantising (and pages half the bytes from storage when offloading). Serving layout only;
     see ``moejax.models.layout`` for the scheme and its error bound. With ``offload`` the experts stay in the files
     and int8 experts mean int8 device slots (``offload.OffloadConfig.slot_dtype``): every page is quantised
     on the device as it arrives, so the cache holds twice the experts in the same memory.
@@ -337,6 +339,8 @@ def load(path: str, dtype=None, offload=None, layout: str = "serving", weight_dt
         mesh = distributed.experts_mesh(devices)
     elif devices is not None:
         raise ValueError("devices= goes with shard='experts'")
+    if expert_dtype in (None, "stored") and layout == "serving" and checkpoint.stored_expert_dtype(path) == "int8":
+        expert_dtype = "int8"  # a folder with int8 experts keeps them int8 (the canonical layout dequantises)
     quantization = layout_lib.Quantization.from_dtypes(weight_dtype, expert_dtype)
     if quantization is not None and layout != "serving":
         raise ValueError(f"int8 weights (weight_dtype/expert_dtype) need layout='serving', got layout={layout!r}")

@@ -77,12 +77,18 @@ class ExpertStore:
         layers = [expert_stacks(params["layers"][i]["moe"]) for i in self.moe_ids]
         lazy = all(isinstance(x, weights.ExpertStack) for layer in layers for x in layer.values())
         n = cfg.n_experts
+        int8 = lazy and all(weights.is_int8_stack(x) for layer in layers for x in layer.values())
         if lazy and store == "flash":  # the checkpoint's own files are the flash tier: no copy, no file
             self._stacks = layers
-            for file in {f for layer in layers for x in layer.values() for f, _ in x.parts}:
+            for file in set().union(*(x.files() for layer in layers for x in layer.values())):
                 file.read_exactly()  # a page reads its expert's bytes (prefetched in get), no readahead
             self.flip = tuple(k for k in EXPERT_KEYS if layers[0][k].transposed)
             self.full = [{k: [layer[k].stored(e) for e in range(n)] for k in EXPERT_KEYS} for layer in layers]
+            self.expert_bytes = sum(layers[0][k].stored_expert_nbytes for k in EXPERT_KEYS)
+        elif int8:  # host memory, int8 as stored (``[out, in]`` + scales), read once, one expert at a time
+            self.flip = EXPERT_KEYS
+            self.full = [{k: [jax.tree.map(self._place, layer[k].stored_copy(e)) for e in range(n)]
+                          for k in EXPERT_KEYS} for layer in layers]
             self.expert_bytes = sum(layers[0][k].stored_expert_nbytes for k in EXPERT_KEYS)
         elif lazy:  # host memory, read once from the files, one expert at a time
             self.full = [{k: [self._place(layer[k].read_expert(e)) for e in range(n)] for k in EXPERT_KEYS}
@@ -144,8 +150,7 @@ class ExpertStore:
         layers = self.full if bits == 0 else self.low[bits]
         if bits == 0 and self._stacks is not None:
             for k in EXPERT_KEYS:
-                file, view = self._stacks[moe_index][k].parts[expert]
-                file.prefetch(view)
+                self._stacks[moe_index][k].prefetch(expert)
         return {k: layers[moe_index][k][expert] for k in EXPERT_KEYS}
 
     def nbytes_of(self, bits: int) -> int:
@@ -233,14 +238,27 @@ def write_slot(buf, data: dict, s: int, flip: tuple[str, ...] = ()):
     """Slot buffers with expert ``data`` (``gate``/``up``/``down`` on the device; ``flip``: matrices stored
     transposed, i.e. Hugging Face's ``[out, in]``) in slot ``s``: a new buffer for that slot of an
     ``ExpertList``, or written in place into stacked slots."""
+    stored_int8 = all(layout.is_int8(data[k]) for k in EXPERT_KEYS)  # paged from an int8 folder: [out, in]
     if isinstance(buf, layout.ExpertList):
         old = buf.expert(s)
-        if layout.is_int8(old[0]):
+        if layout.is_int8(old[0]) and stored_int8:
+            gate_up, down = _stack_rows(data["gate"], data["up"]), data["down"]
+        elif layout.is_int8(old[0]):
             gate_up, down = _int8_expert(data, flip, np.dtype(old[0].dtype))
+        elif stored_int8:
+            gate_up, down = _serving_expert_into(*old, _dequantized(data), EXPERT_KEYS)
         else:
             gate_up, down = _serving_expert_into(*old, data, flip)
         return buf.replace(s, gate_up, down)
+    if stored_int8:
+        data, flip = _dequantized(data), EXPERT_KEYS
     return _write_stacked_slot(buf, data, jnp.int32(s), flip)
+
+
+@jax.jit
+def _dequantized(data: dict) -> dict:
+    """An int8-stored expert (``[out, in]`` + scales) in its compute dtype, for full-precision slots."""
+    return {k: quant.dequantize(data[k]) for k in EXPERT_KEYS}
 
 
 @functools.partial(jax.jit, static_argnames=("flip",), donate_argnums=(0, 1))

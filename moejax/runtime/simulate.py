@@ -19,7 +19,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from moejax.models import layout, quant
+from moejax.models import layout, quant, weights
 from moejax.models.config import ModelConfig
 from moejax.models.gating import Gating
 from moejax.models.model import ForwardOutput, forward, forward_sequential, init_kv, routed_experts
@@ -131,11 +131,15 @@ def init_router_state(cfg: ModelConfig, policy: routing_lib.RoutingPolicy, cache
 
 
 def expert_bytes(params: dict, cfg: ModelConfig) -> int:
-    """Bytes one routed expert occupies (what a miss moves): int8 experts count their values and scales."""
+    """Bytes one routed expert occupies (what a miss moves): int8 experts count their values and scales
+    (in memory, or stored int8 in the files an offloaded model pages from)."""
     for lp in params["layers"]:
-        experts = lp.get("moe", {}).get("experts")
+        moe = lp.get("moe", {})
+        experts = moe.get("experts")
         if isinstance(experts, layout.ExpertList) and layout.is_int8(experts.gate_up[0]):
             return layout.matrix_nbytes(experts.gate_up[0]) + layout.matrix_nbytes(experts.down[0])
+        if weights.is_int8_stack(moe.get("gate")):
+            return sum(moe[k].stored_expert_nbytes for k in layout.EXPERT_MATRICES)
     return cfg.expert_params * jnp.dtype(params["embed"].dtype).itemsize
 
 
