@@ -49,7 +49,7 @@ def n_experts(cfg: dict) -> int:
 
 def moejax_run(model: str, size: int, routing: str, budget: int | None, prompt: list[int], new_tokens: int,
                lam: float, dtype: str | None, timeout: float, temperature: float = 0.0, seed: int = 0,
-               expert_dtype: str | None = None) -> dict:
+               expert_dtype: str | None = None, weight_dtype: str | None = None) -> dict:
     cmd = [sys.executable, "-m", "moejax.generate", "--model", model, "--prompt-ids", ",".join(map(str, prompt)),
            "--max-new-tokens", str(new_tokens), "--ignore-eos", "--offload", "--expert-store", "flash",
            "--cache-size", str(size), "--routing", routing, "--json"]
@@ -61,10 +61,12 @@ def moejax_run(model: str, size: int, routing: str, budget: int | None, prompt: 
         cmd += ["--temperature", str(temperature), "--seed", str(seed)]
     if expert_dtype:
         cmd += ["--expert-dtype", expert_dtype]
+    if weight_dtype:
+        cmd += ["--weight-dtype", weight_dtype]
     env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2"}
     m = memlimit.run_measured(cmd, limit_bytes=budget, env=env, drop_caches=True, timeout=timeout)
     row = {"engine": "moejax", "routing": routing, "capacity": size, "budget_bytes": budget,
-           "expert_dtype": expert_dtype or "stored",
+           "expert_dtype": expert_dtype or "stored", "weight_dtype": weight_dtype or "stored",
            "returncode": m["returncode"], "wall_s": m["wall_s"], "peak_rss_bytes": m["peak_rss_bytes"],
            "process_read_bytes": m["read_bytes"], "cgroup_peak_bytes": m.get("cgroup_peak_bytes"),
            "oom_killed": m.get("oom_killed"), "command": " ".join(cmd)}
@@ -111,7 +113,7 @@ def fmt(row: dict) -> str:
     if row["returncode"] != 0:
         return (f"moejax {row['routing']:11s} C={row['capacity']:3d}  FAILED rc={row['returncode']} "
                 f"oom={row.get('oom_killed')} {row.get('error')}")
-    return (f"moejax {row['routing']:11s} C={row['capacity']:3d} {row.get('expert_dtype', 'stored'):6s} load {row['load_s']:.1f}s  ttft {row['ttft_s']:.1f}s  "
+    return (f"moejax {row['routing']:11s} C={row['capacity']:3d} {row.get('expert_dtype', 'stored'):6s} weights {row.get('weight_dtype', 'stored'):6s} load {row['load_s']:.1f}s  ttft {row['ttft_s']:.1f}s  "
             f"decode {row['decode_tokens_per_s']:.3f} tok/s  miss {row['miss_rate']:.3f}  requested "
             f"{row['expert_bytes_per_decode_token'] / 1e6:.0f} MB/tok  storage "
             f"{(row['storage_read_per_decode_token'] or 0) / 1e6:.0f} MB/tok  peak RSS "
@@ -134,6 +136,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--expert-dtype", choices=("stored", "int8"), default=None,
                    help="int8: int8 device slots (each page quantised as it arrives: twice the experts per byte)")
+    p.add_argument("--weight-dtype", choices=("stored", "int8"), default=None,
+                   help="int8: every other matrix (attention, shared experts, LM head) int8 too, quantised on load")
     p.add_argument("--timeout", type=float, default=1800)
     p.add_argument("--llama-cpp", action="store_true", help="also run llama.cpp on the same weights")
     p.add_argument("--gguf", default=None, help="the GGUF to use/write (default: beside the model folder)")
@@ -151,7 +155,8 @@ def main(argv: list[str] | None = None) -> int:
     for div in (int(x) for x in args.sizes.split(",")):
         for routing in args.routings.split(","):
             row = moejax_run(args.model, max(n // div, 1), routing, budget, prompt, args.new_tokens, args.lam,
-                             args.dtype, args.timeout, args.temperature, args.seed, args.expert_dtype)
+                             args.dtype, args.timeout, args.temperature, args.seed, args.expert_dtype,
+                             args.weight_dtype)
             row["size"] = f"N/{div}"
             rows.append(row)
             print(fmt(row), flush=True)

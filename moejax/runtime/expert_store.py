@@ -225,11 +225,11 @@ def fill_slots(slots, store: ExpertStore, cache_state: cache_lib.CacheState):
         s = int(slot[layer, expert])
         data = jax.device_put(store.get(int(layer), int(expert)), store.target)
         if cache_state.scope == "global":
-            slots = write_slot(slots, data, s, store.flip)
+            slots = written = write_slot(slots, data, s, store.flip)
         else:
-            slots[layer] = write_slot(slots[layer], data, s, store.flip)
-        if store.pages_from_files:
-            jax.block_until_ready(slots)
+            slots[layer] = written = write_slot(slots[layer], data, s, store.flip)
+        if store.pages_from_files:  # the page is in its slot before its mapped bytes are released
+            jax.block_until_ready(written.expert(s) if isinstance(written, layout.ExpertList) else written)
             store.release(int(layer), int(expert))
     return slots
 
