@@ -183,6 +183,46 @@ def _model(edit: Callable[[Path], None] | None = None, rel: str = "model", src: 
     return setup
 
 
+def _int8_folder(edit: Callable[[Path], None] | None = None, rel: str = "q8") -> Callable:
+    """The tiny checkpoint converted to a moejax folder with int8 experts (format version 3), then ``edit``."""
+    def setup(tmp: Path, tiny: str) -> None:
+        from moejax.models import checkpoint
+
+        checkpoint.convert_to_moejax(tiny, str(tmp / rel), expert_dtype="int8")
+        if edit is not None:
+            edit(tmp / rel)
+    return setup
+
+
+def _params_header(edit: Callable[[dict], None]) -> Callable[[Path], None]:
+    """Rewrite the safetensors header of a moejax folder's params file (same data bytes)."""
+    def fn(folder: Path) -> None:
+        path = folder / "params.safetensors"
+        raw = path.read_bytes()
+        n = struct.unpack("<Q", raw[:8])[0]
+        header = json.loads(raw[8:8 + n])
+        edit(header)
+        new = json.dumps(header).encode()
+        new += b" " * (-len(new) % 8)
+        path.write_bytes(struct.pack("<Q", len(new)) + new + raw[8 + n:])
+    return fn
+
+
+def _q8_as_uint8(h: dict) -> None:
+    h["layers.0.moe.gate.q8"]["dtype"] = "U8"  # same bytes, unsigned: not what int8 experts are
+
+
+def _drop_params_tensor(key: str) -> Callable[[Path], None]:
+    def fn(folder: Path) -> None:
+        from safetensors.numpy import load_file, save_file
+
+        path = str(folder / "params.safetensors")
+        tensors = load_file(path)
+        tensors.pop(key)
+        save_file(tensors, path, metadata={"format": "moejax"})
+    return fn
+
+
 def _config(**changes) -> Callable[[Path], None]:
     def edit(folder: Path) -> None:
         cfg = json.loads((folder / "config.json").read_text())
@@ -564,6 +604,19 @@ CASES = [
          ("F33", "model.safetensors"), _model(_header(_set_dtype("F33")))),
     Case("convert-moejax-json-garbage", "convert", ("moejax-to-hf", "{tmp}/mj", "{tmp}/out"), FAILURE,
          ("moejax.json",), _model(lambda f: (f / "moejax.json").write_text("{garbage"), rel="mj")),
+    Case("convert-expert-dtype-unknown", "convert", ("hf-to-moejax", "{tiny}", "{tmp}/out", "--expert-dtype", "int4"),
+         USAGE, ("--expert-dtype",)),
+    Case("convert-moejax-to-moejax-from-hf", "convert", ("moejax-to-moejax", "{tmp}/model", "{tmp}/out"), FAILURE,
+         ("{tmp}/model",), _model()),
+    Case("convert-moejax-to-moejax-onto-its-source", "convert", ("moejax-to-moejax", "{tmp}/q8", "{tmp}/q8",
+                                                                 "--expert-dtype", "int8", "--overwrite"), USAGE,
+         ("{tmp}/q8",), _int8_folder()),
+    Case("generate-int8-folder-q8-unsigned", "generate", G(model="{tmp}/q8"), FAILURE, ("layers.0.moe.gate.q8",),
+         _int8_folder(_params_header(_q8_as_uint8))),
+    Case("generate-int8-folder-scale-missing", "generate", G(model="{tmp}/q8"), FAILURE, ("layers.1.moe.down.scale",),
+         _int8_folder(_drop_params_tensor("layers.1.moe.down.scale"))),
+    Case("generate-int8-folder-flag-offload-jit", "generate", G("--offload", "--paging", "jit", model="{tmp}/q8"),
+         USAGE, ("--paging", "paging"), _int8_folder()),
     # ----------------------------------------------------------------------------- random_checkpoint
     Case("random-checkpoint-layers-zero", "random_checkpoint", RC[:2] + ("--layers", "0") + RC[4:], USAGE,
          ("--layers",)),
