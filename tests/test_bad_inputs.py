@@ -194,20 +194,6 @@ def _int8_folder(edit: Callable[[Path], None] | None = None, rel: str = "q8") ->
     return setup
 
 
-def _params_header(edit: Callable[[dict], None]) -> Callable[[Path], None]:
-    """Rewrite the safetensors header of a moejax folder's params file (same data bytes)."""
-    def fn(folder: Path) -> None:
-        path = folder / "params.safetensors"
-        raw = path.read_bytes()
-        n = struct.unpack("<Q", raw[:8])[0]
-        header = json.loads(raw[8:8 + n])
-        edit(header)
-        new = json.dumps(header).encode()
-        new += b" " * (-len(new) % 8)
-        path.write_bytes(struct.pack("<Q", len(new)) + new + raw[8 + n:])
-    return fn
-
-
 def _q8_as_uint8(h: dict) -> None:
     h["layers.0.moe.gate.q8"]["dtype"] = "U8"  # same bytes, unsigned: not what int8 experts are
 
@@ -242,10 +228,10 @@ def _config_text(text: str) -> Callable[[Path], None]:
     return lambda folder: (folder / "config.json").write_text(text)
 
 
-def _header(edit: Callable[[dict], None]) -> Callable[[Path], None]:
-    """Rewrite the safetensors header of the model file (same data bytes)."""
+def _header(edit: Callable[[dict], None], name: str = "model.safetensors") -> Callable[[Path], None]:
+    """Rewrite the safetensors header of the model file ``name`` (same data bytes)."""
     def fn(folder: Path) -> None:
-        path = folder / "model.safetensors"
+        path = folder / name
         raw = path.read_bytes()
         n = struct.unpack("<Q", raw[:8])[0]
         header = json.loads(raw[8:8 + n])
@@ -612,7 +598,7 @@ CASES = [
                                                                  "--expert-dtype", "int8", "--overwrite"), USAGE,
          ("{tmp}/q8",), _int8_folder()),
     Case("generate-int8-folder-q8-unsigned", "generate", G(model="{tmp}/q8"), FAILURE, ("layers.0.moe.gate.q8",),
-         _int8_folder(_params_header(_q8_as_uint8))),
+         _int8_folder(_header(_q8_as_uint8, "params.safetensors"))),
     Case("generate-int8-folder-scale-missing", "generate", G(model="{tmp}/q8"), FAILURE, ("layers.1.moe.down.scale",),
          _int8_folder(_drop_params_tensor("layers.1.moe.down.scale"))),
     Case("generate-int8-folder-flag-offload-jit", "generate", G("--offload", "--paging", "jit", model="{tmp}/q8"),

@@ -339,15 +339,24 @@ def generate(params, cfg: ModelConfig, prompt_ids, *, max_new_tokens: int, sampl
             on_tokens(fresh)
     jax.block_until_ready(state.token)
     total = time.perf_counter() - t0
-    decode_time = total - ttft
-    stats = {
-        "prompt_tokens": int(prompt.size),
+    stats = generation_stats(int(prompt.size), tokens, ttft, total, total - ttft, compile_time,
+                             stop_reason(tokens, requested, eos, ended_by), fed)
+    return GenerateResult(tokens, stats, records, state.router_state)
+
+
+def generation_stats(prompt_tokens: int, tokens: list[int], ttft: float, total: float, decode_time: float,
+                     compile_time: float, stopped: str, fed_tokens: int) -> dict:
+    """``GenerateResult.stats`` of a generation (simulated or offloaded): tokens/s counts the decoded tokens,
+    i.e. all but the first, which the prefill produced. ``fed_tokens`` exceeds prompt + generated − 1 when a
+    stop string cut a decode chunk (the cache saw the rest of the chunk)."""
+    n_decode = max(len(tokens) - 1, 0)
+    return {
+        "prompt_tokens": prompt_tokens,
         "generated_tokens": len(tokens),
         "time_to_first_token_s": ttft,
         "total_time_s": total,
         "compile_time_s": compile_time,
-        "tokens_per_s": (len(tokens) - 1) / decode_time if len(tokens) > 1 and decode_time > 0 else 0.0,
-        "stopped": stop_reason(tokens, requested, eos, ended_by),
-        "fed_tokens": fed,  # > prompt + generated - 1 when a stop string cut a chunk
+        "tokens_per_s": n_decode / decode_time if n_decode and decode_time > 0 else 0.0,
+        "stopped": stopped,
+        "fed_tokens": fed_tokens,
     }
-    return GenerateResult(tokens, stats, records, state.router_state)

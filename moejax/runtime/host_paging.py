@@ -505,17 +505,10 @@ def host_generate(params, cfg: ModelConfig, prompt_ids, router_state: dict, offl
     if read0 is not None and read_end is not None:  # what really came from storage (page-cache misses)
         summary["storage_read_bytes_prefill"] = read_decode - read0
         summary["storage_read_per_decode_token"] = (read_end - read_decode) / max(n_decode, 1)
-    stats = {
-        "prompt_tokens": int(prompt.size),
-        "generated_tokens": len(tokens),
-        "time_to_first_token_s": ttft,
-        "total_time_s": total,
-        "compile_time_s": compile_time,
-        "tokens_per_s": n_decode / decode_time if n_decode and decode_time > 0 else 0.0,
-        "stopped": decode.stop_reason(tokens, requested, eos, ended_by),
-        "fed_tokens": int(prompt.size) + max(len(tokens) - 1, 0),
-        "offload": summary,
-    }
+    stats = decode.generation_stats(int(prompt.size), tokens, ttft, total, decode_time, compile_time,
+                                    decode.stop_reason(tokens, requested, eos, ended_by),
+                                    int(prompt.size) + n_decode)
+    stats["offload"] = summary
     fed = len(rec) // len(pager.moe_ids)
     out = stack_records(rec, fed, len(pager.moe_ids))
     decode.check_step(cfg, out["router_logits"], True, "the prompt or the generated tokens")
