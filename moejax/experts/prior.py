@@ -38,6 +38,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from moejax.models.checkpoint import write_json_atomic
+
 FORMAT = "moejax-learned-prior"
 VERSION = 1
 ACTIVATION = "relu"
@@ -146,14 +148,6 @@ def split_layers(params: dict) -> dict:
 # ----------------------------------------------------------------------------------------- checkpoints
 
 
-def _write_json_atomic(path: str, obj: Any) -> None:
-    tmp = f"{path}.tmp-{os.getpid()}"
-    with open(tmp, "w") as f:
-        json.dump(obj, f, indent=2, sort_keys=True)
-        f.write("\n")
-    os.replace(tmp, path)
-
-
 def save_prior(path: str, params: dict, meta: dict | None = None, overwrite: bool = True) -> str:
     """Write a checkpoint folder atomically: build ``PATH.tmp-*`` (orbax params + sidecar), then rename.
 
@@ -180,7 +174,7 @@ def save_prior(path: str, params: dict, meta: dict | None = None, overwrite: boo
                             "n_experts": n_experts, "n_layers": n_layers, "hidden": hidden,
                             "per_layer": True},
                    **(meta or {})}
-        _write_json_atomic(os.path.join(tmp, SIDECAR), sidecar)
+        write_json_atomic(os.path.join(tmp, SIDECAR), sidecar)
         if os.path.exists(path):  # swap: the old folder is moved aside first, then removed
             old = f"{tmp}.old"
             os.replace(path, old)
