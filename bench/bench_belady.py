@@ -14,13 +14,12 @@ then the same for one global pool of 5/10/25/50 % of all L·N experts.
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import sys
 
 import numpy as np
 
 import moejax
+from moejax.base import atomic
 from moejax.experts import trace as trace_lib
 from moejax.evaluation import perplexity
 
@@ -60,10 +59,7 @@ def main() -> int:
         print(f"{size:>4s} {rates['lru']:8.4f} {rates['belady']:8.4f} {rates['belady-bypass']:8.4f}", flush=True)
     result = {"command": " ".join(sys.argv), "tokens": int(tr.shape[0]), "chunks": args.chunks,
               "context": args.context, "scope": "layer", "rows": rows, "global": pool}
-    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-    with open(args.out + ".tmp", "w") as f:
-        json.dump(result, f, indent=1)
-    os.replace(args.out + ".tmp", args.out)
+    atomic.write_json(args.out, result, indent=1, sort_keys=False)
     print(f"wrote {args.out}")
     return 0
 

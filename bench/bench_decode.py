@@ -10,7 +10,6 @@ same tokens, and times decode after a warm-up. moejax's figure excludes compilat
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import sys
@@ -94,11 +93,8 @@ def main() -> int:
     }
     print(f"transformers {hf_tps:8.1f} tokens/s | moejax {mj_tps:8.1f} tokens/s | ratio {mj_tps / hf_tps:5.2f}x "
           f"| identical tokens: {same} | moejax compile {compile_s:.1f} s")
-    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-    tmp_out = args.out + ".tmp"
-    with open(tmp_out, "w") as f:
-        json.dump(result, f, indent=2)
-    os.replace(tmp_out, args.out)
+    from moejax.base import atomic  # imported late, like moejax itself here
+    atomic.write_json(args.out, result, sort_keys=False)
     return 0 if same else 1
 
 

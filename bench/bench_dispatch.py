@@ -17,8 +17,6 @@ Times are the minimum over ``--repeats`` after a compile-and-warm-up call.
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import platform
 import sys
 import time
@@ -28,6 +26,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import moejax
+from moejax.base import atomic
 from moejax.models import model as M
 
 
@@ -131,11 +130,7 @@ def main() -> int:
     result["forward"] = forward_parts(model, args.repeats)
     if args.olmoe:
         result["olmoe_layer"] = olmoe_layer(args.repeats)
-    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-    tmp = args.out + ".tmp"
-    with open(tmp, "w") as f:
-        json.dump(result, f, indent=1)
-    os.replace(tmp, args.out)
+    atomic.write_json(args.out, result, indent=1, sort_keys=False)
     print(f"wrote {args.out}")
     return 0
 

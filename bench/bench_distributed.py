@@ -126,10 +126,8 @@ def main(argv: list[str] | None = None) -> int:
                   f"{measured:.0f} (scheme: {per_token_layer}; a ring moves {2 * (d - 1) / d * per_token_layer:.0f} "
                   f"per device)")
     if args.out:
-        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-        with open(args.out + ".tmp", "w") as f:
-            json.dump(results, f, indent=1)
-        os.replace(args.out + ".tmp", args.out)
+        from moejax.base import atomic  # the parent process never imports jax
+        atomic.write_json(args.out, results, indent=1, sort_keys=False)
     return 0
 
 

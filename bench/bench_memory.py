@@ -108,9 +108,9 @@ def main(argv: list[str] | None = None) -> int:
         if not args.keep:
             shutil.rmtree(args.convert_to, ignore_errors=True)
     if args.out:
-        with open(args.out + ".tmp", "w") as f:
-            json.dump({"model": args.model, **s, "rows": rows, "time": time.strftime("%Y-%m-%d %H:%M:%S")}, f, indent=1)
-        os.replace(args.out + ".tmp", args.out)
+        from moejax.base import atomic  # imported late, like moejax itself here
+        atomic.write_json(args.out, {"model": args.model, **s, "rows": rows,
+                                     "time": time.strftime("%Y-%m-%d %H:%M:%S")}, indent=1, sort_keys=False)
     return 0 if all(r["within_bound"] for r in rows) else 1
 
 

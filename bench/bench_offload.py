@@ -33,6 +33,7 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import moejax  # noqa: E402
+from moejax.base import atomic  # noqa: E402
 from moejax.experts import routing
 from moejax.runtime import expert_store
 from moejax.runtime import offload  # noqa: E402
@@ -44,14 +45,6 @@ PROMPT = "The history of the city of Paris began in the Roman period, when"
 def machine() -> str:
     dev = jax.devices()[0]
     return f"{dev.platform}:{getattr(dev, 'device_kind', '')} ({os.cpu_count()} cpus, {platform.processor() or platform.machine()})"
-
-
-def _atomic_json(path: str, obj) -> None:
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    tmp = path + ".tmp"
-    with open(tmp, "w") as f:
-        json.dump(obj, f, indent=1)
-    os.replace(tmp, path)
 
 
 def run_point(model, ids, policy, cache: CacheConfig, off: offload.OffloadConfig, new_tokens: int, repeat: int):
@@ -221,7 +214,7 @@ def main(argv=None) -> int:
     res["command"] = " ".join(["python bench/bench_offload.py", *(argv if argv is not None else sys.argv[1:])])
     out = args.out or os.path.join(os.path.dirname(os.path.abspath(__file__)), "results",
                                    f"offload_{args.suite}{'_small' if args.small else ''}.json")
-    _atomic_json(out, res)
+    atomic.write_json(out, res, indent=1, sort_keys=False)
     print(f"wrote {out} ({res['wall_s']:.0f} s)")
     return 0
 

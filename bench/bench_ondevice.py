@@ -165,11 +165,9 @@ def main(argv: list[str] | None = None) -> int:
         rows.append(row)
         print(fmt(row), flush=True)
     if args.out:
-        tmp = args.out + ".tmp"
-        with open(tmp, "w") as f:
-            json.dump({"model": os.path.abspath(args.model), "budget_gb": args.budget_gb, "rows": rows,
-                       "time": time.strftime("%Y-%m-%d %H:%M:%S")}, f, indent=1)
-        os.replace(tmp, args.out)
+        from moejax.base import atomic  # imported late, like moejax itself here
+        atomic.write_json(args.out, {"model": os.path.abspath(args.model), "budget_gb": args.budget_gb, "rows": rows,
+                                     "time": time.strftime("%Y-%m-%d %H:%M:%S")}, indent=1, sort_keys=False)
     return 0
 
 

@@ -15,7 +15,6 @@ decisive routers). Times are the minimum over repeats after a compile-and-warm-u
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import sys
@@ -90,10 +89,8 @@ def main() -> int:
     for path, r in sweeps.items():
         print(f"{args.points}-point λ sweep, {path}, {r['tokens']} tokens: loop {r['loop_s']:.2f} s | "
               f"one vmapped pass {r['vmap_s']:.2f} s | speed-up {r['speedup']:.2f}x")
-    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-    with open(args.out + ".tmp", "w") as f:
-        json.dump(result, f, indent=2)
-    os.replace(args.out + ".tmp", args.out)
+    from moejax.base import atomic  # imported late, like moejax itself here
+    atomic.write_json(args.out, result, sort_keys=False)
     return 0
 
 

@@ -311,15 +311,6 @@ def run_config(name: str, args, requests: list[dict]) -> dict:
     return out
 
 
-def write_json(path: str, result: dict) -> None:
-    folder = os.path.dirname(os.path.abspath(path))
-    os.makedirs(folder, exist_ok=True)
-    tmp = path + ".tmp"
-    with open(tmp, "w") as f:
-        json.dump(result, f, indent=2)
-    os.replace(tmp, path)
-
-
 def print_table(result: dict) -> None:
     print(f"\nserve, default model, --offload --bandwidth-gbps {result['bandwidth_gbps']}, cache N/2, "
           f"{result['requests_per_level']} streaming requests per level x {result['repeats']} repeats, "
@@ -377,7 +368,8 @@ def main(argv: list[str] | None = None) -> int:
     }
     print_table(result)
     print(f"total wall time {result['wall_s']:.0f} s")
-    write_json(args.out, result)
+    from moejax.base import atomic  # imported late, like moejax itself here
+    atomic.write_json(args.out, result, sort_keys=False)
     return 0 if all(not lv["errors"] and lv["counters_add_up"] for c in configs for lv in c["levels"]) else 1
 
 

@@ -31,7 +31,6 @@ agree: a loud warning is printed when they do not.
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
 import platform
@@ -266,16 +265,6 @@ def set_agreement(a: np.ndarray, b: np.ndarray) -> float:
     return float(np.mean(np.all(np.sort(a, -1) == np.sort(b, -1), -1)))
 
 
-def write_json(path: str, result: dict) -> None:
-    folder = os.path.dirname(os.path.abspath(path))
-    os.makedirs(folder, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=folder, prefix=".teacher_forced.", suffix=".tmp")
-    with os.fdopen(fd, "w") as f:
-        json.dump(result, f, indent=2)
-    os.chmod(tmp, 0o644)  # mkstemp makes it private; a results file is meant to be read
-    os.replace(tmp, path)
-
-
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--chunks", type=int, default=8)
@@ -371,7 +360,8 @@ def main() -> int:
               f"{r['ratio_moejax_over_transformers']:6.2f}x {hf['ppl']:9.3f} {mj['ppl']:10.3f} {miss}")
     print(f"same expert sets (cache pass): {100 * cached['same_expert_sets']:.3f}% of routing steps | "
           f"max |Δlogit| plain {plain['max_abs_logit_diff']:.1e}, cache {cached['max_abs_logit_diff']:.1e}")
-    write_json(args.out, result)
+    from moejax.base import atomic  # imported late, like moejax itself here
+    atomic.write_json(args.out, result, sort_keys=False)
     return 0 if plain["agree"] and cached["agree"] else 1
 
 

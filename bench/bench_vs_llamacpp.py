@@ -367,10 +367,8 @@ def main(argv: list[str] | None = None) -> int:
 
             shutil.rmtree(tmp, ignore_errors=True)
     if args.out:
-        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-        with open(args.out + ".tmp", "w") as f:
-            json.dump(results, f, indent=1)
-        os.replace(args.out + ".tmp", args.out)
+        from moejax.base import atomic  # imported late, like moejax itself here
+        atomic.write_json(args.out, results, indent=1, sort_keys=False)
     return 0
 
 

@@ -19,6 +19,7 @@ from hypothesis import strategies as st
 from safetensors.numpy import load_file, save_file
 
 import moejax
+from moejax.base import atomic
 from moejax.models import checkpoint, convert as convert_cli, layout, safetensors_io
 from moejax.models.checkpoint import CheckpointError
 from moejax.models.config import SUPPORTED_MODEL_TYPES, UnsupportedModelError
@@ -371,7 +372,7 @@ def test_interrupted_moejax_conversion_leaves_nothing(tmp_path, monkeypatch):
     target = tmp_path / "out" / "model"
     target.parent.mkdir()
     # crash after the params are written, while writing moejax.json
-    monkeypatch.setattr(checkpoint, "write_json_atomic", _fail_on_call(1, checkpoint.write_json_atomic))
+    monkeypatch.setattr(atomic, "write_json", _fail_on_call(1, atomic.write_json))
     with pytest.raises(RuntimeError, match="simulated crash"):
         checkpoint.convert_to_moejax(src, str(target))
     assert os.listdir(target.parent) == []
@@ -384,7 +385,7 @@ def test_interrupted_overwrite_keeps_the_old_target(tmp_path, monkeypatch, round
     target = str(tmp_path / "model")
     shutil.copytree(mj, target)
     before = sorted(os.listdir(tmp_path))
-    monkeypatch.setattr(checkpoint, "write_json_atomic", _fail_on_call(1, checkpoint.write_json_atomic))
+    monkeypatch.setattr(atomic, "write_json", _fail_on_call(1, atomic.write_json))
     with pytest.raises(RuntimeError, match="simulated crash"):
         checkpoint.convert_to_moejax(get_hf_model("olmoe").folder, target, overwrite=True)
     assert sorted(os.listdir(tmp_path)) == before

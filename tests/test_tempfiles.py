@@ -3,9 +3,13 @@ killed run's leftovers removed by the next run that makes one with the same pref
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
+
+import numpy as np
+import pytest
 
 from moejax.base import tempfiles
 
@@ -31,3 +35,62 @@ def test_make_temp_dir_uses_moejax_tmpdir_and_removes_only_dead_owners(tmp_path,
     assert not stale.exists() and live.exists() and other.exists() and unrelated.exists()
     monkeypatch.delenv(tempfiles.TMPDIR_ENV)
     assert tempfiles.temp_root() == __import__("tempfile").gettempdir()
+
+
+# ------------------------------------------------------------------------ one file written atomically
+def _leftovers(folder) -> list[str]:
+    return sorted(n for n in os.listdir(folder) if ".tmp-" in n)
+
+
+def test_atomic_write_replaces_whole_or_not_at_all(tmp_path):
+    from moejax.base import atomic
+
+    target = tmp_path / "sub" / "result.json"
+    atomic.write_json(target, {"b": 1, "a": [1, 2]})  # the folder is created
+    assert target.read_text() == '{\n  "a": [\n    1,\n    2\n  ],\n  "b": 1\n}\n'
+    mask = os.umask(0o022)
+    os.umask(mask)
+    assert target.stat().st_mode & 0o777 == 0o666 & ~mask  # what open() would give, not mkstemp's 0600
+    with pytest.raises(TypeError):
+        atomic.write_json(target, {"x": object()})  # cannot be JSON: fails before anything is written
+    with pytest.raises(RuntimeError, match="half way"):
+        with atomic.atomic_file(target, "w") as f:
+            f.write('{"partial": ')
+            raise RuntimeError("half way")
+    with pytest.raises(KeyboardInterrupt):
+        with atomic.atomic_file(target) as f:
+            f.write(b"x" * 1000)
+            raise KeyboardInterrupt
+    assert json.loads(target.read_text()) == {"a": [1, 2], "b": 1}  # the old file, whole
+    assert _leftovers(target.parent) == []
+    atomic.save_npz(tmp_path / "trace", a=np.arange(3))  # exactly this name: no ".npz" appended
+    assert np.load(tmp_path / "trace")["a"].tolist() == [0, 1, 2]
+    with pytest.raises(ValueError, match="mode"):
+        with atomic.atomic_file(target, "a"):
+            pass
+
+
+def test_a_killed_writers_temporary_file_is_removed_by_the_next_write(tmp_path):
+    """SIGKILL runs no clean-up: the half-written temporary file stays until the same target is written
+    again, and a live writer's temporary file is never touched."""
+    target = tmp_path / "shard.safetensors"
+    target.write_bytes(b"old")
+    code = ("import sys, time\nfrom moejax.base import atomic\n"
+            "with atomic.atomic_file(sys.argv[1]) as f:\n"
+            "    f.write(b'y' * 4096); f.flush(); print('writing', flush=True); time.sleep(60)\n")
+    proc = subprocess.Popen([sys.executable, "-c", code, str(target)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout.readline().strip() == "writing"
+        live = _leftovers(tmp_path)
+        assert len(live) == 1 and live[0].startswith(f".shard.safetensors.tmp-{proc.pid}-")
+    finally:
+        proc.kill()
+        proc.wait()
+    assert target.read_bytes() == b"old" and len(_leftovers(tmp_path)) == 1  # killed: the copy is left...
+    other = tmp_path / f".shard.safetensors.tmp-{os.getppid()}-abc"  # ...and a running writer's
+    other.write_bytes(b"busy")
+    from moejax.base import atomic
+
+    atomic.write_text(target, "new")
+    assert target.read_text() == "new"
+    assert _leftovers(tmp_path) == [other.name]  # the dead writer's file is gone, the live one's kept

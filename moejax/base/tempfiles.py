@@ -11,6 +11,7 @@ Where: beside the output when there is one (``checkpoint.atomic_folder``); other
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import tempfile
@@ -46,7 +47,8 @@ def owner_pid(name: str, prefix: str) -> int | None:
 
 
 def remove_stale(prefix: str, parent: str) -> list[str]:
-    """Remove the folders ``<prefix><pid>-*`` in ``parent`` whose process has ended; return their paths."""
+    """Remove the folders and files ``<prefix><pid>-*`` in ``parent`` whose process has ended; return their
+    paths (files: the temporary files of ``atomic.atomic_file``)."""
     removed = []
     try:
         names = os.listdir(parent)
@@ -55,9 +57,16 @@ def remove_stale(prefix: str, parent: str) -> list[str]:
     for name in names:
         pid = owner_pid(name, prefix)
         path = os.path.join(parent, name)
-        if pid is not None and pid != os.getpid() and not _alive(pid) and os.path.isdir(path):
+        if pid is None or pid == os.getpid() or _alive(pid):
+            continue
+        if os.path.isdir(path) and not os.path.islink(path):
             shutil.rmtree(path, ignore_errors=True)
-            removed.append(path)
+        elif os.path.isfile(path) or os.path.islink(path):
+            with contextlib.suppress(OSError):
+                os.remove(path)
+        else:
+            continue
+        removed.append(path)
     return removed
 
 

@@ -19,16 +19,14 @@ matplotlib is imported only inside the functions that draw (Agg canvas, no pyplo
 
 from __future__ import annotations
 
-import contextlib
 import math
-import os
-import tempfile
 from collections import defaultdict
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Callable, Sequence
 
 import numpy as np
 
+from moejax.base import atomic
 from moejax.evaluation.records import (_eviction_name, _need, _rank_k, _scope_name, _size_key, _sort_value, cache_of,
     cache_size_series, capacity_of, collision_rate, delta_label, eviction_label, eviction_of, eviction_rank,
     first_token_miss_rates, group_by, init_group_label, init_label, is_belady, is_selection, kind_of, kind_rank,
@@ -82,30 +80,6 @@ def new_figure(nrows: int = 1, ncols: int = 1, panel: tuple[float, float] = (5.0
     return fig, fig.subplots(nrows, ncols, squeeze=False)
 
 
-def _umask() -> int:
-    mask = os.umask(0o022)
-    os.umask(mask)
-    return mask
-
-
-def atomic_write(path, write: Callable[[Any], None], binary: bool = True) -> Path:
-    """Write ``path`` through ``write(fileobj)`` into a temporary file in the same folder, then rename it
-    over ``path`` (readers never see a partial file; a failure leaves any old file untouched)."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "wb" if binary else "w", **({} if binary else {"encoding": "utf-8"})) as f:
-            write(f)
-        os.chmod(tmp, 0o666 & ~_umask())
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        raise
-    return path
-
-
 def _stem(stem) -> Path:
     stem = Path(stem)
     return stem.with_suffix("") if stem.suffix.lower() in (".png", ".svg") else stem
@@ -119,8 +93,9 @@ def save_figure(fig, stem) -> list[Path]:
     with matplotlib.rc_context({"svg.hashsalt": "moejax", "svg.fonttype": "path"}):
         for ext, meta in (("png", {"Software": None}), ("svg", {"Date": None, "Creator": None})):
             target = stem.with_name(f"{stem.name}.{ext}")
-            paths.append(atomic_write(target, lambda f, ext=ext, meta=meta: fig.savefig(
-                f, format=ext, dpi=150, metadata=meta)))
+            with atomic.atomic_file(target) as f:
+                fig.savefig(f, format=ext, dpi=150, metadata=meta)
+            paths.append(target)
     return paths
 
 

@@ -31,7 +31,7 @@ import warnings
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
-from moejax.base import errors, interrupts
+from moejax.base import atomic, errors, interrupts
 from moejax.base.errors import Failure
 from moejax.evaluation import heatmap, plots, records as rec
 from moejax.evaluation.headlines import (_plural, _rel, headline_cache_size, headline_delta, headline_eviction,
@@ -542,7 +542,7 @@ def main(argv: list[str] | None = None) -> int:
             raise errors.UsageError(f"--figures {fig_dir} is a file, not a folder")
         text = build_report(args.results, out, fig_dir, [_parse_trace(t) for t in args.trace], args.trace_layer,
                             args.trace_cache_size, args.trace_eviction, args.trace_tokens, command, args.trace_note)
-        plots.atomic_write(out, lambda f: f.write(text), binary=False)
+        atomic.write_text(out, text)
     except errors.HANDLED as err:
         return errors.report(err)
     print(f"wrote {out}" + (f" (figures in {fig_dir})" if fig_dir else ""))

@@ -59,7 +59,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from moejax.base import distributed, errors, interrupts, paths
+from moejax.base import atomic, distributed, errors, interrupts, paths
 from moejax.models.gating import descending_order
 from moejax.experts import routing as routing_lib
 from moejax.runtime import api, cli_options, simulate
@@ -363,10 +363,7 @@ def study_delta(ctx: Context) -> list[dict]:
     if calib is None:
         calib = calibrate_delta(ctx)
         if distributed.is_leader():
-            os.makedirs(os.path.dirname(calib_path), exist_ok=True)
-            with open(calib_path + ".tmp", "w") as f:
-                json.dump(calib, f)
-            os.replace(calib_path + ".tmp", calib_path)
+            atomic.write_json(calib_path, calib, indent=None, sort_keys=False)
     delta = round(calib["delta"], 6)
     pts = []
     for lam in ctx.grid():
@@ -652,9 +649,7 @@ def _write_manifest(args, ctx: Context, timings: dict) -> None:
         if name == "cache_size":
             entry.update(cache_sizes=cache_sizes(ctx.cache_sizes, ctx.cfg.n_experts))
         per_study[name] = entry
-    with open(path + ".tmp", "w") as f:
-        json.dump(manifest, f, indent=1)
-    os.replace(path + ".tmp", path)
+    atomic.write_json(path, manifest, indent=1, sort_keys=False)
 
 
 if __name__ == "__main__":

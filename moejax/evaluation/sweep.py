@@ -32,7 +32,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from moejax.base import distributed, errors
+from moejax.base import atomic, distributed, errors
 from moejax.models import gating
 from moejax.models.model import forward
 from moejax.experts import trace as trace_lib
@@ -341,13 +341,8 @@ class Runner:
             res, tr = run_forward_single(self.model, inp.chunks, inp.text, inp.ids, inp.context, plain, keep_trace=True)
             res = results_file.as_json(res)
             if path:
-                os.makedirs(self.trace_dir, exist_ok=True)
-                tmp = path + ".tmp.npz"
-                trace_lib.save_trace(tmp, tr.experts, tr.weights, None, tr.n_experts, tr.gating)
-                with open(path[:-4] + ".json.tmp", "w") as f:
-                    json.dump(res, f)
-                os.replace(path[:-4] + ".json.tmp", path[:-4] + ".json")
-                os.replace(tmp, path)
+                atomic.write_json(path[:-4] + ".json", res, indent=None, sort_keys=False)
+                trace_lib.save_trace(path, tr.experts, tr.weights, None, tr.n_experts, tr.gating)
         self._traces[k] = (tr, res)
         return tr, res
 

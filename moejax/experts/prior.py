@@ -38,7 +38,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from moejax.models.checkpoint import write_json_atomic
+from moejax.base import atomic
 
 FORMAT = "moejax-learned-prior"
 VERSION = 1
@@ -174,7 +174,7 @@ def save_prior(path: str, params: dict, meta: dict | None = None, overwrite: boo
                             "n_experts": n_experts, "n_layers": n_layers, "hidden": hidden,
                             "per_layer": True},
                    **(meta or {})}
-        write_json_atomic(os.path.join(tmp, SIDECAR), sidecar)
+        atomic.write_json(os.path.join(tmp, SIDECAR), sidecar)
         if os.path.exists(path):  # swap: the old folder is moved aside first, then removed
             old = f"{tmp}.old"
             os.replace(path, old)

@@ -27,6 +27,7 @@ import dataclasses
 import functools
 import math
 import json
+import os
 import sys
 import time
 import zipfile
@@ -37,7 +38,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from moejax.base import errors, interrupts
+from moejax.base import atomic, errors, interrupts
 from moejax.base.errors import Failure
 from moejax.models import gating as gating_lib
 from moejax.experts import cache as cache_lib, router as router_lib, routing as routing_lib
@@ -131,7 +132,8 @@ def save_trace(path, experts, weights=None, logits=None, n_experts=None, gating:
         arrays["logits"] = tr.logits
     if tr.gating is not None:
         arrays["gating"] = np.asarray(json.dumps(tr.gating))
-    np.savez(path, **arrays)
+    path = os.fspath(path)
+    atomic.save_npz(path if path.endswith(".npz") else f"{path}.npz", **arrays)  # np.savez's naming
     return tr
 
 

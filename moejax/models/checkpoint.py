@@ -38,6 +38,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from moejax.base import atomic
 from moejax.base.errors import Failure, UsageError
 from moejax.base.tempfiles import make_temp_dir
 from moejax.models import hf_keys, layout, safetensors_io, weights
@@ -178,14 +179,6 @@ def check_replaceable(target: str, overwrite: bool, protect: tuple[str, ...] = (
         raise TargetRefusedError(f"{target} is not a checkpoint folder (it holds {found}...): --overwrite only "
                               "replaces a moejax or Hugging Face checkpoint; remove it yourself or choose "
                               "another target")
-
-
-def write_json_atomic(path: str, obj: Any) -> None:
-    tmp = f"{path}.tmp-{os.getpid()}"
-    with open(tmp, "w") as f:
-        json.dump(obj, f, indent=2, sort_keys=True)
-        f.write("\n")
-    os.replace(tmp, path)
 
 
 def _copy_tokenizer(src: str, dst: str) -> None:
@@ -386,7 +379,7 @@ def write_sharded(folder: str, stem: str, specs: list[tuple[str, np.dtype, tuple
         safetensors_io.write_stream(os.path.join(folder, name), shard, data, metadata)
     if len(shards) > 1:
         weight_map = {key: name for name, shard in zip(names, shards) for key, _, _ in shard}
-        write_json_atomic(os.path.join(folder, f"{stem}.safetensors.index.json"),
+        atomic.write_json(os.path.join(folder, f"{stem}.safetensors.index.json"),
                           {"metadata": {"total_size": total}, "weight_map": weight_map})
     return names
 
@@ -410,7 +403,7 @@ def save_hf(params: dict, cfg: ModelConfig, folder: str, *, tokenizer_from: str 
         write_sharded(tmp, "model", specs, lambda key: [_hf_value(params, table[key])], max_shard_bytes)
         hf = cfg.hf
         hf["torch_dtype"] = hf["dtype"] = str(dtype)
-        write_json_atomic(os.path.join(tmp, "config.json"), hf)
+        atomic.write_json(os.path.join(tmp, "config.json"), hf)
         if tokenizer_from:
             _copy_tokenizer(tokenizer_from, tmp)
     return os.path.abspath(folder)
@@ -507,7 +500,7 @@ def save_moejax(params: dict, cfg: ModelConfig, folder: str, *, tokenizer_from: 
                 "hf_config": cfg.hf}
         if int8:
             meta["experts"] = "int8"
-        write_json_atomic(os.path.join(tmp, FORMAT_FILE), meta)
+        atomic.write_json(os.path.join(tmp, FORMAT_FILE), meta)
         if tokenizer_from:
             _copy_tokenizer(tokenizer_from, tmp)
     return os.path.abspath(folder)

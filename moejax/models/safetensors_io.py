@@ -7,7 +7,6 @@ key and shape before reading a byte, and the offload path can later use the same
 
 from __future__ import annotations
 
-import contextlib
 import json
 import mmap
 import os
@@ -17,6 +16,7 @@ from typing import Iterable
 import ml_dtypes
 import numpy as np
 
+from moejax.base import atomic
 from moejax.base.errors import Failure
 
 _DTYPES = {
@@ -145,20 +145,6 @@ def _check_entry(path: str, key: str, info, data_size: int) -> None:
                                    f"{tuple(shape)} needs {need}")
 
 
-@contextlib.contextmanager
-def _atomic_file(path: str):
-    """An open binary file under a temporary name beside ``path``, renamed to ``path`` only when the block
-    succeeds (a crash never leaves a half-written file under the real name, nor the temporary one)."""
-    tmp = f"{path}.tmp-{os.getpid()}"
-    try:
-        with open(tmp, "wb") as f:
-            yield f
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.remove(tmp)
-
-
 def write(path: str, tensors: Iterable[tuple[str, np.ndarray]], metadata: dict[str, str] | None = None):
     """Write ``(key, array)`` pairs as one safetensors file (keys in the given order), atomically."""
     tensors = [(k, np.ascontiguousarray(v)) for k, v in tensors]
@@ -171,7 +157,7 @@ def write(path: str, tensors: Iterable[tuple[str, np.ndarray]], metadata: dict[s
         offset += v.nbytes
     blob = json.dumps(header, separators=(",", ":")).encode()
     blob += b" " * (-len(blob) % 8)
-    with _atomic_file(path) as f:
+    with atomic.atomic_file(path) as f:
         f.write(struct.pack("<Q", len(blob)))
         f.write(blob)
         for _, v in tensors:
@@ -194,7 +180,7 @@ def write_stream(path: str, specs: list[tuple[str, np.dtype, tuple[int, ...]]], 
         offset += nbytes
     blob = json.dumps(header, separators=(",", ":")).encode()
     blob += b" " * (-len(blob) % 8)
-    with _atomic_file(path) as f:
+    with atomic.atomic_file(path) as f:
         f.write(struct.pack("<Q", len(blob)))
         f.write(blob)
         for key, dtype, _ in specs:

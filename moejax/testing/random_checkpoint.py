@@ -29,7 +29,7 @@ import zlib
 import ml_dtypes
 import numpy as np
 
-from moejax.base import errors, interrupts
+from moejax.base import atomic, errors, interrupts
 from moejax.models import checkpoint, hf_keys, safetensors_io
 from moejax.models.config import from_hf
 
@@ -181,11 +181,11 @@ def write_checkpoint(config: dict, out: str, *, dtype: str = "bfloat16", seed: i
             if progress:
                 progress(f"{name}: {len(shard)} tensors")
         if len(shards) > 1:
-            checkpoint.write_json_atomic(os.path.join(tmp, "model.safetensors.index.json"),
-                                         {"metadata": {"total_size": total}, "weight_map": weight_map})
-        checkpoint.write_json_atomic(os.path.join(tmp, "config.json"), config)
+            atomic.write_json(os.path.join(tmp, "model.safetensors.index.json"),
+                           {"metadata": {"total_size": total}, "weight_map": weight_map})
+        atomic.write_json(os.path.join(tmp, "config.json"), config)
         gen = {k: config[k] for k in ("bos_token_id", "eos_token_id") if config.get(k) is not None}
-        checkpoint.write_json_atomic(os.path.join(tmp, "generation_config.json"), gen)
+        atomic.write_json(os.path.join(tmp, "generation_config.json"), gen)
     return out
 
 

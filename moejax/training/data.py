@@ -14,14 +14,13 @@ from __future__ import annotations
 import glob
 import gzip
 import hashlib
-import json
 import os
 import re
 from typing import Iterable, Iterator
 
 import numpy as np
 
-from moejax.base import paths
+from moejax.base import atomic, paths
 
 EOS = "<|endoftext|>"
 PAD = "<|padding|>"
@@ -104,11 +103,9 @@ def tokenizer_config(model_max_length: int = 1024) -> dict:
 
 def save_tokenizer(tok, folder: str, model_max_length: int = 1024) -> None:
     os.makedirs(folder, exist_ok=True)
-    tmp = os.path.join(folder, f"tokenizer.json.tmp-{os.getpid()}")
-    tok.save(tmp)
-    os.replace(tmp, os.path.join(folder, "tokenizer.json"))
-    _write_json(os.path.join(folder, "tokenizer_config.json"), tokenizer_config(model_max_length))
-    _write_json(os.path.join(folder, "special_tokens_map.json"),
+    atomic.write_text(os.path.join(folder, "tokenizer.json"), tok.to_str(pretty=True))
+    atomic.write_json(os.path.join(folder, "tokenizer_config.json"), tokenizer_config(model_max_length))
+    atomic.write_json(os.path.join(folder, "special_tokens_map.json"),
                 {"bos_token": EOS, "eos_token": EOS, "unk_token": EOS, "pad_token": PAD})
 
 
@@ -116,14 +113,6 @@ def load_tokenizer(folder: str):
     from tokenizers import Tokenizer
 
     return Tokenizer.from_file(os.path.join(folder, "tokenizer.json"))
-
-
-def _write_json(path: str, obj) -> None:
-    tmp = f"{path}.tmp-{os.getpid()}"
-    with open(tmp, "w") as f:
-        json.dump(obj, f, indent=2, sort_keys=True)
-        f.write("\n")
-    os.replace(tmp, path)
 
 
 def tokenizer_sample(train_paths: list[str], chars_per_shard: int) -> Iterator[str]:
@@ -171,13 +160,11 @@ def encode_documents(tok, docs: Iterable[str], batch: int = 256) -> Iterator[np.
 
 def tokenize_to_bin(tok, docs: Iterable[str], out_path: str) -> int:
     """Stream documents into a uint16 ``.bin`` file (written under a temporary name, then renamed)."""
-    tmp = f"{out_path}.tmp-{os.getpid()}"
     n = 0
-    with open(tmp, "wb") as f:
+    with atomic.atomic_file(out_path) as f:
         for arr in encode_documents(tok, docs):
             f.write(arr.tobytes())
             n += arr.size
-    os.replace(tmp, out_path)
     return n
 
 
@@ -191,8 +178,8 @@ def shard_bin(data_dir: str, shard_path: str, tok=None, max_chars: int | None = 
         tok = tok or load_tokenizer(data_dir)
         log(f"tokenizing {os.path.basename(shard_path)} -> {out} ...")
         n = tokenize_to_bin(tok, iter_documents(shard_path, max_chars), out)
-        _write_json(meta_path, {"source": os.path.abspath(shard_path), "tokens": n, "max_chars": max_chars,
-                                "tokenizer": tokenizer_hash(data_dir)})
+        atomic.write_json(meta_path, {"source": os.path.abspath(shard_path), "tokens": n, "max_chars": max_chars,
+                                      "tokenizer": tokenizer_hash(data_dir)})
     return np.memmap(out, dtype=np.uint16, mode="r")
 
 

@@ -30,7 +30,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from moejax.base import errors, interrupts
+from moejax.base import atomic, errors, interrupts
 from moejax.models import checkpoint
 from moejax.models.config import ModelConfig, from_hf
 from moejax.training import data, recipe
@@ -87,7 +87,7 @@ def save_state(out: str, step: int, params, opt_state, data_pos: int, rng: jax.A
     ckpt.save(path, state)  # orbax writes to a temporary folder and renames it when complete
     ckpt.wait_until_finished()
     ckpt.close()
-    checkpoint.write_json_atomic(os.path.join(root, "latest.json"), {"step": step, "path": os.path.basename(path)})
+    atomic.write_json(os.path.join(root, "latest.json"), {"step": step, "path": os.path.basename(path)})
     old = sorted(p for p in os.listdir(root) if p.startswith("step_") and p != os.path.basename(path))
     for p in old[:max(0, len(old) - keep + 1)]:
         shutil.rmtree(os.path.join(root, p), ignore_errors=True)
@@ -220,7 +220,7 @@ def train(args: argparse.Namespace) -> dict:
     n_params = recipe.count_params(params)
     run = {"args": {k: v for k, v in vars(args).items() if k not in ("export", "resume", "overwrite")}, "hf_config": hf,
            "params": n_params, "hardware": hardware(), "planned_steps": total_steps or None}
-    checkpoint.write_json_atomic(run_path, run)
+    atomic.write_json(run_path, run)
     log(f"model {args.config}: {n_params / 1e6:.2f}M params ({cfg.n_experts} experts, top-{cfg.top_k}, "
         f"{cfg.num_layers} layers, d={cfg.hidden_size}); {jax.devices()[0].platform}; "
         f"batch {args.batch} x {args.seq_len} tokens")
@@ -252,7 +252,7 @@ def train(args: argparse.Namespace) -> dict:
                 left = budget - (time.time() - start) - 0.03 * budget  # a margin for evaluation and the last checkpoint
                 total_steps = max(step + 1, args.warmup + 1, step + int(left / per_step))
                 run["planned_steps"] = total_steps
-                checkpoint.write_json_atomic(run_path, run)
+                atomic.write_json(run_path, run)
                 log(f"--steps auto: {per_step * 1e3:.1f} ms/step -> schedule of {total_steps} steps")
         batch, next_pos = next_batch
         params, opt_state, m = train_step(params, opt_state, jnp.asarray(batch), jnp.int32(step),
@@ -301,7 +301,7 @@ def train(args: argparse.Namespace) -> dict:
                "train_ce": m["ce"] if m else (run_prev.get("last") or {}).get("train_ce"), "val_ce": final_eval.get("ce"),
                "params": n_params}
     run["last"] = summary
-    checkpoint.write_json_atomic(run_path, run)
+    atomic.write_json(run_path, run)
     log(f"done: {json.dumps(summary)}")
     return summary
 
@@ -334,7 +334,7 @@ def export(out: str, folder: str, dtype=jnp.bfloat16, text_style: str = "wikitex
     os.makedirs(staging, exist_ok=True)
     for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
         shutil.copy2(os.path.join(out, "tokenizer", name), os.path.join(staging, name))
-    checkpoint.write_json_atomic(os.path.join(staging, "generation_config.json"), {
+    atomic.write_json(os.path.join(staging, "generation_config.json"), {
         "bos_token_id": eos, "eos_token_id": eos, "do_sample": False, "max_new_tokens": 64,
         "text_style": text_style})
     folder = checkpoint.save_moejax(params, cfg, folder, tokenizer_from=staging, overwrite=overwrite, protect=(out,))
@@ -343,9 +343,8 @@ def export(out: str, folder: str, dtype=jnp.bfloat16, text_style: str = "wikitex
     info = {"model": "qwen3_moe", "params": run["params"], "step": run["step"],
             "tokens": run["step"] * a["batch"] * a["seq_len"], "val_ce": last.get("val_ce"),
             "time_s": last.get("time_s"), "hardware": run["hardware"], "command": command_line(a)}
-    checkpoint.write_json_atomic(os.path.join(folder, "training.json"), info)
-    with open(os.path.join(folder, "README.md"), "w") as f:
-        f.write(readme_text(cfg, info))
+    atomic.write_json(os.path.join(folder, "training.json"), info)
+    atomic.write_text(os.path.join(folder, "README.md"), readme_text(cfg, info))
     os.chmod(folder, 0o755)
     return folder
 

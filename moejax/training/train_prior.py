@@ -46,8 +46,7 @@ import numpy as np
 import optax
 from jax import lax
 
-from moejax.base import errors, interrupts
-from moejax.models import checkpoint
+from moejax.base import atomic, errors, interrupts
 from moejax.experts import cache as cache_lib, prior as prior_lib, router as router_lib, routing as routing_lib
 from moejax.experts.trace import json_safe
 from moejax.runtime import api, simulate
@@ -278,12 +277,9 @@ def _load_record(out: str, key: dict):
 
 
 def _save_record(out: str, key: dict, rec: dict, seconds: float) -> None:
-    tmp = os.path.join(out, f".{RECORD_FILE}.tmp-{os.getpid()}.npz")
-    np.savez(tmp, z=rec["z"], m=rec["m"])
-    os.replace(tmp, os.path.join(out, RECORD_FILE))
-    checkpoint.write_json_atomic(os.path.join(out, RECORD_META),
-                                 {"key": key, "miss_rate": rec["miss_rate"], "seconds": seconds,
-                                  "shape": list(rec["z"].shape)})
+    atomic.save_npz(os.path.join(out, RECORD_FILE), z=rec["z"], m=rec["m"])
+    atomic.write_json(os.path.join(out, RECORD_META),
+                      {"key": key, "miss_rate": rec["miss_rate"], "seconds": seconds, "shape": list(rec["z"].shape)})
 
 
 def parse_weights(text: str) -> list[float]:

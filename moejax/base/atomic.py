@@ -1,0 +1,69 @@
+"""Writing one file atomically: readers see the old file or the whole new one, never a part of it.
+
+The bytes go to a temporary file beside the target, ``.<name>.tmp-<pid>-<random>``, which is renamed over the
+target only when writing succeeded. An exception, Ctrl-C or a signal that ``interrupts`` turns into one
+removes the temporary file and leaves the old target as it was; after a SIGKILL, the next write of the same
+target removes the dead process's temporary file (``tempfiles.remove_stale``), so a killed run never leaves
+a multi-GB half-written copy behind for good. Every file moejax writes whole (JSON records, safetensors
+shards, traces, plots, tokenizers, token files) goes through ``atomic_file``. Folders: ``checkpoint.atomic_folder``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import tempfile
+from typing import IO, Any, Iterator
+
+import numpy as np
+
+from moejax.base import tempfiles
+
+
+def _umask() -> int:
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+@contextlib.contextmanager
+def atomic_file(path: str | os.PathLike, mode: str = "wb") -> Iterator[IO]:
+    """An open file (``"wb"`` or ``"w"``, UTF-8) that becomes ``path`` only when the block succeeds.
+
+    The parent folder is created if missing; the new file gets the permissions ``open`` would give it."""
+    if mode not in ("wb", "w"):
+        raise ValueError(f"atomic_file writes a whole file: mode 'wb' or 'w', not {mode!r}")
+    path = os.path.abspath(os.fspath(path))
+    parent, name = os.path.split(path)
+    os.makedirs(parent, exist_ok=True)
+    prefix = f".{name}.tmp-"
+    tempfiles.remove_stale(prefix, parent)
+    fd, tmp = tempfile.mkstemp(prefix=f"{prefix}{os.getpid()}-", dir=parent)
+    try:
+        with os.fdopen(fd, mode, **({} if mode == "wb" else {"encoding": "utf-8"})) as f:
+            yield f
+        os.chmod(tmp, 0o666 & ~_umask())
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+
+
+def write_json(path: str | os.PathLike, obj: Any, indent: int | None = 2, sort_keys: bool = True) -> None:
+    """``obj`` as JSON (a trailing newline); an object JSON cannot hold fails before the target is touched."""
+    text = json.dumps(obj, indent=indent, sort_keys=sort_keys)
+    with atomic_file(path, "w") as f:
+        f.write(text + "\n")
+
+
+def write_text(path: str | os.PathLike, text: str) -> None:
+    with atomic_file(path, "w") as f:
+        f.write(text)
+
+
+def save_npz(path: str | os.PathLike, **arrays: np.ndarray) -> None:
+    """``np.savez`` (uncompressed) to exactly ``path``: no ``.npz`` is appended to the name."""
+    with atomic_file(path) as f:
+        np.savez(f, **arrays)
