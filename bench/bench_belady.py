@@ -59,7 +59,7 @@ def main() -> int:
         print(f"{size:>4s} {rates['lru']:8.4f} {rates['belady']:8.4f} {rates['belady-bypass']:8.4f}", flush=True)
     result = {"command": " ".join(sys.argv), "tokens": int(tr.shape[0]), "chunks": args.chunks,
               "context": args.context, "scope": "layer", "rows": rows, "global": pool}
-    atomic.write_json(args.out, result, indent=1, sort_keys=False)
+    atomic.write_json(args.out, result, indent=1, sort_keys=False, make_parents=True)
     print(f"wrote {args.out}")
     return 0
 

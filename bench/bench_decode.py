@@ -94,7 +94,7 @@ def main() -> int:
     print(f"transformers {hf_tps:8.1f} tokens/s | moejax {mj_tps:8.1f} tokens/s | ratio {mj_tps / hf_tps:5.2f}x "
           f"| identical tokens: {same} | moejax compile {compile_s:.1f} s")
     from moejax.base import atomic  # imported late, like moejax itself here
-    atomic.write_json(args.out, result, sort_keys=False)
+    atomic.write_json(args.out, result, sort_keys=False, make_parents=True)
     return 0 if same else 1
 
 

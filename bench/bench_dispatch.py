@@ -130,7 +130,7 @@ def main() -> int:
     result["forward"] = forward_parts(model, args.repeats)
     if args.olmoe:
         result["olmoe_layer"] = olmoe_layer(args.repeats)
-    atomic.write_json(args.out, result, indent=1, sort_keys=False)
+    atomic.write_json(args.out, result, indent=1, sort_keys=False, make_parents=True)
     print(f"wrote {args.out}")
     return 0
 

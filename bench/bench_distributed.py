@@ -127,7 +127,7 @@ def main(argv: list[str] | None = None) -> int:
                   f"per device)")
     if args.out:
         from moejax.base import atomic  # the parent process never imports jax
-        atomic.write_json(args.out, results, indent=1, sort_keys=False)
+        atomic.write_json(args.out, results, indent=1, sort_keys=False, make_parents=True)
     return 0
 
 

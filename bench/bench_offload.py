@@ -214,7 +214,7 @@ def main(argv=None) -> int:
     res["command"] = " ".join(["python bench/bench_offload.py", *(argv if argv is not None else sys.argv[1:])])
     out = args.out or os.path.join(os.path.dirname(os.path.abspath(__file__)), "results",
                                    f"offload_{args.suite}{'_small' if args.small else ''}.json")
-    atomic.write_json(out, res, indent=1, sort_keys=False)
+    atomic.write_json(out, res, indent=1, sort_keys=False, make_parents=True)
     print(f"wrote {out} ({res['wall_s']:.0f} s)")
     return 0
 

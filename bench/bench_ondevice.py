@@ -167,7 +167,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.out:
         from moejax.base import atomic  # imported late, like moejax itself here
         atomic.write_json(args.out, {"model": os.path.abspath(args.model), "budget_gb": args.budget_gb, "rows": rows,
-                                     "time": time.strftime("%Y-%m-%d %H:%M:%S")}, indent=1, sort_keys=False)
+                                     "time": time.strftime("%Y-%m-%d %H:%M:%S")},
+                          indent=1, sort_keys=False, make_parents=True)
     return 0
 
 

@@ -90,7 +90,7 @@ def main() -> int:
         print(f"{args.points}-point λ sweep, {path}, {r['tokens']} tokens: loop {r['loop_s']:.2f} s | "
               f"one vmapped pass {r['vmap_s']:.2f} s | speed-up {r['speedup']:.2f}x")
     from moejax.base import atomic  # imported late, like moejax itself here
-    atomic.write_json(args.out, result, sort_keys=False)
+    atomic.write_json(args.out, result, sort_keys=False, make_parents=True)
     return 0
 
 

@@ -369,7 +369,7 @@ def main(argv: list[str] | None = None) -> int:
     print_table(result)
     print(f"total wall time {result['wall_s']:.0f} s")
     from moejax.base import atomic  # imported late, like moejax itself here
-    atomic.write_json(args.out, result, sort_keys=False)
+    atomic.write_json(args.out, result, sort_keys=False, make_parents=True)
     return 0 if all(not lv["errors"] and lv["counters_add_up"] for c in configs for lv in c["levels"]) else 1
 
 

@@ -361,7 +361,7 @@ def main() -> int:
     print(f"same expert sets (cache pass): {100 * cached['same_expert_sets']:.3f}% of routing steps | "
           f"max |Δlogit| plain {plain['max_abs_logit_diff']:.1e}, cache {cached['max_abs_logit_diff']:.1e}")
     from moejax.base import atomic  # imported late, like moejax itself here
-    atomic.write_json(args.out, result, sort_keys=False)
+    atomic.write_json(args.out, result, sort_keys=False, make_parents=True)
     return 0 if plain["agree"] and cached["agree"] else 1
 
 

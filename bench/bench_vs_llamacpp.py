@@ -368,7 +368,7 @@ def main(argv: list[str] | None = None) -> int:
             shutil.rmtree(tmp, ignore_errors=True)
     if args.out:
         from moejax.base import atomic  # imported late, like moejax itself here
-        atomic.write_json(args.out, results, indent=1, sort_keys=False)
+        atomic.write_json(args.out, results, indent=1, sort_keys=False, make_parents=True)
     return 0
 
 

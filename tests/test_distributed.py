@@ -60,10 +60,13 @@ def single_device_records(tmp_path_factory):
 
 
 def _assert_same(got: list[dict], want: list[dict]) -> None:
+    """Routing and the cache's counts exactly; perplexity to float rounding (a device's share of the points is
+    a differently shaped program, whose sums XLA may round differently in the last bits)."""
     assert len(got) == len(want) == 5
     for a, b in zip(got, want):
         for k in COMPARED:
-            assert a[k] == b[k], (k, a[k], b[k])
+            want_k = pytest.approx(b[k], rel=1e-6) if k == "ppl" else b[k]
+            assert a[k] == want_k, (k, a[k], b[k])
 
 
 def test_a_sweep_over_four_devices_equals_one_device(tmp_path, single_device_records):

@@ -46,7 +46,10 @@ def test_atomic_write_replaces_whole_or_not_at_all(tmp_path):
     from moejax.base import atomic
 
     target = tmp_path / "sub" / "result.json"
-    atomic.write_json(target, {"b": 1, "a": [1, 2]})  # the folder is created
+    with pytest.raises(FileNotFoundError):
+        atomic.write_json(target, {"b": 1, "a": [1, 2]})  # a missing folder is the caller's error, like open()
+    assert not target.parent.exists()
+    atomic.write_json(target, {"b": 1, "a": [1, 2]}, make_parents=True)
     assert target.read_text() == '{\n  "a": [\n    1,\n    2\n  ],\n  "b": 1\n}\n'
     mask = os.umask(0o022)
     os.umask(mask)

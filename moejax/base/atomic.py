@@ -28,15 +28,17 @@ def _umask() -> int:
 
 
 @contextlib.contextmanager
-def atomic_file(path: str | os.PathLike, mode: str = "wb") -> Iterator[IO]:
+def atomic_file(path: str | os.PathLike, mode: str = "wb", make_parents: bool = False) -> Iterator[IO]:
     """An open file (``"wb"`` or ``"w"``, UTF-8) that becomes ``path`` only when the block succeeds.
 
-    The parent folder is created if missing; the new file gets the permissions ``open`` would give it."""
+    A missing parent folder is an error (``FileNotFoundError``, like ``open``) unless ``make_parents``; the
+    new file gets the permissions ``open`` would give it."""
     if mode not in ("wb", "w"):
         raise ValueError(f"atomic_file writes a whole file: mode 'wb' or 'w', not {mode!r}")
     path = os.path.abspath(os.fspath(path))
     parent, name = os.path.split(path)
-    os.makedirs(parent, exist_ok=True)
+    if make_parents:
+        os.makedirs(parent, exist_ok=True)
     prefix = f".{name}.tmp-"
     tempfiles.remove_stale(prefix, parent)
     fd, tmp = tempfile.mkstemp(prefix=f"{prefix}{os.getpid()}-", dir=parent)
@@ -51,15 +53,16 @@ def atomic_file(path: str | os.PathLike, mode: str = "wb") -> Iterator[IO]:
         raise
 
 
-def write_json(path: str | os.PathLike, obj: Any, indent: int | None = 2, sort_keys: bool = True) -> None:
+def write_json(path: str | os.PathLike, obj: Any, indent: int | None = 2, sort_keys: bool = True,
+               make_parents: bool = False) -> None:
     """``obj`` as JSON (a trailing newline); an object JSON cannot hold fails before the target is touched."""
     text = json.dumps(obj, indent=indent, sort_keys=sort_keys)
-    with atomic_file(path, "w") as f:
+    with atomic_file(path, "w", make_parents) as f:
         f.write(text + "\n")
 
 
-def write_text(path: str | os.PathLike, text: str) -> None:
-    with atomic_file(path, "w") as f:
+def write_text(path: str | os.PathLike, text: str, make_parents: bool = False) -> None:
+    with atomic_file(path, "w", make_parents) as f:
         f.write(text)
 
 

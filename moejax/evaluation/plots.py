@@ -93,7 +93,7 @@ def save_figure(fig, stem) -> list[Path]:
     with matplotlib.rc_context({"svg.hashsalt": "moejax", "svg.fonttype": "path"}):
         for ext, meta in (("png", {"Software": None}), ("svg", {"Date": None, "Creator": None})):
             target = stem.with_name(f"{stem.name}.{ext}")
-            with atomic.atomic_file(target) as f:
+            with atomic.atomic_file(target, make_parents=True) as f:
                 fig.savefig(f, format=ext, dpi=150, metadata=meta)
             paths.append(target)
     return paths

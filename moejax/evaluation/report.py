@@ -542,7 +542,7 @@ def main(argv: list[str] | None = None) -> int:
             raise errors.UsageError(f"--figures {fig_dir} is a file, not a folder")
         text = build_report(args.results, out, fig_dir, [_parse_trace(t) for t in args.trace], args.trace_layer,
                             args.trace_cache_size, args.trace_eviction, args.trace_tokens, command, args.trace_note)
-        atomic.write_text(out, text)
+        atomic.write_text(out, text, make_parents=True)
     except errors.HANDLED as err:
         return errors.report(err)
     print(f"wrote {out}" + (f" (figures in {fig_dir})" if fig_dir else ""))

@@ -363,7 +363,7 @@ def study_delta(ctx: Context) -> list[dict]:
     if calib is None:
         calib = calibrate_delta(ctx)
         if distributed.is_leader():
-            atomic.write_json(calib_path, calib, indent=None, sort_keys=False)
+            atomic.write_json(calib_path, calib, indent=None, sort_keys=False, make_parents=True)
     delta = round(calib["delta"], 6)
     pts = []
     for lam in ctx.grid():

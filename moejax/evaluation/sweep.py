@@ -341,7 +341,7 @@ class Runner:
             res, tr = run_forward_single(self.model, inp.chunks, inp.text, inp.ids, inp.context, plain, keep_trace=True)
             res = results_file.as_json(res)
             if path:
-                atomic.write_json(path[:-4] + ".json", res, indent=None, sort_keys=False)
+                atomic.write_json(path[:-4] + ".json", res, indent=None, sort_keys=False, make_parents=True)
                 trace_lib.save_trace(path, tr.experts, tr.weights, None, tr.n_experts, tr.gating)
         self._traces[k] = (tr, res)
         return tr, res
