@@ -34,7 +34,7 @@ def _share_compiled_programs() -> None:
     folder = tempfile.mkdtemp(prefix="moejax-tests-jax-cache-")
     atexit.register(shutil.rmtree, folder, True)
     os.environ["JAX_COMPILATION_CACHE_DIR"] = folder
-    os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.2")
+    os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 
 
 _share_compiled_programs()

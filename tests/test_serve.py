@@ -182,7 +182,7 @@ def test_load_every_request_completes_or_gets_429_and_the_cache_counters_add_up(
 
     def client(i: int) -> list[tuple[int, dict]]:
         out = []
-        for j in range(10):
+        for j in range(4):
             body = {"prompt": PROMPT, "max_tokens": 4 + (i + j) % 3}
             if j % 3 == 1:
                 body["moejax"] = {"routing": "cache-prior", "lam": 0.5}
@@ -194,7 +194,7 @@ def test_load_every_request_completes_or_gets_429_and_the_cache_counters_add_up(
         results = [r for rs in pool.map(client, range(8)) for r in rs]
     assert time.time() - t0 < 240
     codes = [c for c, _ in results]
-    assert set(codes) <= {200, 429} and codes.count(200) >= 8 and codes.count(429) >= 1, codes
+    assert set(codes) <= {200, 429} and codes.count(200) >= 3 and codes.count(429) >= 1, codes
     assert all(r["error"]["code"] == "queue_full" for c, r in results if c == 429)
     after = json.loads(_get(base + "/v1/moejax/cache")[1])["summary"]
     ok = [r["moejax"]["cache"] for c, r in results if c == 200]
