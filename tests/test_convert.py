@@ -367,6 +367,18 @@ def test_interrupted_hf_export_leaves_nothing(tmp_path, monkeypatch, exc):
     assert os.listdir(target.parent) == []  # no target, no temporary folder
 
 
+def test_extra_files_are_in_the_folder_when_it_appears_and_never_replace_its_own(tmp_path):
+    mj = get_moejax_model("mixtral")
+    target = tmp_path / "model"
+    for bad in ("moejax.json", "../x.md", "params-00001-of-00001.safetensors"):
+        with pytest.raises(ValueError, match="extra file"):
+            checkpoint.save_moejax(mj.params, mj.cfg, str(target), extra_files={bad: "x"})
+        assert os.listdir(tmp_path) == []  # nothing half-made
+    checkpoint.save_moejax(mj.params, mj.cfg, str(target), extra_files={"README.md": "# tiny\n"})
+    assert (target / "README.md").read_text() == "# tiny\n"
+    assert moejax.load(str(target)).cfg.model_type == "mixtral"
+
+
 def test_interrupted_moejax_conversion_leaves_nothing(tmp_path, monkeypatch):
     src = get_hf_model("olmoe").folder
     target = tmp_path / "out" / "model"

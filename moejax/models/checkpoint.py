@@ -469,13 +469,17 @@ def _int8_expert_pieces(leaves: dict):
 
 def save_moejax(params: dict, cfg: ModelConfig, folder: str, *, tokenizer_from: str | None = None,
                 overwrite: bool = False, protect: tuple[str, ...] = (), max_shard_bytes: int = 4 << 30,
-                expert_dtype: str = "stored") -> str:
+                expert_dtype: str = "stored", extra_files: dict[str, str] | None = None) -> str:
     """Write a moejax folder (format version 2): every tensor in safetensors shards under its tree path,
     each MoE layer's experts as one ``[N, in, out]`` stack per matrix (one expert = one contiguous slice,
     so offloading pages it straight from the file). Streams: ``params`` may be lazy (or serving-layout).
-    ``expert_dtype="int8"``: the routed experts as int8 + scales (version 3, module docstring)."""
+    ``expert_dtype="int8"``: the routed experts as int8 + scales (version 3, module docstring).
+    ``extra_files``: file name -> text, written into the folder before it appears (a README, a record)."""
     if expert_dtype not in EXPERT_DTYPES:
         raise ValueError(f"expert_dtype must be one of {', '.join(EXPERT_DTYPES)}, got {expert_dtype!r}")
+    for name in extra_files or {}:
+        if os.path.basename(name) != name or name in (FORMAT_FILE, "", ".", "..") or name.startswith(PARAMS_STEM):
+            raise ValueError(f"extra file {name!r}: a plain file name that is not the checkpoint's own")
     params = layout.canonical_view(params)
     paths = tree_paths(cfg)
     leaves = {tensor_key(p): _get(params, p) for p in paths}
@@ -503,6 +507,8 @@ def save_moejax(params: dict, cfg: ModelConfig, folder: str, *, tokenizer_from: 
         atomic.write_json(os.path.join(tmp, FORMAT_FILE), meta)
         if tokenizer_from:
             _copy_tokenizer(tokenizer_from, tmp)
+        for name, text in (extra_files or {}).items():
+            atomic.write_text(os.path.join(tmp, name), text)
     return os.path.abspath(folder)
 
 

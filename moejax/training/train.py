@@ -337,14 +337,14 @@ def export(out: str, folder: str, dtype=jnp.bfloat16, text_style: str = "wikitex
     atomic.write_json(os.path.join(staging, "generation_config.json"), {
         "bos_token_id": eos, "eos_token_id": eos, "do_sample": False, "max_new_tokens": 64,
         "text_style": text_style})
-    folder = checkpoint.save_moejax(params, cfg, folder, tokenizer_from=staging, overwrite=overwrite, protect=(out,))
     a = run["args"]
     last = run.get("last") or {}
     info = {"model": "qwen3_moe", "params": run["params"], "step": run["step"],
             "tokens": run["step"] * a["batch"] * a["seq_len"], "val_ce": last.get("val_ce"),
             "time_s": last.get("time_s"), "hardware": run["hardware"], "command": command_line(a)}
-    atomic.write_json(os.path.join(folder, "training.json"), info)
-    atomic.write_text(os.path.join(folder, "README.md"), readme_text(cfg, info))
+    extra = {"training.json": json.dumps(info, indent=2, sort_keys=True) + "\n", "README.md": readme_text(cfg, info)}
+    folder = checkpoint.save_moejax(params, cfg, folder, tokenizer_from=staging, overwrite=overwrite, protect=(out,),
+                                    extra_files=extra)
     os.chmod(folder, 0o755)
     return folder
 
