@@ -97,3 +97,21 @@ def test_a_killed_writers_temporary_file_is_removed_by_the_next_write(tmp_path):
     atomic.write_text(target, "new")
     assert target.read_text() == "new"
     assert _leftovers(tmp_path) == [other.name]  # the dead writer's file is gone, the live one's kept
+
+
+def test_atomic_dir_swaps_the_whole_folder_or_leaves_the_old_one(tmp_path):
+    from moejax.base import atomic
+
+    target = tmp_path / "prior"
+    with atomic.atomic_dir(str(target)) as tmp:
+        (tmp_path / os.path.basename(tmp) / "a").write_text("1")
+        assert not target.exists()  # not before the block ends
+    assert (target / "a").read_text() == "1"
+    with pytest.raises(RuntimeError):
+        with atomic.atomic_dir(str(target)) as tmp:
+            (tmp_path / os.path.basename(tmp) / "b").write_text("2")
+            raise RuntimeError("crash")
+    assert sorted(os.listdir(target)) == ["a"] and os.listdir(tmp_path) == ["prior"]
+    with atomic.atomic_dir(str(target)) as tmp:
+        (tmp_path / os.path.basename(tmp) / "c").write_text("3")
+    assert sorted(os.listdir(target)) == ["c"] and os.listdir(tmp_path) == ["prior"]  # old one gone, no leftovers

@@ -5,7 +5,8 @@ target only when writing succeeded. An exception, Ctrl-C or a signal that ``inte
 removes the temporary file and leaves the old target as it was; after a SIGKILL, the next write of the same
 target removes the dead process's temporary file (``tempfiles.remove_stale``), so a killed run never leaves
 a multi-GB half-written copy behind for good. Every file moejax writes whole (JSON records, safetensors
-shards, traces, plots, tokenizers, token files) goes through ``atomic_file``. Folders: ``checkpoint.atomic_folder``.
+shards, traces, plots, tokenizers, token files) goes through ``atomic_file``; every folder written whole
+(checkpoints, learned priors) through ``atomic_dir`` (``checkpoint.atomic_folder`` adds what may be replaced).
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import shutil
 import tempfile
 from typing import IO, Any, Iterator
 
@@ -50,6 +52,31 @@ def atomic_file(path: str | os.PathLike, mode: str = "wb", make_parents: bool = 
     except BaseException:
         with contextlib.suppress(OSError):
             os.unlink(tmp)
+        raise
+
+
+@contextlib.contextmanager
+def atomic_dir(target: str) -> Iterator[str]:
+    """A new folder ``.<name>.tmp-<pid>-<random>`` beside ``target`` to fill; renamed to ``target`` (replacing
+    what is there) only when the block succeeds, removed on any error. The old ``target`` is moved aside into
+    ``.<name>.old-*`` first and removed after the swap: killed between the two renames, that folder holds the
+    user's old data, so it is never removed automatically. Whether ``target`` may be replaced is the caller's
+    decision. Folders of killed writers are removed by the next ``atomic_dir`` of the same target."""
+    target = os.path.abspath(target)
+    parent, name = os.path.split(target)
+    os.makedirs(parent, exist_ok=True)
+    tmp = tempfiles.make_temp_dir(f".{name}.tmp-", parent)
+    try:
+        yield tmp
+        if os.path.exists(target):
+            old = tempfile.mkdtemp(prefix=f".{name}.old-", dir=parent)
+            os.replace(target, os.path.join(old, "x"))
+            os.replace(tmp, target)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.replace(tmp, target)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
         raise
 
 

@@ -30,8 +30,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
-import uuid
 from typing import Any
 
 import jax
@@ -149,7 +147,7 @@ def split_layers(params: dict) -> dict:
 
 
 def save_prior(path: str, params: dict, meta: dict | None = None, overwrite: bool = True) -> str:
-    """Write a checkpoint folder atomically: build ``PATH.tmp-*`` (orbax params + sidecar), then rename.
+    """Write a checkpoint folder atomically (``atomic.atomic_dir``: orbax params + sidecar, then renamed).
 
     ``meta`` goes into the sidecar beside the architecture (N, L, H, activation) derived from ``params``."""
     import orbax.checkpoint as ocp
@@ -158,11 +156,7 @@ def save_prior(path: str, params: dict, meta: dict | None = None, overwrite: boo
     path = os.path.abspath(os.path.expanduser(path))
     if os.path.exists(path) and not overwrite:
         raise PriorError(f"{path} already exists")
-    parent = os.path.dirname(path)
-    os.makedirs(parent, exist_ok=True)
-    tmp = os.path.join(parent, f".{os.path.basename(path)}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}")
-    try:
-        os.makedirs(tmp)
+    with atomic.atomic_dir(path) as tmp:
         ckpt = ocp.StandardCheckpointer()
         try:
             ckpt.save(os.path.join(tmp, PARAMS_DIR), {k: np.asarray(params[k], np.float32) for k in PARAM_KEYS})
@@ -175,16 +169,6 @@ def save_prior(path: str, params: dict, meta: dict | None = None, overwrite: boo
                             "per_layer": True},
                    **(meta or {})}
         atomic.write_json(os.path.join(tmp, SIDECAR), sidecar)
-        if os.path.exists(path):  # swap: the old folder is moved aside first, then removed
-            old = f"{tmp}.old"
-            os.replace(path, old)
-            os.replace(tmp, path)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            shutil.rmtree(tmp, ignore_errors=True)
     return path
 
 

@@ -31,7 +31,6 @@ import hashlib
 import json
 import os
 import shutil
-import tempfile
 from typing import Any, Iterator
 
 import jax
@@ -40,7 +39,6 @@ import numpy as np
 
 from moejax.base import atomic
 from moejax.base.errors import Failure, UsageError
-from moejax.base.tempfiles import make_temp_dir
 from moejax.models import hf_keys, layout, safetensors_io, weights
 from moejax.models.config import ModelConfig, UnsupportedModelError, from_hf
 
@@ -130,23 +128,8 @@ def atomic_folder(target: str, overwrite: bool = False, protect: tuple[str, ...]
     of a conversion), and ``overwrite`` replaces only an existing checkpoint folder or an empty one."""
     target = os.path.realpath(os.path.abspath(os.path.expanduser(target)))
     check_replaceable(target, overwrite, protect)
-    parent = os.path.dirname(target)
-    os.makedirs(parent, exist_ok=True)
-    name = os.path.basename(target)
-    tmp = make_temp_dir(f".{name}.tmp-", parent)  # also removes a killed run's half-written folder
-    try:
+    with atomic.atomic_dir(target) as tmp:  # also removes a killed run's half-written folder
         yield tmp
-        if os.path.exists(target):
-            # never cleaned automatically: killed between the two renames, it holds the user's old checkpoint
-            old = tempfile.mkdtemp(prefix=f".{name}.old-", dir=parent)
-            os.replace(target, os.path.join(old, "x"))
-            os.replace(tmp, target)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            os.replace(tmp, target)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
 
 
 def is_checkpoint_folder(folder: str) -> bool:
