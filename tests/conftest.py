@@ -43,8 +43,8 @@ _share_compiled_programs()
 def _compile_quickly() -> None:
     """Compile the tests' programs with XLA's LLVM backend at optimisation level 0 (a third less time for the
     suite, almost all of it compilation of tiny models), unless the caller's ``XLA_FLAGS`` choose a level.
-    The tests check logic and path-to-path equality, which do not depend on it; the ``numerics`` tests also
-    run at XLA's default level 3 in the first pass of ``.ci/run``, which names it, as users compile."""
+    The tests check logic and path-to-path equality, which do not depend on it; the ``numerics`` tests run
+    at XLA's default level 3, as users compile, in the first pass of ``.ci/run``, which names that level."""
     flags = os.environ.get("XLA_FLAGS", "")
     if "xla_backend_optimization_level" not in flags:
         os.environ["XLA_FLAGS"] = f"{flags} --xla_backend_optimization_level=0".strip()

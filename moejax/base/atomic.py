@@ -80,12 +80,17 @@ def atomic_dir(target: str) -> Iterator[str]:
         raise
 
 
+def json_text(obj: Any, indent: int | None = 2, sort_keys: bool = True) -> str:
+    """The text ``write_json`` writes: ``obj`` as JSON with a trailing newline."""
+    return json.dumps(obj, indent=indent, sort_keys=sort_keys) + "\n"
+
+
 def write_json(path: str | os.PathLike, obj: Any, indent: int | None = 2, sort_keys: bool = True,
                make_parents: bool = False) -> None:
-    """``obj`` as JSON (a trailing newline); an object JSON cannot hold fails before the target is touched."""
-    text = json.dumps(obj, indent=indent, sort_keys=sort_keys)
+    """``obj`` as JSON (``json_text``); an object JSON cannot hold fails before the target is touched."""
+    text = json_text(obj, indent, sort_keys)
     with atomic_file(path, "w", make_parents) as f:
-        f.write(text + "\n")
+        f.write(text)
 
 
 def write_text(path: str | os.PathLike, text: str, make_parents: bool = False) -> None:

@@ -182,7 +182,7 @@ def write_checkpoint(config: dict, out: str, *, dtype: str = "bfloat16", seed: i
                 progress(f"{name}: {len(shard)} tensors")
         if len(shards) > 1:
             atomic.write_json(os.path.join(tmp, "model.safetensors.index.json"),
-                           {"metadata": {"total_size": total}, "weight_map": weight_map})
+                              {"metadata": {"total_size": total}, "weight_map": weight_map})
         atomic.write_json(os.path.join(tmp, "config.json"), config)
         gen = {k: config[k] for k in ("bos_token_id", "eos_token_id") if config.get(k) is not None}
         atomic.write_json(os.path.join(tmp, "generation_config.json"), gen)

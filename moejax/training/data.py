@@ -106,7 +106,7 @@ def save_tokenizer(tok, folder: str, model_max_length: int = 1024) -> None:
     atomic.write_text(os.path.join(folder, "tokenizer.json"), tok.to_str(pretty=True))
     atomic.write_json(os.path.join(folder, "tokenizer_config.json"), tokenizer_config(model_max_length))
     atomic.write_json(os.path.join(folder, "special_tokens_map.json"),
-                {"bos_token": EOS, "eos_token": EOS, "unk_token": EOS, "pad_token": PAD})
+                      {"bos_token": EOS, "eos_token": EOS, "unk_token": EOS, "pad_token": PAD})
 
 
 def load_tokenizer(folder: str):

@@ -342,7 +342,7 @@ def export(out: str, folder: str, dtype=jnp.bfloat16, text_style: str = "wikitex
     info = {"model": "qwen3_moe", "params": run["params"], "step": run["step"],
             "tokens": run["step"] * a["batch"] * a["seq_len"], "val_ce": last.get("val_ce"),
             "time_s": last.get("time_s"), "hardware": run["hardware"], "command": command_line(a)}
-    extra = {"training.json": json.dumps(info, indent=2, sort_keys=True) + "\n", "README.md": readme_text(cfg, info)}
+    extra = {"training.json": atomic.json_text(info), "README.md": readme_text(cfg, info)}
     folder = checkpoint.save_moejax(params, cfg, folder, tokenizer_from=staging, overwrite=overwrite, protect=(out,),
                                     extra_files=extra)
     os.chmod(folder, 0o755)
