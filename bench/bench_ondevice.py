@@ -1,7 +1,8 @@
 """The paper's on-device setting on this machine: a model larger than memory, decoded under a memory budget.
 
     python bench/bench_ondevice.py --model /work/scale/qwen --budget-gb 12 --sizes 8,4,2 \
-        --routings original,cache-prior [--new-tokens 8] [--llama-cpp] [--out bench/results/ondevice-qwen.json]
+        --routings original,cache-prior [--new-tokens 8] [--prompt-len 8] [--prefills batched,token] \
+        [--llama-cpp [--llama-cpp-prompt]] [--out bench/results/ondevice-qwen.json]
 
 Each configuration runs ``python -m moejax.generate --offload --expert-store flash`` in a fresh process inside
 a cgroup-v1 memory cgroup of ``--budget-gb`` (created and removed by ``bench/memlimit.py``; the page cache is
@@ -10,7 +11,8 @@ Reported per run: load time, time to first token, decode tokens/s, expert bytes 
 (what the cache asked for), bytes actually read from storage per decode token (``/proc/self/io``
 ``read_bytes`` inside the process, decode phase only), peak RSS (rusage) against the issue's bound
 (non-expert weights + cache slots + KV cache + 1.5 GB), and the miss rate. ``--sizes 8,4,2`` means C = N/8,
-N/4, N/2 per layer. ``--budget-gb 0`` runs without a budget. With ``--llama-cpp`` the same folder is
+N/4, N/2 per layer; ``--prefills batched,token`` runs each configuration with both ways of paging the prompt
+(time to first token side by side). ``--budget-gb 0`` runs without a budget. With ``--llama-cpp`` the same folder is
 converted to a bf16 GGUF (once) and ``llama-bench`` runs under the same budget (``bench/llamacpp.py``;
 skipped with a message when llama.cpp is not built). Needs root for the cgroup and for dropping caches.
 """
@@ -49,10 +51,10 @@ def n_experts(cfg: dict) -> int:
 
 def moejax_run(model: str, size: int, routing: str, budget: int | None, prompt: list[int], new_tokens: int,
                lam: float, dtype: str | None, timeout: float, temperature: float = 0.0, seed: int = 0,
-               expert_dtype: str | None = None, weight_dtype: str | None = None) -> dict:
+               expert_dtype: str | None = None, weight_dtype: str | None = None, prefill: str = "batched") -> dict:
     cmd = [sys.executable, "-m", "moejax.generate", "--model", model, "--prompt-ids", ",".join(map(str, prompt)),
            "--max-new-tokens", str(new_tokens), "--ignore-eos", "--offload", "--expert-store", "flash",
-           "--cache-size", str(size), "--routing", routing, "--json"]
+           "--cache-size", str(size), "--routing", routing, "--prefill", prefill, "--json"]
     if routing == "cache-prior":
         cmd += ["--lam", str(lam)]
     if dtype:
@@ -65,7 +67,8 @@ def moejax_run(model: str, size: int, routing: str, budget: int | None, prompt: 
         cmd += ["--weight-dtype", weight_dtype]
     env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2"}
     m = memlimit.run_measured(cmd, limit_bytes=budget, env=env, drop_caches=True, timeout=timeout)
-    row = {"engine": "moejax", "routing": routing, "capacity": size, "budget_bytes": budget,
+    row = {"engine": "moejax", "routing": routing, "capacity": size, "budget_bytes": budget, "prefill": prefill,
+           "prompt_tokens": len(prompt),
            "expert_dtype": expert_dtype or "stored", "weight_dtype": weight_dtype or "stored",
            "returncode": m["returncode"], "wall_s": m["wall_s"], "peak_rss_bytes": m["peak_rss_bytes"],
            "process_read_bytes": m["read_bytes"], "cgroup_peak_bytes": m.get("cgroup_peak_bytes"),
@@ -82,14 +85,14 @@ def moejax_run(model: str, size: int, routing: str, budget: int | None, prompt: 
         decode_tokens_per_s=s["tokens_per_s"], generated=s["generated_tokens"],
         expert_bytes_per_decode_token=off["bytes_per_decode_token"],
         storage_read_per_decode_token=off.get("storage_read_per_decode_token"),
-        storage_read_prefill=off.get("storage_read_bytes_prefill"),
+        storage_read_prefill=off.get("storage_read_bytes_prefill"), expert_bytes_prefill=off["bytes_moved_prefill"],
         miss_rate=cache["miss_rate"], non_expert_bytes=mem["non_expert_weights"], slot_bytes=mem["slots"],
         kv_bytes=mem["kv_cache"], rss_bound_bytes=bound, rss_within_bound=m["peak_rss_bytes"] <= bound,
         all_expert_bytes=mem["all_experts_on_host"])
     return row
 
 
-def llama_run(model: str, gguf: str | None, budget: int | None, new_tokens: int) -> dict:
+def llama_run(model: str, gguf: str | None, budget: int | None, new_tokens: int, prompt_tokens: int = 0) -> dict:
     import llamacpp
 
     if llamacpp.find_llama_cpp() is None:
@@ -99,7 +102,7 @@ def llama_run(model: str, gguf: str | None, budget: int | None, new_tokens: int)
                                 os.path.basename(os.path.abspath(model)) + ".bf16.gguf")
     llamacpp.ensure_tokenizer(model)
     llamacpp.convert_to_gguf(model, gguf)
-    r = llamacpp.bench(gguf, threads=2, n_gen=new_tokens, limit_bytes=budget, drop_caches=True)
+    r = llamacpp.bench(gguf, threads=2, n_gen=new_tokens, n_prompt=prompt_tokens, limit_bytes=budget, drop_caches=True)
     return {"engine": "llama.cpp", "budget_bytes": budget, **r}
 
 
@@ -107,13 +110,19 @@ def fmt(row: dict) -> str:
     if row.get("skipped"):
         return f"{row['engine']:9s} skipped: {row['skipped']}"
     if row["engine"] == "llama.cpp":
-        return (f"llama.cpp  decode {row.get('tg_tokens_per_s') or 0:.3f} tok/s  peak RSS "
+        pp = row.get("pp_tokens_per_s")
+        prompt = (f"prompt {row['n_prompt']} tokens at {pp:.2f} tok/s (= {row['n_prompt'] / pp:.1f} s)  "
+                  if pp else "")
+        return (f"llama.cpp  {prompt}decode {row.get('tg_tokens_per_s') or 0:.3f} tok/s  peak RSS "
                 f"{(row.get('peak_rss_bytes') or 0) / GiB:.2f} GiB  storage read/token "
                 f"{(row.get('read_bytes_after_load_per_token') or 0) / 1e6:.0f} MB (after the load's pass)")
     if row["returncode"] != 0:
         return (f"moejax {row['routing']:11s} C={row['capacity']:3d}  FAILED rc={row['returncode']} "
                 f"oom={row.get('oom_killed')} {row.get('error')}")
-    return (f"moejax {row['routing']:11s} C={row['capacity']:3d} {row.get('expert_dtype', 'stored'):6s} weights {row.get('weight_dtype', 'stored'):6s} load {row['load_s']:.1f}s  ttft {row['ttft_s']:.1f}s  "
+    return (f"moejax {row['routing']:11s} C={row['capacity']:3d} {row.get('expert_dtype', 'stored'):6s} weights "
+            f"{row.get('weight_dtype', 'stored'):6s} load {row['load_s']:.1f}s  prefill {row['prefill']:7s} ttft "
+            f"{row['ttft_s']:.1f}s ({row['prompt_tokens']} tokens; prompt pages {row['expert_bytes_prefill'] / 1e9:.2f} GB, "
+            f"storage {(row['storage_read_prefill'] or 0) / 1e9:.2f} GB)  "
             f"decode {row['decode_tokens_per_s']:.3f} tok/s  miss {row['miss_rate']:.3f}  requested "
             f"{row['expert_bytes_per_decode_token'] / 1e6:.0f} MB/tok  storage "
             f"{(row['storage_read_per_decode_token'] or 0) / 1e6:.0f} MB/tok  peak RSS "
@@ -138,6 +147,10 @@ def main(argv: list[str] | None = None) -> int:
                    help="int8: int8 device slots (each page quantised as it arrives: twice the experts per byte)")
     p.add_argument("--weight-dtype", choices=("stored", "int8"), default=None,
                    help="int8: every other matrix (attention, shared experts, LM head) int8 too, quantised on load")
+    p.add_argument("--prefills", default="batched",
+                   help="comma list of --prefill modes to run (batched: a layer at a time; token: token by token)")
+    p.add_argument("--llama-cpp-prompt", action="store_true",
+                   help="also time llama.cpp's prompt processing of --prompt-len tokens (llama-bench -p)")
     p.add_argument("--timeout", type=float, default=1800)
     p.add_argument("--llama-cpp", action="store_true", help="also run llama.cpp on the same weights")
     p.add_argument("--gguf", default=None, help="the GGUF to use/write (default: beside the model folder)")
@@ -154,14 +167,15 @@ def main(argv: list[str] | None = None) -> int:
     print(f"model {args.model}: N={n}, budget {args.budget_gb:g} GiB, {args.new_tokens} new tokens")
     for div in (int(x) for x in args.sizes.split(",")):
         for routing in args.routings.split(","):
-            row = moejax_run(args.model, max(n // div, 1), routing, budget, prompt, args.new_tokens, args.lam,
-                             args.dtype, args.timeout, args.temperature, args.seed, args.expert_dtype,
-                             args.weight_dtype)
-            row["size"] = f"N/{div}"
-            rows.append(row)
-            print(fmt(row), flush=True)
+            for prefill in args.prefills.split(","):
+                row = moejax_run(args.model, max(n // div, 1), routing, budget, prompt, args.new_tokens, args.lam,
+                                 args.dtype, args.timeout, args.temperature, args.seed, args.expert_dtype,
+                                 args.weight_dtype, prefill)
+                row["size"] = f"N/{div}"
+                rows.append(row)
+                print(fmt(row), flush=True)
     if args.llama_cpp:
-        row = llama_run(args.model, args.gguf, budget, args.new_tokens)
+        row = llama_run(args.model, args.gguf, budget, args.new_tokens, args.prompt_len if args.llama_cpp_prompt else 0)
         rows.append(row)
         print(fmt(row), flush=True)
     if args.out:

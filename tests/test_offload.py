@@ -42,6 +42,35 @@ def _both(m, cc, routing="cache-prior", offload_cfg=offload.OffloadConfig(), **k
     return ref, off
 
 
+def prompt_pages(m, cc, routing, prompt=PROMPT) -> tuple[int, int]:
+    """(experts a batched prefill of ``prompt`` pages, loads + prefetch loads the simulated cache makes for it),
+    from the simulation: per layer, every expert the prompt uses or the cache holds after it must reach the
+    device once, except one that stays in the slot it held before the prompt (or is evicted from it)."""
+    state = m.router_state(routing, cc)
+    sim = m.forward(prompt, routing=routing, cache=cc)
+    before, after = np.asarray(state["cache"].slot), np.asarray(sim.state["cache"].slot)
+    pages = 0
+    for layer in range(m.cfg.n_moe_layers):
+        used = sim.experts[layer]
+        for e in set(used[used >= 0].tolist()) | set(np.nonzero(after[layer] >= 0)[0].tolist()):
+            stays = before[layer, e] >= 0 and after[layer, e] in (-1, before[layer, e])
+            pages += not stays
+    return pages, sim.stats["loads"] + sim.stats["prefetch_loads"]
+
+
+def check_pages(m, cc, routing, off) -> None:
+    """The bytes an offloaded generation moved: the prompt's pages (batched) or loads (token by token), then
+    exactly one expert per load of the decoding cache."""
+    o, c = off.stats["offload"], off.stats["cache"]
+    eb = o["expert_bytes"]
+    pages, prompt_loads = prompt_pages(m, cc, routing)
+    if o["prefill"] == "token":
+        pages = prompt_loads
+    assert o["bytes_moved_prefill"] == pages * eb
+    assert o["bytes_moved"] - o["bytes_moved_prefill"] == (c["loads"] + c["prefetch_loads"] - prompt_loads) * eb
+    assert pages <= prompt_loads  # a batched prompt never moves more than the token path
+
+
 @pytest.mark.parametrize("eviction,scope,size", [(e, "layer", "3") if e in ("lru", "lfu") else
                                                   pytest.param(e, "layer", "3", marks=pytest.mark.slow)
                                                   for e in ("lru", "lfu", "fld", "score", "least-stale")]
@@ -53,11 +82,23 @@ def test_offload_generates_the_simulation_tokens_for_every_eviction(eviction, sc
     assert off.token_ids == ref.token_ids
     sim, real = ref.stats["cache"], off.stats["cache"]
     assert real["misses"] == sim["misses"] and real["loads"] == sim["loads"]
-    # bytes moved for real = loads × expert bytes (lossless fetch, no prefetch)
     o = off.stats["offload"]
+    assert o["prefill"] == ("token" if scope == "global" else "batched")
+    check_pages(m, cc, "cache-prior", off)
+    np.testing.assert_array_equal(off.trace()["experts"], ref.trace()["experts"])
+
+
+def test_token_prefill_pages_every_load():
+    """``OffloadConfig(prefill="token")``: the prompt pages as decoding does, so the bytes moved for real are
+    exactly loads × expert bytes."""
+    m = _model()
+    cc = CacheConfig(size="3")
+    ref, off = _both(m, cc, offload_cfg=offload.OffloadConfig(prefill="token"))
+    assert off.token_ids == ref.token_ids
+    real, o = off.stats["cache"], off.stats["offload"]
+    assert o["prefill"] == "token" and o["prefill_pages"] == 0
     assert o["bytes_moved"] == real["loads"] * o["expert_bytes"] == real["bytes_moved"]
     assert o["demand_loads"] == real["loads"]
-    np.testing.assert_array_equal(off.trace()["experts"], ref.trace()["experts"])
 
 
 def test_in_jit_paging_generates_the_simulation_tokens_and_bytes():
@@ -86,7 +127,11 @@ def test_offload_equals_simulation_with_prefetch_and_miss_handling(cc):
     for key in ("misses", "loads", "prefetch_loads", "dropped", "substituted", "int8_loads", "int4_loads",
                 "prefetch_precision", "prefetch_recall", "bytes_moved"):
         assert off.stats["cache"][key] == ref.stats["cache"][key], key
-    assert off.stats["offload"]["bytes_moved"] == off.stats["cache"]["bytes_moved"]
+    if cc.miss == "cascade":  # low-bit copies are paged per token: the prompt too
+        assert off.stats["offload"]["prefill"] == "token"
+        assert off.stats["offload"]["bytes_moved"] == off.stats["cache"]["bytes_moved"]
+    else:
+        check_pages(m, cc, "cache-prior", off)
 
 
 def test_slots_always_hold_what_the_cache_state_names():
@@ -167,7 +212,9 @@ def test_device_memory_is_slots_plus_dense_weights_never_the_whole_model():
     assert mem["slots"] == m.cfg.n_moe_layers * 4 * eb
     total = sum(int(np.prod(a.shape)) * a.dtype.itemsize for a in jax.tree.leaves(m.params))
     assert mem["non_expert_weights"] == total - mem["all_experts_on_host"]
-    assert mem["accounted_total"] == mem["non_expert_weights"] + mem["slots"] + mem["kv_cache"] + mem["low_bit_staging"]
+    assert mem["prefill_staging"] == m.cfg.top_k * eb  # a batched prompt streams experts through K buffers
+    assert mem["accounted_total"] == (mem["non_expert_weights"] + mem["slots"] + mem["kv_cache"] + mem["low_bit_staging"]
+                                      + mem["prefill_staging"])
     assert mem["accounted_total"] < total
 
 
@@ -179,16 +226,19 @@ def test_cache_smaller_than_k_is_refused_in_offload_mode():
         m.generate(PROMPT, 2, cache=CacheConfig(size="3"), offload=offload.OffloadConfig(paging="jit"))
 
 
-def test_teacher_forced_offload_forward_equals_simulation():
+@pytest.mark.parametrize("prefill", offload.PREFILLS)
+def test_teacher_forced_offload_forward_equals_simulation(prefill):
     m = _model()
     cc = CacheConfig(size="3", prefetch=1.0)
     sim = m.forward(PROMPT, routing="cache-prior", cache=cc)
-    off = m.forward(PROMPT, routing="cache-prior", cache=cc, offload=offload.OffloadConfig())
+    off = m.forward(PROMPT, routing="cache-prior", cache=cc, offload=offload.OffloadConfig(prefill=prefill))
     np.testing.assert_array_equal(off.experts, sim.experts)
     np.testing.assert_array_equal(off.hits, sim.hits)
     np.testing.assert_allclose(off.logits, sim.logits, atol=2e-5)
     assert off.stats["misses"] == sim.stats["misses"]
-    assert off.stats["offload"]["bytes_moved"] == off.stats["bytes_moved"]
+    pages = prompt_pages(m, cc, "cache-prior")[0] if prefill == "batched" else sim.stats["loads"] + sim.stats[
+        "prefetch_loads"]
+    assert off.stats["offload"]["bytes_moved"] == pages * off.stats["offload"]["expert_bytes"]
 
 
 # ------------------------------------------------------------------------------------ miss handling units
@@ -315,20 +365,25 @@ def test_kept_slots_continue_the_cache_across_calls_without_paging_it_again():
     the tokens stay the simulation's call after call, and each call moves only its own loads' bytes."""
     m = _model()
     cc = CacheConfig(size="3")
-    sim_state = m.router_state("cache-prior", cc)
-    off_state = m.router_state("cache-prior", cc)
-    pagers = set()
-    for prompt in (PROMPT, PROMPT[:3], PROMPT[2:]):
-        before = simulate.summarize(off_state, m.params, m.cfg)["loads"]
-        ref = m.generate(prompt, NEW, state=sim_state, stop_at_eos=False, bucketed=True)
-        off = m.generate(prompt, NEW, state=off_state, stop_at_eos=False, bucketed=True,
-                         offload=offload.OffloadConfig(), keep_slots=True)
-        assert off.token_ids == ref.token_ids
-        sim_state, off_state = ref.router_state, off.router_state
-        o = off.stats["offload"]
-        assert o["bytes_moved"] == (off.stats["cache"]["loads"] - before) * o["expert_bytes"]
-        pagers.add(id(m._stores[host_paging.KEPT_PAGER]))
-    assert len(pagers) == 1  # one pager, its slots carried on
+    for prefill in ("token", "batched"):  # token: bytes are exactly the loads; batched: never more
+        sim_state = m.router_state("cache-prior", cc)
+        off_state = m.router_state("cache-prior", cc)
+        pagers = set()
+        for prompt in (PROMPT, PROMPT[:3], PROMPT[2:]):
+            before = simulate.summarize(off_state, m.params, m.cfg)["loads"]
+            ref = m.generate(prompt, NEW, state=sim_state, stop_at_eos=False, bucketed=True)
+            off = m.generate(prompt, NEW, state=off_state, stop_at_eos=False, bucketed=True,
+                             offload=offload.OffloadConfig(prefill=prefill), keep_slots=True)
+            assert off.token_ids == ref.token_ids
+            sim_state, off_state = ref.router_state, off.router_state
+            o = off.stats["offload"]
+            loads = off.stats["cache"]["loads"] - before
+            if prefill == "token":
+                assert o["bytes_moved"] == loads * o["expert_bytes"]
+            else:
+                assert o["bytes_moved"] <= loads * o["expert_bytes"] and o["bytes_moved"] % o["expert_bytes"] == 0
+            pagers.add(id(m._stores[host_paging.KEPT_PAGER]))
+        assert len(pagers) == 1  # one pager, its slots carried on
     # a call that does not continue from it (a fresh state) pages from scratch and drops the kept pager
     m.generate(PROMPT, NEW, routing="cache-prior", cache=cc, offload=offload.OffloadConfig())
     assert host_paging.KEPT_PAGER not in m._stores

@@ -100,7 +100,7 @@ def test_offload_from_the_files_generates_the_simulation_tokens(preset, tiny):
     off = got.stats["offload"]
     store = next(iter(m._stores.values()))
     assert store.pages_from_files and off["store"] == "flash"
-    assert off["bytes_moved"] == (off["demand_loads"] + off["prefetch_loads"]) * store.expert_bytes
+    assert off["bytes_moved"] == (off["demand_loads"] + off["prefetch_loads"] + off["prefill_pages"]) * store.expert_bytes
     with pytest.raises(ValueError, match="loaded with offload"):
         m.forward(PROMPT, offload=False)  # a simulation would need every expert on the device
 

@@ -450,10 +450,11 @@ def _switched_one_token(act: str, el: layout.ExpertList, x, experts, weights):
     return out.astype(x.dtype)
 
 
-def _switched_grouped(act: str, el: layout.ExpertList, x, experts, weights, block_rows: int | None):
+def _switched_sorted_rows(act: str, el: layout.ExpertList, x, experts, B: int):
+    """The grouped loop of ``_switched_grouped``: every valid assignment's expert output, float32, in
+    expert-sorted order (invalid ones zero, at the end). Returns (rows [T·K, D], order, tokens of the rows)."""
     T, K = experts.shape
     n, D = el.n_experts, x.shape[-1]
-    B = block_rows or grouped_block_rows(T, K, n)
     A = T * K
     flat = experts.reshape(-1)
     key = jnp.where(flat >= 0, flat, n)  # invalid sort last and belong to no expert
@@ -478,9 +479,40 @@ def _switched_grouped(act: str, el: layout.ExpertList, x, experts, weights, bloc
         return jax.lax.fori_loop(0, (counts[e] + B - 1) // B, chunk, y)
 
     y = jax.lax.fori_loop(0, n, per_expert, jnp.zeros((A + B, D), jnp.float32))[:A]
-    w = jnp.where(flat >= 0, weights.reshape(-1), 0)[order].astype(jnp.float32)
+    return y, order, tok
+
+
+def _combine_sorted(y, order, tok, experts, weights, dtype):
+    """Σ_k weights · rows per token, rows ``y`` in the expert-sorted ``order`` (float32 sums, in that order)."""
+    T, D = experts.shape[0], y.shape[-1]
+    w = jnp.where(experts.reshape(-1) >= 0, weights.reshape(-1), 0)[order].astype(jnp.float32)
     out = jnp.zeros((T, D), jnp.float32).at[tok].add(y * w[:, None])
-    return out.astype(x.dtype)
+    return out.astype(dtype)
+
+
+def _switched_grouped(act: str, el: layout.ExpertList, x, experts, weights, block_rows: int | None):
+    T, K = experts.shape
+    B = block_rows or grouped_block_rows(T, K, el.n_experts)
+    y, order, tok = _switched_sorted_rows(act, el, x, experts, B)
+    return _combine_sorted(y, order, tok, experts, weights, x.dtype)
+
+
+def switched_expert_rows(el: layout.ExpertList, cfg: ModelConfig, x, experts, block_rows: int):
+    """Each assignment's expert output [T·K, D] float32, in assignment order (row t·K + k), zero where
+    ``experts`` < 0. Rows computed in several calls over disjoint assignments (different expert lists: slots,
+    staging buffers) add up exactly, and ``combine_expert_rows`` then sums them per token in the order
+    ``switched_routed_experts`` does, so the result is that of one call over all the experts (given the same
+    ``block_rows``: a row's arithmetic is that of the chunk size)."""
+    y, order, _ = _switched_sorted_rows(cfg.hidden_act, el, x, experts, block_rows)
+    return jnp.zeros_like(y).at[order].set(y)
+
+
+def combine_expert_rows(rows, experts, weights, dtype):
+    """``switched_routed_experts``'s weighted sum of per-assignment ``rows`` [T·K, D] (assignment order)
+    for the assignments' real expert ids ``experts`` [T, K]: sorted by expert id as it sorts them."""
+    flat = experts.reshape(-1)
+    order = jnp.argsort(jnp.where(flat >= 0, flat, jnp.iinfo(jnp.int32).max), stable=True)
+    return _combine_sorted(rows[order], order, order // experts.shape[1], experts, weights, dtype)
 
 
 @functools.lru_cache(maxsize=None)

@@ -94,12 +94,46 @@ class SafetensorsFile:
         start, end = self._header[key]["data_offsets"]
         return self._offset + start, self._offset + end
 
-    def _range(self, view: np.ndarray) -> tuple[int, int]:
+    def _range(self, view: np.ndarray, align: bool = True) -> tuple[int, int]:
+        """The file byte range of ``view``: rounded out to whole pages (``align``), else exact."""
         start = view.__array_interface__["data"][0] - self._mmap.__array_interface__["data"][0]
         if not 0 <= start <= len(self._map) - view.nbytes:
             raise ValueError(f"{self.path}: an array that is not a view of this file")
+        if not align:
+            return start, start + view.nbytes
         page = mmap.PAGESIZE
         return start // page * page, min(-(-(start + view.nbytes) // page) * page, len(self._map))
+
+    def read(self, view: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
+        """A private copy of ``view`` (a contiguous view from ``get``), read with ``os.preadv``: a few large
+        reads of exactly its bytes, from the page cache or storage, with no page of the mapping touched. For
+        pages read once and copied on (offloaded experts) this is several times faster than faulting the
+        mapping in: measured 3.0 GB/s cold against 1.2 GB/s for the mapping with ``MADV_WILLNEED`` up front and
+        0.07 GB/s with readahead off (bench/RESULTS.md). ``out``: a C-contiguous array of the view's shape and
+        dtype to read into (e.g. one half of a larger buffer) instead of a new one."""
+        if out is None:
+            out = np.empty(view.shape, view.dtype)
+        elif out.shape != view.shape or out.dtype != view.dtype or not out.flags.c_contiguous:
+            raise ValueError(f"read into {out.dtype}{list(out.shape)} (contiguous: {out.flags.c_contiguous}): "
+                             f"the tensor is {view.dtype}{list(view.shape)}")
+        if view.nbytes == 0:
+            return out
+        start, _ = self._range(view, align=False)
+        buf = memoryview(out.reshape(-1).view(np.uint8))
+        fd = os.open(self.path, os.O_RDONLY)
+        try:
+            if hasattr(os, "posix_fadvise"):  # no readahead past the range: the next bytes are another expert
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)
+            done = 0
+            while done < len(buf):  # preadv may return fewer bytes than asked
+                n = os.preadv(fd, [buf[done:]], start + done)
+                if n <= 0:
+                    raise SafetensorsError(f"{self.path}: the file ended while reading {view.nbytes} bytes at "
+                                           f"{start} (truncated since it was opened?)")
+                done += n
+        finally:
+            os.close(fd)
+        return out
 
     def read_exactly(self) -> None:
         """Random access from now on (``MADV_RANDOM``: no readahead around a fault), so that paging one

@@ -139,6 +139,12 @@ class ExpertStack:
         file, view = self.parts[e]
         file.prefetch(view)
 
+    def read_stored(self, e: int, out: np.ndarray | None = None) -> np.ndarray:
+        """A private copy of expert ``e`` as stored (``SafetensorsFile.read``: no page of the mapping touched),
+        into ``out`` when given."""
+        file, view = self.parts[e]
+        return file.read(view, out)
+
     def release(self, e: int) -> None:
         file, view = self.parts[e]
         file.release(view)
@@ -205,6 +211,11 @@ class QuantizedExpertStack(ExpertStack):
     def prefetch(self, e: int) -> None:
         for file, view in (self.parts[e], self.scale_parts[e]):
             file.prefetch(view)
+
+    def read_stored(self, e: int) -> quant.QuantizedTensor:
+        """Expert ``e`` as stored (int8 values and scales), private copies read without touching the mapping."""
+        q = self.stored(e)
+        return q.replace(q=self.parts[e][0].read(self.parts[e][1]), scale=self.scale_parts[e][0].read(self.scale_parts[e][1]))
 
     def release(self, e: int) -> None:
         for file, view in (self.parts[e], self.scale_parts[e]):

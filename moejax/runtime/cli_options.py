@@ -6,7 +6,7 @@ import argparse
 
 from moejax.base import distributed
 from moejax.experts import cache as cache_lib, prior as prior_lib, routing as routing_lib
-from moejax.runtime.offload import OffloadConfig
+from moejax.runtime.offload import PREFILLS, OffloadConfig
 from moejax.runtime.simulate import CacheConfig
 
 
@@ -146,6 +146,10 @@ def add_offload_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--bandwidth-gbps", type=float, default=None,
                    help="emulate a host→device link of this bandwidth (GB/s), e.g. 2 (flash), 25 (PCIe)")
     g.add_argument("--latency-us", type=float, default=0.0, help="emulated per-transfer latency (µs)")
+    g.add_argument("--prefill", choices=PREFILLS, default=None,
+                   help="batched (default): the prompt runs a layer at a time, each expert it needs paged once per "
+                        "layer; token: token by token, paging every miss as decoding does (host paging; a global "
+                        "cache or --miss cascade always prefills token by token)")
 
 
 def offload_from_args(args: argparse.Namespace):
@@ -153,10 +157,15 @@ def offload_from_args(args: argparse.Namespace):
     if not getattr(args, "offload", False):
         if getattr(args, "bandwidth_gbps", None) is not None or getattr(args, "latency_us", 0.0):
             raise ValueError("--bandwidth-gbps / --latency-us emulate transfers: they need --offload")
+        if getattr(args, "prefill", None) is not None:
+            raise ValueError("--prefill says how an offloaded prompt pages its experts: it needs --offload")
         return None
+    if args.prefill == "batched" and args.paging == "jit":
+        raise ValueError("--prefill batched needs host paging: in-jit paging runs the prompt token by token "
+                         "inside its scan (drop --prefill, or use --paging host)")
 
     return OffloadConfig(paging=args.paging, store=args.expert_store, bandwidth_gbps=args.bandwidth_gbps,
-                         latency_us=args.latency_us, store_dir=args.store_dir)
+                         latency_us=args.latency_us, store_dir=args.store_dir, prefill=args.prefill or "batched")
 
 
 def cache_requested(args: argparse.Namespace) -> bool:

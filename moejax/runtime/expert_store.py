@@ -2,14 +2,16 @@
 
 ``ExpertStore`` holds every routed expert off the device, one array per (layer, expert, matrix): in host
 memory (``pinned_host`` where the backend has it, read once from the checkpoint) or on "flash" — the
-checkpoint's own files through their memory map (no copy, no temporary file; a model loaded whole gets a
-temporary file, removed on exit). The device slots are what the cache state names: an ``ExpertList`` of C
+checkpoint's own files, each page read as exactly its expert's bytes (``SafetensorsFile.read``: no copy of the
+model, no temporary file; a model loaded whole gets a temporary file, removed on exit). The device slots are what the cache state names: an ``ExpertList`` of C
 buffers per MoE layer (or one pool) in the stored dtype or int8, or stacked buffers for in-jit paging; a page
 is written into its slot's buffer (donated: paging does not grow the heap). ``offload`` drives the paging.
 """
 
 from __future__ import annotations
 
+import collections
+import concurrent.futures
 import functools
 import os
 import shutil
@@ -25,6 +27,9 @@ from moejax.models.config import ModelConfig
 from moejax.experts import cache as cache_lib
 
 STORES = ("host", "flash")
+READ_AHEAD_PAGES, READ_AHEAD_BYTES = 4, 96 << 20  # a flash store reads up to 4 announced pages (<= 96 MiB)
+READERS = 2  # ahead of the one being paged, on 2 threads (Qwen1.5-MoE shapes under 12 GiB: prompt paging 1.0 ->
+#              ~1.9 GB/s against 1 page on 1 thread)
 
 
 EXPERT_KEYS = ("gate", "up", "down")
@@ -74,15 +79,21 @@ class ExpertStore:
         self._tmp = None
         self._stacks = None  # the checkpoint's expert stacks, when pages come straight from its files
         self.flip: tuple[str, ...] = ()  # matrices stored transposed (HF [out, in]): flipped on the device
+        self.reads_serving = False  # get(..., serving=True) works: pages from the files in the serving layout
         layers = [expert_stacks(params["layers"][i]["moe"]) for i in self.moe_ids]
         lazy = all(isinstance(x, weights.ExpertStack) for layer in layers for x in layer.values())
         n = cfg.n_experts
         int8 = lazy and all(weights.is_int8_stack(x) for layer in layers for x in layer.values())
         if lazy and store == "flash":  # the checkpoint's own files are the flash tier: no copy, no file
             self._stacks = layers
-            for file in set().union(*(x.files() for layer in layers for x in layer.values())):
-                file.read_exactly()  # a page reads its expert's bytes (prefetched in get), no readahead
+            self._ahead: dict = {}  # (layer, expert, serving) -> future of its bytes, read in the background
+            self._wanted: collections.deque = collections.deque()  # announced pages not yet being read
+            self._reader = concurrent.futures.ThreadPoolExecutor(READERS, thread_name_prefix="moejax-pages")
+            weakref.finalize(self, self._reader.shutdown, wait=False, cancel_futures=True)
             self.flip = tuple(k for k in EXPERT_KEYS if layers[0][k].transposed)
+            # stored [out, in] in the compute dtype: a page can be read straight into the serving layout
+            self.reads_serving = self.flip == EXPERT_KEYS and not int8 and all(
+                layers[0][k].stored_dtype == np.dtype(self.dtype) for k in EXPERT_KEYS)
             self.full = [{k: [layer[k].stored(e) for e in range(n)] for k in EXPERT_KEYS} for layer in layers]
             self.expert_bytes = sum(layers[0][k].stored_expert_nbytes for k in EXPERT_KEYS)
         elif int8:  # host memory, int8 as stored (``[out, in]`` + scales), read once, one expert at a time
@@ -146,12 +157,50 @@ class ExpertStore:
     def nbytes(self) -> int:
         return self.expert_bytes * self.cfg.n_experts * len(self.moe_ids)
 
-    def get(self, moe_index: int, expert: int, bits: int = 0) -> dict:
-        layers = self.full if bits == 0 else self.low[bits]
+    def get(self, moe_index: int, expert: int, bits: int = 0, serving: bool = False):
+        """One expert's matrices as stored, ready for ``device_put``: host arrays, or from the checkpoint's files
+        a private copy read with ``SafetensorsFile.read`` (or already read in the background: ``prefetch``).
+        ``serving`` (needs ``reads_serving``): the serving layout's ``(gate_up [2F, D], down [D, F])`` instead,
+        gate and up read into the two halves of one buffer, so the page needs no rearranging on the device."""
         if bits == 0 and self._stacks is not None:
-            for k in EXPERT_KEYS:
-                self._stacks[moe_index][k].prefetch(expert)
+            key = (moe_index, int(expert), serving)
+            ahead = self._ahead.pop(key, None)
+            data = ahead.result() if ahead is not None else self._read(*key)
+            self._read_ahead()
+            return data
+        layers = self.full if bits == 0 else self.low[bits]
         return {k: layers[moe_index][k][expert] for k in EXPERT_KEYS}
+
+    def _read(self, moe_index: int, expert: int, serving: bool = False):
+        stacks = self._stacks[moe_index]
+        if not serving:
+            return {k: stacks[k].read_stored(expert) for k in EXPERT_KEYS}
+        if not self.reads_serving:
+            raise ValueError("this store's files do not hold the experts in the serving layout")
+        gate, up = stacks["gate"].stored(expert), stacks["up"].stored(expert)
+        gate_up = np.empty((gate.shape[0] + up.shape[0], gate.shape[1]), gate.dtype)
+        stacks["gate"].read_stored(expert, gate_up[:gate.shape[0]])
+        stacks["up"].read_stored(expert, gate_up[gate.shape[0]:])
+        return gate_up, stacks["down"].read_stored(expert)
+
+    def _read_ahead(self) -> None:
+        depth = max(1, min(READ_AHEAD_PAGES, READ_AHEAD_BYTES // self.expert_bytes))
+        while self._wanted and len(self._ahead) < depth:
+            key = self._wanted.popleft()
+            if key not in self._ahead:
+                self._ahead[key] = self._reader.submit(self._read, *key)
+
+    def prefetch(self, moe_index: int, experts, serving: bool = False) -> None:
+        """The experts of a layer ``get`` will be asked for next, in that order (a batched prefill pages a
+        layer's experts one after another): they are read from the checkpoint's files in the background,
+        up to ``READ_AHEAD_PAGES`` (``READ_AHEAD_BYTES``) ahead, while the pages before them are copied and computed with. Replaces any
+        earlier announcement; a no-op for experts in memory."""
+        if self._stacks is not None:
+            self._wanted = collections.deque((moe_index, int(e), serving) for e in experts)
+            wanted = set(self._wanted)
+            for key in [k for k in self._ahead if k not in wanted]:  # announced before and never asked for
+                self._ahead.pop(key).cancel()
+            self._read_ahead()
 
     def nbytes_of(self, bits: int) -> int:
         return self.expert_bytes if bits == 0 else self.low_bytes[bits]
@@ -198,6 +247,17 @@ def _zero_int8(rows: int, cols: int, dtype) -> quant.QuantizedTensor:
                                  bits=8, group_size=None, axis=-1, dtype=np.dtype(dtype))
 
 
+def expert_list(cfg: ModelConfig, n: int, dtype, int8: bool = False) -> layout.ExpertList:
+    """``n`` zeroed serving-layout expert buffers (``gate_up`` [2F, D], ``down`` [D, F]; ``int8``: each an int8
+    ``quant.QuantizedTensor``)."""
+    d, f = cfg.hidden_size, cfg.moe_intermediate_size
+    if int8:
+        return layout.ExpertList(tuple(_zero_int8(2 * f, d, dtype) for _ in range(n)),
+                                 tuple(_zero_int8(d, f, dtype) for _ in range(n)))
+    return layout.ExpertList(tuple(jnp.zeros((2 * f, d), dtype) for _ in range(n)),
+                             tuple(jnp.zeros((d, f), dtype) for _ in range(n)))
+
+
 def init_slots(cfg: ModelConfig, cache_state: cache_lib.CacheState, dtype, stacked: bool = False,
                int8: bool = False):
     """Zeroed slot buffers, per MoE layer or one pool for a global cache: a ``layout.ExpertList`` of C slots
@@ -206,15 +266,11 @@ def init_slots(cfg: ModelConfig, cache_state: cache_lib.CacheState, dtype, stack
     one ``[C, D, F]``/``[C, F, D]`` set (the in-jit pager writes into stacks)."""
     cap = int(cache_state.capacity)
     d, f = cfg.hidden_size, cfg.moe_intermediate_size
-    if int8:
-        one = lambda: layout.ExpertList(tuple(_zero_int8(2 * f, d, dtype) for _ in range(cap)),  # noqa: E731
-                                        tuple(_zero_int8(d, f, dtype) for _ in range(cap)))
-    elif stacked:
+    if stacked:
         one = lambda: {"gate": jnp.zeros((cap, d, f), dtype), "up": jnp.zeros((cap, d, f), dtype),  # noqa: E731
                        "down": jnp.zeros((cap, f, d), dtype)}
     else:
-        one = lambda: layout.ExpertList(tuple(jnp.zeros((2 * f, d), dtype) for _ in range(cap)),  # noqa: E731
-                                        tuple(jnp.zeros((d, f), dtype) for _ in range(cap)))
+        one = lambda: expert_list(cfg, cap, dtype, int8)  # noqa: E731
     return one() if cache_state.scope == "global" else [one() for _ in range(cfg.n_moe_layers)]
 
 
@@ -234,10 +290,15 @@ def fill_slots(slots, store: ExpertStore, cache_state: cache_lib.CacheState):
     return slots
 
 
-def write_slot(buf, data: dict, s: int, flip: tuple[str, ...] = ()):
+def write_slot(buf, data, s: int, flip: tuple[str, ...] = ()):
     """Slot buffers with expert ``data`` (``gate``/``up``/``down`` on the device; ``flip``: matrices stored
     transposed, i.e. Hugging Face's ``[out, in]``) in slot ``s``: a new buffer for that slot of an
-    ``ExpertList``, or written in place into stacked slots."""
+    ``ExpertList``, or written in place into stacked slots. ``data`` already in the serving layout, a
+    ``(gate_up, down)`` pair on the device, becomes the slot's buffers as it is (no copy; the old ones are freed)."""
+    if isinstance(data, tuple):  # already the serving layout (``ExpertStore.get(..., serving=True)``): swap it in
+        if not isinstance(buf, layout.ExpertList) or layout.is_int8(buf.gate_up[0]):
+            raise ValueError("a serving-layout page goes into full-precision serving-layout slots")
+        return buf.replace(s, *data)
     stored_int8 = all(layout.is_int8(data[k]) for k in EXPERT_KEYS)  # paged from an int8 folder: [out, in]
     if isinstance(buf, layout.ExpertList):
         old = buf.expert(s)

@@ -20,12 +20,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from moejax.models import model as model_lib, quant
+from moejax.models import layout, model as model_lib, quant
 from moejax.models.config import ModelConfig
 from moejax.experts.router import prefetch_step, router_step
-from moejax.runtime import decode
-from moejax.runtime.expert_store import (EXPERT_KEYS, expert_store, fill_slots, init_slots, slot_changes,
-    split_params, tree_nbytes, write_slot)
+from moejax.runtime import decode, prefill_paging
+from moejax.runtime.expert_store import (EXPERT_KEYS, expert_list, expert_store, fill_slots, init_slots,
+    slot_changes, split_params, tree_nbytes, write_slot)
 from moejax.runtime.offload import OffloadConfig, check_capacity
 
 
@@ -73,29 +73,12 @@ class Link:
 # ------------------------------------------------------------------------------------------ stages
 
 
-def _rope(cfg, pos):
-    positions = jnp.asarray(pos, jnp.int32)[None]
-    return positions, *model_lib.rope_tables(cfg, positions)
-
-
-@functools.partial(jax.jit, static_argnames=("cfg", "layer"), donate_argnames=("kv",))
-def _dense_layer(lp, cfg: ModelConfig, layer: int, x, pos, kv):
-    positions, cos, sin = _rope(cfg, pos)
-    attend = model_lib.mla_attention if cfg.mla else model_lib.gqa_attention
-    a, kv = attend(lp["attn"], cfg, layer, model_lib.norm(x, lp["attn_norm"], cfg), cos, sin, positions, kv, pos)
-    x = x + a
-    return x + model_lib.dense_mlp(lp["mlp"], cfg, model_lib.norm(x, lp["mlp_norm"], cfg)), kv
-
-
 @functools.partial(jax.jit, static_argnames=("cfg", "layer"), donate_argnames=("kv",))
 def _stage_a(lp, next_lp, cfg: ModelConfig, layer: int, moe_index, x, pos, kv, state, prediction):
     """Attention + router step of one MoE layer, then the next MoE layer's prefetch (cache update only;
     the host starts its transfers right away). Event order = the simulation's: route(l), prefetch(l+1).
     ``moe_index`` is traced, so layers of one structure share one compiled stage."""
-    positions, cos, sin = _rope(cfg, pos)
-    attend = model_lib.mla_attention if cfg.mla else model_lib.gqa_attention
-    a, kv = attend(lp["attn"], cfg, layer, model_lib.norm(x, lp["attn_norm"], cfg), cos, sin, positions, kv, pos)
-    x = x + a
+    x, kv = prefill_paging.attention(lp, cfg, layer, x, pos, kv)
     h = model_lib.norm(x, lp["mlp_norm"], cfg)
     z = model_lib.router_logits(lp["moe"], h)[0]
     cs, rs, policy = state["cache"], state["routing"], state["policy"]
@@ -128,17 +111,20 @@ def _stage_b(p, cfg: ModelConfig, x, h, slots, staging, experts, weights, tier, 
     return x + y
 
 
+@functools.partial(jax.jit, static_argnames=("cfg",))
+def _logits(params, cfg: ModelConfig, x):
+    """Logits [T, V] (float32) of every row of hidden states x."""
+    x = model_lib.norm(x, params["final_norm"], cfg)
+    return model_lib.linear(x, model_lib.lm_head(params, cfg), params.get("lm_head_bias")).astype(jnp.float32)
+
+
 @functools.partial(jax.jit, static_argnames=("cfg", "sampling"))
 def _head(params, cfg: ModelConfig, x, key, sampling):
-    x = model_lib.norm(x, params["final_norm"], cfg)
+    """Sample the token after the last row of x (one split of the key, as ``decode.prefill``)."""
+    x = model_lib.norm(x[-1:], params["final_norm"], cfg)
     logits = model_lib.linear(x, model_lib.lm_head(params, cfg), params.get("lm_head_bias")).astype(jnp.float32)
     key, sub = jax.random.split(key)
     return decode.sample(logits[0], sub, sampling), logits[0], key
-
-
-@jax.jit
-def _embed(embed, token):
-    return embed[token[None]]
 
 
 # ------------------------------------------------------------------------------------------ the pager
@@ -164,6 +150,7 @@ class PagingStats:
     prefetch_loads: int = 0
     low_bit_loads: int = 0
     bytes_moved: int = 0
+    prefill_pages: int = 0  # experts paged by batched prefills (each at most once per layer and piece)
     transfer_s: float = 0.0  # real: issue → ready of each demand batch (the host waits on it alone)
     timed_bytes: int = 0  # bytes of those batches
 
@@ -211,6 +198,8 @@ class HostPager:
         self.global_scope = cs.scope == "global"
         slots = init_slots(cfg, cs, self.dtype, int8=offload.slot_dtype == "int8")
         self.slots = fill_slots(self.committed(slots), self.store, cs)
+        # pages read from the files straight into the serving layout of full-precision slots: one copy each
+        self.serving_pages = self.store.reads_serving and offload.slot_dtype != "int8"
         self.state = self.committed(router_state)
         k = cfg.top_k
         self.staging = {}
@@ -218,6 +207,7 @@ class HostPager:
             one = self.store.get(0, 0, b)
             self.staging[b] = self.committed({name: jax.tree.map(lambda a: jnp.zeros((k, *a.shape), a.dtype), one[name])
                                               for name in EXPERT_KEYS})
+        self._prefill_staging = None  # K buffers streamed experts pass through in a batched prefill (on first use)
         # one compiled stage per distinct layer structure (sliding window), not per layer
         self._rep = {i: min(j for j in range(cfg.num_layers) if cfg.sliding_windows[j] == cfg.sliding_windows[i]
                             and cfg.moe_layers[j] == cfg.moe_layers[i]) for i in range(cfg.num_layers)}
@@ -234,7 +224,7 @@ class HostPager:
         slots = tree_nbytes(self.slots)
         staging = tree_nbytes(self.staging)
         acc = {"non_expert_weights": tree_nbytes(self.params), "slots": slots, "kv_cache": tree_nbytes(kv),
-               "low_bit_staging": staging}
+               "low_bit_staging": staging, "prefill_staging": tree_nbytes(self._prefill_staging)}
         acc["accounted_total"] = sum(acc.values())
         measured = None
         try:
@@ -255,6 +245,7 @@ class HostPager:
             "latency_us": self.offload.latency_us, "expert_bytes": self.store.expert_bytes,
             "bytes_moved": s.bytes_moved, "bytes_per_token": s.bytes_moved / max(tokens, 1),
             "demand_loads": s.demand_loads, "prefetch_loads": s.prefetch_loads, "low_bit_loads": s.low_bit_loads,
+            "prefill": "batched" if self.batched_prefill else "token", "prefill_pages": s.prefill_pages,
             "transfer_s": transfer_s, "compute_wait_s": link.wait_s,
             # emulated: bytes over link busy time; real: demand batches' bytes over their issue→ready time
             "achieved_gbps": ((s.bytes_moved if link.emulated else s.timed_bytes) / transfer_s / 1e9
@@ -269,16 +260,18 @@ class HostPager:
         now = time.perf_counter() if now is None else now
         out, done = [], now
         for moe_index, expert, s in loads:
-            data = jax.device_put(self.store.get(moe_index, expert, bits), self.store.target)
+            data = jax.device_put(self.store.get(moe_index, expert, bits, serving=self.serving_pages and not bits),
+                                  self.store.target)
             done = self.link.schedule(self.store.nbytes_of(bits), now)
             self.stats.bytes_moved += self.store.nbytes_of(bits)
             out.append((moe_index, expert, s, data))
         return out, done
 
-    def _complete(self, issued, done_time, t_issue, timed: bool = True):
-        """Wait for a batch (emulated link time, or the real copies) and write it into the slots.
-        ``timed``: the batch ran alone (demand loads: the host has just synchronised on the router step),
-        so issue→ready is its transfer time; a prefetch batch overlaps compute and is not timed."""
+    def _complete(self, issued, done_time, t_issue, timed: bool = True, staging: bool = False):
+        """Wait for a batch (emulated link time, or the real copies) and write it into the slots (``staging``:
+        into the prefill staging buffers). ``timed``: the batch ran alone (demand loads: the host has just
+        synchronised on the router step), so issue→ready is its transfer time; a prefetch batch overlaps
+        compute and is not timed."""
         if not issued:
             return
         if self.link.emulated:
@@ -291,7 +284,10 @@ class HostPager:
         flip = self.store.flip
         written = []
         for moe_index, _, s, data in issued:
-            if self.global_scope:
+            if staging:
+                self._prefill_staging = write_slot(self._prefill_staging, data, s, flip)
+                written.append(self._prefill_staging.expert(s))
+            elif self.global_scope:
                 self.slots = write_slot(self.slots, data, s, flip)
                 written.append(self.slots.expert(s))
             else:
@@ -303,26 +299,98 @@ class HostPager:
             for moe_index, expert, _, _ in issued:
                 self.store.release(moe_index, expert)
 
+    # ---- batched prefill (``prefill_paging``)
+    @property
+    def batched_prefill(self) -> bool:
+        """Whether prompts run a layer at a time (``OffloadConfig.prefill`` and the cache allow it)."""
+        return (self.offload.prefill == "batched"
+                and prefill_paging.batched_prefill_supported(self.state["cache"]) is None)
+
+    @property
+    def staging_size(self) -> int:
+        return self.cfg.top_k
+
+    def layer_program(self, i: int) -> int:
+        """The layer whose compiled stages layer ``i`` shares (same structure: sliding window, MoE or not)."""
+        return self._rep[i]
+
+    def next_moe_layer(self, moe_index: int):
+        """The parameters of the MoE layer after ``moe_index`` (its router predicts prefetches), or None."""
+        nxt = moe_index + 1
+        return self.params["layers"][self.moe_ids[nxt]] if nxt < len(self.moe_ids) else None
+
+    def prefill_staging(self):
+        """The staging buffers (``staging_size`` experts, the slots' dtype), made on first use."""
+        if self._prefill_staging is None:
+            self._prefill_staging = self.committed(expert_list(self.cfg, self.staging_size, self.dtype,
+                                                               int8=self.offload.slot_dtype == "int8"))
+        return self._prefill_staging
+
+    def round_experts(self, moe_index: int) -> layout.ExpertList:
+        """What a prefill round computes with: the layer's C slots, then the staging buffers."""
+        slots, staging = self.slots[moe_index], self.prefill_staging()
+        return layout.ExpertList(slots.gate_up + staging.gate_up, slots.down + staging.down)
+
+    def page_into_slots(self, moe_index: int, loads) -> None:
+        """Page (expert, slot) pairs of one layer into its slots (the host waits for them)."""
+        t_issue = time.perf_counter()
+        issued, done = self._issue([(moe_index, e, s) for e, s in loads], now=t_issue)
+        self._complete(issued, done, t_issue)
+
+    def page_into_staging(self, moe_index: int, experts) -> None:
+        """Page experts of one layer into staging buffers 0, 1, ... (the host waits for them)."""
+        self.prefill_staging()
+        t_issue = time.perf_counter()
+        issued, done = self._issue([(moe_index, e, j) for j, e in enumerate(experts)], now=t_issue)
+        self._complete(issued, done, t_issue, staging=True)
+
+    def prefill(self, prompt: np.ndarray, kv: list, key, sampling, bucketed: bool = False,
+                record: list | None = None, all_logits: bool = False):
+        """The prompt (from position 0) in batched pieces (``prefill_paging.prefill_pieces``); returns (next
+        token, its logits, kv, key) as ``step`` does for the last prompt token, or with ``all_logits`` (a
+        teacher-forced pass) (logits [T, V] of every position, kv)."""
+        x, start, logits = None, 0, []
+        for n in prefill_paging.prefill_pieces(prompt.size, bucketed):
+            x, kv = prefill_paging.run_piece(self, prompt[start:start + n], start, kv, record)
+            if all_logits:
+                logits.append(_logits(self.params, self.cfg, x))
+            start += n
+        self.stats.tokens += int(prompt.size)
+        if all_logits:
+            return np.concatenate([np.asarray(a) for a in logits]), kv
+        nxt, last, key = _head(self.params, self.cfg, x, key, sampling)
+        return nxt, last, kv, key
+
+    def compile_prefill(self, n_tokens: int, kv: list, key, sampling, bucketed: bool = False) -> None:
+        """Compile every program ``prefill`` runs for an ``n_tokens`` prompt, from shapes (nothing runs)."""
+        for n in sorted(set(prefill_paging.prefill_pieces(n_tokens, bucketed))):
+            prefill_paging.compile_piece(self, n, kv)
+        last = prefill_paging.prefill_pieces(n_tokens, bucketed)[-1]
+        x = jax.ShapeDtypeStruct((last, self.cfg.hidden_size), self.dtype,
+                                 sharding=jax.sharding.SingleDeviceSharding(self.device))
+        _head.lower(self.params, self.cfg, x, key, sampling).compile()
+
     def step(self, token, pos, kv, key, sampling, record: list | None = None):
         """One token through every layer with paging; returns (next token, logits, kv, key).
-        ``record`` (a list) receives this token's (experts, weights, hits) per MoE layer."""
+        ``record`` (a list) receives this token's block {experts, weights, hits, router_logits}, each
+        [moe_layers, 1, ...] (``stack_records``)."""
         cfg = self.cfg
-        x = _embed(self.params["embed"], jnp.asarray(token, jnp.int32))
+        layer_records = []
+        x = prefill_paging.embed_tokens(self.params["embed"], jnp.asarray([token], jnp.int32))
         prediction = None
         pending = ([], 0.0, 0.0)  # prefetch batch for the next MoE layer: (issued, done, t_issue)
         moe_index = 0
         for i, lp in enumerate(self.params["layers"]):
             rep = self._rep[i]
             if not cfg.moe_layers[i]:
-                x, kv[i] = _dense_layer(lp, cfg, rep, x, pos, kv[i])
+                x, kv[i] = prefill_paging.dense_layer(lp, cfg, rep, x, pos, kv[i])
                 continue
             nxt = self.params["layers"][self.moe_ids[moe_index + 1]] if moe_index + 1 < len(self.moe_ids) else None
             before = np.asarray(self.state["cache"].slot)
             x, h, kv[i], self.state, prediction, routed = _stage_a(
                 lp, nxt, cfg, rep, jnp.int32(moe_index), x, pos, kv[i], self.state, prediction)
             experts, weights, hits, tier, slot_ids, slot_mid, z = routed
-            if record is not None:
-                record.append((experts, weights, hits, z))
+            layer_records.append((experts, weights, hits, z))
             mid, after = np.asarray(slot_mid), np.asarray(self.state["cache"].slot)
             t_issue = time.perf_counter()
             demand = slot_changes(before, mid)  # this layer's misses: needed before its experts run
@@ -359,36 +427,45 @@ class HostPager:
         self._complete(*pending, timed=False)
         nxt_token, logits, key = _head(self.params, cfg, x, key, sampling)
         self.stats.tokens += 1
+        if record is not None and layer_records:
+            record.append({name: np.stack([np.asarray(r[j]) for r in layer_records])[:, None]
+                           for j, name in enumerate(RECORD_NAMES)})
         return nxt_token, logits, kv, key
 
 
 def host_forward(params, cfg: ModelConfig, tokens, router_state: dict, offload: OffloadConfig,
                  stores: dict | None = None) -> dict:
-    """Teacher-forced pass with real paging, token by token (evaluation with ``--offload``): every
-    token's experts are paged in exactly as when decoding. Returns logits [T, V], experts / weights / hits
-    [L, T, K], the router state after the pass and the offload statistics."""
+    """Teacher-forced pass with real paging (evaluation with ``--offload``): batched a layer at a time as a
+    prefill (``HostPager.prefill``), or token by token as decoding pages (``OffloadConfig.prefill="token"``,
+    global caches, cascade). Returns logits [T, V], experts / weights / hits [L, T, K], the router state
+    after the pass and the offload statistics."""
     tokens = np.asarray(tokens, np.int32)
     pager = HostPager(params, cfg, router_state, offload, stores)
     kv = pager.committed(model_lib.init_kv(cfg, tokens.size, params["embed"].dtype))
     key = jax.random.PRNGKey(0)
-    logits, rec = [], []
+    rec = []
     t0 = time.perf_counter()
-    for pos, tok in enumerate(tokens.tolist()):
-        _, lg, kv, key = pager.step(tok, jnp.int32(pos), kv, key, decode.Sampling(), record=rec)
-        logits.append(lg)
-    jax.block_until_ready(logits[-1])
+    if pager.batched_prefill:
+        logits, kv = pager.prefill(tokens, kv, key, decode.Sampling(), record=rec, all_logits=True)
+    else:
+        logits = []
+        for pos, tok in enumerate(tokens.tolist()):
+            _, lg, kv, key = pager.step(tok, jnp.int32(pos), kv, key, decode.Sampling(), record=rec)
+            logits.append(lg)
+        logits = np.stack([np.asarray(x) for x in logits])
     elapsed = time.perf_counter() - t0
-    out = stack_records(rec, tokens.size, len(pager.moe_ids))
-    return {"logits": np.stack([np.asarray(x) for x in logits]), **out, "router_state": pager.state,
+    out = stack_records(rec)
+    return {"logits": logits, **out, "router_state": pager.state,
             "offload": pager.summary(kv, tokens=tokens.size, seconds=elapsed)}
 
 
-def stack_records(rec: list, n_tokens: int, n_moe: int) -> dict:
-    """Per-(token, MoE layer) records -> experts / weights / hits [L, T, K] and router_logits [L, T, N]."""
-    def stack(j):
-        return np.stack([np.asarray(r[j]) for r in rec]).reshape(n_tokens, n_moe, -1).swapaxes(0, 1)
+RECORD_NAMES = ("experts", "weights", "hits", "router_logits")
 
-    return {"experts": stack(0), "weights": stack(1), "hits": stack(2), "router_logits": stack(3)}
+
+def stack_records(rec: list) -> dict:
+    """Record blocks (each {experts, weights, hits, router_logits} [moe_layers, t, ...]: a decode step's, or a
+    batched prefill piece's) -> one of each over all their tokens, [moe_layers, T, ...]."""
+    return {name: np.concatenate([r[name] for r in rec], axis=1) for name in RECORD_NAMES}
 
 
 def host_generate(params, cfg: ModelConfig, prompt_ids, router_state: dict, offload: OffloadConfig, *,
@@ -398,7 +475,9 @@ def host_generate(params, cfg: ModelConfig, prompt_ids, router_state: dict, offl
                   stop: decode.Stop = decode.NO_STOP, bucketed: bool = False,
                   keep_slots: bool = False, on_cache=None) -> decode.GenerateResult:
     """Offloaded generation with host-driven paging; same sampling and key schedule as ``decode.generate``,
-    so with the same policy the tokens are the simulation's. The prompt is routed token by token.
+    so with the same policy the tokens are the simulation's. The prompt runs batched, a layer at a time
+    (``HostPager.prefill``: each needed expert paged once per layer), or token by token where the cache or
+    ``OffloadConfig.prefill="token"`` asks for it.
     ``bucketed``: a KV cache of ``decode.kv_bucket`` rows (the stages compile once per bucket).
     ``keep_slots`` (needs ``stores``): keep the pager, with its device slots, in ``stores`` after the call; a
     next call whose ``router_state["cache"]`` is the one this call returned continues with those slots instead
@@ -430,7 +509,10 @@ def host_generate(params, cfg: ModelConfig, prompt_ids, router_state: dict, offl
     kv_rows = prompt.size + max_new_tokens + 1
     kv = pager.committed(model_lib.init_kv(cfg, decode.kv_bucket(kv_rows) if bucketed else kv_rows, dtype))
 
+    key = jax.random.PRNGKey(seed)
     t_compile = time.perf_counter()
+    if warmup and pager.batched_prefill:  # the prompt's programs, from shapes
+        pager.compile_prefill(prompt.size, kv, key, sampling, bucketed)
     if warmup:  # compile every stage on throwaway copies of the states (no transfers counted)
         # the slots are not copied (that would double the largest buffer): afterwards whatever the saved
         # cache state names as resident is paged in again, so the slots hold exactly what it says
@@ -453,20 +535,21 @@ def host_generate(params, cfg: ModelConfig, prompt_ids, router_state: dict, offl
         pager.link = link
     compile_time = time.perf_counter() - t_compile
 
-    key = jax.random.PRNGKey(seed)
     rec: list = []
     read0 = storage_read_bytes()
     t0 = time.perf_counter()
-    n_moe = len(pager.moe_ids)
 
-    def report():  # decode.generate's on_cache, token by token: the last token's records
+    def report():  # decode.generate's on_cache: the prompt's records, then token by token
         if on_cache is not None:
-            last = stack_records(rec[-n_moe:], 1, n_moe)
-            decode.report_cache(on_cache, pager.state, {k: np.swapaxes(last[k], 0, 1) for k in ("experts", "hits")})
+            decode.report_cache(on_cache, pager.state, {k: np.swapaxes(rec[-1][k], 0, 1) for k in ("experts", "hits")})
 
-    for pos, tok in enumerate(prompt.tolist()):
-        nxt, logits, kv, key_after = pager.step(tok, jnp.int32(pos), kv, key, sampling, record=rec)
+    if pager.batched_prefill:
+        nxt, logits, kv, key_after = pager.prefill(prompt, kv, key, sampling, bucketed, record=rec)
         report()
+    else:
+        for pos, tok in enumerate(prompt.tolist()):
+            nxt, logits, kv, key_after = pager.step(tok, jnp.int32(pos), kv, key, sampling, record=rec)
+            report()
     # decode.prefill splits the key once for the first token
     key = key_after
     first = int(nxt)
@@ -509,8 +592,7 @@ def host_generate(params, cfg: ModelConfig, prompt_ids, router_state: dict, offl
                                     decode.stop_reason(tokens, requested, eos, ended_by),
                                     int(prompt.size) + n_decode)
     stats["offload"] = summary
-    fed = len(rec) // len(pager.moe_ids)
-    out = stack_records(rec, fed, len(pager.moe_ids))
+    out = stack_records(rec)
     decode.check_step(cfg, out["router_logits"], True, "the prompt or the generated tokens")
     # decode.GenerateResult.trace() layout: one prefill-like record over every fed token
     records = [{"experts": out["experts"], "weights": out["weights"], "logits": out["router_logits"],

@@ -27,6 +27,7 @@ import dataclasses
 from moejax.models.config import ModelConfig
 from moejax.experts import cache as cache_lib
 from moejax.runtime.expert_store import STORES
+from moejax.runtime.prefill_paging import PREFILLS
 
 PAGINGS = ("host", "jit")
 
@@ -41,6 +42,7 @@ class OffloadConfig:
     latency_us: float = 0.0
     store_dir: str | None = None  # where the flash tier's file goes (default: a temporary folder)
     slot_dtype: str = "stored"  # "int8": the device slots hold int8 experts (quantised as they are paged in)
+    prefill: str = "batched"  # batched: a prompt a layer at a time, each needed expert paged once | token
 
     def __post_init__(self):
         if self.paging not in PAGINGS:
@@ -56,6 +58,8 @@ class OffloadConfig:
                              "cannot be throttled from the host")
         if self.paging == "jit" and self.store == "flash":
             raise ValueError("in-jit paging reads host-memory arrays; the flash tier needs paging='host'")
+        if self.prefill not in PREFILLS:
+            raise ValueError(f"unknown prefill {self.prefill!r}; expected one of {PREFILLS}")
         if self.slot_dtype not in ("stored", "int8"):
             raise ValueError(f"slot_dtype must be 'stored' or 'int8', got {self.slot_dtype!r}")
         if self.slot_dtype == "int8" and self.paging == "jit":
