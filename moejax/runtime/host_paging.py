@@ -314,10 +314,13 @@ class HostPager:
         """The layer whose compiled stages layer ``i`` shares (same structure: sliding window, MoE or not)."""
         return self._rep[i]
 
-    def next_moe_layer(self, moe_index: int):
-        """The parameters of the MoE layer after ``moe_index`` (its router predicts prefetches), or None."""
+    def predicting_for(self, moe_index: int):
+        """The parameters of the MoE layer after ``moe_index`` when the cache prefetches (its router predicts
+        from this layer's state), else None (so every layer's stage is one program)."""
         nxt = moe_index + 1
-        return self.params["layers"][self.moe_ids[nxt]] if nxt < len(self.moe_ids) else None
+        if not self.state["cache"].prefetcher.enabled or nxt >= len(self.moe_ids):
+            return None
+        return self.params["layers"][self.moe_ids[nxt]]
 
     def prefill_staging(self):
         """The staging buffers (``staging_size`` experts, the slots' dtype), made on first use."""
@@ -385,7 +388,7 @@ class HostPager:
             if not cfg.moe_layers[i]:
                 x, kv[i] = prefill_paging.dense_layer(lp, cfg, rep, x, pos, kv[i])
                 continue
-            nxt = self.params["layers"][self.moe_ids[moe_index + 1]] if moe_index + 1 < len(self.moe_ids) else None
+            nxt = self.predicting_for(moe_index)
             before = np.asarray(self.state["cache"].slot)
             x, h, kv[i], self.state, prediction, routed = _stage_a(
                 lp, nxt, cfg, rep, jnp.int32(moe_index), x, pos, kv[i], self.state, prediction)

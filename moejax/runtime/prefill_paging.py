@@ -141,20 +141,27 @@ def dense_layer(lp, cfg: ModelConfig, layer: int, x, pos0, kv):
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "layer"), donate_argnames=("kv",))
-def route_piece(lp, next_lp, cfg: ModelConfig, layer: int, moe_index, x, pos0, kv, state, z_pred):
-    """Attention of a MoE layer over the piece, its router logits and the cache's routing scan over the
-    tokens (with this layer's prefetch prediction ``z_pred`` from the previous MoE layer, as the simulation
-    does); returns the next MoE layer's prediction when the cache prefetches."""
+def attend_piece(lp, cfg: ModelConfig, layer: int, x, pos0, kv):
+    """Attention of a MoE layer over the piece, and the normed hidden state its router and experts read.
+    Apart from ``route_piece``: this program is compiled per piece length and KV-cache length, the routing
+    scan (the larger program) per piece length only."""
     x, kv = attention(lp, cfg, layer, x, pos0, kv)
-    h = model_lib.norm(x, lp["mlp_norm"], cfg)
-    z = model_lib.router_logits(lp["moe"], h)
+    return x, model_lib.norm(x, lp["mlp_norm"], cfg), kv
+
+
+@functools.partial(jax.jit, static_argnames=("cfg",))
+def route_piece(p, next_lp, cfg: ModelConfig, moe_index, x, h, state, z_pred):
+    """The MoE layer's router logits and the cache's routing scan over the piece's tokens (with this layer's
+    prefetch prediction ``z_pred`` from the previous MoE layer, as the simulation does); with ``next_lp`` (a
+    prefetching cache) also the next MoE layer's prediction from this layer's post-attention state."""
+    z = model_lib.router_logits(p, h)
     cs, rs = state["cache"], state["routing"]
     experts, weights, hits, _, cs, rs = route_tokens(z, moe_index, cs, rs, state["policy"], cfg.gating,
                                                      z_pred=z_pred, with_tier=True)
     z_next = None
-    if next_lp is not None and cs.prefetcher.enabled:
+    if next_lp is not None:
         z_next = model_lib.router_logits(next_lp["moe"], model_lib.norm(x, next_lp["mlp_norm"], cfg))
-    return x, h, kv, {**state, "cache": cs, "routing": rs}, z_next, (experts, weights, hits, z)
+    return {**state, "cache": cs, "routing": rs}, z_next, (experts, weights, hits, z)
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "block_rows"), donate_argnames=("rows",))
@@ -202,9 +209,9 @@ def run_piece(pager, tokens: np.ndarray, pos0: int, kv: list, record: list | Non
             x, kv[i] = dense_layer(lp, cfg, program, x, pos, kv[i])
             continue
         before = np.asarray(pager.state["cache"].slot)[moe_index]
-        x, h, kv[i], pager.state, z_pred, routed = route_piece(lp, pager.next_moe_layer(moe_index), cfg, program,
-                                                               jnp.int32(moe_index), x, pos, kv[i], pager.state,
-                                                               z_pred)
+        x, h, kv[i] = attend_piece(lp, cfg, program, x, pos, kv[i])
+        pager.state, z_pred, routed = route_piece(lp["moe"], pager.predicting_for(moe_index), cfg,
+                                                  jnp.int32(moe_index), x, h, pager.state, z_pred)
         experts, weights = routed[0], routed[1]
         experts_np = np.asarray(experts)
         plan = plan_layer(before, np.asarray(pager.state["cache"].slot)[moe_index], experts_np)
@@ -267,8 +274,9 @@ def compile_piece(pager, n_tokens: int, kv: list) -> None:
         if not cfg.moe_layers[i]:
             x, _ = compiled(dense_layer, lp, cfg, program, x, pos, layer_kv)
             continue
-        x, h, _, state, z_pred, routed = compiled(route_piece, lp, pager.next_moe_layer(moe_index), cfg, program,
-                                                  jnp.int32(moe_index), x, pos, layer_kv, state, z_pred)
+        x, h, _ = compiled(attend_piece, lp, cfg, program, x, pos, layer_kv)
+        state, z_pred, routed = compiled(route_piece, lp["moe"], pager.predicting_for(moe_index), cfg,
+                                         jnp.int32(moe_index), x, h, state, z_pred)
         experts, weights = routed[0], routed[1]
         compiled(expert_round, pager.round_experts(moe_index), cfg, h, experts, rows, block_rows=block_rows)
         x = compiled(finish_layer, lp["moe"], cfg, x, h, rows, experts, weights)
