@@ -462,7 +462,7 @@ def host_forward(params, cfg: ModelConfig, tokens, router_state: dict, offload: 
             "offload": pager.summary(kv, tokens=tokens.size, seconds=elapsed)}
 
 
-RECORD_NAMES = ("experts", "weights", "hits", "router_logits")
+RECORD_NAMES = prefill_paging.RECORD_NAMES
 
 
 def stack_records(rec: list) -> dict:

@@ -37,6 +37,7 @@ from moejax.models.config import ModelConfig
 from moejax.experts.router import route_tokens
 
 PREFILLS = ("batched", "token")
+RECORD_NAMES = ("experts", "weights", "hits", "router_logits")  # what a pass records per MoE layer and token
 MAX_PIECE = 512  # prompt tokens per batched piece (attention scores and activations grow with it; llama.cpp's ubatch)
 
 
@@ -221,7 +222,7 @@ def run_piece(pager, tokens: np.ndarray, pos0: int, kv: list, record: list | Non
         moe_index += 1
     if record is not None and blocks:
         record.append({name: np.stack([np.asarray(b[j]) for b in blocks])
-                       for j, name in enumerate(("experts", "weights", "hits", "router_logits"))})
+                       for j, name in enumerate(RECORD_NAMES)})
     return x, kv
 
 
