@@ -26,7 +26,6 @@ import glob
 import json
 import mmap
 import os
-import struct
 import sys
 import time
 
@@ -38,15 +37,15 @@ MODES = ("mmap-random", "mmap-willneed", "mmap", "pread", "pread-random", "direc
 
 def expert_ranges(folder: str, layers: range) -> list[tuple[str, int, int]]:
     """(file, offset, size) of every routed-expert tensor of ``layers`` in a Hugging Face folder."""
+    from moejax.models.safetensors_io import SafetensorsFile
+
     out = []
     for path in sorted(glob.glob(os.path.join(folder, "*.safetensors"))):
-        with open(path, "rb") as f:
-            (n,) = struct.unpack("<Q", f.read(8))
-            header = json.loads(f.read(n))
-        for key, info in header.items():
-            if key != "__metadata__" and any(f"layers.{i}." in key for i in layers) and ".experts." in key:
-                start, end = info["data_offsets"]
-                out.append((path, 8 + n + start, end - start))
+        f = SafetensorsFile(path)
+        for key in f.keys():
+            if any(f"layers.{i}." in key for i in layers) and ".experts." in key:
+                start, end = f.byte_range(key)
+                out.append((path, start, end - start))
     return sorted(out, key=lambda r: (r[0], r[1]))
 
 

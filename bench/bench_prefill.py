@@ -23,7 +23,6 @@ token/batched and batched/llama.cpp measured in this run.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import time

@@ -119,7 +119,7 @@ def test_the_warm_up_compiles_every_program_the_timed_prompt_runs(monkeypatch):
 
     import moejax
     from conftest import get_hf_model
-    from moejax.runtime import host_paging, offload
+    from moejax.runtime import host_paging
     from moejax.runtime.simulate import CacheConfig
 
     folder = get_hf_model("olmoe_clip").folder

@@ -135,19 +135,6 @@ class SafetensorsFile:
             os.close(fd)
         return out
 
-    def read_exactly(self) -> None:
-        """Random access from now on (``MADV_RANDOM``: no readahead around a fault), so that paging one
-        expert reads that expert's bytes, not its neighbours'; pair with ``prefetch``."""
-        if self._map is not None and len(self._map):
-            self._map.madvise(mmap.MADV_RANDOM)
-
-    def prefetch(self, view: np.ndarray) -> None:
-        """Ask the kernel to read ``view``'s pages now, in large requests (``MADV_WILLNEED``)."""
-        if self._map is None or view.size == 0:
-            return
-        lo, hi = self._range(view)
-        self._map.madvise(mmap.MADV_WILLNEED, lo, hi - lo)
-
     def release(self, view: np.ndarray) -> None:
         """Drop the mapped pages under ``view`` (a contiguous view from ``get``) from this process's memory.
 

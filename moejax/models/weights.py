@@ -134,11 +134,6 @@ class ExpertStack:
         """The checkpoint files this stack's experts are in."""
         return {f for f, _ in self.parts}
 
-    def prefetch(self, e: int) -> None:
-        """Ask the kernel to read expert ``e``'s bytes now (``SafetensorsFile.prefetch``)."""
-        file, view = self.parts[e]
-        file.prefetch(view)
-
     def read_stored(self, e: int, out: np.ndarray | None = None) -> np.ndarray:
         """A private copy of expert ``e`` as stored (``SafetensorsFile.read``: no page of the mapping touched),
         into ``out`` when given."""
@@ -208,14 +203,10 @@ class QuantizedExpertStack(ExpertStack):
     def files(self) -> set:
         return {f for f, _ in (*self.parts, *self.scale_parts)}
 
-    def prefetch(self, e: int) -> None:
-        for file, view in (self.parts[e], self.scale_parts[e]):
-            file.prefetch(view)
-
     def read_stored(self, e: int) -> quant.QuantizedTensor:
         """Expert ``e`` as stored (int8 values and scales), private copies read without touching the mapping."""
-        q = self.stored(e)
-        return q.replace(q=self.parts[e][0].read(self.parts[e][1]), scale=self.scale_parts[e][0].read(self.scale_parts[e][1]))
+        (file, view), (scale_file, scale_view) = self.parts[e], self.scale_parts[e]
+        return self.stored(e).replace(q=file.read(view), scale=scale_file.read(scale_view))
 
     def release(self, e: int) -> None:
         for file, view in (self.parts[e], self.scale_parts[e]):

@@ -2,10 +2,11 @@
 
 ``ExpertStore`` holds every routed expert off the device, one array per (layer, expert, matrix): in host
 memory (``pinned_host`` where the backend has it, read once from the checkpoint) or on "flash" — the
-checkpoint's own files, each page read as exactly its expert's bytes (``SafetensorsFile.read``: no copy of the
-model, no temporary file; a model loaded whole gets a temporary file, removed on exit). The device slots are what the cache state names: an ``ExpertList`` of C
-buffers per MoE layer (or one pool) in the stored dtype or int8, or stacked buffers for in-jit paging; a page
-is written into its slot's buffer (donated: paging does not grow the heap). ``offload`` drives the paging.
+checkpoint's own files, each page read as exactly its expert's bytes (``SafetensorsFile.read``: no copy of
+the model, no temporary file; a model loaded whole gets a temporary file, removed on exit). The device slots
+are what the cache state names: an ``ExpertList`` of C buffers per MoE layer (or one pool) in the stored dtype
+or int8, or stacked buffers for in-jit paging; a page is written into its slot's buffer (donated: paging does
+not grow the heap), or, read from the files in the serving layout, becomes it. ``offload`` drives the paging.
 """
 
 from __future__ import annotations
@@ -94,6 +95,7 @@ class ExpertStore:
             # stored [out, in] in the compute dtype: a page can be read straight into the serving layout
             self.reads_serving = self.flip == EXPERT_KEYS and not int8 and all(
                 layers[0][k].stored_dtype == np.dtype(self.dtype) for k in EXPERT_KEYS)
+            # what the pages are: views of the files' mappings (no copy held; ``get`` reads them with preadv)
             self.full = [{k: [layer[k].stored(e) for e in range(n)] for k in EXPERT_KEYS} for layer in layers]
             self.expert_bytes = sum(layers[0][k].stored_expert_nbytes for k in EXPERT_KEYS)
         elif int8:  # host memory, int8 as stored (``[out, in]`` + scales), read once, one expert at a time
@@ -125,13 +127,6 @@ class ExpertStore:
     @property
     def pages_from_files(self) -> bool:
         return self._stacks is not None
-
-    def release(self, moe_index: int, expert: int) -> None:
-        """After a page from the checkpoint's files is on the device: drop its mapped pages from this
-        process (they stay in the page cache), so paging never grows the resident set."""
-        if self._stacks is not None:
-            for k in EXPERT_KEYS:
-                self._stacks[moe_index][k].release(expert)
 
     def _place(self, a):
         if self.host_sharding is not None:
@@ -192,9 +187,9 @@ class ExpertStore:
 
     def prefetch(self, moe_index: int, experts, serving: bool = False) -> None:
         """The experts of a layer ``get`` will be asked for next, in that order (a batched prefill pages a
-        layer's experts one after another): they are read from the checkpoint's files in the background,
-        up to ``READ_AHEAD_PAGES`` (``READ_AHEAD_BYTES``) ahead, while the pages before them are copied and computed with. Replaces any
-        earlier announcement; a no-op for experts in memory."""
+        layer's experts one after another): they are read from the checkpoint's files in the background, up
+        to ``READ_AHEAD_PAGES`` (``READ_AHEAD_BYTES``) ahead, while the pages before them are copied and
+        computed with. Replaces any earlier announcement; a no-op for experts in memory."""
         if self._stacks is not None:
             self._wanted = collections.deque((moe_index, int(e), serving) for e in experts)
             wanted = set(self._wanted)
@@ -281,12 +276,9 @@ def fill_slots(slots, store: ExpertStore, cache_state: cache_lib.CacheState):
         s = int(slot[layer, expert])
         data = jax.device_put(store.get(int(layer), int(expert)), store.target)
         if cache_state.scope == "global":
-            slots = written = write_slot(slots, data, s, store.flip)
+            slots = write_slot(slots, data, s, store.flip)
         else:
-            slots[layer] = written = write_slot(slots[layer], data, s, store.flip)
-        if store.pages_from_files:  # the page is in its slot before its mapped bytes are released
-            jax.block_until_ready(written.expert(s) if isinstance(written, layout.ExpertList) else written)
-            store.release(int(layer), int(expert))
+            slots[layer] = write_slot(slots[layer], data, s, store.flip)
     return slots
 
 

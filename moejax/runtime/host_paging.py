@@ -282,22 +282,13 @@ class HostPager:
                 self.stats.transfer_s += time.perf_counter() - t_issue
                 self.stats.timed_bytes += sum(self.store.nbytes_of(0) for _ in issued)
         flip = self.store.flip
-        written = []
         for moe_index, _, s, data in issued:
             if staging:
                 self._prefill_staging = write_slot(self._prefill_staging, data, s, flip)
-                written.append(self._prefill_staging.expert(s))
             elif self.global_scope:
                 self.slots = write_slot(self.slots, data, s, flip)
-                written.append(self.slots.expert(s))
             else:
                 self.slots[moe_index] = write_slot(self.slots[moe_index], data, s, flip)
-                written.append(self.slots[moe_index].expert(s))
-        if self.store.pages_from_files:
-            # wait for the pages just written (not every slot buffer: thousands of leaves per token at C = N/2)
-            jax.block_until_ready(written)
-            for moe_index, expert, _, _ in issued:
-                self.store.release(moe_index, expert)
 
     # ---- batched prefill (``prefill_paging``)
     @property
