@@ -20,7 +20,7 @@ from typing import IO, Any, Iterator
 
 import numpy as np
 
-from moejax.base import tempfiles
+from moejax.base import interrupts, tempfiles
 
 
 def _umask() -> int:
@@ -43,15 +43,18 @@ def atomic_file(path: str | os.PathLike, mode: str = "wb", make_parents: bool = 
         os.makedirs(parent, exist_ok=True)
     prefix = f".{name}.tmp-"
     tempfiles.remove_stale(prefix, parent)
-    fd, tmp = tempfile.mkstemp(prefix=f"{prefix}{os.getpid()}-", dir=parent)
+    tmp = None
     try:
+        with interrupts.deferred():  # a signal between creating the file and owning it would leave it behind
+            fd, tmp = tempfile.mkstemp(prefix=f"{prefix}{os.getpid()}-", dir=parent)
         with os.fdopen(fd, mode, **({} if mode == "wb" else {"encoding": "utf-8"})) as f:
             yield f
         os.chmod(tmp, 0o666 & ~_umask())
         os.replace(tmp, path)
     except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
+        if tmp is not None:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
         raise
 
 
@@ -65,18 +68,22 @@ def atomic_dir(target: str) -> Iterator[str]:
     target = os.path.abspath(target)
     parent, name = os.path.split(target)
     os.makedirs(parent, exist_ok=True)
-    tmp = tempfiles.make_temp_dir(f".{name}.tmp-", parent)
+    tmp = None
     try:
+        with interrupts.deferred():  # a signal between making the folder and owning it would leave it behind
+            tmp = tempfiles.make_temp_dir(f".{name}.tmp-", parent)
         yield tmp
-        if os.path.exists(target):
-            old = tempfile.mkdtemp(prefix=f".{name}.old-", dir=parent)
-            os.replace(target, os.path.join(old, "x"))
-            os.replace(tmp, target)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            os.replace(tmp, target)
+        with interrupts.deferred():  # the swap runs whole: no signal strands the old target half-moved
+            if os.path.exists(target):
+                old = tempfile.mkdtemp(prefix=f".{name}.old-", dir=parent)
+                os.replace(target, os.path.join(old, "x"))
+                os.replace(tmp, target)
+                shutil.rmtree(old, ignore_errors=True)
+            else:
+                os.replace(tmp, target)
     except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
+        if tmp is not None:
+            shutil.rmtree(tmp, ignore_errors=True)
         raise
 
 

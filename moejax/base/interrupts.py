@@ -10,8 +10,10 @@ action, so every command-line entry point calls ``exit_cleanly_on_signals()`` fi
 
 from __future__ import annotations
 
+import contextlib
 import signal
 import threading
+from typing import Iterator
 
 SIGNALS = (signal.SIGTERM, signal.SIGHUP)
 
@@ -26,3 +28,27 @@ def exit_cleanly_on_signals() -> None:
         return
     for sig in SIGNALS:
         signal.signal(sig, _exit)
+
+
+@contextlib.contextmanager
+def deferred() -> Iterator[None]:
+    """Ctrl-C, SIGTERM and SIGHUP arriving inside the block take effect when it ends, delivered again to the
+    handlers that were in place. For a step that makes something and takes charge of removing it (a
+    temporary folder created, then guarded by a ``try``): a signal landing between the two would leave the
+    thing behind. Python runs signal handlers in the main thread only, so elsewhere this does nothing."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    caught: list[int] = []
+    previous = {}
+    for sig in (signal.SIGINT, *SIGNALS):
+        handler = signal.getsignal(sig)
+        if handler is not None:  # None: a handler installed outside Python, left alone
+            previous[sig] = signal.signal(sig, lambda signum, frame: caught.append(signum))
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+        for sig in caught:
+            signal.raise_signal(sig)

@@ -22,7 +22,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from moejax.base import tempfiles
+from moejax.base import interrupts, tempfiles
 from moejax.models import layout, quant, safetensors_io, weights
 from moejax.models.config import ModelConfig
 from moejax.experts import cache as cache_lib
@@ -136,10 +136,11 @@ class ExpertStore:
     def _to_flash(self, full: list, store_dir: str | None) -> list:
         """A model loaded whole has no checkpoint file to page from: write its experts to one safetensors
         file (``store_dir``, else a temporary folder removed at exit) and map it back."""
-        folder = store_dir or tempfiles.make_temp_dir("moejax-flash-")  # under MOEJAX_TMPDIR if set
-        self._tmp = None if store_dir else folder
-        if self._tmp:  # removed when the store is collected or the interpreter exits (normally or by an error)
-            self._cleanup = weakref.finalize(self, shutil.rmtree, folder, True)
+        with interrupts.deferred():  # no signal between making the folder and arranging its removal
+            folder = store_dir or tempfiles.make_temp_dir("moejax-flash-")  # under MOEJAX_TMPDIR if set
+            self._tmp = None if store_dir else folder
+            if self._tmp:  # removed when the store is collected or the interpreter exits (normally or by an error)
+                self._cleanup = weakref.finalize(self, shutil.rmtree, folder, True)
         os.makedirs(folder, exist_ok=True)
         path = os.path.join(folder, "experts.safetensors")
         check_store_file(path)
