@@ -203,10 +203,12 @@ class QuantizedExpertStack(ExpertStack):
     def files(self) -> set:
         return {f for f, _ in (*self.parts, *self.scale_parts)}
 
-    def read_stored(self, e: int) -> quant.QuantizedTensor:
-        """Expert ``e`` as stored (int8 values and scales), private copies read without touching the mapping."""
+    def read_stored(self, e: int, out: quant.QuantizedTensor | None = None) -> quant.QuantizedTensor:
+        """Expert ``e`` as stored (int8 values and scales), private copies read without touching the mapping,
+        into ``out``'s arrays when given."""
         (file, view), (scale_file, scale_view) = self.parts[e], self.scale_parts[e]
-        return self.stored(e).replace(q=file.read(view), scale=scale_file.read(scale_view))
+        return self.stored(e).replace(q=file.read(view, None if out is None else out.q),
+                                      scale=scale_file.read(scale_view, None if out is None else out.scale))
 
     def release(self, e: int) -> None:
         for file, view in (self.parts[e], self.scale_parts[e]):

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import collections
 import concurrent.futures
+import ctypes
 import functools
 import os
 import shutil
@@ -81,10 +82,12 @@ class ExpertStore:
         self._stacks = None  # the checkpoint's expert stacks, when pages come straight from its files
         self.flip: tuple[str, ...] = ()  # matrices stored transposed (HF [out, in]): flipped on the device
         self.reads_serving = False  # get(..., serving=True) works: pages from the files in the serving layout
+        self.int8 = False  # the experts are stored int8 (values + row scales): they page into int8 slots
         layers = [expert_stacks(params["layers"][i]["moe"]) for i in self.moe_ids]
         lazy = all(isinstance(x, weights.ExpertStack) for layer in layers for x in layer.values())
         n = cfg.n_experts
         int8 = lazy and all(weights.is_int8_stack(x) for layer in layers for x in layer.values())
+        self.int8 = int8
         if lazy and store == "flash":  # the checkpoint's own files are the flash tier: no copy, no file
             self._stacks = layers
             self._ahead: dict = {}  # (layer, expert, serving) -> future of its bytes, read in the background
@@ -92,9 +95,10 @@ class ExpertStore:
             self._reader = concurrent.futures.ThreadPoolExecutor(READERS, thread_name_prefix="moejax-pages")
             weakref.finalize(self, self._reader.shutdown, wait=False, cancel_futures=True)
             self.flip = tuple(k for k in EXPERT_KEYS if layers[0][k].transposed)
-            # stored [out, in] in the compute dtype: a page can be read straight into the serving layout
-            self.reads_serving = self.flip == EXPERT_KEYS and not int8 and all(
-                layers[0][k].stored_dtype == np.dtype(self.dtype) for k in EXPERT_KEYS)
+            # stored [out, in] in the compute dtype, or int8 with row scales: a page can be read straight into
+            # the serving layout of slots of that dtype
+            self.reads_serving = self.flip == EXPERT_KEYS and (int8 or all(
+                layers[0][k].stored_dtype == np.dtype(self.dtype) for k in EXPERT_KEYS))
             # what the pages are: views of the files' mappings (no copy held; ``get`` reads them with preadv)
             self.full = [{k: [layer[k].stored(e) for e in range(n)] for k in EXPERT_KEYS} for layer in layers]
             self.expert_bytes = sum(layers[0][k].stored_expert_nbytes for k in EXPERT_KEYS)
@@ -153,31 +157,52 @@ class ExpertStore:
     def nbytes(self) -> int:
         return self.expert_bytes * self.cfg.n_experts * len(self.moe_ids)
 
-    def get(self, moe_index: int, expert: int, bits: int = 0, serving: bool = False):
+    def get(self, moe_index: int, expert: int, bits: int = 0, serving: bool = False, out: tuple | None = None):
         """One expert's matrices as stored, ready for ``device_put``: host arrays, or from the checkpoint's files
         a private copy read with ``SafetensorsFile.read`` (or already read in the background: ``prefetch``).
-        ``serving`` (needs ``reads_serving``): the serving layout's ``(gate_up [2F, D], down [D, F])`` instead,
-        gate and up read into the two halves of one buffer, so the page needs no rearranging on the device."""
+        ``serving`` (needs ``reads_serving``): the serving layout's ``(gate_up [2F, D], down [D, F])`` instead
+        (int8 stores: each a ``quant.QuantizedTensor`` of values and row scales), gate and up read into the two
+        halves of one buffer, so the page needs no rearranging on the device; ``out``: such a pair of host
+        arrays to read into (``slot_views``: a slot's own memory) instead of new ones."""
         if bits == 0 and self._stacks is not None:
             key = (moe_index, int(expert), serving)
             ahead = self._ahead.pop(key, None)
-            data = ahead.result() if ahead is not None else self._read(*key)
+            if ahead is None:
+                data = self._read(*key, out=out)
+            elif out is None:
+                data = ahead.result()
+            else:  # read in the background into buffers of its own: copied into ``out``
+                data = out
+                for dst, src in zip(jax.tree.leaves(out), jax.tree.leaves(ahead.result())):
+                    np.copyto(dst, src)
             self._read_ahead()
             return data
+        if out is not None:
+            raise ValueError("pages are read into given buffers only from the checkpoint's files")
         layers = self.full if bits == 0 else self.low[bits]
         return {k: layers[moe_index][k][expert] for k in EXPERT_KEYS}
 
-    def _read(self, moe_index: int, expert: int, serving: bool = False):
+    def serving_buffers(self):
+        """New host buffers for one expert in the serving layout: ``(gate_up, down)`` (``get``'s ``out``)."""
+        d, f = self.cfg.hidden_size, self.cfg.moe_intermediate_size
+        if not self.int8:
+            return np.empty((2 * f, d), self.dtype), np.empty((d, f), self.dtype)
+        return tuple(quant.QuantizedTensor(q=np.empty((rows, cols), np.int8), scale=np.empty((rows, 1), np.float32),
+                                           bits=8, group_size=None, axis=-1, dtype=np.dtype(self.dtype))
+                     for rows, cols in ((2 * f, d), (d, f)))
+
+    def _read(self, moe_index: int, expert: int, serving: bool = False, out: tuple | None = None):
         stacks = self._stacks[moe_index]
         if not serving:
             return {k: stacks[k].read_stored(expert) for k in EXPERT_KEYS}
         if not self.reads_serving:
             raise ValueError("this store's files do not hold the experts in the serving layout")
-        gate, up = stacks["gate"].stored(expert), stacks["up"].stored(expert)
-        gate_up = np.empty((gate.shape[0] + up.shape[0], gate.shape[1]), gate.dtype)
-        stacks["gate"].read_stored(expert, gate_up[:gate.shape[0]])
-        stacks["up"].read_stored(expert, gate_up[gate.shape[0]:])
-        return gate_up, stacks["down"].read_stored(expert)
+        gate_up, down = self.serving_buffers() if out is None else out
+        f = self.cfg.moe_intermediate_size
+        stacks["gate"].read_stored(expert, _rows(gate_up, 0, f))
+        stacks["up"].read_stored(expert, _rows(gate_up, f, 2 * f))
+        stacks["down"].read_stored(expert, down)
+        return gate_up, down
 
     def _read_ahead(self) -> None:
         depth = max(1, min(READ_AHEAD_PAGES, READ_AHEAD_BYTES // self.expert_bytes))
@@ -200,6 +225,52 @@ class ExpertStore:
 
     def nbytes_of(self, bits: int) -> int:
         return self.expert_bytes if bits == 0 else self.low_bytes[bits]
+
+
+def _rows(matrix, start: int, stop: int):
+    """Rows ``start:stop`` of a host matrix, or of an int8 one's values and scales (contiguous views)."""
+    if isinstance(matrix, quant.QuantizedTensor):
+        return matrix.replace(q=matrix.q[start:stop], scale=matrix.scale[start:stop])
+    return matrix[start:stop]
+
+
+def host_view(a) -> np.ndarray | None:
+    """A writable numpy view of the memory of ``a``, a device array, where that memory is host memory (the CPU
+    backend) laid out row-major; else None.
+
+    What lets a page be read from the files straight into a slot's own buffer, the one copy there has to be:
+    ``device_put`` copies on the CPU too, into a new allocation whose every page faults in (on these VMs ≈ 7 ms
+    for one 8.7 MB expert, several times the read itself). JAX treats its arrays as immutable: the caller must
+    know that no computation reading ``a`` is in flight and that ``a`` is held nowhere else (``HostPager``
+    writes only into its own slot buffers, after the computations that read them have finished)."""
+    if not isinstance(a, jax.Array) or a.is_deleted() or len(a.devices()) != 1:
+        return None
+    if next(iter(a.devices())).platform != "cpu":
+        return None
+    try:
+        major_to_minor = tuple(a.format.layout.major_to_minor)
+    except Exception:  # noqa: BLE001 - runtimes without layouts: do not guess
+        return None
+    if major_to_minor != tuple(range(a.ndim)) or a.nbytes == 0:
+        return None
+    memory = (ctypes.c_char * a.nbytes).from_address(a.unsafe_buffer_pointer())
+    return np.frombuffer(memory, a.dtype).reshape(a.shape)
+
+
+def slot_views(buf: layout.ExpertList, s: int):
+    """Slot ``s`` of serving-layout slots as writable host views ``(gate_up, down)`` (int8 slots: each a
+    ``quant.QuantizedTensor`` of views), or None where the slots are not host memory (``host_view``)."""
+    views = jax.tree.map(host_view, buf.expert(s))
+    return None if any(v is None for v in jax.tree.leaves(views, is_leaf=lambda v: v is None)) else views
+
+
+def distinct_host_buffers(tree) -> bool:
+    """Whether every array of ``tree`` is host memory (``host_view``) of its own, shared with no other leaf."""
+    leaves = jax.tree.leaves(tree)
+    if any(host_view(a) is None for a in leaves):
+        return False
+    pointers = [a.unsafe_buffer_pointer() for a in leaves]
+    return len(set(pointers)) == len(pointers)
 
 
 def expert_stacks(moe: dict) -> dict:
@@ -289,8 +360,8 @@ def write_slot(buf, data, s: int, flip: tuple[str, ...] = ()):
     ``ExpertList``, or written in place into stacked slots. ``data`` already in the serving layout, a
     ``(gate_up, down)`` pair on the device, becomes the slot's buffers as it is (no copy; the old ones are freed)."""
     if isinstance(data, tuple):  # already the serving layout (``ExpertStore.get(..., serving=True)``): swap it in
-        if not isinstance(buf, layout.ExpertList) or layout.is_int8(buf.gate_up[0]):
-            raise ValueError("a serving-layout page goes into full-precision serving-layout slots")
+        if not isinstance(buf, layout.ExpertList) or layout.is_int8(buf.gate_up[0]) != layout.is_int8(data[0]):
+            raise ValueError("a serving-layout page goes into serving-layout slots of its own dtype (int8 or not)")
         return buf.replace(s, *data)
     stored_int8 = all(layout.is_int8(data[k]) for k in EXPERT_KEYS)  # paged from an int8 folder: [out, in]
     if isinstance(buf, layout.ExpertList):

@@ -24,6 +24,7 @@ from moejax.models import layout, model as model_lib, quant
 from moejax.models.config import ModelConfig
 from moejax.experts.router import prefetch_step, router_step
 from moejax.runtime import decode, prefill_paging
+from moejax.runtime import expert_store as expert_store_lib
 from moejax.runtime.expert_store import (EXPERT_KEYS, expert_list, expert_store, fill_slots, init_slots,
     slot_changes, split_params, tree_nbytes, write_slot)
 from moejax.runtime.offload import OffloadConfig, check_capacity
@@ -198,8 +199,14 @@ class HostPager:
         self.global_scope = cs.scope == "global"
         slots = init_slots(cfg, cs, self.dtype, int8=offload.slot_dtype == "int8")
         self.slots = fill_slots(self.committed(slots), self.store, cs)
-        # pages read from the files straight into the serving layout of full-precision slots: one copy each
-        self.serving_pages = self.store.reads_serving and offload.slot_dtype != "int8"
+        # pages read from the files straight into the serving layout of slots of the stored dtype (no program)
+        self.serving_pages = self.store.reads_serving and self.store.int8 == (offload.slot_dtype == "int8")
+        # ... and into the slots' own memory where that is host memory (CPU): the one copy a page needs
+        self.in_place = (offload.page_writes == "auto" and self.serving_pages
+                         and expert_store_lib.distinct_host_buffers(self.slots))
+        # outputs of computations that read the slots (per MoE layer, the pool, the prefill staging) and may
+        # still run: an in-place page waits for those of what it overwrites
+        self._readers: dict = {}
         self.state = self.committed(router_state)
         k = cfg.top_k
         self.staging = {}
@@ -255,13 +262,41 @@ class HostPager:
         }
 
     # ---- paging
-    def _issue(self, loads, bits=0, now=None):
-        """device_put each (moe_index, expert, slot) from the store; returns (arrays, done_time)."""
+    def reading(self, key, output) -> None:
+        """``output`` comes from a computation that reads the buffers under ``key`` (a MoE layer's slots, "pool",
+        "staging"): in-place pages into them wait for it."""
+        if self.in_place:
+            self._readers.setdefault(key, []).append(output)
+
+    def _settle(self, key) -> None:
+        """Wait until no computation reading the buffers under ``key`` runs (before writing them in place)."""
+        # a donated output (a prefill round's rows) was consumed by a later reader, itself registered
+        pending = [a for a in self._readers.pop(key, []) if not a.is_deleted()]
+        if pending:
+            jax.block_until_ready(pending)
+
+    def _slot_key(self, moe_index: int, staging: bool = False):
+        return "staging" if staging else "pool" if self.global_scope else moe_index
+
+    def _buffers(self, moe_index: int, staging: bool = False) -> layout.ExpertList:
+        if staging:
+            return self._prefill_staging
+        return self.slots if self.global_scope else self.slots[moe_index]
+
+    def _issue(self, loads, bits=0, now=None, staging: bool = False):
+        """Page each (moe_index, expert, slot) from the store: read into the slot's own memory (``in_place``:
+        done when this returns), else ``device_put`` (``_complete`` writes it); returns (pages, done_time)."""
         now = time.perf_counter() if now is None else now
         out, done = [], now
         for moe_index, expert, s in loads:
-            data = jax.device_put(self.store.get(moe_index, expert, bits, serving=self.serving_pages and not bits),
-                                  self.store.target)
+            if self.in_place and not bits:
+                self._settle(self._slot_key(moe_index, staging))
+                self.store.get(moe_index, expert, serving=True,
+                               out=expert_store_lib.slot_views(self._buffers(moe_index, staging), s))
+                data = None
+            else:
+                data = jax.device_put(self.store.get(moe_index, expert, bits,
+                                                     serving=self.serving_pages and not bits), self.store.target)
             done = self.link.schedule(self.store.nbytes_of(bits), now)
             self.stats.bytes_moved += self.store.nbytes_of(bits)
             out.append((moe_index, expert, s, data))
@@ -277,12 +312,14 @@ class HostPager:
         if self.link.emulated:
             self.link.wait_until(done_time)
         else:
-            jax.block_until_ready([d for *_, d in issued])
+            jax.block_until_ready([d for *_, d in issued if d is not None])
             if timed:
                 self.stats.transfer_s += time.perf_counter() - t_issue
                 self.stats.timed_bytes += sum(self.store.nbytes_of(0) for _ in issued)
         flip = self.store.flip
         for moe_index, _, s, data in issued:
+            if data is None:  # read into the slot in place
+                continue
             if staging:
                 self._prefill_staging = write_slot(self._prefill_staging, data, s, flip)
             elif self.global_scope:
@@ -318,6 +355,8 @@ class HostPager:
         if self._prefill_staging is None:
             self._prefill_staging = self.committed(expert_list(self.cfg, self.staging_size, self.dtype,
                                                                int8=self.offload.slot_dtype == "int8"))
+            if self.in_place and not expert_store_lib.distinct_host_buffers((self.slots, self._prefill_staging)):
+                self.in_place = False  # never seen: the runtime shared a buffer between two zeroed arrays
         return self._prefill_staging
 
     def round_experts(self, moe_index: int) -> layout.ExpertList:
@@ -335,7 +374,7 @@ class HostPager:
         """Page experts of one layer into staging buffers 0, 1, ... (the host waits for them)."""
         self.prefill_staging()
         t_issue = time.perf_counter()
-        issued, done = self._issue([(moe_index, e, j) for j, e in enumerate(experts)], now=t_issue)
+        issued, done = self._issue([(moe_index, e, j) for j, e in enumerate(experts)], now=t_issue, staging=True)
         self._complete(issued, done, t_issue, staging=True)
 
     def prefill(self, prompt: np.ndarray, kv: list, key, sampling, bucketed: bool = False,
@@ -412,7 +451,9 @@ class HostPager:
                                    for n in EXPERT_KEYS}
             slots = self.slots if self.global_scope else self.slots[moe_index]
             x = _stage_b(lp["moe"], cfg, x, h, slots, self.staging, experts, weights, tier, slot_ids, self.tiers)
+            self.reading(self._slot_key(moe_index), x)
             # prefetch transfers start now and overlap this layer's expert compute and the next attention
+            # (in place, per-layer slots: the next layer's slots, which nothing running reads)
             t_pf = time.perf_counter()
             pf_issued, pf_done = self._issue(ahead, now=t_pf)
             self.stats.prefetch_loads += len(ahead)

@@ -30,6 +30,7 @@ from moejax.runtime.expert_store import STORES
 from moejax.runtime.prefill_paging import PREFILLS
 
 PAGINGS = ("host", "jit")
+PAGE_WRITES = ("auto", "copy")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -43,6 +44,9 @@ class OffloadConfig:
     store_dir: str | None = None  # where the flash tier's file goes (default: a temporary folder)
     slot_dtype: str = "stored"  # "int8": the device slots hold int8 experts (quantised as they are paged in)
     prefill: str = "batched"  # batched: a prompt a layer at a time, each needed expert paged once | token
+    # auto: pages read from the files straight into the slots' own memory where it is host memory (CPU) and
+    # the files hold the slots' layout (expert_store.host_view); copy: always device_put + a write program
+    page_writes: str = "auto"
 
     def __post_init__(self):
         if self.paging not in PAGINGS:
@@ -60,6 +64,8 @@ class OffloadConfig:
             raise ValueError("in-jit paging reads host-memory arrays; the flash tier needs paging='host'")
         if self.prefill not in PREFILLS:
             raise ValueError(f"unknown prefill {self.prefill!r}; expected one of {PREFILLS}")
+        if self.page_writes not in PAGE_WRITES:
+            raise ValueError(f"unknown page_writes {self.page_writes!r}; expected one of {PAGE_WRITES}")
         if self.slot_dtype not in ("stored", "int8"):
             raise ValueError(f"slot_dtype must be 'stored' or 'int8', got {self.slot_dtype!r}")
         if self.slot_dtype == "int8" and self.paging == "jit":

@@ -246,6 +246,8 @@ def _run_rounds(pager, moe_index: int, plan: LayerPages, h, experts: np.ndarray,
             ids = round_ids(experts, in_slots, streamed, capacity, cfg.n_experts)
             rows = expert_round(pager.round_experts(moe_index), cfg, h, jax.device_put(ids, pager.device), rows,
                                 block_rows=block_rows)
+            for key in (moe_index, "staging"):  # pages written in place into either wait for this round
+                pager.reading(key, rows)
     pager.stats.prefill_pages += plan.pages
     return rows
 

@@ -1,0 +1,114 @@
+"""Pages written in place (``OffloadConfig(page_writes="auto")``, the default): on the CPU a page is read from
+the checkpoint's files straight into its device slot's own memory (``expert_store.host_view``), the one copy
+a page needs, instead of ``device_put`` into a new buffer and a program that writes it into the slot. The
+fast path must equal the copy path exactly — tokens, routing, bytes moved, what the slots hold — and never
+write a slot while a computation that reads it may still run."""
+
+from __future__ import annotations
+
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import moejax
+from conftest import get_hf_model
+from moejax.models import checkpoint, layout
+from moejax.runtime import expert_store, host_paging, offload
+from moejax.runtime.simulate import CacheConfig
+
+PROMPT = np.arange(3, 40, dtype=np.int32)
+
+
+def _generate(folder: str, page_writes: str, cache: CacheConfig, prompt=PROMPT, new: int = 6):
+    m = moejax.load(folder, offload=offload.OffloadConfig(store="flash", page_writes=page_writes))
+    out = m.generate(prompt, new, routing="cache-prior", cache=cache, stop_at_eos=False, keep_slots=True)
+    return out, m._stores[host_paging.KEPT_PAGER]
+
+
+def _assert_same(a, b):
+    (out_a, pager_a), (out_b, pager_b) = a, b
+    assert out_a.token_ids == out_b.token_ids
+    for k in ("experts", "weights", "hits"):
+        np.testing.assert_array_equal(out_a.trace()[k], out_b.trace()[k])
+    for k in ("bytes_moved", "bytes_moved_prefill", "demand_loads", "prefetch_loads", "prefill_pages"):
+        assert out_a.stats["offload"][k] == out_b.stats["offload"][k], k
+    np.testing.assert_array_equal(np.asarray(pager_a.state["cache"].slot), np.asarray(pager_b.state["cache"].slot))
+    resident = np.asarray(pager_a.state["cache"].slot)
+    global_scope = pager_a.global_scope
+    for layer, expert in zip(*np.nonzero(resident >= 0)):  # every resident expert's slot holds the same bytes
+        s = int(resident[layer, expert])
+        slots_a = pager_a.slots if global_scope else pager_a.slots[layer]
+        slots_b = pager_b.slots if global_scope else pager_b.slots[layer]
+        for x, y in zip(jax.tree.leaves(slots_a.expert(s)), jax.tree.leaves(slots_b.expert(s))):
+            assert bool(jnp.array_equal(x, y)), (layer, expert)
+
+
+@pytest.mark.parametrize("name,cache", [
+    ("olmoe_clip", CacheConfig(size="7", prefetch=1.0)),  # batched prompt in staging rounds, prefetch in place
+    ("qwen3_moe", CacheConfig(size="0.5", scope="global", eviction="fld")),  # one pool: token-by-token prompt
+])
+def test_in_place_pages_equal_copied_pages(name, cache):
+    folder = get_hf_model(name).folder
+    copied, in_place = _generate(folder, "copy", cache), _generate(folder, "auto", cache)
+    assert not copied[1].in_place and in_place[1].in_place
+    assert in_place[0].stats["offload"]["bytes_moved"] > 0
+    _assert_same(copied, in_place)
+
+
+def test_int8_folder_pages_in_place_equal_copied_pages(tmp_path):
+    dst = str(tmp_path / "int8")
+    checkpoint.convert_to_moejax(get_hf_model("qwen2_moe").folder, dst, expert_dtype="int8")
+    cache = CacheConfig(size="0.5", prefetch=1.0)
+    copied, in_place = _generate(dst, "copy", cache), _generate(dst, "auto", cache)
+    assert in_place[1].in_place and layout.is_int8(in_place[1].slots[0].gate_up[0])
+    _assert_same(copied, in_place)
+
+
+def test_teacher_forced_offload_in_place_equals_copy():
+    folder = get_hf_model("olmoe_clip").folder
+    for prefill in offload.PREFILLS:
+        outs = [moejax.load(folder, offload=offload.OffloadConfig(store="flash", page_writes=pw, prefill=prefill))
+                .forward(PROMPT, routing="cache-prior", cache=CacheConfig(size="7")) for pw in ("copy", "auto")]
+        np.testing.assert_array_equal(outs[0].logits, outs[1].logits)
+        assert outs[0].stats["offload"]["bytes_moved"] == outs[1].stats["offload"]["bytes_moved"] > 0
+
+
+def test_an_in_place_page_waits_for_the_computations_reading_its_slots():
+    m = moejax.load(get_hf_model("qwen3_moe").folder, offload="flash")
+    pager = host_paging.HostPager(m.params, m.cfg, m.router_state("original", CacheConfig(size="4")),
+                                  offload.OffloadConfig(store="flash"), {})
+    assert pager.in_place
+
+    @jax.jit
+    def slow(a):  # ~0.1-1 s on two cores: still running when the page is asked for, unless the pager waits
+        return jax.lax.fori_loop(0, 40, lambda i, x: jnp.tanh(x @ a), a)
+
+    running = slow(jnp.ones((768, 768), jnp.float32) / 768)
+    pager.reading(0, running)
+    ready_at_read = []
+    real_get = pager.store.get
+
+    def get(*args, **kw):
+        ready_at_read.append(running.is_ready())
+        return real_get(*args, **kw)
+
+    pager.store.get = get
+    t0 = time.perf_counter()
+    pager._issue([(0, 5, 2)])
+    assert ready_at_read == [True], f"the slot was written while its reader ran ({time.perf_counter() - t0:.3f} s)"
+    ref = expert_store.ExpertStore(m.params, m.cfg, "flash").get(0, 5, serving=True)
+    for x, y in zip(pager.slots[0].expert(2), ref):
+        np.testing.assert_array_equal(np.asarray(x), y)
+
+
+def test_host_view_is_the_arrays_own_memory():
+    a = jax.device_put(jnp.zeros((4, 6), jnp.bfloat16))
+    view = expert_store.host_view(a)
+    view[1, 2] = 3.0
+    assert float(jnp.sum(a.astype(jnp.float32))) == 3.0  # a computation reads what was written
+    assert expert_store.distinct_host_buffers([a, jnp.ones(3)]) and not expert_store.distinct_host_buffers([a, a])
+    a.delete()
+    assert expert_store.host_view(a) is None and expert_store.host_view(np.zeros(3)) is None
