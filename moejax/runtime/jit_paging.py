@@ -75,9 +75,7 @@ class JitPager:
         slot0 = cs.slot
         prediction = None
         if z_pred is not None and cs.prefetcher.enabled:
-            rs_pre = rs
             cs, prediction = prefetch_step(cs, moe_index, z_pred[0], self.gating)
-            del rs_pre
         slot1 = cs.slot
         e, w, h, tier, cs, rs = router_step(z[0], cs, rs, policy, self.gating, moe_index, prediction=prediction,
                                             with_tier=True)
