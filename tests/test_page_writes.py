@@ -55,6 +55,7 @@ def test_in_place_pages_equal_copied_pages(name, cache):
     copied, in_place = _generate(folder, "copy", cache), _generate(folder, "auto", cache)
     assert not copied[1].in_place and in_place[1].in_place
     assert in_place[0].stats["offload"]["bytes_moved"] > 0
+    assert copied[0].stats["offload"]["pages_in_place"] == 0 < in_place[0].stats["offload"]["pages_in_place"]
     _assert_same(copied, in_place)
 
 
@@ -76,32 +77,42 @@ def test_teacher_forced_offload_in_place_equals_copy():
         assert outs[0].stats["offload"]["bytes_moved"] == outs[1].stats["offload"]["bytes_moved"] > 0
 
 
-def test_an_in_place_page_waits_for_the_computations_reading_its_slots():
+def test_a_slot_is_never_written_in_place_while_a_computation_reads_it():
+    """While a reader of a layer's slots runs, its page takes the copy path (a new buffer swapped in; the
+    reader keeps the old one); once the reader is done, the next page is written in place."""
     m = moejax.load(get_hf_model("qwen3_moe").folder, offload="flash")
     pager = host_paging.HostPager(m.params, m.cfg, m.router_state("original", CacheConfig(size="4")),
                                   offload.OffloadConfig(store="flash"), {})
     assert pager.in_place
 
     @jax.jit
-    def slow(a):  # ~0.1-1 s on two cores: still running when the page is asked for, unless the pager waits
+    def slow(a):  # ~0.1-1 s on two cores: still running when the page is asked for
         return jax.lax.fori_loop(0, 40, lambda i, x: jnp.tanh(x @ a), a)
 
     running = slow(jnp.ones((768, 768), jnp.float32) / 768)
     pager.reading(0, running)
-    ready_at_read = []
+    writes = []  # (written in place, the reader done) per page
     real_get = pager.store.get
 
-    def get(*args, **kw):
-        ready_at_read.append(running.is_ready())
-        return real_get(*args, **kw)
+    def get(*args, out=None, **kw):
+        writes.append((out is not None, running.is_ready()))
+        return real_get(*args, out=out, **kw)
 
     pager.store.get = get
+    old = pager.slots[0].expert(2)
     t0 = time.perf_counter()
-    pager._issue([(0, 5, 2)])
-    assert ready_at_read == [True], f"the slot was written while its reader ran ({time.perf_counter() - t0:.3f} s)"
-    ref = expert_store.ExpertStore(m.params, m.cfg, "flash").get(0, 5, serving=True)
-    for x, y in zip(pager.slots[0].expert(2), ref):
-        np.testing.assert_array_equal(np.asarray(x), y)
+    issued, done = pager._issue([(0, 5, 2)])
+    pager._complete(issued, done, t0)
+    assert writes == [(False, False)], writes  # the reader ran: copied, not written under it
+    assert pager.slots[0].expert(2)[0] is not old[0]
+    running.block_until_ready()
+    issued, done = pager._issue([(0, 6, 3)])
+    pager._complete(issued, done, t0)
+    assert writes[1] == (True, True)  # nothing reads the slots now: in place
+    store = expert_store.ExpertStore(m.params, m.cfg, "flash")
+    for s, e in ((2, 5), (3, 6)):
+        for x, y in zip(pager.slots[0].expert(s), store.get(0, e, serving=True)):
+            np.testing.assert_array_equal(np.asarray(x), y)
 
 
 def test_host_view_is_the_arrays_own_memory():

@@ -152,6 +152,7 @@ class PagingStats:
     low_bit_loads: int = 0
     bytes_moved: int = 0
     prefill_pages: int = 0  # experts paged by batched prefills (each at most once per layer and piece)
+    pages_in_place: int = 0  # pages read straight into their slot's memory (the rest: device_put + swap)
     transfer_s: float = 0.0  # real: issue → ready of each demand batch (the host waits on it alone)
     timed_bytes: int = 0  # bytes of those batches
 
@@ -253,6 +254,7 @@ class HostPager:
             "bytes_moved": s.bytes_moved, "bytes_per_token": s.bytes_moved / max(tokens, 1),
             "demand_loads": s.demand_loads, "prefetch_loads": s.prefetch_loads, "low_bit_loads": s.low_bit_loads,
             "prefill": "batched" if self.batched_prefill else "token", "prefill_pages": s.prefill_pages,
+            "page_writes": self.offload.page_writes, "pages_in_place": s.pages_in_place,
             "transfer_s": transfer_s, "compute_wait_s": link.wait_s,
             # emulated: bytes over link busy time; real: demand batches' bytes over their issue→ready time
             "achieved_gbps": ((s.bytes_moved if link.emulated else s.timed_bytes) / transfer_s / 1e9
@@ -264,16 +266,22 @@ class HostPager:
     # ---- paging
     def reading(self, key, output) -> None:
         """``output`` comes from a computation that reads the buffers under ``key`` (a MoE layer's slots, "pool",
-        "staging"): in-place pages into them wait for it."""
+        "staging"): no page is written into them in place until it is ready."""
         if self.in_place:
             self._readers.setdefault(key, []).append(output)
 
-    def _settle(self, key) -> None:
-        """Wait until no computation reading the buffers under ``key`` runs (before writing them in place)."""
+    def _idle(self, key) -> bool:
+        """Whether every computation reading the buffers under ``key`` has finished (then they may be written
+        in place). While one runs a page takes the copy path instead, into a new buffer swapped into the slot:
+        the running computation keeps the old one, and the copy overlaps it rather than waiting for it (a
+        batched prompt's staging rounds: waiting cost back the saved copies at 1,024 tokens)."""
         # a donated output (a prefill round's rows) was consumed by a later reader, itself registered
-        pending = [a for a in self._readers.pop(key, []) if not a.is_deleted()]
-        if pending:
-            jax.block_until_ready(pending)
+        pending = [a for a in self._readers.get(key, []) if not a.is_deleted()]
+        if all(a.is_ready() for a in pending):
+            self._readers.pop(key, None)
+            return True
+        self._readers[key] = pending
+        return False
 
     def _slot_key(self, moe_index: int, staging: bool = False):
         return "staging" if staging else "pool" if self.global_scope else moe_index
@@ -284,16 +292,17 @@ class HostPager:
         return self.slots if self.global_scope else self.slots[moe_index]
 
     def _issue(self, loads, bits=0, now=None, staging: bool = False):
-        """Page each (moe_index, expert, slot) from the store: read into the slot's own memory (``in_place``:
-        done when this returns), else ``device_put`` (``_complete`` writes it); returns (pages, done_time)."""
+        """Page each (moe_index, expert, slot) from the store: read into the slot's own memory (``in_place``, when
+        nothing reading it runs: done when this returns), else ``device_put`` (``_complete`` swaps it in);
+        returns (pages, done_time)."""
         now = time.perf_counter() if now is None else now
         out, done = [], now
         for moe_index, expert, s in loads:
-            if self.in_place and not bits:
-                self._settle(self._slot_key(moe_index, staging))
+            if self.in_place and not bits and self._idle(self._slot_key(moe_index, staging)):
                 self.store.get(moe_index, expert, serving=True,
                                out=expert_store_lib.slot_views(self._buffers(moe_index, staging), s))
                 data = None
+                self.stats.pages_in_place += 1
             else:
                 data = jax.device_put(self.store.get(moe_index, expert, bits,
                                                      serving=self.serving_pages and not bits), self.store.target)
