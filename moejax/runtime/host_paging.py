@@ -434,6 +434,9 @@ class HostPager:
             experts, weights, hits, tier, slot_ids, slot_mid, z = routed
             layer_records.append((experts, weights, hits, z))
             mid, after = np.asarray(slot_mid), np.asarray(self.state["cache"].slot)
+            if self.in_place:  # prefetched pages still to be swapped in land first: a demand page written
+                self._complete(*pending, timed=False)  # in place may reuse one of their slots (one pool)
+                pending = ([], 0.0, 0.0)
             t_issue = time.perf_counter()
             demand = slot_changes(before, mid)  # this layer's misses: needed before its experts run
             ahead = slot_changes(mid, after)  # the next layer's prefetch: overlaps this layer's compute
