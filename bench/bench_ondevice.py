@@ -2,6 +2,7 @@
 
     python bench/bench_ondevice.py --model /work/scale/qwen --budget-gb 12 --sizes 8,4,2 \
         --routings original,cache-prior [--new-tokens 8] [--prompt-len 8] [--prefills batched,token] \
+        [--overlaps on,off] \
         [--llama-cpp [--llama-cpp-prompt]] [--out bench/results/ondevice-qwen.json]
 
 Each configuration runs ``python -m moejax.generate --offload --expert-store flash`` in a fresh process inside
@@ -12,7 +13,8 @@ Reported per run: load time, time to first token, decode tokens/s, expert bytes 
 ``read_bytes`` inside the process, decode phase only), peak RSS (rusage) against the issue's bound
 (non-expert weights + cache slots + KV cache + 1.5 GB), and the miss rate. ``--sizes 8,4,2`` means C = N/8,
 N/4, N/2 per layer; ``--prefills batched,token`` runs each configuration with both ways of paging the prompt
-(time to first token side by side). ``--budget-gb 0`` runs without a budget. With ``--llama-cpp`` the same folder is
+(time to first token side by side); ``--overlaps on,off`` with and without computing a step's resident experts
+while its misses are read (``generate --overlap``). ``--budget-gb 0`` runs without a budget. With ``--llama-cpp`` the same folder is
 converted to a bf16 GGUF (once) and ``llama-bench`` runs under the same budget (``bench/llamacpp.py``;
 skipped with a message when llama.cpp is not built). Needs root for the cgroup and for dropping caches.
 """
@@ -51,10 +53,11 @@ def n_experts(cfg: dict) -> int:
 
 def moejax_run(model: str, size: int, routing: str, budget: int | None, prompt: list[int], new_tokens: int,
                lam: float, dtype: str | None, timeout: float, temperature: float = 0.0, seed: int = 0,
-               expert_dtype: str | None = None, weight_dtype: str | None = None, prefill: str = "batched") -> dict:
+               expert_dtype: str | None = None, weight_dtype: str | None = None, prefill: str = "batched",
+               overlap: str = "on") -> dict:
     cmd = [sys.executable, "-m", "moejax.generate", "--model", model, "--prompt-ids", ",".join(map(str, prompt)),
            "--max-new-tokens", str(new_tokens), "--ignore-eos", "--offload", "--expert-store", "flash",
-           "--cache-size", str(size), "--routing", routing, "--prefill", prefill, "--json"]
+           "--cache-size", str(size), "--routing", routing, "--prefill", prefill, "--overlap", overlap, "--json"]
     if routing == "cache-prior":
         cmd += ["--lam", str(lam)]
     if dtype:
@@ -68,6 +71,7 @@ def moejax_run(model: str, size: int, routing: str, budget: int | None, prompt: 
     env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2"}
     m = memlimit.run_measured(cmd, limit_bytes=budget, env=env, drop_caches=True, timeout=timeout)
     row = {"engine": "moejax", "routing": routing, "capacity": size, "budget_bytes": budget, "prefill": prefill,
+           "overlap": overlap,
            "prompt_tokens": len(prompt),
            "expert_dtype": expert_dtype or "stored", "weight_dtype": weight_dtype or "stored",
            "returncode": m["returncode"], "wall_s": m["wall_s"], "peak_rss_bytes": m["peak_rss_bytes"],
@@ -86,7 +90,8 @@ def moejax_run(model: str, size: int, routing: str, budget: int | None, prompt: 
         expert_bytes_per_decode_token=off["bytes_per_decode_token"],
         storage_read_per_decode_token=off.get("storage_read_per_decode_token"),
         storage_read_prefill=off.get("storage_read_bytes_prefill"), expert_bytes_prefill=off["bytes_moved_prefill"],
-        miss_rate=cache["miss_rate"], non_expert_bytes=mem["non_expert_weights"], slot_bytes=mem["slots"],
+        miss_rate=cache["miss_rate"], overlapped_steps=off.get("overlapped_steps"),
+        non_expert_bytes=mem["non_expert_weights"], slot_bytes=mem["slots"],
         kv_bytes=mem["kv_cache"], rss_bound_bytes=bound, rss_within_bound=m["peak_rss_bytes"] <= bound,
         all_expert_bytes=mem["all_experts_on_host"])
     return row
@@ -120,7 +125,8 @@ def fmt(row: dict) -> str:
         return (f"moejax {row['routing']:11s} C={row['capacity']:3d}  FAILED rc={row['returncode']} "
                 f"oom={row.get('oom_killed')} {row.get('error')}")
     return (f"moejax {row['routing']:11s} C={row['capacity']:3d} {row.get('expert_dtype', 'stored'):6s} weights "
-            f"{row.get('weight_dtype', 'stored'):6s} load {row['load_s']:.1f}s  prefill {row['prefill']:7s} ttft "
+            f"{row.get('weight_dtype', 'stored'):6s} overlap {row.get('overlap', 'on'):3s} load {row['load_s']:.1f}s  "
+            f"prefill {row['prefill']:7s} ttft "
             f"{row['ttft_s']:.1f}s ({row['prompt_tokens']} tokens; prompt pages {row['expert_bytes_prefill'] / 1e9:.2f} GB, "
             f"storage {(row['storage_read_prefill'] or 0) / 1e9:.2f} GB)  "
             f"decode {row['decode_tokens_per_s']:.3f} tok/s  miss {row['miss_rate']:.3f}  requested "
@@ -149,6 +155,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="int8: every other matrix (attention, shared experts, LM head) int8 too, quantised on load")
     p.add_argument("--prefills", default="batched",
                    help="comma list of --prefill modes to run (batched: a layer at a time; token: token by token)")
+    p.add_argument("--overlaps", default="on",
+                   help="on,off: each configuration with and without computing while the misses are read")
     p.add_argument("--llama-cpp-prompt", action="store_true",
                    help="also time llama.cpp's prompt processing of --prompt-len tokens (llama-bench -p)")
     p.add_argument("--timeout", type=float, default=1800)
@@ -168,12 +176,13 @@ def main(argv: list[str] | None = None) -> int:
     for div in (int(x) for x in args.sizes.split(",")):
         for routing in args.routings.split(","):
             for prefill in args.prefills.split(","):
-                row = moejax_run(args.model, max(n // div, 1), routing, budget, prompt, args.new_tokens, args.lam,
-                                 args.dtype, args.timeout, args.temperature, args.seed, args.expert_dtype,
-                                 args.weight_dtype, prefill)
-                row["size"] = f"N/{div}"
-                rows.append(row)
-                print(fmt(row), flush=True)
+                for overlap in args.overlaps.split(","):
+                    row = moejax_run(args.model, max(n // div, 1), routing, budget, prompt, args.new_tokens, args.lam,
+                                     args.dtype, args.timeout, args.temperature, args.seed, args.expert_dtype,
+                                     args.weight_dtype, prefill, overlap)
+                    row["size"] = f"N/{div}"
+                    rows.append(row)
+                    print(fmt(row), flush=True)
     if args.llama_cpp:
         row = llama_run(args.model, args.gguf, budget, args.new_tokens, args.prompt_len if args.llama_cpp_prompt else 0)
         rows.append(row)

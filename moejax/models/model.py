@@ -438,16 +438,39 @@ def _expert_branches(act: str, n: int) -> list:
 
 
 def _switched_one_token(act: str, el: layout.ExpertList, x, experts, weights):
+    return one_token_expert_sum(act, el, x, experts, weights)
+
+
+def one_token_expert_sum(act: str, el: layout.ExpertList, x, experts, weights, early_rows=None, early=None):
+    """One token's Σ_k weights[0,k] · E_{experts[0,k]}(x), a float32 sum in k order rounded to x's dtype
+    (``switched_routed_experts`` for T = 1). ``early_rows`` [K, D] / ``early`` [K]: outputs computed before
+    (``one_token_expert_rows``, e.g. while the other experts were still being paged in) are taken for the
+    positions ``early`` marks, whose ``experts`` entry is then -1; the sum is the same, bit for bit."""
     n, K = el.n_experts, experts.shape[1]
     branches = _expert_branches(act, n)
 
     def body(k, acc):
         e = experts[0, k]
         y = jax.lax.switch(jnp.where(e >= 0, e, n), branches, x, el)
+        if early_rows is not None:
+            y = jnp.where(early[k], early_rows[k][None], y)
         return acc + y * weights[0, k].astype(jnp.float32)
 
     out = jax.lax.fori_loop(0, K, body, jnp.zeros((1, x.shape[-1]), jnp.float32))
     return out.astype(x.dtype)
+
+
+def one_token_expert_rows(act: str, el: layout.ExpertList, x, experts):
+    """Each of one token's K expert outputs [K, D] float32 (zero where ``experts[0,k]`` < 0), as
+    ``one_token_expert_sum`` computes them: the part of the sum that can run before the rest is ready."""
+    n, K = el.n_experts, experts.shape[1]
+    branches = _expert_branches(act, n)
+
+    def body(k, rows):
+        e = experts[0, k]
+        return rows.at[k].set(jax.lax.switch(jnp.where(e >= 0, e, n), branches, x, el)[0])
+
+    return jax.lax.fori_loop(0, K, body, jnp.zeros((K, x.shape[-1]), jnp.float32))
 
 
 def _switched_sorted_rows(act: str, el: layout.ExpertList, x, experts, B: int):

@@ -150,6 +150,9 @@ def add_offload_args(p: argparse.ArgumentParser) -> None:
                    help="batched (default): the prompt runs a layer at a time, each expert it needs paged once per "
                         "layer; token: token by token, paging every miss as decoding does (host paging; a global "
                         "cache or --miss cascade always prefills token by token)")
+    g.add_argument("--overlap", choices=("on", "off"), default=None,
+                   help="on (default): while a decode step's misses are read, its resident and shared experts "
+                        "compute (host paging; the same tokens either way); off: the misses first, then all")
 
 
 def offload_from_args(args: argparse.Namespace):
@@ -159,13 +162,16 @@ def offload_from_args(args: argparse.Namespace):
             raise ValueError("--bandwidth-gbps / --latency-us emulate transfers: they need --offload")
         if getattr(args, "prefill", None) is not None:
             raise ValueError("--prefill says how an offloaded prompt pages its experts: it needs --offload")
+        if getattr(args, "overlap", None) is not None:
+            raise ValueError("--overlap says how an offloaded decode step waits for its pages: it needs --offload")
         return None
     if args.prefill == "batched" and args.paging == "jit":
         raise ValueError("--prefill batched needs host paging: in-jit paging runs the prompt token by token "
                          "inside its scan (drop --prefill, or use --paging host)")
 
     return OffloadConfig(paging=args.paging, store=args.expert_store, bandwidth_gbps=args.bandwidth_gbps,
-                         latency_us=args.latency_us, store_dir=args.store_dir, prefill=args.prefill or "batched")
+                         latency_us=args.latency_us, store_dir=args.store_dir, prefill=args.prefill or "batched",
+                         overlap=args.overlap != "off")
 
 
 def cache_requested(args: argparse.Namespace) -> bool:

@@ -102,13 +102,39 @@ def _stage_b(p, cfg: ModelConfig, x, h, slots, staging, experts, weights, tier, 
     full = (tier == 0) & (experts >= 0)
     y = model_lib.routed_experts({"experts": slots}, cfg, h, jnp.where(full, slot_ids, -1)[None],
                                  jnp.where(full, weights, 0.0)[None])
+    return _low_bit_and_residual(p, cfg, x, h, y, staging, experts, weights, tier, tiers)
+
+
+@functools.partial(jax.jit, static_argnames=("cfg",))
+def _stage_b_early(p, cfg: ModelConfig, h, slots, early_ids):
+    """The part of stage B no page of this step is needed for: the experts already resident (``early_ids``:
+    their slots, -1 elsewhere; this step's misses never write them) and the shared experts. Dispatched before
+    the host reads the misses, it computes while they are read (``OffloadConfig.overlap``)."""
+    rows = model_lib.one_token_expert_rows(cfg.hidden_act, slots, h, early_ids[None])
+    return rows, (model_lib.shared_experts(p, cfg, h) if "shared" in p else None)
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "tiers"))
+def _stage_b_late(p, cfg: ModelConfig, x, h, slots, staging, experts, weights, tier, slot_ids, early, rows,
+                  shared, tiers: tuple):
+    """Stage B after ``_stage_b_early``: the paged experts, then the sum in ``_stage_b``'s order (same result,
+    bit for bit: tested)."""
+    full = (tier == 0) & (experts >= 0)
+    y = model_lib.one_token_expert_sum(cfg.hidden_act, slots, h, jnp.where(full & ~early, slot_ids, -1)[None],
+                                       jnp.where(full, weights, 0.0)[None], early_rows=rows, early=early)
+    return _low_bit_and_residual(p, cfg, x, h, y, staging, experts, weights, tier, tiers, shared)
+
+
+def _low_bit_and_residual(p, cfg: ModelConfig, x, h, y, staging, experts, weights, tier, tiers: tuple,
+                          shared=None):
+    """Stage B's end: the low-bit experts (cascade), the shared experts (``shared``: computed already), residual."""
     for bits in tiers:
         sel = (tier == bits) & (experts >= 0)
         low = {k: quant.dequantize(staging[bits][k], h.dtype) for k in EXPERT_KEYS}
         y = y + model_lib.routed_experts(low, cfg, h, jnp.where(sel, jnp.arange(tier.shape[0]), -1)[None],
                                          jnp.where(sel, weights, 0.0)[None])
     if "shared" in p:
-        y = y + model_lib.shared_experts(p, cfg, h)
+        y = y + (model_lib.shared_experts(p, cfg, h) if shared is None else shared)
     return x + y
 
 
@@ -153,6 +179,7 @@ class PagingStats:
     bytes_moved: int = 0
     prefill_pages: int = 0  # experts paged by batched prefills (each at most once per layer and piece)
     pages_in_place: int = 0  # pages read straight into their slot's memory (the rest: device_put + swap)
+    overlapped_steps: int = 0  # MoE layer steps whose resident and shared experts computed while misses were read
     transfer_s: float = 0.0  # real: issue → ready of each demand batch (the host waits on it alone)
     timed_bytes: int = 0  # bytes of those batches
 
@@ -215,6 +242,7 @@ class HostPager:
             one = self.store.get(0, 0, b)
             self.staging[b] = self.committed({name: jax.tree.map(lambda a: jnp.zeros((k, *a.shape), a.dtype), one[name])
                                               for name in EXPERT_KEYS})
+        self.split_stage_b = None  # True / False: every decode step's stage B split / one (the warm-up's steps)
         self._prefill_staging = None  # K buffers streamed experts pass through in a batched prefill (on first use)
         # one compiled stage per distinct layer structure (sliding window), not per layer
         self._rep = {i: min(j for j in range(cfg.num_layers) if cfg.sliding_windows[j] == cfg.sliding_windows[i]
@@ -255,6 +283,7 @@ class HostPager:
             "demand_loads": s.demand_loads, "prefetch_loads": s.prefetch_loads, "low_bit_loads": s.low_bit_loads,
             "prefill": "batched" if self.batched_prefill else "token", "prefill_pages": s.prefill_pages,
             "page_writes": self.offload.page_writes, "pages_in_place": s.pages_in_place,
+            "overlap": self.offload.overlap, "overlapped_steps": s.overlapped_steps,
             "transfer_s": transfer_s, "compute_wait_s": link.wait_s,
             # emulated: bytes over link busy time; real: demand batches' bytes over their issue→ready time
             "achieved_gbps": ((s.bytes_moved if link.emulated else s.timed_bytes) / transfer_s / 1e9
@@ -335,6 +364,16 @@ class HostPager:
                 self.slots = write_slot(self.slots, data, s, flip)
             else:
                 self.slots[moe_index] = write_slot(self.slots[moe_index], data, s, flip)
+
+    def _early(self, demand, experts, tier, slot_ids, shared: bool):
+        """Which of a decode step's K experts stage B computes before its misses are paged in (``[K]`` bool:
+        resident at full precision, in a slot none of the ``demand`` pages writes), or None when the step
+        runs as one stage B (``OffloadConfig.overlap`` off, no miss, or nothing to compute meanwhile)."""
+        if not self.offload.overlap or self.split_stage_b is False or not (demand or self.split_stage_b):
+            return None
+        written = [s for *_, s in demand]
+        early = (np.asarray(experts) >= 0) & (np.asarray(tier) == 0) & ~np.isin(np.asarray(slot_ids), written)
+        return early if early.any() or shared or self.split_stage_b else None
 
     # ---- batched prefill (``prefill_paging``)
     @property
@@ -434,12 +473,17 @@ class HostPager:
             experts, weights, hits, tier, slot_ids, slot_mid, z = routed
             layer_records.append((experts, weights, hits, z))
             mid, after = np.asarray(slot_mid), np.asarray(self.state["cache"].slot)
-            if self.in_place:  # prefetched pages still to be swapped in land first: a demand page written
-                self._complete(*pending, timed=False)  # in place may reuse one of their slots (one pool)
-                pending = ([], 0.0, 0.0)
-            t_issue = time.perf_counter()
             demand = slot_changes(before, mid)  # this layer's misses: needed before its experts run
             ahead = slot_changes(mid, after)  # the next layer's prefetch: overlaps this layer's compute
+            early = self._early(demand, experts, tier, slot_ids, "shared" in lp["moe"])
+            if self.in_place or early is not None:  # prefetched pages still to be swapped in land first: a
+                self._complete(*pending, timed=False)  # demand page written in place may reuse one of their
+                pending = ([], 0.0, 0.0)  # slots (one pool); the early experts may be prefetched ones
+            slots = self.slots if self.global_scope else self.slots[moe_index]
+            if early is not None:  # runs while the misses are read (their slots are none of these)
+                rows, shared = _stage_b_early(lp["moe"], cfg, h, slots, jnp.where(early, slot_ids, -1))
+                self.stats.overlapped_steps += 1
+            t_issue = time.perf_counter()
             issued, done = self._issue(demand, now=t_issue)
             self.stats.demand_loads += len(demand)
             tier_np = np.asarray(tier)
@@ -462,7 +506,12 @@ class HostPager:
                 self.staging[b] = {n: jax.tree.map(lambda buf, d: buf.at[kpos].set(d), self.staging[b][n], data[n])
                                    for n in EXPERT_KEYS}
             slots = self.slots if self.global_scope else self.slots[moe_index]
-            x = _stage_b(lp["moe"], cfg, x, h, slots, self.staging, experts, weights, tier, slot_ids, self.tiers)
+            if early is None:
+                x = _stage_b(lp["moe"], cfg, x, h, slots, self.staging, experts, weights, tier, slot_ids,
+                             self.tiers)
+            else:
+                x = _stage_b_late(lp["moe"], cfg, x, h, slots, self.staging, experts, weights, tier, slot_ids,
+                                  jnp.asarray(early), rows, shared, self.tiers)
             self.reading(self._slot_key(moe_index), x)
             # prefetch transfers start now and overlap this layer's expert compute and the next attention
             # (in place, per-layer slots: the next layer's slots, which nothing running reads)
@@ -569,13 +618,17 @@ def host_generate(params, cfg: ModelConfig, prompt_ids, router_state: dict, offl
         link = pager.link
         pager.link = Link()
         # two steps: the second sees states that come out of jitted stages (what every later token sees)
+        # (stage B split in the first and whole in the second: a step runs either, whatever it misses)
         warm_key = jax.random.PRNGKey(0)
         for pos in range(2):
+            pager.split_stage_b = pos == 0
             _, _, warm_kv, warm_key = pager.step(int(prompt[0]), jnp.int32(pos), warm_kv, warm_key, sampling)
         if decode_policy is not router_state["policy"]:
             pager.state = {**pager.state, "policy": decode_policy}
             for pos in range(2, 4):
+                pager.split_stage_b = pos == 2
                 _, _, warm_kv, warm_key = pager.step(int(prompt[0]), jnp.int32(pos), warm_kv, warm_key, sampling)
+        pager.split_stage_b = None
         jax.block_until_ready(pager.slots)
         pager.state, pager.stats, _, pager.staging = saved
         pager.slots = fill_slots(pager.slots, pager.store, pager.state["cache"])

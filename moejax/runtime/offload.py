@@ -47,6 +47,8 @@ class OffloadConfig:
     # auto: pages read from the files straight into the slots' own memory where it is host memory (CPU) and
     # the files hold the slots' layout (expert_store.host_view); copy: always device_put + a write program
     page_writes: str = "auto"
+    # a decode step's resident and shared experts compute while its misses are read (same result, bit for bit)
+    overlap: bool = True
 
     def __post_init__(self):
         if self.paging not in PAGINGS:
@@ -66,6 +68,8 @@ class OffloadConfig:
             raise ValueError(f"unknown prefill {self.prefill!r}; expected one of {PREFILLS}")
         if self.page_writes not in PAGE_WRITES:
             raise ValueError(f"unknown page_writes {self.page_writes!r}; expected one of {PAGE_WRITES}")
+        if not isinstance(self.overlap, bool):
+            raise ValueError(f"overlap must be True or False, got {self.overlap!r}")
         if self.slot_dtype not in ("stored", "int8"):
             raise ValueError(f"slot_dtype must be 'stored' or 'int8', got {self.slot_dtype!r}")
         if self.slot_dtype == "int8" and self.paging == "jit":
