@@ -582,10 +582,19 @@ def router_logits(p: dict, x: jax.Array) -> jax.Array:
 
 
 def shared_experts(p: dict, cfg: ModelConfig, x: jax.Array) -> jax.Array:
-    y = dense_mlp(p["shared"], cfg, x)
-    if "shared_gate" in p:
-        y = jax.nn.sigmoid(x @ p["shared_gate"]) * y
-    return y
+    return combine_shared(*shared_expert_parts(p, cfg, x))
+
+
+def shared_expert_parts(p: dict, cfg: ModelConfig, x: jax.Array) -> tuple:
+    """The shared experts' MLP output and their sigmoid gate (Qwen2-MoE; None without one), apart: a caller that
+    computes them early (the host pager) applies the gate where ``shared_experts`` would, so that XLA fuses the
+    product into the same sum and rounds it the same way."""
+    gate = jax.nn.sigmoid(x @ p["shared_gate"]) if "shared_gate" in p else None
+    return dense_mlp(p["shared"], cfg, x), gate
+
+
+def combine_shared(y: jax.Array, gate) -> jax.Array:
+    return y if gate is None else gate * y
 
 
 def embed(params: Params, tokens: jax.Array) -> jax.Array:

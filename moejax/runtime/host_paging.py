@@ -111,7 +111,7 @@ def _stage_b_early(p, cfg: ModelConfig, h, slots, early_ids):
     their slots, -1 elsewhere; this step's misses never write them) and the shared experts. Dispatched before
     the host reads the misses, it computes while they are read (``OffloadConfig.overlap``)."""
     rows = model_lib.one_token_expert_rows(cfg.hidden_act, slots, h, early_ids[None])
-    return rows, (model_lib.shared_experts(p, cfg, h) if "shared" in p else None)
+    return rows, (model_lib.shared_expert_parts(p, cfg, h) if "shared" in p else None)
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "tiers"))
@@ -133,8 +133,9 @@ def _low_bit_and_residual(p, cfg: ModelConfig, x, h, y, staging, experts, weight
         low = {k: quant.dequantize(staging[bits][k], h.dtype) for k in EXPERT_KEYS}
         y = y + model_lib.routed_experts(low, cfg, h, jnp.where(sel, jnp.arange(tier.shape[0]), -1)[None],
                                          jnp.where(sel, weights, 0.0)[None])
-    if "shared" in p:
-        y = y + (model_lib.shared_experts(p, cfg, h) if shared is None else shared)
+    if "shared" in p:  # the gate is applied here also when the rest came early: XLA fuses the product into the
+        # sum (one rounding, not two: seen on float32 Qwen2-MoE), so it must be in this program either way
+        y = y + model_lib.combine_shared(*(model_lib.shared_expert_parts(p, cfg, h) if shared is None else shared))
     return x + y
 
 
