@@ -28,7 +28,7 @@ from typing import Any
 
 import jax.numpy as jnp
 
-from moejax.base import distributed, errors, interrupts
+from moejax.base import compile_cache, distributed, errors, interrupts
 from moejax.experts.trace import json_safe
 from moejax.runtime import api, cli_options
 from moejax.evaluation import perplexity, sweep, sweep_points, tasks
@@ -152,6 +152,7 @@ def main(argv: list[str] | None = None) -> int:
     interrupts.exit_cleanly_on_signals()
 
     args = build_parser().parse_args(argv)
+    compile_cache.enable()
     try:
         _check_args(args)
         mesh = cli_options.start_distributed(args)

@@ -59,7 +59,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from moejax.base import atomic, distributed, errors, interrupts, paths
+from moejax.base import atomic, compile_cache, distributed, errors, interrupts, paths
 from moejax.models.gating import descending_order
 from moejax.experts import routing as routing_lib
 from moejax.runtime import api, cli_options, simulate
@@ -583,6 +583,7 @@ def check_args(args: argparse.Namespace) -> tuple[list[str], tuple[str, ...]]:
 def main(argv: list[str] | None = None) -> int:
     interrupts.exit_cleanly_on_signals()
     args = build_parser().parse_args(argv)
+    compile_cache.enable()
     try:
         chosen, evictions = check_args(args)
         mesh = cli_options.start_distributed(args)

@@ -16,7 +16,7 @@ import os
 import sys
 import time
 
-from moejax.base import errors, interrupts, textproc
+from moejax.base import compile_cache, errors, interrupts, textproc
 from moejax.models import gating
 from moejax.experts import trace as trace_lib
 from moejax.runtime import api, cli_options, decode
@@ -198,6 +198,7 @@ def check_writable(path: str, flag: str) -> None:
 def main(argv: list[str] | None = None) -> int:
     interrupts.exit_cleanly_on_signals()
     args = build_parser().parse_args(argv)
+    compile_cache.enable()
     try:
         result = run(args)
     except errors.HANDLED as e:

@@ -41,7 +41,7 @@ import sys
 import time
 import uuid
 
-from moejax.base import errors
+from moejax.base import compile_cache, errors
 from moejax.experts import routing as routing_lib, trace as trace_lib
 from moejax.runtime import api, cli_options, decode
 from moejax.runtime.serve_engine import ROUTING_OVERRIDE_KEYS, Engine, Job, RequestError
@@ -489,6 +489,7 @@ def build_engine(args: argparse.Namespace) -> Engine:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    compile_cache.enable()
     try:
         import fastapi  # noqa: F401
         import uvicorn
