@@ -39,17 +39,31 @@ def test_a_second_run_compiles_nothing(tmp_path):
     assert _files(folder) == written  # every program came from the cache: nothing new was written
 
 
+def _enable(tmp_path, **env_extra) -> str:
+    """``compile_cache.enable()`` in a fresh process (JAX's settings are per process): the folder in use, as
+    jax.config says after it, or "None"."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("JAX_COMPILATION_CACHE", "JAX_PERSISTENT_CACHE",
+                                                                      "MOEJAX_COMPILE_CACHE"))}
+    env.update(XDG_CACHE_HOME=str(tmp_path / "xdg"), **env_extra)
+    code = ("from moejax.base import compile_cache; import jax; used = compile_cache.enable(); "
+            "assert used == jax.config.jax_compilation_cache_dir, used; print(used)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env)
+    assert out.returncode == 0, out.stderr
+    return out.stdout.strip()
+
+
 def test_the_user_moves_or_turns_off_the_cache_and_an_unwritable_folder_is_skipped(tmp_path):
-    _generate(tmp_path, MOEJAX_COMPILE_CACHE="off")
-    assert not (tmp_path / "xdg").exists()
-    _generate(tmp_path, MOEJAX_COMPILE_CACHE=str(tmp_path / "mine"))
-    assert _files(tmp_path / "mine") and not (tmp_path / "xdg").exists()
-    _generate(tmp_path, JAX_COMPILATION_CACHE_DIR=str(tmp_path / "jax"),  # JAX's own setting wins, all of it
-              JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0")
-    assert _files(tmp_path / "jax") and not (tmp_path / "xdg").exists()
+    default = str(tmp_path / "xdg" / "moejax" / "xla" / compile_cache.machine_tag())
+    assert _enable(tmp_path) == default
+    assert _enable(tmp_path, MOEJAX_COMPILE_CACHE="off") == "None"
+    assert _enable(tmp_path, MOEJAX_COMPILE_CACHE=str(tmp_path / "mine")) == str(tmp_path / "mine")
+    assert os.path.isdir(tmp_path / "mine")
+    assert _enable(tmp_path, JAX_COMPILATION_CACHE_DIR=str(tmp_path / "jax")) == str(tmp_path / "jax")  # JAX's own
     (tmp_path / "a-file").write_text("not a folder")
-    _generate(tmp_path, MOEJAX_COMPILE_CACHE=str(tmp_path / "a-file" / "cache"))  # runs, without a cache
+    assert _enable(tmp_path, MOEJAX_COMPILE_CACHE=str(tmp_path / "a-file" / "cache")) == "None"
     assert (tmp_path / "a-file").read_text() == "not a folder"
+    # a command with a folder it cannot use runs as without a cache
+    _generate(tmp_path, MOEJAX_COMPILE_CACHE=str(tmp_path / "a-file" / "cache"))
 
 
 def test_the_machine_tag_names_the_architecture():
