@@ -122,3 +122,6 @@ def test_generate_cli_overlap_flag():
     bad = subprocess.run(cmd + ["--overlap", "off"], capture_output=True, text=True, timeout=300)
     assert bad.returncode == 2 and "--overlap" in bad.stderr and "needs --offload" in bad.stderr
     assert "Traceback" not in bad.stderr
+    bad = subprocess.run(cmd + ["--offload", "--paging", "jit", "--overlap", "on"], capture_output=True, text=True,
+                         timeout=300)
+    assert bad.returncode == 2 and "in-jit paging" in bad.stderr and "Traceback" not in bad.stderr

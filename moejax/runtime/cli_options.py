@@ -165,6 +165,9 @@ def offload_from_args(args: argparse.Namespace):
         if getattr(args, "overlap", None) is not None:
             raise ValueError("--overlap says how an offloaded decode step waits for its pages: it needs --offload")
         return None
+    if args.overlap is not None and args.paging == "jit":
+        raise ValueError("--overlap says how host paging waits for its pages: in-jit paging runs each step as one "
+                         "program (drop --overlap, or use --paging host)")
     if args.prefill == "batched" and args.paging == "jit":
         raise ValueError("--prefill batched needs host paging: in-jit paging runs the prompt token by token "
                          "inside its scan (drop --prefill, or use --paging host)")
