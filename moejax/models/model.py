@@ -437,8 +437,10 @@ def _expert_branches(act: str, n: int) -> list:
     return [one(e) for e in range(n)] + [none]
 
 
-def _switched_one_token(act: str, el: layout.ExpertList, x, experts, weights):
-    return one_token_expert_sum(act, el, x, experts, weights)
+def _one_expert(branches: list, el: layout.ExpertList, x, e):
+    """Expert ``e``'s output on one token's row (``_expert_branches``; zeros for ``e`` < 0): the one computation
+    ``one_token_expert_sum`` and ``one_token_expert_rows`` share, so their rows are the same bits."""
+    return jax.lax.switch(jnp.where(e >= 0, e, len(branches) - 1), branches, x, el)
 
 
 def one_token_expert_sum(act: str, el: layout.ExpertList, x, experts, weights, early_rows=None, early=None):
@@ -446,29 +448,26 @@ def one_token_expert_sum(act: str, el: layout.ExpertList, x, experts, weights, e
     (``switched_routed_experts`` for T = 1). ``early_rows`` [K, D] / ``early`` [K]: outputs computed before
     (``one_token_expert_rows``, e.g. while the other experts were still being paged in) are taken for the
     positions ``early`` marks, whose ``experts`` entry is then -1; the sum is the same, bit for bit."""
-    n, K = el.n_experts, experts.shape[1]
-    branches = _expert_branches(act, n)
+    branches = _expert_branches(act, el.n_experts)
 
     def body(k, acc):
-        e = experts[0, k]
-        y = jax.lax.switch(jnp.where(e >= 0, e, n), branches, x, el)
+        y = _one_expert(branches, el, x, experts[0, k])
         if early_rows is not None:
             y = jnp.where(early[k], early_rows[k][None], y)
         return acc + y * weights[0, k].astype(jnp.float32)
 
-    out = jax.lax.fori_loop(0, K, body, jnp.zeros((1, x.shape[-1]), jnp.float32))
+    out = jax.lax.fori_loop(0, experts.shape[1], body, jnp.zeros((1, x.shape[-1]), jnp.float32))
     return out.astype(x.dtype)
 
 
 def one_token_expert_rows(act: str, el: layout.ExpertList, x, experts):
     """Each of one token's K expert outputs [K, D] float32 (zero where ``experts[0,k]`` < 0), as
     ``one_token_expert_sum`` computes them: the part of the sum that can run before the rest is ready."""
-    n, K = el.n_experts, experts.shape[1]
-    branches = _expert_branches(act, n)
+    K = experts.shape[1]
+    branches = _expert_branches(act, el.n_experts)
 
     def body(k, rows):
-        e = experts[0, k]
-        return rows.at[k].set(jax.lax.switch(jnp.where(e >= 0, e, n), branches, x, el)[0])
+        return rows.at[k].set(_one_expert(branches, el, x, experts[0, k])[0])
 
     return jax.lax.fori_loop(0, K, body, jnp.zeros((K, x.shape[-1]), jnp.float32))
 
@@ -544,7 +543,7 @@ def _switched_op(act: str, block_rows: int | None):
 
     def plain(el, x, experts, weights):
         if experts.shape[0] == 1:
-            return _switched_one_token(act, el, x, experts, weights)
+            return one_token_expert_sum(act, el, x, experts, weights)
         return _switched_grouped(act, el, x, experts, weights, block_rows)
 
     op = lane_folding(plain, lambda: op)

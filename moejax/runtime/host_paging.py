@@ -370,11 +370,12 @@ class HostPager:
         """Which of a decode step's K experts stage B computes before its misses are paged in (``[K]`` bool:
         resident at full precision, in a slot none of the ``demand`` pages writes), or None when the step
         runs as one stage B (``OffloadConfig.overlap`` off, no miss, or nothing to compute meanwhile)."""
-        if not self.offload.overlap or self.split_stage_b is False or not (demand or self.split_stage_b):
+        forced = self.split_stage_b
+        if not self.offload.overlap or forced is False or (forced is None and not demand):
             return None
         written = [s for *_, s in demand]
         early = (np.asarray(experts) >= 0) & (np.asarray(tier) == 0) & ~np.isin(np.asarray(slot_ids), written)
-        return early if early.any() or shared or self.split_stage_b else None
+        return early if forced or early.any() or shared else None
 
     # ---- batched prefill (``prefill_paging``)
     @property
@@ -480,9 +481,9 @@ class HostPager:
             if self.in_place or early is not None:  # prefetched pages still to be swapped in land first: a
                 self._complete(*pending, timed=False)  # demand page written in place may reuse one of their
                 pending = ([], 0.0, 0.0)  # slots (one pool); the early experts may be prefetched ones
-            slots = self.slots if self.global_scope else self.slots[moe_index]
             if early is not None:  # runs while the misses are read (their slots are none of these)
-                rows, shared = _stage_b_early(lp["moe"], cfg, h, slots, jnp.where(early, slot_ids, -1))
+                rows, shared = _stage_b_early(lp["moe"], cfg, h, self._buffers(moe_index),
+                                              jnp.where(early, slot_ids, -1))
                 self.stats.overlapped_steps += 1
             t_issue = time.perf_counter()
             issued, done = self._issue(demand, now=t_issue)
@@ -506,7 +507,7 @@ class HostPager:
                     jax.block_until_ready(data)
                 self.staging[b] = {n: jax.tree.map(lambda buf, d: buf.at[kpos].set(d), self.staging[b][n], data[n])
                                    for n in EXPERT_KEYS}
-            slots = self.slots if self.global_scope else self.slots[moe_index]
+            slots = self._buffers(moe_index)  # after the pages: a copied page replaced its slot's buffer
             if early is None:
                 x = _stage_b(lp["moe"], cfg, x, h, slots, self.staging, experts, weights, tier, slot_ids,
                              self.tiers)
