@@ -251,3 +251,40 @@ def test_full_capacity_misses_are_compulsory(scope):
             assert s["misses"] == s["compulsory_misses"] and s["evictions"] == 0
             # every distinct (layer, expert) of the trace is missed exactly once
             assert s["misses"] == len({(l_, e) for t in tr.experts.tolist() for l_, es in enumerate(t) for e in es if e >= 0})
+
+
+def test_parse_capacity_of_a_memory_size():
+    """A memory size is the bytes all cached experts may take: ⌊bytes / (L · expert bytes)⌋ per layer, the
+    pool's ⌊bytes / expert bytes⌋ in global scope, at most the limit; units binary or decimal, any case."""
+    eb = 1_000_000  # one expert: 1 MB
+    assert cache.parse_capacity("64MB", 64, 16, "layer", eb) == 4
+    assert cache.parse_capacity("63.9 MB", 64, 16, "layer", eb) == 3
+    assert cache.parse_capacity("64MiB", 64, 16, "layer", eb) == 4  # 67.1 MB
+    assert cache.parse_capacity("0.1gb", 64, 16, "global", eb) == 100
+    assert cache.parse_capacity("1TB", 64, 16, "layer", eb) == 64  # more than every expert: all of them
+    assert cache.parse_capacity("1TB", 64, 16, "global", eb) == 1024
+    assert cache.parse_byte_size("6GiB") == 6 * 2**30 and cache.parse_byte_size("6") is None
+    assert cache.parse_byte_size("5%") is None and cache.parse_byte_size("0.5") is None
+    for bad, match in [("15MB", r"less than one expert per MoE layer \(16 × 1.0 MB\): give at least 16.0 MB"),
+                       ("0GB", "less than"), ("6 XB", "unknown unit 'XB'"), ("6e", "unknown unit")]:
+        with pytest.raises(ValueError, match=match):
+            cache.parse_capacity(bad, 64, 16, "layer", eb)
+    with pytest.raises(ValueError, match="less than one expert"):
+        cache.parse_capacity("999kB", 64, 16, "global", eb)
+    with pytest.raises(ValueError, match="only a loaded model knows"):
+        cache.parse_capacity("6GiB", 64, 16)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.integers(1, 10**9), st.integers(1, 64), st.integers(1, 8), st.integers(1, 10**7),
+       st.sampled_from(["layer", "global"]))
+def test_a_memory_size_gets_the_most_slots_it_holds(budget, n, layers, eb, scope):
+    sets = layers if scope == "layer" else 1
+    limit = n if scope == "layer" else n * layers
+    try:
+        c = cache.parse_capacity(f"{budget}B", n, layers, scope, eb)
+    except ValueError:
+        assert budget < sets * eb
+        return
+    assert 1 <= c <= limit and c * sets * eb <= budget
+    assert c == limit or (c + 1) * sets * eb > budget

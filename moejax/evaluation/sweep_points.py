@@ -86,10 +86,10 @@ def _number(text: str, kind: str, spec: str):
 
 
 def _size(text: str, spec: str) -> str:
-    """A cache size as the string ``parse_capacity`` reads: a count ('6'), fraction ('0.5') or '5%'."""
+    """A cache size as the string ``parse_capacity`` reads: a count ('6'), fraction ('0.5'), '5%' or '6GiB'."""
     text = text.strip()
     try:
-        cache_lib.parse_capacity(text, 10**9, 1, "layer")  # syntax and sign only; the model checks the range
+        cache_lib.parse_capacity(text, 10**9, 1, "layer", 1)  # syntax and sign only; the model checks the range
     except ValueError as e:
         raise SweepError(f"--sweep {spec!r}: {e}") from None
     return text
@@ -200,7 +200,7 @@ def routing_record(kind: str, top_k: int, *, lam=None, top_j=None, max_rank=None
 #: CacheConfig options beyond size/scope/eviction/init (miss handling, prefetch): recorded (and part of the
 #: key) only where they differ from these defaults, so records of plain caches keep their keys
 CACHE_EXTRAS = {"miss": "fetch", "miss_rank": (1,), "cascade_bits": (8,), "quant_group": None, "prefetch": 0.0,
-                "prefetch_percentile": None}
+                "prefetch_percentile": None, "memory": None}
 
 
 def cache_record(cache, cfg) -> dict | None:

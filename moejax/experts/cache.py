@@ -46,6 +46,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
 
 import flax.struct
 import jax
@@ -205,16 +206,41 @@ class CacheState:
 # ------------------------------------------------------------------------------------------ capacity
 
 
-def parse_capacity(spec, n_experts: int, n_layers: int = 1, scope: str = "layer") -> int:
+BYTE_UNITS = {"b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+              "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+_BYTE_SIZE = re.compile(r"^\s*(\d+(?:\.\d*)?|\.\d+)\s*([a-z]+)\s*$", re.IGNORECASE)
+
+
+def parse_byte_size(spec) -> int | None:
+    """``"6GiB"`` / ``"1.5 GB"`` / ``"800MiB"`` as a number of bytes (binary and decimal units, any case);
+    None when ``spec`` is not a memory size (a count or fraction of experts). An unknown unit is an error."""
+    m = _BYTE_SIZE.match(str(spec))
+    if m is None:
+        return None
+    unit = m.group(2).lower()
+    if unit not in BYTE_UNITS:
+        raise ValueError(f"cache size {spec!r}: unknown unit {m.group(2)!r}; a memory size takes one of "
+                         "B, kB, MB, GB, TB, KiB, MiB, GiB, TiB")
+    return int(float(m.group(1)) * BYTE_UNITS[unit])
+
+
+def parse_capacity(spec, n_experts: int, n_layers: int = 1, scope: str = "layer",
+                   expert_bytes: int | None = None) -> int:
     """Cache capacity as a count of experts.
 
     "6" (no decimal point) is a count; "0.5" / "1.0" (decimal point) is a fraction of N per layer, or of
     L·N for the global pool; "5%" is a percentage of the same. Rounded half up; must land in [1, limit].
+    "6GiB" (a memory size) is what the cached experts may occupy in all, ``expert_bytes`` each: per layer
+    ⌊bytes / (L · expert_bytes)⌋ slots, for the global pool ⌊bytes / expert_bytes⌋, at most the limit
+    (a budget above every expert caches them all); below one expert per slot set it is an error.
     """
     if scope not in SCOPES:
         raise ValueError(f"unknown cache scope {scope!r}; expected one of {SCOPES}")
     limit = n_experts if scope == "layer" else n_experts * n_layers
     what = "N" if scope == "layer" else "L*N"
+    budget = parse_byte_size(spec)
+    if budget is not None:
+        return _capacity_of_bytes(spec, budget, limit, n_layers if scope == "layer" else 1, expert_bytes)
     text = str(spec).strip()
     try:
         if text.endswith("%"):
@@ -225,7 +251,8 @@ def parse_capacity(spec, n_experts: int, n_layers: int = 1, scope: str = "layer"
         else:
             frac, count = None, int(text)
     except ValueError:
-        raise ValueError(f"cache size {spec!r} is not a count ('6'), a fraction ('0.5') or a percentage ('5%')") from None
+        raise ValueError(f"cache size {spec!r} is not a count ('6'), a fraction ('0.5'), a percentage ('5%') "
+                         "or a memory size ('6GiB')") from None
     if count is None:
         if not (math.isfinite(frac) and 0.0 < frac <= 1.0):
             raise ValueError(f"cache size fraction {spec!r} must be in (0, 1] of {what}={limit}")
@@ -235,6 +262,23 @@ def parse_capacity(spec, n_experts: int, n_layers: int = 1, scope: str = "layer"
     if not 1 <= count <= limit:
         raise ValueError(f"cache size {spec!r} must be between 1 and {what}={limit} experts")
     return count
+
+
+def _capacity_of_bytes(spec, budget: int, limit: int, sets: int, expert_bytes: int | None) -> int:
+    """Slots per set (a layer's, or the one global pool) that ``budget`` bytes hold over ``sets`` sets."""
+    if expert_bytes is None:
+        raise ValueError(f"cache size {spec!r} is a memory size: it needs the size of one expert, which only a "
+                         "loaded model knows (give a count or a fraction of N here)")
+    one = sets * int(expert_bytes)
+    count = budget // one
+    if count < 1:
+        per = f"one expert per MoE layer ({sets} × {_mb(expert_bytes)})" if sets > 1 else f"one expert ({_mb(one)})"
+        raise ValueError(f"cache size {spec!r} holds less than {per}: give at least {_mb(one)}")
+    return int(min(count, limit))
+
+
+def _mb(n: int) -> str:
+    return f"{n / 1e6:.1f} MB" if n < 10**9 else f"{n / 1e9:.2f} GB"
 
 
 # ------------------------------------------------------------------------------------------ initial state

@@ -335,7 +335,9 @@ def synthetic_trace(n_tokens: int, n_layers: int, n_experts: int, top_k: int, se
 def format_table(stats: dict) -> str:
     """Human-readable stats: configuration, overall figures, then one row per layer."""
     lines = [
-        f"scope {stats['scope']}  eviction {stats['eviction']}  capacity {stats['capacity']}  routing {stats['routing']}",
+        f"scope {stats['scope']}  eviction {stats['eviction']}  capacity {stats['capacity']}"
+        + (f" ({stats['cache_memory_bytes'] / 2**20:.1f} MiB of experts)" if stats.get("cache_memory_bytes") else "")
+        + f"  routing {stats['routing']}",
         f"tokens {stats['tokens']}  layers {stats['layers']}  K {stats['experts_per_token']}  N {stats['n_experts']}",
         f"misses {stats['misses']} / accesses {stats['accesses']}  miss_rate {stats['miss_rate']:.4f}",
         f"compulsory {stats['compulsory_misses']}  collisions {stats['collision_misses']}  loads {stats['loads']}  "

@@ -15,8 +15,8 @@ from moejax.base import distributed, textproc
 from moejax.models import assets, checkpoint, gating, layout as layout_lib, weights
 from moejax.models.config import ModelConfig
 from moejax.models.model import forward as model_forward
-from moejax.experts import routing as routing_lib
-from moejax.runtime import decode, host_paging, jit_paging, offload as offload_lib, simulate
+from moejax.experts import cache as cache_lib, routing as routing_lib
+from moejax.runtime import decode, expert_store, host_paging, jit_paging, offload as offload_lib, simulate
 from moejax.runtime.decode import CHUNK as DECODE_CHUNK  # a default inside Model, whose decode() hides the module
 
 DEFAULT_MODEL_NAME = assets.DEFAULT_MODEL_NAME  # "default": the embedded model, in every command
@@ -173,15 +173,44 @@ class Model:
             return routing_lib.make_policy(routing or "original", self.cfg.top_k)
         return routing
 
-    def router_state(self, routing=None, cache: "simulate.CacheConfig | None" = None) -> dict:
-        """A fresh router state for ``routing`` (policy or kind name) and ``cache`` (default: N/2 LRU)."""
+    def cached_expert_bytes(self, offload=None) -> int:
+        """Bytes one cached expert occupies: a device slot's when offloading (``offload``, else the model's own
+        setting; int8 slots count their scales), otherwise the routed expert as it is held in memory."""
+        offload = self._offload(offload) if offload is not False else None
+        if offload is None:
+            return simulate.expert_bytes(self.params, self.cfg)
+        return expert_store.slot_nbytes(self.cfg, self.params["embed"].dtype, offload.slot_dtype == "int8")
 
-        return simulate.init_router_state(self.cfg, self._policy(routing), cache or simulate.CacheConfig())
+    def resolve_cache(self, cache: "simulate.CacheConfig | None", offload=None) -> "simulate.CacheConfig | None":
+        """``cache`` with a memory size ("6GiB") turned into the count of experts per layer (global: in the
+        pool) that it holds for this model (``cached_expert_bytes``); other sizes are returned as they are,
+        checked against N."""
+        if cache is None:
+            return None
+        if cache_lib.parse_byte_size(cache.size) is None:
+            cache.capacity(self.cfg)
+            return cache
+        count = cache.capacity(self.cfg, self.cached_expert_bytes(offload))
+        return dataclasses.replace(cache, size=str(count), memory=str(cache.size).strip())
 
-    def _resolve_state(self, routing, cache, state: dict | None) -> dict:
+    def cache_memory_bytes(self, cache: "simulate.CacheConfig", offload=None) -> int:
+        """What the cached experts occupy when the cache is full: capacity × (L per-layer sets, or one pool)
+        × ``cached_expert_bytes``."""
+        sets = self.cfg.n_moe_layers if cache.scope == "layer" else 1
+        cache = self.resolve_cache(cache, offload)
+        return cache.capacity(self.cfg) * sets * self.cached_expert_bytes(offload)
+
+    def router_state(self, routing=None, cache: "simulate.CacheConfig | None" = None, offload=None) -> dict:
+        """A fresh router state for ``routing`` (policy or kind name) and ``cache`` (default: N/2 LRU); a cache
+        size in bytes counts the experts of ``offload``'s slots (default: the model's own setting)."""
+
+        cache = self.resolve_cache(cache or simulate.CacheConfig(), offload)
+        return simulate.init_router_state(self.cfg, self._policy(routing), cache)
+
+    def _resolve_state(self, routing, cache, state: dict | None, offload) -> dict:
         """``state`` carried over (with ``routing``'s policy swapped in, if given), or a fresh one."""
         if state is None:
-            return self.router_state(routing, cache)
+            return self.router_state(routing, cache, False if offload is None else offload)
         return state if routing is None else {**state, "policy": self._policy(routing)}
 
     def forward(self, token_ids, *, routing=None, cache=None, state: dict | None = None,
@@ -201,7 +230,7 @@ class Model:
         tokens = self._tokens(token_ids)
         offload = self._offload(offload)
         if offload is not None:
-            state = self._resolve_state(routing, cache, state)
+            state = self._resolve_state(routing, cache, state, offload)
             out = host_paging.host_forward(self.params, self.cfg, np.asarray(tokens), state, offload, self._stores)
             check_output(self.cfg, out["router_logits"], out["logits"])
             stats = simulate.summarize(out["router_state"], self.params, self.cfg)
@@ -214,7 +243,7 @@ class Model:
             return Output(np.asarray(out.logits), np.asarray(out.router_logits), np.asarray(out.experts),
                           np.asarray(out.weights))
 
-        state = self._resolve_state(routing, cache, state)
+        state = self._resolve_state(routing, cache, state, offload)
         out = simulate.forward_with_cache(self.params, self.cfg, tokens, state, sequential)
         check_output(self.cfg, out.router_logits, out.logits)
         return Output(np.asarray(out.logits), np.asarray(out.router_logits), np.asarray(out.experts),
@@ -259,7 +288,7 @@ class Model:
         router = None
         offload = self._offload(offload)
         if offload is not None:
-            state = self._resolve_state(routing, cache, state)
+            state = self._resolve_state(routing, cache, state, offload)
             prefill_policy = None if prefill_routing is None else self._policy(prefill_routing)
             paged_generate = host_paging.host_generate if offload.paging == "host" else jit_paging.jit_generate
             result = paged_generate(self.params, cfg, prompt_ids, state, offload,
@@ -271,7 +300,7 @@ class Model:
             return result
         if routing is not None or cache is not None or state is not None:
             router = simulate.CacheRouter(self.cfg.gating)
-            state = self._resolve_state(routing, cache, state)
+            state = self._resolve_state(routing, cache, state, offload)
         prefill_policy = None if prefill_routing is None else self._policy(prefill_routing)
         if prefill_policy is not None and router is None:
             raise ValueError("prefill_routing needs routing=, cache= or state= (an expert cache)")

@@ -25,8 +25,9 @@ def add_routing_args(p: argparse.ArgumentParser) -> None:
                    help="learned-prior: checkpoint folder written by `python -m moejax.train_prior`")
     c = p.add_argument_group("expert cache")
     c.add_argument("--cache-size", default=None,
-                   help="capacity: a count ('6') or, with a decimal point, a fraction of N ('0.5'); "
-                        "in global scope of all L·N experts (default 0.5 when a cache is on)")
+                   help="capacity: a count ('6'), with a decimal point a fraction of N ('0.5'), in global scope "
+                        "of all L·N experts (default 0.5 when a cache is on); or the memory the cached experts "
+                        "may take in all ('6GiB', '800MB': with --offload, of device slots)")
     c.add_argument("--cache-scope", choices=cache_lib.SCOPES, default="layer")
     c.add_argument("--eviction", choices=cache_lib.ONLINE_EVICTIONS, default="lru",
                    help="eviction policy (Belady is an offline oracle: use `moejax.trace replay`)")
@@ -201,7 +202,9 @@ def policy_from_args(args: argparse.Namespace, top_k: int) -> routing_lib.Routin
                                    delta=args.delta, prior=params)
 
 
-def cache_from_args(args: argparse.Namespace):
+def cache_from_args(args: argparse.Namespace, model=None, offload=None):
+    """The ``CacheConfig`` of the flags; with the loaded ``model`` its size checked against N and a memory size
+    ("6GiB") turned into that model's count of experts (``api.Model.resolve_cache``; ``offload``: the run's)."""
 
     cfg = CacheConfig(size=str(args.cache_size or "0.5"), scope=args.cache_scope, eviction=args.eviction,
                       init=args.cache_init, seed=args.cache_seed, miss=args.miss,
@@ -209,7 +212,7 @@ def cache_from_args(args: argparse.Namespace):
                       cascade_bits=_int_list(args.cascade_bits, "--cascade-bits"), quant_group=args.quant_group,
                       prefetch=args.prefetch, prefetch_percentile=args.prefetch_percentile)
     cfg.miss_config(), cfg.prefetch_config()  # bad values fail here, with the option's own message
-    return cfg
+    return cfg if model is None else model.resolve_cache(cfg, offload)
 
 
 def describe(args: argparse.Namespace) -> dict:

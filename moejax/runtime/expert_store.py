@@ -325,6 +325,12 @@ def expert_list(cfg: ModelConfig, n: int, dtype, int8: bool = False) -> layout.E
                              tuple(jnp.zeros((d, f), dtype) for _ in range(n)))
 
 
+def slot_nbytes(cfg: ModelConfig, dtype, int8: bool = False) -> int:
+    """Device bytes of one slot of ``init_slots`` (an int8 slot counts its row scales): the unit a cache
+    size given in bytes is divided by."""
+    return tree_nbytes(jax.eval_shape(lambda: expert_list(cfg, 1, dtype, int8)))
+
+
 def init_slots(cfg: ModelConfig, cache_state: cache_lib.CacheState, dtype, stacked: bool = False,
                int8: bool = False):
     """Zeroed slot buffers, per MoE layer or one pool for a global cache: a ``layout.ExpertList`` of C slots

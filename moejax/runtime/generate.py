@@ -142,8 +142,7 @@ def run(args: argparse.Namespace) -> dict:
     routing = cache = None
     if cli_options.cache_requested(args):  # every option is validated before anything is printed
         routing = cli_options.policy_from_args(args, model.cfg.top_k)
-        cache = cli_options.cache_from_args(args)
-        cache.capacity(model.cfg)
+        cache = cli_options.cache_from_args(args, model, offload)
     positions = model.cfg.max_position_embeddings
     budget = decode.generation_budget(len(ids), args.max_new_tokens, positions)
     if budget < args.max_new_tokens:
@@ -164,6 +163,7 @@ def run(args: argparse.Namespace) -> dict:
     result.stats["load_time_s"] = load_time
     if "cache" in result.stats:
         result.stats["cache"].update(cli_options.describe(args), capacity=cache.capacity(model.cfg),
+                                     cache_memory_bytes=model.cache_memory_bytes(cache, offload),
                                      layers=model.cfg.n_moe_layers, experts_per_token=model.cfg.top_k,
                                      n_experts=model.cfg.n_experts)
     if args.trace_out:

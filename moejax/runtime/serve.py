@@ -482,8 +482,7 @@ def build_engine(args: argparse.Namespace) -> Engine:
     offload = cli_options.offload_from_args(args)
     model = api.load(args.model, offload=offload, dtype=args.dtype, **cli_options.weight_kwargs(args))
     policy = cli_options.policy_from_args(args, model.cfg.top_k)
-    cache = cli_options.cache_from_args(args)
-    cache.capacity(model.cfg)  # a bad --cache-size fails here, before the server starts
+    cache = cli_options.cache_from_args(args, model, offload)  # a bad --cache-size fails here, before the start
     return Engine(model, policy, cache, offload, args.max_queue, args.served_name or args.model)
 
 

@@ -29,7 +29,9 @@ from moejax.experts.router import route_tokens, router_step
 
 @dataclasses.dataclass(frozen=True)
 class CacheConfig:
-    """Expert cache: ``size`` as a count ("6") or a fraction of N — of L·N in global scope — ("0.5").
+    """Expert cache: ``size`` as a count ("6"), a fraction of N — of L·N in global scope — ("0.5"), or the
+    memory the cached experts may occupy in all ("6GiB": ``cache.parse_capacity``; ``Model.resolve_cache``
+    turns it into a count for that model's experts, device slots when offloading).
 
     Miss handling (``miss``, ``miss_rank``, ``cascade_bits``, ``quant_group``: ``cache.MissConfig``) and
     speculative prefetch (``prefetch`` overfetch factor or ``prefetch_percentile``: ``cache.PrefetchConfig``)
@@ -46,9 +48,11 @@ class CacheConfig:
     quant_group: int | None = None
     prefetch: float = 0.0
     prefetch_percentile: float | None = None
+    memory: str | None = None  # the memory size ("6GiB") that ``size`` was resolved from, for the records
 
-    def capacity(self, cfg: ModelConfig) -> int:
-        return cache_lib.parse_capacity(self.size, cfg.n_experts, cfg.n_moe_layers, self.scope)
+    def capacity(self, cfg: ModelConfig, expert_bytes: int | None = None) -> int:
+        """Slots per layer (per pool in global scope); a memory size needs ``expert_bytes``, one expert's."""
+        return cache_lib.parse_capacity(self.size, cfg.n_experts, cfg.n_moe_layers, self.scope, expert_bytes)
 
     def miss_config(self) -> cache_lib.MissConfig:
         return cache_lib.MissConfig(self.miss, tuple(self.miss_rank), tuple(self.cascade_bits), self.quant_group)

@@ -329,7 +329,7 @@ def run(args: argparse.Namespace, log=print) -> dict:
     shard_paths = parse_shards(args.shards, args.corpus)
     model = api.load(args.model)
     cfg = model.cfg
-    cache = simulate.CacheConfig(str(args.cache_size), "layer", args.eviction)
+    cache = model.resolve_cache(simulate.CacheConfig(str(args.cache_size), "layer", args.eviction), False)
     capacity = cache.capacity(cfg)
     os.makedirs(args.out, exist_ok=True)
 
@@ -411,7 +411,7 @@ def build_parser() -> argparse.ArgumentParser:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", required=True, help="folder for the recording and one checkpoint per weight")
     p.add_argument("--model", default=api.DEFAULT_MODEL_NAME)
-    p.add_argument("--cache-size", default="0.5", help="LRU capacity per layer: a count or a fraction of N")
+    p.add_argument("--cache-size", default="0.5", help="LRU capacity per layer: a count, a fraction of N or a memory size ('400MB')")
     p.add_argument("--eviction", choices=cache_lib.ONLINE_EVICTIONS, default="lru")
     p.add_argument("--weights", default="0.1,0.3,1,3", help="comma-separated trade-off weights w")
     p.add_argument("--corpus", default=data.DEFAULT_CORPUS_DIR, help="corpus folder (moejax.training.data layout)")
