@@ -9,7 +9,8 @@ import json
 import pytest
 
 import moejax
-from moejax.runtime import generate, offload
+from moejax.base import memory
+from moejax.runtime import api, generate, offload
 from moejax.runtime.simulate import CacheConfig
 
 from conftest import get_hf_model
@@ -72,3 +73,128 @@ def test_generate_command_takes_a_memory_size(capsys):
     assert "unknown unit 'XB'" in capsys.readouterr().err
     assert generate.main(["--prompt-ids", "5,17", "--max-new-tokens", "2", "--cache-size", "100kB"]) != 0
     assert "give at least" in capsys.readouterr().err
+
+
+# ------------------------------------------------------------------ what the memory left holds (offload)
+
+
+def _offloaded(store="flash"):
+    return moejax.load(get_hf_model("qwen2_moe").folder, offload=store)
+
+
+def _free(monkeypatch, nbytes, where="the memory cgroup /x (limit 1.0 GiB)"):
+    monkeypatch.setattr(api.host_memory, "headroom", lambda: (nbytes, where))
+
+
+def test_auto_takes_the_most_slots_the_free_memory_holds(monkeypatch):
+    m = _offloaded()
+    plan = m.memory_plan(CacheConfig(), None, 64)
+    assert plan["fixed"] == plan["kv_cache"] + plan["staging"] + plan["reserve"] and plan["host_store"] == 0
+    assert plan["slot_set"] == m.cfg.n_moe_layers * m.cached_expert_bytes()
+    _free(monkeypatch, plan["fixed"] + 5 * plan["slot_set"] + plan["slot_set"] // 2)
+    cc = m.resolve_cache(CacheConfig(size="auto"), tokens=64)
+    assert cc.size == "5" and cc.memory == "auto"
+    out = m.generate(PROMPT, 60, stop_at_eos=False, cache=CacheConfig(size="auto"))
+    assert out.stats["offload"]["device_memory"]["slots"] == 5 * plan["slot_set"]
+    _free(monkeypatch, 10**15)
+    assert m.resolve_cache(CacheConfig(size="auto")).size == str(m.cfg.n_experts)  # everything fits: all N
+    glob = m.resolve_cache(CacheConfig(size="auto", scope="global"))
+    assert glob.size == str(m.cfg.n_experts * m.cfg.n_moe_layers)
+    _free(monkeypatch, plan["fixed"] + plan["slot_set"])  # one slot per layer: fewer than K = 2
+    with pytest.raises(ValueError, match=r"the memory cgroup /x .* leaves .* slots for K=2 experts per layer need"):
+        m.resolve_cache(CacheConfig(size="auto"), tokens=64)
+    with pytest.raises(ValueError, match="sizes the device slots of an offloaded model"):
+        moejax.load(get_hf_model("qwen2_moe").folder).resolve_cache(CacheConfig(size="auto"))
+    monkeypatch.setattr(api.host_memory, "headroom", lambda: None)
+    with pytest.raises(ValueError, match="does not say"):
+        m.resolve_cache(CacheConfig(size="auto"))
+    assert m.resolve_cache(CacheConfig(size="8")).size == "8"  # unknown free memory: no check
+
+
+def test_a_size_that_cannot_fit_is_refused_and_the_default_shrinks(monkeypatch, capsys):
+    m = _offloaded()
+    plan = m.memory_plan(CacheConfig(), None, 64)
+    _free(monkeypatch, plan["fixed"] - plan["reserve"] + 3 * plan["slot_set"])
+    assert m.resolve_cache(CacheConfig(size="3"), tokens=64).size == "3"  # a size given is held to the bare need
+    with pytest.raises(ValueError, match=r"cache size '4' needs .* for 4 slots per set .* leaves .*: "
+                                         r"not even K experts per layer fit"):  # the reserve leaves none for auto
+        m.resolve_cache(CacheConfig(size="4"), tokens=64)
+    monkeypatch.setattr(api.offload_lib, "RESERVE_BYTES", 0)
+    plan = m.memory_plan(CacheConfig(), None, 64)
+    _free(monkeypatch, plan["fixed"] + 2 * plan["slot_set"] + plan["slot_set"] // 2)
+    with pytest.raises(ValueError, match=r"cache size '3' needs .* for 3 slots per set .*: --cache-size auto picks 2"):
+        m.resolve_cache(CacheConfig(size="3"), tokens=64)
+    with pytest.raises(ValueError, match=r"cache size '1MB' needs"):
+        m.resolve_cache(CacheConfig(size="1MB"), tokens=64)  # 1 MB holds all 8 of these tiny experts
+    default = m.resolve_cache(CacheConfig(), tokens=64, shrink_to_fit=True)  # N/2 = 4 does not fit
+    assert default.size == "2" and "using 2 (--cache-size auto)" in capsys.readouterr().err
+    got = m.generate(PROMPT, 60, stop_at_eos=False)  # the API's default cache shrinks the same way (64 positions)
+    ref = m.generate(PROMPT, 60, stop_at_eos=False, cache=CacheConfig(size="2"))
+    assert got.token_ids == ref.token_ids
+    assert got.stats["offload"]["device_memory"]["slots"] == 2 * plan["slot_set"]
+
+
+def test_the_host_store_counts_its_copy_of_every_expert(monkeypatch):
+    m = _offloaded("host")
+    plan = m.memory_plan(CacheConfig(), None, 64)
+    every = m.cfg.n_moe_layers * m.cfg.n_experts * m.cached_expert_bytes()
+    assert plan["host_store"] == every and plan["fixed"] == plan["kv_cache"] + plan["staging"] + every + plan["reserve"]
+    _free(monkeypatch, plan["fixed"] - plan["reserve"] + 2 * plan["slot_set"] - every // 2)
+    with pytest.raises(ValueError, match=r"host store's own copy of every expert needs .* of that \(--expert-store flash"):
+        m.resolve_cache(CacheConfig(size="2"), tokens=64)
+
+
+def test_generate_command_takes_auto(monkeypatch, capsys):
+    base = ["--prompt-ids", "5,17", "--max-new-tokens", "2", "--json"]
+    assert generate.main(base + ["--offload", "--expert-store", "flash", "--cache-size", "auto"]) == 0
+    cache = json.loads(capsys.readouterr().out)["stats"]["cache"]
+    assert cache["cache_size"] == "auto" and cache["capacity"] >= 1
+    assert generate.main(base + ["--cache-size", "auto"]) != 0
+    assert "offloaded model" in capsys.readouterr().err
+    _free(monkeypatch, 0)
+    assert generate.main(base + ["--offload", "--cache-size", "4"]) != 0
+    assert "cache size '4' needs" in capsys.readouterr().err
+
+
+# ------------------------------------------------------------------ memory limits (moejax.base.memory)
+
+
+def _write(path, text):
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text)
+
+
+def test_cgroup_headrooms_read_every_limiting_ancestor_v1_and_v2(tmp_path):
+    root = tmp_path / "cg"
+    # v1: the process's cgroup has no limit, its parent has 12 GiB; held = rss + shmem + mapped file
+    _write(root / "memory/a/b/memory.limit_in_bytes", "9223372036854771712\n")
+    _write(root / "memory/a/b/memory.stat", "total_rss 100\ntotal_cache 5000\n")
+    _write(root / "memory/a/memory.limit_in_bytes", f"{12 << 30}\n")
+    _write(root / "memory/a/memory.stat", "total_rss 1000\ntotal_shmem 10\ntotal_mapped_file 200\ntotal_cache 9999\n")
+    _write(root / "memory/memory.limit_in_bytes", "9223372036854771712\n")
+    _write(tmp_path / "cgroup-v1", "4:memory:/a/b\n3:cpu:/\n")
+    assert memory.cgroup_headrooms(str(tmp_path / "cgroup-v1"), str(root)) == [
+        (str(root / "memory/a"), 12 << 30, (12 << 30) - 1210)]
+    # v2: memory.max "max" means none; the tightest ancestor is reported
+    v2 = tmp_path / "v2"
+    _write(v2 / "cgroup.controllers", "cpu memory\n")
+    _write(v2 / "user/app/memory.max", "max\n")
+    _write(v2 / "user/memory.max", f"{8 << 30}\n")
+    _write(v2 / "user/memory.stat", "anon 300\nfile 7000\nfile_mapped 20\nshmem 5\n")
+    _write(tmp_path / "cgroup-v2", "0::/user/app\n")
+    assert memory.cgroup_headrooms(str(tmp_path / "cgroup-v2"), str(v2)) == [(str(v2 / "user"), 8 << 30, (8 << 30) - 325)]
+    assert memory.cgroup_headrooms(str(tmp_path / "missing"), str(root)) == []
+
+
+def test_headroom_is_the_tightest_limit(monkeypatch, tmp_path):
+    _write(tmp_path / "meminfo", "MemTotal: 100 kB\nMemAvailable:    2048 kB\n")
+    assert memory.meminfo_available(str(tmp_path / "meminfo")) == 2048 * 1024
+    monkeypatch.setattr(memory, "meminfo_available", lambda: 5 << 30)
+    monkeypatch.setattr(memory, "cgroup_headrooms", lambda: [("/cg/a", 12 << 30, 3 << 30), ("/cg", 16 << 30, 4 << 30)])
+    assert memory.headroom() == (3 << 30, "the memory cgroup /cg/a (limit 12.0 GiB)")
+    monkeypatch.setattr(memory, "cgroup_headrooms", lambda: [])
+    assert memory.headroom() == (5 << 30, "the machine's available memory")
+    monkeypatch.setattr(memory, "meminfo_available", lambda: None)
+    assert memory.headroom() is None
+    assert [memory.format_bytes(n) for n in (512, 3400, 12_600_000, 1_250_000_000)] == [
+        "512 B", "3.4 kB", "12.6 MB", "1.25 GB"]

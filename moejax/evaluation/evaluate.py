@@ -101,7 +101,7 @@ def build_points(args: argparse.Namespace, model: api.Model) -> list[sweep_point
         routing = sweep_points.routing_record("original", model.cfg.top_k)
         if with_cache:
             policy = cli_options.policy_from_args(a, model.cfg.top_k)
-            cache = cli_options.cache_from_args(a, model, offload_from_args(args))  # checked now, not hours later
+            cache = cli_options.cache_from_args(a, model, offload_from_args(args), args.context)  # checked now, not hours later
             kind_now = a.routing or "original"
             extra = {"prior": os.path.realpath(a.prior)} if getattr(a, "prior", None) else {}
             routing = sweep_points.routing_record(kind_now, model.cfg.top_k, lam=a.lam, top_j=a.top_j,
@@ -181,7 +181,7 @@ def main(argv: list[str] | None = None) -> int:
         routing = cache = None
         if cli_options.cache_requested(args):
             routing = cli_options.policy_from_args(args, model.cfg.top_k)
-            cache = cli_options.cache_from_args(args, model, offload_from_args(args))
+            cache = cli_options.cache_from_args(args, model, offload_from_args(args), args.context)
         res = run_task(model, args, routing, cache)
     except errors.HANDLED as e:
         return errors.report(e)

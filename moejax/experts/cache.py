@@ -53,6 +53,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from moejax.base.memory import format_bytes
+
 SCOPES = ("layer", "global")
 EVICTIONS = ("lru", "lfu", "fld", "score", "least-stale", "belady", "belady-bypass")
 OFFLINE_EVICTIONS = ("belady", "belady-bypass")  # need next_use from a recorded trace
@@ -238,6 +240,9 @@ def parse_capacity(spec, n_experts: int, n_layers: int = 1, scope: str = "layer"
         raise ValueError(f"unknown cache scope {scope!r}; expected one of {SCOPES}")
     limit = n_experts if scope == "layer" else n_experts * n_layers
     what = "N" if scope == "layer" else "L*N"
+    if str(spec).strip().lower() == "auto":
+        raise ValueError("cache size 'auto' is the most device slots the free memory holds: only a model loaded "
+                         "for offloading resolves it (Model.resolve_cache)")
     budget = parse_byte_size(spec)
     if budget is not None:
         return _capacity_of_bytes(spec, budget, limit, n_layers if scope == "layer" else 1, expert_bytes)
@@ -272,13 +277,9 @@ def _capacity_of_bytes(spec, budget: int, limit: int, sets: int, expert_bytes: i
     one = sets * int(expert_bytes)
     count = budget // one
     if count < 1:
-        per = f"one expert per MoE layer ({sets} × {_mb(expert_bytes)})" if sets > 1 else f"one expert ({_mb(one)})"
-        raise ValueError(f"cache size {spec!r} holds less than {per}: give at least {_mb(one)}")
+        per = f"one expert per MoE layer ({sets} × {format_bytes(expert_bytes)})" if sets > 1 else f"one expert ({format_bytes(one)})"
+        raise ValueError(f"cache size {spec!r} holds less than {per}: give at least {format_bytes(one)}")
     return int(min(count, limit))
-
-
-def _mb(n: int) -> str:
-    return f"{n / 1e6:.1f} MB" if n < 10**9 else f"{n / 1e9:.2f} GB"
 
 
 # ------------------------------------------------------------------------------------------ initial state

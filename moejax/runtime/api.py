@@ -5,16 +5,17 @@ from __future__ import annotations
 import dataclasses
 import functools
 import os
+import sys
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from moejax.base import distributed, textproc
+from moejax.base import distributed, memory as host_memory, textproc
 from moejax.models import assets, checkpoint, gating, layout as layout_lib, weights
 from moejax.models.config import ModelConfig
-from moejax.models.model import forward as model_forward
+from moejax.models.model import forward as model_forward, init_kv
 from moejax.experts import cache as cache_lib, routing as routing_lib
 from moejax.runtime import decode, expert_store, host_paging, jit_paging, offload as offload_lib, simulate
 from moejax.runtime.decode import CHUNK as DECODE_CHUNK  # a default inside Model, whose decode() hides the module
@@ -181,17 +182,95 @@ class Model:
             return simulate.expert_bytes(self.params, self.cfg)
         return expert_store.slot_nbytes(self.cfg, self.params["embed"].dtype, offload.slot_dtype == "int8")
 
-    def resolve_cache(self, cache: "simulate.CacheConfig | None", offload=None) -> "simulate.CacheConfig | None":
-        """``cache`` with a memory size ("6GiB") turned into the count of experts per layer (global: in the
-        pool) that it holds for this model (``cached_expert_bytes``); other sizes are returned as they are,
-        checked against N."""
+    def resolve_cache(self, cache: "simulate.CacheConfig | None", offload=None, tokens: int | None = None,
+                      shrink_to_fit: bool = False) -> "simulate.CacheConfig | None":
+        """``cache`` with its size as a count of experts per layer (global: in the pool) for this model.
+
+        A memory size ("6GiB") becomes the count it holds (``cached_expert_bytes``). When offloading, "auto" is
+        the most slots the memory left can hold (``memory_plan``: the device's, on the CPU the process's
+        cgroup or the machine's) beside a KV cache of ``tokens`` positions; a size whose slots cannot fit
+        there is refused with the count that would — or, with ``shrink_to_fit`` (a default the user did not
+        choose), replaced by it with a note on stderr. Counts and fractions are checked against N."""
         if cache is None:
             return None
-        if cache_lib.parse_byte_size(cache.size) is None:
-            cache.capacity(self.cfg)
+        offload = self._offload(offload) if offload is not False else None
+        spec = str(cache.size).strip()
+        if spec.lower() == "auto":
+            if offload is None:
+                raise ValueError("cache size 'auto' sizes the device slots of an offloaded model (--offload, "
+                                 "offload=...); a simulation holds every expert: give a count, a fraction of N "
+                                 "or a memory size")
+            return self._fit_slots(cache, offload, tokens, "auto")
+        if cache_lib.parse_byte_size(spec) is not None:
+            count = cache.capacity(self.cfg, self.cached_expert_bytes(offload))
+            cache = dataclasses.replace(cache, size=str(count), memory=spec)
+        cache.capacity(self.cfg)
+        if offload is not None:
+            cache = self._fit_slots(cache, offload, tokens, "shrink" if shrink_to_fit else "check")
+        return cache
+
+    def memory_plan(self, cache: "simulate.CacheConfig", offload, tokens: int | None = None) -> dict | None:
+        """What an offloaded run has and needs, in bytes: ``headroom`` (what the device can still allocate,
+        ``where`` that limit comes from), ``fixed`` (KV cache of ``tokens`` positions, prompt staging, a host
+        store not read yet when the device is the host, and ``offload.RESERVE_BYTES``) and ``slot_set`` (one
+        slot in every layer, or one in a global pool). None when the device does not say its free memory."""
+        offload = self._offload(offload)
+        device = jax.local_devices()[0]
+        if device.platform == "cpu":
+            free = host_memory.headroom()
+            if free is None:
+                return None
+            headroom, where = free
+        else:
+            stats = device.memory_stats() or {}
+            if "bytes_limit" not in stats:
+                return None
+            headroom = int(stats["bytes_limit"]) - int(stats.get("bytes_in_use", 0))
+            where = f"{device.device_kind} memory ({int(stats['bytes_limit']) / 2**30:.1f} GiB)"
+        slot = self.cached_expert_bytes(offload)
+        positions = min(tokens or offload_lib.DEFAULT_FIT_POSITIONS, self.cfg.max_position_embeddings)
+        kv = expert_store.tree_nbytes(jax.eval_shape(lambda: init_kv(self.cfg, positions, self.params["embed"].dtype)))
+        staging = self.cfg.top_k * slot if offload.paging == "host" else 0
+        store = 0
+        if (device.platform == "cpu" and offload.store == "host" and weights.has_lazy_experts(self.params)
+                and not self._stores):  # the host store will read every expert into this memory
+            store = self.cfg.n_moe_layers * self.cfg.n_experts * simulate.expert_bytes(self.params, self.cfg)
+        sets = self.cfg.n_moe_layers if cache.scope == "layer" else 1
+        return {"headroom": headroom, "where": where, "kv_cache": kv, "staging": staging, "host_store": store,
+                "reserve": offload_lib.RESERVE_BYTES, "fixed": kv + staging + store + offload_lib.RESERVE_BYTES,
+                "slot_set": sets * slot}
+
+    def _fit_slots(self, cache, offload, tokens, mode: str):
+        """``resolve_cache``'s memory check (``mode``: "auto", "check", "shrink")."""
+        plan = self.memory_plan(cache, offload, tokens)
+        if plan is None:
+            if mode == "auto":
+                raise ValueError("cache size 'auto' needs to know the free memory, and this device does not say: "
+                                 "give a count, a fraction of N or a memory size")
             return cache
-        count = cache.capacity(self.cfg, self.cached_expert_bytes(offload))
-        return dataclasses.replace(cache, size=str(count), memory=str(cache.size).strip())
+        gb = host_memory.format_bytes
+        limit = self.cfg.n_experts if cache.scope == "layer" else self.cfg.n_experts * self.cfg.n_moe_layers
+        fit = offload_lib.slots_that_fit(plan["headroom"], plan["fixed"], plan["slot_set"], limit)
+        store_note = (f"; the host store's own copy of every expert needs {gb(plan['host_store'])} of that "
+                      "(--expert-store flash reads them from the checkpoint instead)" if plan["host_store"] else "")
+        if mode == "auto":
+            if fit < self.cfg.top_k:
+                raise ValueError(f"cache size 'auto': {plan['where']} leaves {gb(plan['headroom'])}, and slots for "
+                                 f"K={self.cfg.top_k} experts per layer need {gb(plan['fixed'] + self.cfg.top_k * plan['slot_set'])} "
+                                 f"with the KV cache, staging and a {gb(plan['reserve'])} reserve{store_note}")
+            return dataclasses.replace(cache, size=str(fit), memory="auto")
+        count = cache.capacity(self.cfg)
+        need = count * plan["slot_set"] + plan["fixed"] - plan["reserve"]
+        if need <= plan["headroom"]:
+            return cache
+        if mode == "shrink" and fit >= self.cfg.top_k:
+            sys.stderr.write(f"note: a cache of {count} experts per set needs {gb(need)} and {plan['where']} leaves "
+                             f"{gb(plan['headroom'])}: using {fit} (--cache-size auto)\n")
+            return dataclasses.replace(cache, size=str(fit), memory="auto")
+        hint = f"--cache-size auto picks {fit}" if fit >= self.cfg.top_k else "not even K experts per layer fit"
+        raise ValueError(f"cache size {cache.memory or cache.size!r} needs {gb(need)} for {count} slots per set "
+                         f"(one slot {gb(plan['slot_set'])} over all sets) with the KV cache and staging, but "
+                         f"{plan['where']} leaves {gb(plan['headroom'])}{store_note}: {hint}")
 
     def cache_memory_bytes(self, cache: "simulate.CacheConfig", offload=None) -> int:
         """What the cached experts occupy when the cache is full: capacity × (L per-layer sets, or one pool)
@@ -200,17 +279,19 @@ class Model:
         cache = self.resolve_cache(cache, offload)
         return cache.capacity(self.cfg) * sets * self.cached_expert_bytes(offload)
 
-    def router_state(self, routing=None, cache: "simulate.CacheConfig | None" = None, offload=None) -> dict:
-        """A fresh router state for ``routing`` (policy or kind name) and ``cache`` (default: N/2 LRU); a cache
-        size in bytes counts the experts of ``offload``'s slots (default: the model's own setting)."""
+    def router_state(self, routing=None, cache: "simulate.CacheConfig | None" = None, offload=None,
+                     tokens: int | None = None) -> dict:
+        """A fresh router state for ``routing`` (policy or kind name) and ``cache`` (default: N/2 LRU, when
+        offloading at most what memory holds); sizes resolved by ``resolve_cache`` for ``offload`` (default:
+        the model's own setting) and a run of ``tokens`` positions."""
 
-        cache = self.resolve_cache(cache or simulate.CacheConfig(), offload)
+        cache = self.resolve_cache(cache or simulate.CacheConfig(), offload, tokens, shrink_to_fit=cache is None)
         return simulate.init_router_state(self.cfg, self._policy(routing), cache)
 
-    def _resolve_state(self, routing, cache, state: dict | None, offload) -> dict:
+    def _resolve_state(self, routing, cache, state: dict | None, offload, tokens: int | None = None) -> dict:
         """``state`` carried over (with ``routing``'s policy swapped in, if given), or a fresh one."""
         if state is None:
-            return self.router_state(routing, cache, False if offload is None else offload)
+            return self.router_state(routing, cache, False if offload is None else offload, tokens)
         return state if routing is None else {**state, "policy": self._policy(routing)}
 
     def forward(self, token_ids, *, routing=None, cache=None, state: dict | None = None,
@@ -230,7 +311,7 @@ class Model:
         tokens = self._tokens(token_ids)
         offload = self._offload(offload)
         if offload is not None:
-            state = self._resolve_state(routing, cache, state, offload)
+            state = self._resolve_state(routing, cache, state, offload, len(tokens))
             out = host_paging.host_forward(self.params, self.cfg, np.asarray(tokens), state, offload, self._stores)
             check_output(self.cfg, out["router_logits"], out["logits"])
             stats = simulate.summarize(out["router_state"], self.params, self.cfg)
@@ -288,7 +369,7 @@ class Model:
         router = None
         offload = self._offload(offload)
         if offload is not None:
-            state = self._resolve_state(routing, cache, state, offload)
+            state = self._resolve_state(routing, cache, state, offload, len(prompt_ids) + max_new_tokens)
             prefill_policy = None if prefill_routing is None else self._policy(prefill_routing)
             paged_generate = host_paging.host_generate if offload.paging == "host" else jit_paging.jit_generate
             result = paged_generate(self.params, cfg, prompt_ids, state, offload,

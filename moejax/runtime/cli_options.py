@@ -27,7 +27,8 @@ def add_routing_args(p: argparse.ArgumentParser) -> None:
     c.add_argument("--cache-size", default=None,
                    help="capacity: a count ('6'), with a decimal point a fraction of N ('0.5'), in global scope "
                         "of all L·N experts (default 0.5 when a cache is on); or the memory the cached experts "
-                        "may take in all ('6GiB', '800MB': with --offload, of device slots)")
+                        "may take in all ('6GiB', '800MB': with --offload, of device slots); with --offload also "
+                        "'auto': the most slots the free memory holds (the default 0.5 shrinks to that if it must)")
     c.add_argument("--cache-scope", choices=cache_lib.SCOPES, default="layer")
     c.add_argument("--eviction", choices=cache_lib.ONLINE_EVICTIONS, default="lru",
                    help="eviction policy (Belady is an offline oracle: use `moejax.trace replay`)")
@@ -202,9 +203,10 @@ def policy_from_args(args: argparse.Namespace, top_k: int) -> routing_lib.Routin
                                    delta=args.delta, prior=params)
 
 
-def cache_from_args(args: argparse.Namespace, model=None, offload=None):
-    """The ``CacheConfig`` of the flags; with the loaded ``model`` its size checked against N and a memory size
-    ("6GiB") turned into that model's count of experts (``api.Model.resolve_cache``; ``offload``: the run's)."""
+def cache_from_args(args: argparse.Namespace, model=None, offload=None, tokens: int | None = None):
+    """The ``CacheConfig`` of the flags; with the loaded ``model`` its size resolved to that model's count of
+    experts (``api.Model.resolve_cache``: a memory size, "auto", the fit of ``offload``'s slots beside a KV cache
+    of ``tokens`` positions; the default size shrinks to fit, a size given is refused if it cannot)."""
 
     cfg = CacheConfig(size=str(args.cache_size or "0.5"), scope=args.cache_scope, eviction=args.eviction,
                       init=args.cache_init, seed=args.cache_seed, miss=args.miss,
@@ -212,7 +214,9 @@ def cache_from_args(args: argparse.Namespace, model=None, offload=None):
                       cascade_bits=_int_list(args.cascade_bits, "--cascade-bits"), quant_group=args.quant_group,
                       prefetch=args.prefetch, prefetch_percentile=args.prefetch_percentile)
     cfg.miss_config(), cfg.prefetch_config()  # bad values fail here, with the option's own message
-    return cfg if model is None else model.resolve_cache(cfg, offload)
+    if model is None:
+        return cfg
+    return model.resolve_cache(cfg, offload, tokens, shrink_to_fit=args.cache_size is None)
 
 
 def describe(args: argparse.Namespace) -> dict:

@@ -142,7 +142,7 @@ def run(args: argparse.Namespace) -> dict:
     routing = cache = None
     if cli_options.cache_requested(args):  # every option is validated before anything is printed
         routing = cli_options.policy_from_args(args, model.cfg.top_k)
-        cache = cli_options.cache_from_args(args, model, offload)
+        cache = cli_options.cache_from_args(args, model, offload, len(ids) + args.max_new_tokens)
     positions = model.cfg.max_position_embeddings
     budget = decode.generation_budget(len(ids), args.max_new_tokens, positions)
     if budget < args.max_new_tokens:

@@ -77,6 +77,21 @@ class OffloadConfig:
                              "stored dtype")
 
 
+#: memory an offloaded run needs beyond its slots, KV cache and staging buffers, which ``--cache-size auto`` and
+#: the fit check hold back: compiling the stage programs, a page's transient buffers, and page cache for the
+#: programs' own code (peak RSS measured at 1.9 GiB over weights + slots + KV: bench/RESULTS.md, with the
+#: runtime's first 0.4 GiB already held when the check runs)
+RESERVE_BYTES = 3 << 29
+#: positions a KV cache is sized for when the call does not say (``Model.router_state`` alone)
+DEFAULT_FIT_POSITIONS = 4096
+
+
+def slots_that_fit(headroom: int, fixed: int, slot_set_bytes: int, limit: int) -> int:
+    """Slots per set (``slot_set_bytes``: one slot in every layer, or one in the pool) that ``headroom`` bytes
+    hold after ``fixed`` ones, at most ``limit``; 0 when none do."""
+    return int(max(0, min(limit, (headroom - fixed) // slot_set_bytes)))
+
+
 def check_capacity(cfg: ModelConfig, cache_state: cache_lib.CacheState) -> None:
     """The device must hold the K experts of one token to compute it."""
     cap = int(cache_state.capacity)
