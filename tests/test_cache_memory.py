@@ -115,14 +115,19 @@ def test_a_size_that_cannot_fit_is_refused_and_the_default_shrinks(monkeypatch, 
     m = _offloaded()
     plan = m.memory_plan(CacheConfig(), None, 64)
     _free(monkeypatch, plan["fixed"] - plan["reserve"] + 3 * plan["slot_set"])
-    assert m.resolve_cache(CacheConfig(size="3"), tokens=64).size == "3"  # a size given is held to the bare need
-    with pytest.raises(ValueError, match=r"cache size '4' needs .* for 4 slots per set .* leaves .*: "
-                                         r"not even K experts per layer fit"):  # the reserve leaves none for auto
+    checked = m.resolve_cache(CacheConfig(size="3"), tokens=64)
+    assert checked.size == "3" and checked.fit_checked  # a size given is held to the bare need
+    _free(monkeypatch, 0)  # later (slots allocated, say), a checked cache is not measured again
+    assert m.resolve_cache(checked).size == "3" and m.cache_memory_bytes(checked) == 3 * plan["slot_set"]
+    assert m.generate(PROMPT, 2, stop_at_eos=False, cache=checked).stats["cache"]["tokens"] == 5
+    _free(monkeypatch, plan["fixed"] - plan["reserve"] + 3 * plan["slot_set"])
+    with pytest.raises(ValueError, match=r"cache size '4' needs .* \(4 slots per layer of .* leaves .*: "
+                                         r"with the .* that auto holds back not even K=2 fit; int8 slots"):  # the reserve leaves none for auto
         m.resolve_cache(CacheConfig(size="4"), tokens=64)
     monkeypatch.setattr(api.offload_lib, "RESERVE_BYTES", 0)
     plan = m.memory_plan(CacheConfig(), None, 64)
     _free(monkeypatch, plan["fixed"] + 2 * plan["slot_set"] + plan["slot_set"] // 2)
-    with pytest.raises(ValueError, match=r"cache size '3' needs .* for 3 slots per set .*: --cache-size auto picks 2"):
+    with pytest.raises(ValueError, match=r"cache size '3' needs .* \(3 slots per layer .*: --cache-size auto picks 2"):
         m.resolve_cache(CacheConfig(size="3"), tokens=64)
     with pytest.raises(ValueError, match=r"cache size '1MB' needs"):
         m.resolve_cache(CacheConfig(size="1MB"), tokens=64)  # 1 MB holds all 8 of these tiny experts

@@ -205,7 +205,7 @@ class Model:
             count = cache.capacity(self.cfg, self.cached_expert_bytes(offload))
             cache = dataclasses.replace(cache, size=str(count), memory=spec)
         cache.capacity(self.cfg)
-        if offload is not None:
+        if offload is not None and not cache.fit_checked:
             cache = self._fit_slots(cache, offload, tokens, "shrink" if shrink_to_fit else "check")
         return cache
 
@@ -247,37 +247,41 @@ class Model:
             if mode == "auto":
                 raise ValueError("cache size 'auto' needs to know the free memory, and this device does not say: "
                                  "give a count, a fraction of N or a memory size")
-            return cache
+            return dataclasses.replace(cache, fit_checked=True)
         gb = host_memory.format_bytes
         limit = self.cfg.n_experts if cache.scope == "layer" else self.cfg.n_experts * self.cfg.n_moe_layers
         fit = offload_lib.slots_that_fit(plan["headroom"], plan["fixed"], plan["slot_set"], limit)
         store_note = (f"; the host store's own copy of every expert needs {gb(plan['host_store'])} of that "
                       "(--expert-store flash reads them from the checkpoint instead)" if plan["host_store"] else "")
+        per = "per layer" if cache.scope == "layer" else "in the pool"
+        smaller = ("" if offload.slot_dtype == "int8" else
+                   "; int8 slots (--expert-dtype int8) take about half the bytes")
         if mode == "auto":
             if fit < self.cfg.top_k:
                 raise ValueError(f"cache size 'auto': {plan['where']} leaves {gb(plan['headroom'])}, and slots for "
-                                 f"K={self.cfg.top_k} experts per layer need {gb(plan['fixed'] + self.cfg.top_k * plan['slot_set'])} "
-                                 f"with the KV cache, staging and a {gb(plan['reserve'])} reserve{store_note}")
-            return dataclasses.replace(cache, size=str(fit), memory="auto")
+                                 f"K={self.cfg.top_k} experts {per} need {gb(plan['fixed'] + self.cfg.top_k * plan['slot_set'])} "
+                                 f"with the KV cache, staging and a {gb(plan['reserve'])} reserve{store_note}{smaller}")
+            return dataclasses.replace(cache, size=str(fit), memory="auto", fit_checked=True)
         count = cache.capacity(self.cfg)
         need = count * plan["slot_set"] + plan["fixed"] - plan["reserve"]
         if need <= plan["headroom"]:
-            return cache
+            return dataclasses.replace(cache, fit_checked=True)
         if mode == "shrink" and fit >= self.cfg.top_k:
-            sys.stderr.write(f"note: a cache of {count} experts per set needs {gb(need)} and {plan['where']} leaves "
+            sys.stderr.write(f"note: a cache of {count} experts {per} needs {gb(need)} and {plan['where']} leaves "
                              f"{gb(plan['headroom'])}: using {fit} (--cache-size auto)\n")
-            return dataclasses.replace(cache, size=str(fit), memory="auto")
-        hint = f"--cache-size auto picks {fit}" if fit >= self.cfg.top_k else "not even K experts per layer fit"
-        raise ValueError(f"cache size {cache.memory or cache.size!r} needs {gb(need)} for {count} slots per set "
-                         f"(one slot {gb(plan['slot_set'])} over all sets) with the KV cache and staging, but "
-                         f"{plan['where']} leaves {gb(plan['headroom'])}{store_note}: {hint}")
+            return dataclasses.replace(cache, size=str(fit), memory="auto", fit_checked=True)
+        hint = (f"--cache-size auto picks {fit}" if fit >= self.cfg.top_k
+                else f"with the {gb(plan['reserve'])} that auto holds back not even K={self.cfg.top_k} fit{smaller}")
+        raise ValueError(f"cache size {cache.memory or cache.size!r} needs {gb(need)} ({count} slots {per} of "
+                         f"{gb(plan['slot_set'] // (self.cfg.n_moe_layers if cache.scope == 'layer' else 1))}, the KV "
+                         f"cache and staging), but {plan['where']} leaves {gb(plan['headroom'])}{store_note}: {hint}")
 
     def cache_memory_bytes(self, cache: "simulate.CacheConfig", offload=None) -> int:
         """What the cached experts occupy when the cache is full: capacity × (L per-layer sets, or one pool)
         × ``cached_expert_bytes``."""
         sets = self.cfg.n_moe_layers if cache.scope == "layer" else 1
-        cache = self.resolve_cache(cache, offload)
-        return cache.capacity(self.cfg) * sets * self.cached_expert_bytes(offload)
+        one = self.cached_expert_bytes(offload)
+        return cache.capacity(self.cfg, one) * sets * one
 
     def router_state(self, routing=None, cache: "simulate.CacheConfig | None" = None, offload=None,
                      tokens: int | None = None) -> dict:

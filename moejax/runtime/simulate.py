@@ -49,6 +49,9 @@ class CacheConfig:
     prefetch: float = 0.0
     prefetch_percentile: float | None = None
     memory: str | None = None  # the memory size ("6GiB") that ``size`` was resolved from, for the records
+    # ``Model.resolve_cache`` checked these slots against the free memory: later calls of the same run do not
+    # measure again (the slots they would count may already be allocated, e.g. a server's kept slots)
+    fit_checked: bool = False
 
     def capacity(self, cfg: ModelConfig, expert_bytes: int | None = None) -> int:
         """Slots per layer (per pool in global scope); a memory size needs ``expert_bytes``, one expert's."""
