@@ -423,6 +423,17 @@ def test_existing_target_needs_overwrite(tmp_path, capsys):
     assert convert_cli.main(["hf-to-moejax", src, str(target), "--overwrite"]) == 0  # empty folder: fine
     assert convert_cli.main(["hf-to-moejax", get_hf_model("olmoe").folder, str(target), "--overwrite"]) == 0
     assert moejax.load(str(target)).cfg.model_type == "olmoe" and _siblings(str(target)) == ["out"]
+    # a checkpoint folder with the user's own files beside the weights is not replaced either
+    (target / "notes.txt").write_text("precious")
+    (target / "eval").mkdir()
+    (target / "eval" / "r.jsonl").write_text("{}\n")
+    before = _tree(str(target))
+    assert convert_cli.main(["hf-to-moejax", src, str(target), "--overwrite"]) == 2
+    err = capsys.readouterr().err
+    assert "files that are not part of it (eval/, notes.txt)" in err and err.count("\n") == 1, err
+    assert _tree(str(target)) == before and _siblings(str(target)) == ["out"]
+    with pytest.raises(checkpoint.TargetRefusedError, match="not part of it"):
+        checkpoint.check_replaceable(str(target), True)  # what random_checkpoint and train --export call first
 
 
 def _tree(folder) -> dict:

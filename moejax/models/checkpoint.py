@@ -141,6 +141,27 @@ def is_checkpoint_folder(folder: str) -> bool:
                                           for n in names)
 
 
+#: what a checkpoint folder holds (moejax, Hugging Face, an exported training run): ``--overwrite`` replaces a
+#: checkpoint folder only when it holds nothing else, so no file the user kept beside the weights is deleted
+CHECKPOINT_NAMES = frozenset((*TOKENIZER_FILES, "config.json", FORMAT_FILE, "training.json", "README.md",
+                              "vocab.json", "merges.txt", "tokenizer.model", "added_tokens.json", ".gitattributes"))
+CHECKPOINT_SUFFIXES = (".safetensors", ".safetensors.index.json")
+CHECKPOINT_FOLDERS = frozenset(("params",))  # version-1 moejax folders: orbax's parameters
+
+
+def not_checkpoint_files(folder: str) -> list[str]:
+    """The entries of ``folder`` that are no part of a checkpoint (sorted)."""
+    out = []
+    for name in sorted(os.listdir(folder)):
+        path = os.path.join(folder, name)
+        if os.path.isdir(path) and not os.path.islink(path):
+            if name not in CHECKPOINT_FOLDERS:
+                out.append(name + "/")
+        elif name not in CHECKPOINT_NAMES and not name.endswith(CHECKPOINT_SUFFIXES):
+            out.append(name)
+    return out
+
+
 def check_replaceable(target: str, overwrite: bool, protect: tuple[str, ...] = ()) -> None:
     """Raise ``FileExistsError`` / ``CheckpointError`` unless writing the folder ``target`` loses nothing."""
     target = os.path.realpath(os.path.abspath(os.path.expanduser(target)))
@@ -162,6 +183,11 @@ def check_replaceable(target: str, overwrite: bool, protect: tuple[str, ...] = (
         raise TargetRefusedError(f"{target} is not a checkpoint folder (it holds {found}...): --overwrite only "
                               "replaces a moejax or Hugging Face checkpoint; remove it yourself or choose "
                               "another target")
+    others = not_checkpoint_files(target)
+    if others:
+        shown = ", ".join(others[:5]) + (f" and {len(others) - 5} more" if len(others) > 5 else "")
+        raise TargetRefusedError(f"{target} holds a checkpoint and files that are not part of it ({shown}): "
+                                 "--overwrite would delete them; move them out or choose another target")
 
 
 def _copy_tokenizer(src: str, dst: str) -> None:
