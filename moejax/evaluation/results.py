@@ -81,7 +81,16 @@ def load_results(path: str) -> list[dict]:
     return _read_results(path)
 
 
+def check_results_path(path: str) -> None:
+    """A results file is a regular file (or not there yet): a device or a pipe (``/dev/zero``) never ends."""
+    if os.path.isdir(path):
+        raise IsADirectoryError(f"results file {path} is a folder; give a file name")
+    if os.path.exists(path) and not os.path.isfile(path):
+        raise OSError(f"results file {path} is not a regular file")
+
+
 def _read_results(path: str) -> list[dict]:
+    check_results_path(path)
     if not os.path.exists(path):
         return []
     with open(path, "rb") as f:
@@ -122,6 +131,7 @@ def append_result(path: str, record: dict) -> None:
     if not distributed.is_leader():  # a multi-process run: process 0 writes for all
         return
     line = json.dumps(as_json(record), allow_nan=False) + "\n"
+    check_results_path(path)
     folder = os.path.dirname(os.path.abspath(path))
     os.makedirs(folder, exist_ok=True)
     with open(path, "a+b") as f:

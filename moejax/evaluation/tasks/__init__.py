@@ -162,6 +162,8 @@ def load_task(task: str, data: str | None = None, shots: int = 0) -> TaskData:
     if data is not None:
         if not os.path.exists(data):
             raise FileNotFoundError(f"{task} data {data} does not exist")
+        if not (os.path.isfile(data) or os.path.isdir(data)):  # a device (/dev/zero) or a pipe would never end
+            raise OSError(f"{task} data {data} is neither a regular file nor a folder")
         return load_task_files(task, data, shots)
     path = DEFAULT_DATA[task]
     if os.path.exists(path):
