@@ -367,6 +367,8 @@ CASES = [
          ("--prune-h", "prune_h", "h=0")),
     Case("generate-cumsum-p-above-one", "generate", G("--routing", "cumsum", "--cumsum-p", "1.5"), USAGE,
          ("--cumsum-p", "cumsum")),
+    Case("generate-delta-negative", "generate", G("--routing", "cache-prior", "--delta", "-1"), USAGE,
+         ("--delta", "delta")),
     Case("generate-delta-nan", "generate", G("--routing", "cache-prior", "--delta", "nan"), USAGE,
          ("--delta", "delta")),
     Case("generate-miss-rank-not-int", "generate", G("--miss", "drop", "--miss-rank", "x"), USAGE, ("--miss-rank",)),

@@ -6,12 +6,14 @@ import json
 import os
 import shutil
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from conftest import get_hf_model, get_moejax_model
 from test_evaluate import TEXT, _word_tokenizer
 
-from moejax.runtime import generate
+from moejax.runtime import decode, generate
 
 SUPPORTED = ("mixtral", "phimoe", "qwen2_moe", "qwen3_moe", "olmoe", "deepseek_v2")
 
@@ -332,3 +334,13 @@ def test_on_cache_reports_every_fed_token_and_the_state_as_it_goes(tokenized_mod
         assert len(seen) >= (2 if offload is None else 1 + 19)  # prompt, then chunks (offloaded: tokens)
         np.testing.assert_array_equal(resident[-1], np.asarray(r.router_state["cache"].resident))
         assert int((~hits & (experts >= 0)).sum()) == r.stats["cache"]["misses"]
+
+
+@pytest.mark.parametrize("temperature", [1e-30, 1e-39, 1e-45])
+def test_a_vanishing_temperature_samples_the_greedy_token(temperature):
+    """A subnormal temperature used to turn logits / T into inf / NaN and sample garbage (token 0, EOS)."""
+    logits = jnp.asarray(np.random.default_rng(0).standard_normal((1000,)) * 5, jnp.float32)
+    for seed in range(5):
+        for top_p in (1.0, 0.9):
+            got = decode.sample(logits, jax.random.PRNGKey(seed), decode.Sampling(temperature, top_p))
+            assert int(got) == int(jnp.argmax(logits))

@@ -126,8 +126,8 @@ def make_policy(kind: str, top_k: int, *, lam=0.0, top_j=None, max_rank=None, cu
     if kind == "cache-prior":
         if not math.isfinite(float(lam)):
             raise ValueError(f"lambda must be finite, got {lam}")
-        if delta is not None and not math.isfinite(float(delta)):
-            raise ValueError(f"delta must be finite, got {delta}")
+        if delta is not None and not (math.isfinite(float(delta)) and float(delta) >= 0):
+            raise ValueError(f"delta must be a finite Δ >= 0 (omit it for the running mean), got {delta}")
         return cache_prior(lam, top_j, delta)
     raise ValueError(f"unknown routing kind {kind!r}; expected one of {KINDS}")
 

@@ -24,7 +24,8 @@ from moejax.models.model import forward, forward_sequential, init_kv
 
 @dataclasses.dataclass(frozen=True)
 class Sampling:
-    """Greedy when temperature == 0; otherwise temperature + nucleus (top-p) sampling."""
+    """Greedy when temperature == 0 (or below float32's smallest normal number, which XLA flushes to 0: the
+    limit of sampling as T → 0); otherwise temperature + nucleus (top-p) sampling."""
 
     temperature: float = 0.0
     top_p: float = 1.0
@@ -37,9 +38,12 @@ class Sampling:
 
 
 def sample(logits: jax.Array, key: jax.Array, sampling: Sampling) -> jax.Array:
-    if sampling.temperature == 0:
+    if sampling.temperature < np.finfo(np.float32).tiny:
         return jnp.argmax(logits, axis=-1).astype(jnp.int32)
-    logits = logits.astype(jnp.float32) / sampling.temperature
+    logits = logits.astype(jnp.float32)
+    # shifted to a maximum of 0 first: a tiny temperature then tends to greedy (0 / T = 0, the rest -inf)
+    # instead of inf / inf = NaN (a subnormal T gave garbage tokens)
+    logits = (logits - jnp.max(logits, axis=-1, keepdims=True)) / sampling.temperature
     if sampling.top_p < 1:
         order = jnp.argsort(-logits)
         probs = jax.nn.softmax(logits[order])
