@@ -344,3 +344,12 @@ def test_a_vanishing_temperature_samples_the_greedy_token(temperature):
         for top_p in (1.0, 0.9):
             got = decode.sample(logits, jax.random.PRNGKey(seed), decode.Sampling(temperature, top_p))
             assert int(got) == int(jnp.argmax(logits))
+
+
+def test_a_cache_flag_alone_turns_the_cache_on(capsys):
+    """--eviction, --cache-scope, ... given alone used to run without a cache (exit 0, no statistics)."""
+    for flags, key, value in ((["--eviction", "lfu"], "eviction", "lfu"), (["--cache-scope", "global"], "scope", "global"),
+                              (["--cache-init", "random"], "cache_init", "random")):
+        assert generate.main(["--prompt-ids", "5,17", "--max-new-tokens", "2", "--json", *flags]) == 0
+        cache = json.loads(capsys.readouterr().out)["stats"]["cache"]
+        assert cache[key] == value

@@ -30,6 +30,20 @@ class UsageError(ValueError):
 HANDLED = (ValueError, OSError)  # what a command's main turns into one line and a status
 
 
+def seed_arg(text: str) -> int:
+    """argparse type of every ``--seed``: an integer that fits a 64-bit seed (larger ones overflowed deep in
+    JAX with a traceback)."""
+    import argparse
+
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"invalid seed {text!r}: an integer") from None
+    if not -(2**63) <= value < 2**63:
+        raise argparse.ArgumentTypeError(f"seed {value} does not fit 64 bits")
+    return value
+
+
 def exit_status(err: BaseException) -> int:
     if isinstance(err, UsageError) or (isinstance(err, FileExistsError) and err.errno is None):
         return USAGE  # refused to replace an output (raised by moejax, no errno): pass --overwrite or another path

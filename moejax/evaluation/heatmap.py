@@ -228,7 +228,7 @@ def main(argv: list[str] | None = None) -> int:
     hp.add_argument("--cache-scope", "--scope", dest="scope", choices=("layer", "global"), default="layer",
                     help="as in generate/evaluate (--scope is the older spelling)")
     hp.add_argument("--cache-init", choices=("empty", "random"), default="empty")
-    hp.add_argument("--seed", type=int, default=0, help="seed of --cache-init random")
+    hp.add_argument("--seed", type=errors.seed_arg, default=0, help="seed of --cache-init random")
     hp.add_argument("--max-tokens", type=int, default=200)
     hp.add_argument("--start", type=int, default=0, help="first token shown (the replay starts at token 0)")
     hp.add_argument("--label", action="append", default=None, help="panel title, once per trace")

@@ -569,6 +569,8 @@ def check_args(args: argparse.Namespace) -> tuple[list[str], tuple[str, ...]]:
     evictions = tuple(e.strip() for e in args.evictions.split(",") if e.strip())
     if not evictions or any(e not in EVICTIONS for e in evictions):
         raise ValueError(f"--evictions {args.evictions!r}: expected some of {', '.join(EVICTIONS)}")
+    if args.points > sweep_points.MAX_POINTS:
+        raise ValueError(f"--points {args.points}: at most {sweep_points.MAX_POINTS}")
     if args.points < 1 or args.context < 2 or args.max_tokens < 0 or (args.lifetimes_max_tokens or 0) < 0:
         raise ValueError("--points must be >= 1, --context >= 2, --max-tokens and --lifetimes-max-tokens >= 0")
     if args.batch_size is not None and args.batch_size < 1:

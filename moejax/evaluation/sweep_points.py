@@ -119,11 +119,13 @@ def parse_sweep(spec: str) -> SweepAxis:
                 raise SweepError(f"--sweep {spec!r}: a float range needs a number of points, e.g. {name}={a}:{b}:20")
             if b < a:
                 raise SweepError(f"--sweep {spec!r}: empty range ({b} < {a})")
+            _check_points(b - a + 1, spec)
             values = list(range(a, b + 1))
         else:
             n = _number(parts[2], "int", spec)
             if n < 1:
                 raise SweepError(f"--sweep {spec!r}: the number of points must be >= 1, got {n}")
+            _check_points(n, spec)
             # rounded to 12 decimals: 0.3, not linspace's 0.30000000000000004, in records and keys
             values = [round(v, 12) for v in np.linspace(a, b, n).tolist()] if n > 1 else [float(a)]
             if num_kind == "int":
@@ -143,6 +145,15 @@ def parse_sweep(spec: str) -> SweepAxis:
     return SweepAxis(name, tuple(values))
 
 
+#: more points than any sweep can compute (each is a pass over the text): a typo, refused before the grid is built
+MAX_POINTS = 100_000
+
+
+def _check_points(n: int, spec: str) -> None:
+    if n > MAX_POINTS:
+        raise SweepError(f"--sweep {spec!r}: {n} points; at most {MAX_POINTS} (each point is a pass over the text)")
+
+
 def expand_grid(axes: Iterable[SweepAxis]) -> list[dict]:
     """All combinations of the axes' values, first axis outermost; [{}] for no axes."""
     axes = list(axes)
@@ -150,6 +161,9 @@ def expand_grid(axes: Iterable[SweepAxis]) -> list[dict]:
     dup = sorted({n for n in names if names.count(n) > 1})
     if dup:
         raise SweepError(f"--sweep given twice for {dup}")
+    total = math.prod(len(a.values) for a in axes)
+    if total > MAX_POINTS:
+        raise SweepError(f"--sweep: the grid has {total} points; at most {MAX_POINTS}")
     return [dict(zip(names, combo)) for combo in itertools.product(*(a.values for a in axes))]
 
 

@@ -41,6 +41,7 @@ from jax import lax
 from moejax.base import atomic, errors, interrupts
 from moejax.base.errors import Failure
 from moejax.models import gating as gating_lib
+from moejax.models.config import MAX_EXPERTS
 from moejax.experts import cache as cache_lib, router as router_lib, routing as routing_lib
 
 TRACE_KEYS = ("experts", "weights", "logits", "n_experts", "gating")
@@ -102,6 +103,8 @@ def validate_trace(experts, weights=None, logits=None, n_experts=None, gating=No
         n = int(logits.shape[-1])
     else:
         n = int(experts.max()) + 1
+    if n > MAX_EXPERTS:
+        raise TraceError(f"trace says N={n} experts (at most {MAX_EXPERTS}): a damaged 'n_experts' or expert id?")
     if n < k:
         raise TraceError(f"trace 'experts' has K={k} slots but only N={n} experts")
     if experts.min() < -1 or experts.max() >= n:
@@ -456,7 +459,7 @@ def main(argv: list[str] | None = None) -> int:
                     help="as in generate/evaluate (--scope is the older spelling)")
     rp.add_argument("--eviction", choices=cache_lib.EVICTIONS, default="lru")
     rp.add_argument("--cache-init", choices=cache_lib.INITS, default="empty")
-    rp.add_argument("--seed", type=int, default=0)
+    rp.add_argument("--seed", type=errors.seed_arg, default=0)
     rp.add_argument("--expert-bytes", type=int, default=None)
     rp.add_argument("--routing", choices=routing_lib.KINDS, default=None,
                     help="re-route from the trace's logits with this policy (default: replay recorded experts)")
@@ -482,7 +485,7 @@ def main(argv: list[str] | None = None) -> int:
     sp.add_argument("--experts", type=int, default=16)
     sp.add_argument("--top-k", type=int, default=2)
     sp.add_argument("--rho", type=float, default=0.9)
-    sp.add_argument("--seed", type=int, default=0)
+    sp.add_argument("--seed", type=errors.seed_arg, default=0)
     sp.add_argument("--logits", action="store_true", help="also store the logits (enables re-routing)")
     args = parser.parse_args(argv)
 

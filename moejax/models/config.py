@@ -226,12 +226,23 @@ _NON_NEGATIVE_INT_KEYS = ("shared_expert_intermediate_size", "n_shared_experts",
                           "q_lora_rank", "decoder_sparse_step")
 
 
+#: counts far beyond any released model (DeepSeek-V3: 61 layers of 256 experts): a damaged config.json, which
+#: would otherwise make loading build a table of layers × experts tensor names until memory runs out
+MAX_LAYERS, MAX_EXPERTS, MAX_EXPERT_TENSORS = 4096, 1 << 16, 1 << 20
+
+
 def _check_sizes(hf: dict[str, Any]) -> None:
     for keys, low in ((_POSITIVE_INT_KEYS, 1), (_NON_NEGATIVE_INT_KEYS, 0)):
         for k in keys:
             v = hf.get(k)
             if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < low):
                 raise UnsupportedModelError(f"config.json: {k} must be an integer >= {low}, got {v!r}")
+    layers = hf.get("num_hidden_layers") or 1
+    experts = max(hf.get(k) or 1 for k in ("num_experts", "num_local_experts", "n_routed_experts"))
+    for k, v, limit in (("num_hidden_layers", layers, MAX_LAYERS), ("the number of experts", experts, MAX_EXPERTS),
+                        ("layers × experts", layers * experts, MAX_EXPERT_TENSORS)):
+        if v > limit:
+            raise UnsupportedModelError(f"config.json: {k} = {v} is implausible (at most {limit}): a damaged config?")
 
 
 def _first(hf: dict[str, Any], *keys: str) -> Any:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from moejax.base import distributed
+from moejax.base import distributed, errors
 from moejax.experts import cache as cache_lib, prior as prior_lib, routing as routing_lib
 from moejax.runtime.offload import PREFILLS, OffloadConfig
 from moejax.runtime.simulate import CacheConfig
@@ -33,7 +33,7 @@ def add_routing_args(p: argparse.ArgumentParser) -> None:
     c.add_argument("--eviction", choices=cache_lib.ONLINE_EVICTIONS, default="lru",
                    help="eviction policy (Belady is an offline oracle: use `moejax.trace replay`)")
     c.add_argument("--cache-init", choices=cache_lib.INITS, default="empty")
-    c.add_argument("--cache-seed", type=int, default=0, help="seed of --cache-init random")
+    c.add_argument("--cache-seed", type=errors.seed_arg, default=0, help="seed of --cache-init random")
     c.add_argument("--miss", choices=cache_lib.MISS_MODES, default="fetch",
                    help="miss handling: fetch (lossless), drop / substitute / cascade a low-importance miss")
     c.add_argument("--miss-rank", default="1",
@@ -166,6 +166,10 @@ def offload_from_args(args: argparse.Namespace):
             raise ValueError("--prefill says how an offloaded prompt pages its experts: it needs --offload")
         if getattr(args, "overlap", None) is not None:
             raise ValueError("--overlap says how an offloaded decode step waits for its pages: it needs --offload")
+        for flag, name, default in (("--paging", "paging", "host"), ("--expert-store", "expert_store", "host"),
+                                    ("--store-dir", "store_dir", None)):
+            if _given(args, name, default):
+                raise ValueError(f"{flag} says where and how experts are offloaded: it needs --offload")
         return None
     if args.overlap is not None and args.paging == "jit":
         raise ValueError("--overlap says how host paging waits for its pages: in-jit paging runs each step as one "
@@ -179,11 +183,28 @@ def offload_from_args(args: argparse.Namespace):
                          overlap=args.overlap != "off")
 
 
+#: the cache flags' defaults (``add_routing_args``): any other value turns the cache on
+CACHE_DEFAULTS = {"cache_scope": "layer", "eviction": "lru", "cache_init": "empty", "cache_seed": 0, "miss_rank": "1",
+                  "cascade_bits": "8", "quant_group": None}
+#: routing parameters, their defaults and the routing kinds that use them (any other kind refuses them)
+ROUTING_PARAMS = {"lam": (0.5, ("cache-prior",)), "delta": (None, ("cache-prior",)),
+                  "top_j": (None, ("cache-prior", "max-rank", "cumsum")), "max_rank": (None, ("max-rank",)),
+                  "cumsum_p": (0.9, ("cumsum",)), "prune_h": (None, ("pruning",))}
+
+
+def _given(args: argparse.Namespace, name: str, default) -> bool:
+    return getattr(args, name, default) != default
+
+
 def cache_requested(args: argparse.Namespace) -> bool:
-    # a --prior without --routing still goes through policy_from_args, which rejects it (never silently ignored)
+    """Whether the run simulates (or offloads) a cache: any routing or cache option given turns it on; a routing
+    parameter its kind does not use, or a --prior without --routing, is then refused by ``policy_from_args``
+    (never silently ignored)."""
     return (args.routing is not None or args.cache_size is not None or getattr(args, "prior", None) is not None
             or getattr(args, "offload", False) or args.miss != "fetch" or bool(args.prefetch)
-            or args.prefetch_percentile is not None)
+            or args.prefetch_percentile is not None
+            or any(_given(args, k, d) for k, d in CACHE_DEFAULTS.items())
+            or any(_given(args, k, d) for k, (d, _) in ROUTING_PARAMS.items()))
 
 
 def policy_from_args(args: argparse.Namespace, top_k: int) -> routing_lib.RoutingPolicy:
@@ -198,6 +219,11 @@ def policy_from_args(args: argparse.Namespace, top_k: int) -> routing_lib.Routin
     elif prior_path:
         raise ValueError("--prior only applies to --routing learned-prior "
                          f"(got --routing {args.routing or 'original'})")
+    kind = args.routing or "original"
+    for name, (default, kinds) in ROUTING_PARAMS.items():
+        if _given(args, name, default) and kind not in kinds:
+            flag = "--" + name.replace("_", "-")
+            raise ValueError(f"{flag} only applies to --routing {' / '.join(kinds)} (got --routing {kind})")
     return routing_lib.make_policy(args.routing or "original", top_k, lam=args.lam, top_j=args.top_j,
                                    max_rank=args.max_rank, cumsum_p=args.cumsum_p, prune_h=args.prune_h,
                                    delta=args.delta, prior=params)

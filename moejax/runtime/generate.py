@@ -35,7 +35,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=errors.seed_arg, default=0)
     p.add_argument("--chat", action="store_true", help="wrap the prompt in the checkpoint's chat template")
     p.add_argument("--ignore-eos", action="store_true", help="keep generating past end-of-sequence tokens")
     p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], help="compute dtype (default: stored)")
@@ -70,6 +70,8 @@ def is_utf8(text: str) -> bool:
 
 def prompt_token_ids(model: api.Model, args: argparse.Namespace) -> list[int]:
     if args.prompt_ids is not None:
+        if args.chat:
+            raise ValueError("--chat applies its template to --prompt text; --prompt-ids are used as given: drop one")
         return parse_prompt_ids(args.prompt_ids)
     text = DEFAULT_PROMPT if args.prompt is None else args.prompt
     if not text.strip():

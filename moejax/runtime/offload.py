@@ -55,10 +55,10 @@ class OffloadConfig:
             raise ValueError(f"unknown paging {self.paging!r}; expected one of {PAGINGS}")
         if self.store not in STORES:
             raise ValueError(f"unknown expert store {self.store!r}; expected one of {STORES}")
-        if self.bandwidth_gbps is not None and not self.bandwidth_gbps > 0:
-            raise ValueError(f"emulated bandwidth must be > 0 GB/s, got {self.bandwidth_gbps}")
-        if self.latency_us < 0:
-            raise ValueError(f"transfer latency must be >= 0 µs, got {self.latency_us}")
+        if self.bandwidth_gbps is not None and not 1e-6 <= self.bandwidth_gbps < float("inf"):
+            raise ValueError(f"emulated bandwidth must be a finite number >= 1e-6 GB/s (1 kB/s), got {self.bandwidth_gbps}")
+        if not 0 <= self.latency_us <= 1e9:
+            raise ValueError(f"transfer latency must be in [0, 1e9] µs, got {self.latency_us}")
         if self.paging == "jit" and (self.bandwidth_gbps is not None or self.latency_us):
             raise ValueError("bandwidth emulation needs host-driven paging (paging='host'): in-jit transfers "
                              "cannot be throttled from the host")

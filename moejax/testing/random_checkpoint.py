@@ -198,7 +198,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--list", action="store_true", help="list the presets and their sizes, then exit")
     p.add_argument("--layers", type=int, default=None, help="keep the first L decoder layers")
     p.add_argument("--dtype", default="bfloat16", choices=tuple(DTYPES))
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=errors.seed_arg, default=0)
     p.add_argument("--std", type=float, default=STD, help="standard deviation of the random weights (0.02)")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config value")
     p.add_argument("--shard-gb", type=float, default=5.0, help="largest shard size in GB (default 5)")

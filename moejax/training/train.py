@@ -416,7 +416,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="sparse expert capacity per batch (x B·T·K/N); 0 = exact dense experts (model.forward)")
     p.add_argument("--eval-capacity-factor", type=float, default=2.0,
                    help="capacity factor of the periodic validation loss (0 = exact)")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=errors.seed_arg, default=0)
     p.add_argument("--resume", action="store_true", help="continue from OUT's latest checkpoint")
     p.add_argument("--overwrite", action="store_true",
                    help="start over in an OUT that holds a run (deleting it), or replace an existing --export "

@@ -424,7 +424,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--weight-decay", type=float, default=1e-4)
     p.add_argument("--hidden", type=int, default=64, help="hidden units of each layer's MLP")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=errors.seed_arg, default=0)
     p.add_argument("--resume", action="store_true",
                    help="reuse a matching recording and skip weights whose checkpoint already matches")
     p.add_argument("--json", action="store_true", help="print one JSON summary at the end")
