@@ -175,3 +175,23 @@ def test_deferred_delivers_the_signal_when_the_block_ends():
         assert inside == [] and got == [signal.SIGHUP]
     finally:
         signal.signal(signal.SIGHUP, previous)
+
+
+def test_atomic_dir_gives_the_folder_a_normal_mode(tmp_path):
+    """mkdtemp makes 0700: converted checkpoints used to be unreadable to other users whatever the umask."""
+    from moejax.base import atomic
+
+    old = os.umask(0o027)
+    try:
+        with atomic.atomic_dir(str(tmp_path / "ckpt")) as tmp:
+            (tmp_path / os.path.basename(tmp) / "a").write_text("1")
+    finally:
+        os.umask(old)
+    assert (os.stat(tmp_path / "ckpt").st_mode & 0o777) == 0o750
+
+
+def test_ctrl_c_in_a_command_exits_130_without_a_traceback(tmp_path):
+    code = ("import os, signal, time\nfrom moejax.base import interrupts\ninterrupts.exit_cleanly_on_signals()\n"
+            "try:\n    os.kill(os.getpid(), signal.SIGINT)\n    time.sleep(5)\nfinally:\n    print('cleaned up')\n")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 130 and proc.stdout == "cleaned up\n" and proc.stderr == ""

@@ -58,6 +58,13 @@ def atomic_file(path: str | os.PathLike, mode: str = "wb", make_parents: bool = 
         raise
 
 
+def _umask() -> int:
+    """The process's umask (read by setting it and setting it back: Python has no getter before 3.13)."""
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
 @contextlib.contextmanager
 def atomic_dir(target: str) -> Iterator[str]:
     """A new folder ``.<name>.tmp-<pid>-<random>`` beside ``target`` to fill; renamed to ``target`` (replacing
@@ -72,6 +79,7 @@ def atomic_dir(target: str) -> Iterator[str]:
     try:
         with interrupts.deferred():  # a signal between making the folder and owning it would leave it behind
             tmp = tempfiles.make_temp_dir(f".{name}.tmp-", parent)
+        os.chmod(tmp, 0o777 & ~_umask())  # mkdtemp makes 0700: the finished folder gets a normal folder's mode
         yield tmp
         with interrupts.deferred():  # the swap runs whole: no signal strands the old target half-moved
             if os.path.exists(target):

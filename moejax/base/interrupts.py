@@ -4,8 +4,8 @@ Every writer in moejax builds its output under a temporary name and removes it w
 (``checkpoint.atomic_folder``, ``safetensors_io.write_stream``, results files), and temporary folders are
 removed at interpreter exit. Python runs none of that when SIGTERM or SIGHUP kill it with the default
 action, so every command-line entry point calls ``exit_cleanly_on_signals()`` first: the signal becomes
-``SystemExit(128 + signal)``, unwinding through those blocks. Ctrl-C (SIGINT) already raises
-``KeyboardInterrupt``, which unwinds the same way.
+``SystemExit(128 + signal)``, unwinding through those blocks. Ctrl-C (SIGINT) would raise
+``KeyboardInterrupt``, which unwinds the same way but ends in a traceback: in a command it exits 130 quietly too.
 """
 
 from __future__ import annotations
@@ -23,10 +23,11 @@ def _exit(signum, frame):  # noqa: ARG001 - the signal handler signature
 
 
 def exit_cleanly_on_signals() -> None:
-    """Make SIGTERM / SIGHUP raise ``SystemExit`` in the main thread (a no-op elsewhere)."""
+    """Make Ctrl-C, SIGTERM and SIGHUP raise ``SystemExit(128 + signal)`` in the main thread (a no-op
+    elsewhere): the same unwinding as an error, and no traceback."""
     if threading.current_thread() is not threading.main_thread():
         return
-    for sig in SIGNALS:
+    for sig in (signal.SIGINT, *SIGNALS):
         signal.signal(sig, _exit)
 
 

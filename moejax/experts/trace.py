@@ -135,9 +135,14 @@ def save_trace(path, experts, weights=None, logits=None, n_experts=None, gating:
         arrays["logits"] = tr.logits
     if tr.gating is not None:
         arrays["gating"] = np.asarray(json.dumps(tr.gating))
-    path = os.fspath(path)
-    atomic.save_npz(path if path.endswith(".npz") else f"{path}.npz", **arrays)  # np.savez's naming
+    atomic.save_npz(trace_path(path), **arrays)
     return tr
+
+
+def trace_path(path) -> str:
+    """Where ``save_trace`` writes ``path``: with ``.npz`` appended unless it ends so (np.savez's naming)."""
+    path = os.fspath(path)
+    return path if path.endswith(".npz") else f"{path}.npz"
 
 
 def _check_npz_header(path) -> None:

@@ -134,8 +134,10 @@ def run(args: argparse.Namespace) -> dict:
         raise ValueError(f"--max-new-tokens must be >= 0, got {args.max_new_tokens}")
     if args.prompt is not None and not is_utf8(args.prompt):
         raise ValueError("--prompt is not valid UTF-8 text (the shell passed bytes of another encoding)")
-    if args.trace_out:  # checked before the work: a generation must not be lost to an unwritable path
-        check_writable(args.trace_out, "--trace-out")
+    if args.trace_out is not None:  # checked before the work: a generation must not be lost to an unwritable path
+        if os.path.isdir(args.trace_out):
+            raise ValueError(f"--trace-out {args.trace_out} is a folder; give a file name")
+        check_writable(trace_lib.trace_path(args.trace_out), "--trace-out")
     t_load = time.perf_counter()
     model = api.load(args.model, dtype=dtype, offload=offload, **cli_options.weight_kwargs(args),
                      **cli_options.shard_kwargs(args))
@@ -168,7 +170,7 @@ def run(args: argparse.Namespace) -> dict:
                                      cache_memory_bytes=model.cache_memory_bytes(cache, offload),
                                      layers=model.cfg.n_moe_layers, experts_per_token=model.cfg.top_k,
                                      n_experts=model.cfg.n_experts)
-    if args.trace_out:
+    if args.trace_out is not None:
         tr = result.trace()
         trace_lib.save_trace(args.trace_out, tr["experts"], tr["weights"], tr["logits"], model.cfg.n_experts,
                              gating.spec(model.cfg.gating))
@@ -186,14 +188,24 @@ def run(args: argparse.Namespace) -> dict:
             "stopped": result.stats["stopped"], "stats": trace_lib.json_safe(result.stats)}
 
 
+def _virtual_filesystem(folder: str) -> bool:
+    """/proc, /sys, /dev: root passes ``os.access`` there, but a new file cannot be made."""
+    real = os.path.realpath(folder)
+    return any(real == top or real.startswith(top + os.sep) for top in ("/proc", "/sys", "/dev"))
+
+
 def check_writable(path: str, flag: str) -> None:
     """An output file's folder must exist and be writable, and the path must not be a folder."""
     folder = os.path.dirname(os.path.abspath(path))
+    if not os.path.basename(path) or os.path.basename(path) == ".npz":
+        raise ValueError(f"{flag} {path!r} names no file")
     if os.path.isdir(path):
         raise ValueError(f"{flag} {path} is a folder; give a file name")
+    if os.path.exists(path) and not os.path.isfile(path):
+        raise ValueError(f"{flag} {path} exists and is not a regular file")
     if not os.path.isdir(folder):
         raise ValueError(f"{flag} {path}: the folder {folder} does not exist")
-    if not os.access(folder, os.W_OK):
+    if not os.access(folder, os.W_OK) or _virtual_filesystem(folder):
         raise ValueError(f"{flag} {path}: the folder {folder} is not writable")
 
 
