@@ -353,3 +353,13 @@ def test_a_cache_flag_alone_turns_the_cache_on(capsys):
         assert generate.main(["--prompt-ids", "5,17", "--max-new-tokens", "2", "--json", *flags]) == 0
         cache = json.loads(capsys.readouterr().out)["stats"]["cache"]
         assert cache[key] == value
+
+
+def test_a_result_that_stdout_cannot_take_is_one_error_line():
+    import subprocess
+    import sys
+
+    with open("/dev/full", "w") as full:
+        proc = subprocess.run([sys.executable, "-m", "moejax.generate", "--prompt-ids", "5,17", "--max-new-tokens", "1",
+                               "--json"], stdout=full, stderr=subprocess.PIPE, text=True, timeout=300)
+    assert proc.returncode == 1 and proc.stderr == "error: could not write the result to stdout: No space left on device\n"

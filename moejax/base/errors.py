@@ -44,6 +44,23 @@ def seed_arg(text: str) -> int:
     return value
 
 
+def print_result(text: str) -> int:
+    """Print a command's result on stdout and return its exit status: 0, or ``FAILURE`` with one ``error:`` line
+    when stdout cannot take it (a full disk, ``> /dev/full``, a closed pipe) instead of a traceback."""
+    import os
+
+    try:
+        print(text, flush=True)
+        return 0
+    except OSError as e:
+        try:  # interpreter exit flushes stdout again: point it somewhere that takes the rest
+            sys.stdout = open(os.devnull, "w")  # noqa: SIM115 - lives until exit
+        except OSError:
+            pass
+        print(f"error: could not write the result to stdout: {e.strerror or e}", file=sys.stderr)
+        return FAILURE
+
+
 def exit_status(err: BaseException) -> int:
     if isinstance(err, UsageError) or (isinstance(err, FileExistsError) and err.errno is None):
         return USAGE  # refused to replace an output (raised by moejax, no errno): pass --overwrite or another path

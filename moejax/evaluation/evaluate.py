@@ -170,14 +170,13 @@ def main(argv: list[str] | None = None) -> int:
             if not distributed.is_leader():  # process 0 prints for the run
                 return 0
             if args.json:
-                for rec in records:
-                    print(json.dumps(rec))
+                status = errors.print_result("\n".join(json.dumps(rec) for rec in records)) if records else 0
             else:
-                print(sweep.format_table(records))
+                status = errors.print_result(sweep.format_table(records))
                 if args.results:
                     print(f"{runner.computed} point(s) computed, {len(records) - runner.computed} already in "
                           f"{args.results}", file=sys.stderr)
-            return 0
+            return status
         routing = cache = None
         if cli_options.cache_requested(args):
             routing = cli_options.policy_from_args(args, model.cfg.top_k)
@@ -188,9 +187,8 @@ def main(argv: list[str] | None = None) -> int:
     if not distributed.is_leader():
         return 0
     if args.json:
-        print(json.dumps(json_safe(res)))
-    else:
-        _print_single(res)
+        return errors.print_result(json.dumps(json_safe(res)))
+    _print_single(res)
     return 0
 
 

@@ -505,8 +505,7 @@ def main(argv: list[str] | None = None) -> int:
             raise TraceError(f"{args.trace}: {err}") from None
     except errors.HANDLED as err:
         return errors.report(err)
-    print(json.dumps(json_safe(stats)) if args.json else format_table(stats))
-    return 0
+    return errors.print_result(json.dumps(json_safe(stats)) if args.json else format_table(stats))
 
 
 if __name__ == "__main__":

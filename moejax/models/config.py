@@ -106,6 +106,9 @@ class ModelConfig:
 
 def _rope_parameters(hf: dict[str, Any], model_type: str) -> dict[str, Any]:
     """HF 5.x writes ``rope_parameters``; older checkpoints ``rope_theta`` + ``rope_scaling``."""
+    for key in ("rope_parameters", "rope_scaling"):
+        if hf.get(key) is not None and not isinstance(hf[key], dict):
+            raise UnsupportedModelError(f"config.json: {key} must be an object, got {hf[key]!r}")
     params = dict(hf.get("rope_parameters") or {})
     scaling = hf.get("rope_scaling") or {}
     for k, v in scaling.items():
@@ -231,6 +234,15 @@ _NON_NEGATIVE_INT_KEYS = ("shared_expert_intermediate_size", "n_shared_experts",
 MAX_LAYERS, MAX_EXPERTS, MAX_EXPERT_TENSORS = 4096, 1 << 16, 1 << 20
 
 
+def eos_token_ids_of(value, where: str) -> tuple[int, ...]:
+    """``eos_token_id`` (an id, a list of ids or null) as a tuple of token ids, checked: ``where`` names the file."""
+    ids = () if value is None else tuple(value) if isinstance(value, (list, tuple)) else (value,)
+    for i in ids:
+        if isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < 2**31:
+            raise UnsupportedModelError(f"{where}: eos_token_id must be token ids in 0..2**31-1, got {value!r}")
+    return ids
+
+
 def _check_sizes(hf: dict[str, Any]) -> None:
     for keys, low in ((_POSITIVE_INT_KEYS, 1), (_NON_NEGATIVE_INT_KEYS, 0)):
         for k in keys:
@@ -315,8 +327,7 @@ def _from_hf(hf: dict[str, Any], mt: str) -> ModelConfig:
     elif mt == "deepseek_v2":
         shared = (hf.get("n_shared_experts") or 0) * moe_ff
 
-    eos = hf.get("eos_token_id")
-    eos_ids = tuple(eos) if isinstance(eos, (list, tuple)) else (() if eos is None else (eos,))
+    eos_ids = eos_token_ids_of(hf.get("eos_token_id"), "config.json")
     act = hf.get("hidden_act", "silu")
     if act not in ("silu", "gelu", "gelu_new", "gelu_pytorch_tanh", "relu"):
         raise UnsupportedModelError(f"hidden_act {act!r} is not supported")

@@ -14,6 +14,7 @@ import numpy as np
 
 from moejax.base import distributed, memory as host_memory, textproc
 from moejax.models import assets, checkpoint, gating, layout as layout_lib, weights
+from moejax.models import config as config_lib
 from moejax.models.config import ModelConfig
 from moejax.models.model import forward as model_forward, init_kv
 from moejax.experts import cache as cache_lib, routing as routing_lib
@@ -156,7 +157,7 @@ class Model:
         eos = self.generation_config.get("eos_token_id")
         if eos is None:
             return self.cfg.eos_token_ids
-        return tuple(eos) if isinstance(eos, list) else (eos,)
+        return config_lib.eos_token_ids_of(eos, "generation_config.json")
 
     def _tokens(self, token_ids) -> jax.Array:
         ids = np.asarray(token_ids)
@@ -468,4 +469,5 @@ def load(path: str, dtype=None, offload=None, layout: str = "serving", weight_dt
     generation_config = {}
     if os.path.isfile(gen_path):
         generation_config = checkpoint.read_json_object(gen_path, "a generation configuration")
+        config_lib.eos_token_ids_of(generation_config.get("eos_token_id"), gen_path)  # refused at load, not mid-run
     return Model(params, cfg, tokenizer, folder, generation_config, offload)

@@ -217,9 +217,7 @@ def main(argv: list[str] | None = None) -> int:
         result = run(args)
     except errors.HANDLED as e:
         return errors.report(e)
-    if args.json:
-        print(json.dumps(result))
-    return 0
+    return errors.print_result(json.dumps(result)) if args.json else 0
 
 
 if __name__ == "__main__":

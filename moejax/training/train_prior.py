@@ -441,9 +441,7 @@ def main(argv: list[str] | None = None) -> int:
         res = run(args, log=log)
     except errors.HANDLED as e:
         return errors.report(e)
-    if args.json:
-        print(json.dumps(json_safe(res)))
-    return 0
+    return errors.print_result(json.dumps(json_safe(res))) if args.json else 0
 
 
 if __name__ == "__main__":
