@@ -580,6 +580,10 @@ CASES = [
          ("--trace-layer", "layer 9"), _both(_RESULTS, _trace())),
     # ----------------------------------------------------------------------------- studies
     Case("studies-only-unknown", "studies", ("--only", "bogus", "--out", "{tmp}/s"), USAGE, ("bogus",)),
+    Case("studies-mmlu-limit-zero", "studies", ("--only", "tasks", "--mmlu-limit", "0", "--out", "{tmp}/s"), USAGE,
+         ("--mmlu-limit",)),
+    Case("studies-gsm8k-limit-negative", "studies", ("--gsm8k-limit", "-1", "--out", "{tmp}/s"), USAGE,
+         ("--gsm8k-limit",)),
     Case("studies-points-zero", "studies", ("--points", "0", "--out", "{tmp}/s"), USAGE, ("--points",)),
     Case("studies-evictions-unknown", "studies", ("--evictions", "lru,nope", "--out", "{tmp}/s"), USAGE,
          ("--evictions",)),
@@ -662,6 +666,7 @@ CASES = [
     Case("random-checkpoint-set-size-not-a-number", "random_checkpoint", RC + ("--set", "hidden_size=big"), USAGE,
          ("hidden_size",)),
     Case("random-checkpoint-std-negative", "random_checkpoint", RC + ("--std", "-1"), USAGE, ("--std",)),
+    Case("random-checkpoint-std-overflows", "random_checkpoint", RC + ("--std", "1e39"), USAGE, ("--std",)),
     Case("random-checkpoint-std-nan", "random_checkpoint", RC + ("--std", "nan"), USAGE, ("--std",)),
     Case("random-checkpoint-seed-negative", "random_checkpoint", RC + ("--seed", "-1"), USAGE, ("--seed",)),
     Case("random-checkpoint-preset-file-not-json", "random_checkpoint", ("{tmp}/cfg.json",) + RC[1:], FAILURE,

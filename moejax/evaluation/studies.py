@@ -375,7 +375,7 @@ def study_delta(ctx: Context) -> list[dict]:
     return ctx.runner("delta").run(pts)
 
 
-def cache_sizes(spec: str, n: int) -> list[int]:
+def cache_sizes(spec: str, n: int | None) -> list[int]:
     """The capacities of the cache-size study: ``"default"`` (11 sizes from 1 to N), ``"all"`` (every C = 1..N)
     or a comma-separated list of counts (each in 1..N)."""
     if spec == "default":
@@ -388,8 +388,8 @@ def cache_sizes(spec: str, n: int) -> list[int]:
         sizes = sorted({int(c) for c in spec.split(",") if c.strip()})
     except ValueError:
         raise ValueError(f"--cache-sizes takes 'default', 'all' or comma-separated counts, got {spec!r}") from None
-    if not sizes or sizes[0] < 1 or sizes[-1] > n:
-        raise ValueError(f"--cache-sizes {spec!r}: every size must be in 1..N = {n}")
+    if not sizes or sizes[0] < 1 or (n is not None and sizes[-1] > n):
+        raise ValueError(f"--cache-sizes {spec!r}: every size must be in 1..N" + ("" if n is None else f" = {n}"))
     return sizes
 
 
@@ -569,6 +569,9 @@ def check_args(args: argparse.Namespace) -> tuple[list[str], tuple[str, ...]]:
     evictions = tuple(e.strip() for e in args.evictions.split(",") if e.strip())
     if not evictions or any(e not in EVICTIONS for e in evictions):
         raise ValueError(f"--evictions {args.evictions!r}: expected some of {', '.join(EVICTIONS)}")
+    for flag, limit in (("--mmlu-limit", args.mmlu_limit), ("--gsm8k-limit", args.gsm8k_limit)):
+        if limit is not None and limit < 1:  # checked before any study runs, not when the tasks study comes
+            raise ValueError(f"{flag} must be at least 1, got {limit}")
     if args.points > sweep_points.MAX_POINTS:
         raise ValueError(f"--points {args.points}: at most {sweep_points.MAX_POINTS}")
     if args.points < 1 or args.context < 2 or args.max_tokens < 0 or (args.lifetimes_max_tokens or 0) < 0:
@@ -576,7 +579,7 @@ def check_args(args: argparse.Namespace) -> tuple[list[str], tuple[str, ...]]:
     if args.batch_size is not None and args.batch_size < 1:
         raise ValueError(f"--batch-size must be >= 1, got {args.batch_size}")
     if args.cache_sizes not in ("default", "all"):
-        cache_sizes(args.cache_sizes, 1 << 30)  # the form only; the range is checked against N once loaded
+        cache_sizes(args.cache_sizes, None)  # the form only; the range is checked against N once loaded
     if os.path.lexists(args.out) and not os.path.isdir(args.out):
         raise errors.UsageError(f"--out {args.out} exists and is not a folder")
     return chosen, evictions

@@ -90,8 +90,8 @@ def _size(text: str, spec: str) -> str:
     text = text.strip()
     try:
         cache_lib.parse_capacity(text, 10**9, 1, "layer", 1)  # syntax and sign only; the model checks the range
-    except ValueError as e:
-        raise SweepError(f"--sweep {spec!r}: {e}") from None
+    except ValueError as e:  # the stand-in N is no N of the model: not in the message
+        raise SweepError(f"--sweep {spec!r}: {e}".replace(f"N={10**9}", "N")) from None
     return text
 
 

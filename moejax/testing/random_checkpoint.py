@@ -156,6 +156,9 @@ def write_checkpoint(config: dict, out: str, *, dtype: str = "bfloat16", seed: i
     if dtype not in DTYPES:
         raise ValueError(f"--dtype {dtype!r}: one of {', '.join(DTYPES)}")
     np_dtype = np.dtype(DTYPES[dtype])
+    largest = float(ml_dtypes.finfo(np_dtype).max)
+    if not (math.isfinite(std) and 0 <= std * 10 <= largest):  # normal samples reach ~6.5 σ in a big tensor
+        raise ValueError(f"--std {std} would overflow {dtype} (at most {largest / 10:.3g})")
     plan = tensor_plan(config)
     total = sum(int(np.prod(s, dtype=np.int64)) for _, s, _ in plan) * np_dtype.itemsize
     out = os.path.abspath(os.path.expanduser(out))
