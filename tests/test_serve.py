@@ -149,6 +149,11 @@ def test_seed_makes_sampling_reproducible(server):
     ({"prompt": PROMPT, "moejax": {"routing": "telepathy"}}, 400, "moejax.routing"),
     ({"prompt": PROMPT, "moejax": {"lamda": 0.3}}, 400, "unknown keys"),
     ({"prompt": PROMPT, "moejax": "cache-prior"}, 400, "'moejax' must be an object"),
+    ({"prompt": PROMPT, "moejax": {"lam": 0.3}}, 400, "only applies to routing cache-prior"),
+    ({"prompt": PROMPT, "moejax": {"routing": "max-rank", "max_rank": 99999999999999999999}}, 400, "max_rank"),
+    ({"prompt": PROMPT, "moejax": {"routing": "cache-prior", "delta": -1}}, 400, "delta"),
+    (b'{"prompt": "a\\ud800b", "max_tokens": 2}', 400, "surrogate"),
+    (b"[" * 100000 + b"]" * 100000, 400, "nested too deeply"),
     ({"prompt": PROMPT, "model": "gpt-4"}, 404, "does not exist"),
 ])
 def test_every_bad_request_gets_an_openai_error_object(server, body, status, words):

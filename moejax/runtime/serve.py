@@ -98,7 +98,20 @@ def _routing_override(body: dict) -> dict | None:
     if kind not in routing_lib.KINDS or kind == "learned-prior":
         raise RequestError(f"'moejax.routing' must be one of {[k for k in routing_lib.KINDS if k != 'learned-prior']}"
                            f", got {kind!r}", param="moejax.routing")
-    return dict(extra, routing=kind)
+    out = {"routing": kind}
+    for key, (lo, hi, integer) in OVERRIDE_RANGES.items():
+        if extra.get(key) is None:
+            continue
+        if kind not in cli_options.ROUTING_PARAMS[key][1]:
+            raise RequestError(f"'moejax.{key}' only applies to routing {' / '.join(cli_options.ROUTING_PARAMS[key][1])}"
+                               f", not {kind!r}", param=f"moejax.{key}")
+        out[key] = _number(extra, key, None, lo, hi, integer)
+    return out
+
+
+#: the numeric routing overrides: (low, high, integer); the model checks K-dependent bounds after these
+OVERRIDE_RANGES = {"lam": (-1e6, 1e6, False), "top_j": (0, 1024, True), "max_rank": (0, 1024, True),
+                   "cumsum_p": (0.0, 1.0, False), "prune_h": (0, 1024, True), "delta": (0.0, 1e6, False)}
 
 
 # ------------------------------------------------------------------------------------------------ the API
@@ -310,6 +323,12 @@ def create_app(engine: Engine, dashboard_html: str | None = None):
             body = json.loads(raw or b"null")
         except (json.JSONDecodeError, UnicodeDecodeError) as e:
             raise RequestError(f"the request body is not valid JSON: {e}") from None
+        except RecursionError:
+            raise RequestError("the request body is nested too deeply") from None
+        try:  # "\ud800" escapes parse to lone surrogates, which no tokenizer can encode
+            json.dumps(body, ensure_ascii=False).encode("utf-8")
+        except UnicodeEncodeError:
+            raise RequestError("the request body holds a lone UTF-16 surrogate escape: not text") from None
         if not isinstance(body, dict):
             raise RequestError("the request body must be a JSON object")
         return body

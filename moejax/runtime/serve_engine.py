@@ -16,7 +16,7 @@ from typing import Any, Callable
 import numpy as np
 
 from moejax.experts import routing as routing_lib, trace as trace_lib
-from moejax.runtime import api, decode, simulate
+from moejax.runtime import api, cli_options, decode, simulate
 
 ROUTING_OVERRIDE_KEYS = ("routing", "lam", "top_j", "max_rank", "cumsum_p", "prune_h", "delta")
 TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
@@ -207,6 +207,9 @@ class Engine:
         if override is None:
             return self.policy
         kw = {k: override[k] for k in ROUTING_OVERRIDE_KEYS[1:] if override.get(k) is not None}
+        for key, (default, _) in cli_options.ROUTING_PARAMS.items():  # the command line's defaults (λ = 0.5, p = 0.9)
+            if default is not None:
+                kw.setdefault(key, default)
         try:
             return routing_lib.make_policy(override["routing"], self.model.cfg.top_k, **kw)
         except (ValueError, TypeError) as e:
