@@ -150,6 +150,8 @@ def test_seed_makes_sampling_reproducible(server):
     ({"prompt": PROMPT, "moejax": {"lamda": 0.3}}, 400, "unknown keys"),
     ({"prompt": PROMPT, "moejax": "cache-prior"}, 400, "'moejax' must be an object"),
     ({"prompt": PROMPT, "moejax": {"lam": 0.3}}, 400, "only applies to routing cache-prior"),
+    ({"prompt": PROMPT, "stream": "yes"}, 400, "'stream'"),
+    ({"prompt": PROMPT, "stream_options": 5}, 400, "'stream_options'"),
     ({"prompt": PROMPT, "moejax": {"routing": "max-rank", "max_rank": 99999999999999999999}}, 400, "max_rank"),
     ({"prompt": PROMPT, "moejax": {"routing": "cache-prior", "delta": -1}}, 400, "delta"),
     (b'{"prompt": "a\\ud800b", "max_tokens": 2}', 400, "surrogate"),

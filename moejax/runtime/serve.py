@@ -338,9 +338,15 @@ def create_app(engine: Engine, dashboard_html: str | None = None):
         try:
             body = await read_body(request)
             job = server.job(body, chat)
-            stream = bool(body.get("stream", False))
-            include_usage = bool((body.get("stream_options") or {}).get("include_usage", False)) if isinstance(
-                body.get("stream_options"), (dict, type(None))) else False
+            stream = body.get("stream", False)
+            if not isinstance(stream, bool):
+                raise RequestError(f"'stream' must be true or false, got {stream!r}", param="stream")
+            options = body.get("stream_options")
+            if options is not None and not (isinstance(options, dict)
+                                            and isinstance(options.get("include_usage", False), bool)):
+                raise RequestError("'stream_options' must be an object like {\"include_usage\": true}",
+                                   param="stream_options")
+            include_usage = bool((options or {}).get("include_usage", False))
         except RequestError as e:
             return error(e, endpoint)
         loop = asyncio.get_running_loop()
