@@ -11,6 +11,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -268,6 +269,32 @@ def test_sigterm_and_sigint_stop_the_server_cleanly():
         assert proc.wait(timeout=30) == 0
         with pytest.raises(OSError):
             socket.create_connection(("127.0.0.1", port), timeout=2)
+
+
+def test_ctrl_c_ends_an_open_stream_with_its_last_chunk():
+    """The generation is cancelled when the signal comes: the client gets a finish_reason and [DONE] (it used to
+    be cut off mid-stream after uvicorn's graceful wait, with 'Event loop is closed' tracebacks)."""
+    port = _free_port()
+    proc = _start(port, "--offload", "--bandwidth-gbps", "0.005")  # slow pages: the stream is still open
+    lines: list[str] = []
+
+    def client():
+        req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", headers={"Content-Type": "application/json"},
+                                     data=json.dumps({"prompt": PROMPT, "max_tokens": 1000, "stream": True}).encode())
+        with urllib.request.urlopen(req, timeout=120) as r:
+            lines.extend(line.decode() for line in r)
+
+    reader = threading.Thread(target=client)
+    reader.start()
+    deadline = time.time() + 60
+    while not any(line.startswith("data: {") for line in lines) and time.time() < deadline:
+        time.sleep(0.2)
+    proc.send_signal(signal.SIGINT)
+    reader.join(60)
+    assert proc.wait(timeout=60) == 0
+    chunks = [json.loads(line[6:]) for line in lines if line.startswith("data: {")]
+    assert lines[-2:] == ["data: [DONE]\n", "\n"] and chunks[-1]["choices"][0]["finish_reason"] == "stop"
+    assert "Traceback" not in proc.stderr.read()
 
 
 def test_bad_options_are_one_line_errors(capsys):

@@ -351,7 +351,13 @@ def create_app(engine: Engine, dashboard_html: str | None = None):
             return error(e, endpoint)
         loop = asyncio.get_running_loop()
         events: asyncio.Queue = asyncio.Queue()
-        job.emit = lambda kind, payload: loop.call_soon_threadsafe(events.put_nowait, (kind, payload))
+        def emit(kind, payload):
+            try:
+                loop.call_soon_threadsafe(events.put_nowait, (kind, payload))
+            except RuntimeError:  # the event loop has closed (the server stopped): nobody is listening
+                pass
+
+        job.emit = emit
         try:
             engine.submit(job)
         except RequestError as e:
@@ -532,7 +538,7 @@ def main(argv: list[str] | None = None) -> int:
         return errors.report(e)
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
                             timeout_graceful_shutdown=5, lifespan="off")
-    server = uvicorn.Server(config)
+    server = _server_class()(config, engine)
     print(f"moejax.serve: {engine.name} on http://{args.host}:{args.port} (Ctrl-C stops)", file=sys.stderr,
           flush=True)
     # uvicorn catches SIGINT/SIGTERM, stops accepting, closes open streams, then raises the signal again
@@ -549,6 +555,24 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         engine.close()
     return 0
+
+
+def _server_class():
+    import uvicorn
+
+    class Server(uvicorn.Server):
+        """uvicorn's server, which on Ctrl-C / SIGTERM first cancels the engine's generations: open streams then
+        end with their last chunk and [DONE] within the graceful-shutdown wait instead of being cut off."""
+
+        def __init__(self, config, engine: Engine):
+            super().__init__(config)
+            self.engine = engine
+
+        def handle_exit(self, sig, frame):
+            self.engine.cancel_all()
+            super().handle_exit(sig, frame)
+
+    return Server
 
 
 class _Stopped(Exception):

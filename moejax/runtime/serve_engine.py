@@ -140,6 +140,13 @@ class Engine:
 
     def close(self) -> None:
         """Stop taking work, cancel what runs and waits, and let the worker end."""
+        self.cancel_all()
+        self._queue.put(None)
+        self._thread.join(timeout=30)
+
+    def cancel_all(self) -> None:
+        """Stop taking work and cancel what runs and waits, without waiting: the running generation ends at its
+        next chunk (its stream gets its last chunk and [DONE]), the waiting ones get a 503."""
         self._closing = True
         current = self._current
         if current is not None:
@@ -150,10 +157,10 @@ class Engine:
             except queue.Empty:
                 break
             job.cancelled.set()
+            if job is None:
+                continue
             job.emit("error", RequestError("the server is shutting down", status=503, code="shutting_down"))
             self._slots.release()
-        self._queue.put(None)
-        self._thread.join(timeout=30)
 
     # -- the worker thread
     def _work(self) -> None:
