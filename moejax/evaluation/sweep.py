@@ -302,6 +302,7 @@ class Runner:
         self.model, self.results, self.progress = model, results, progress and distributed.is_leader()
         self.mesh = mesh  # axis "points": a vmapped batch is batch_size points per device, spread over them
         self.batch_size = max(1, int(batch_size)) * distributed.mesh_size(mesh)
+        self.pad_size = self.batch_size  # what ``plan`` pads the batches of a run to
         self.trace_dir = trace_dir
         self.load_text = load_text or perplexity.load_wikitext
         self.reuse = reuse or {}
@@ -360,7 +361,7 @@ class Runner:
                                                offload=p.offload) for p in batch]
         if p0.batch_group() is not None:
             return run_forward_batch(self.model, inp.chunks, inp.text, inp.ids, inp.context, batch,
-                                     self.batch_size, on_chunk, self.mesh)
+                                     self.pad_size, on_chunk, self.mesh)
         return [run_forward_single(self.model, inp.chunks, inp.text, inp.ids, inp.context, p, on_chunk=on_chunk)[0]
                 for p in batch]
 
@@ -398,9 +399,14 @@ class Runner:
         for i, p in enumerate(todo):
             g = p.batch_group()
             groups.setdefault(("batch", g) if g is not None else ("single", i), []).append(p)
+        # a vmapped batch is padded to one size (one program): --batch-size, or less when no group fills it
+        # (a batch of 99999 for 3 points padded to 99999 copies); a multiple of the devices it is spread over
+        largest = max((len(m) for (how, _), m in groups.items() if how == "batch"), default=1)
+        devices = distributed.mesh_size(self.mesh)
+        self.pad_size = min(self.batch_size, -(-largest // devices) * devices)
         batches = []
         for (how, _), members in groups.items():
-            size = self.batch_size if how == "batch" else 1
+            size = self.pad_size if how == "batch" else 1
             batches += [members[i:i + size] for i in range(0, len(members), size)]
         return finished, batches
 
