@@ -63,9 +63,14 @@ def initialize(coordinator: str | None = None, num_processes: int | None = None,
     if coordinator is None:
         raise ValueError("a distributed run needs a coordinator address: --coordinator HOST:PORT or "
                          "JAX_COORDINATOR_ADDRESS (and JAX_NUM_PROCESSES, JAX_PROCESS_ID)")
+    host, _, port = coordinator.rpartition(":")
+    if not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ValueError(f"the coordinator address must be HOST:PORT, got {coordinator!r}")
     if num_processes is None or process_id is None:
         raise ValueError("a distributed run needs the number of processes and this one's id: --num-processes "
                          "and --process-id (or JAX_NUM_PROCESSES and JAX_PROCESS_ID)")
+    if num_processes < 1:
+        raise ValueError(f"the number of processes must be >= 1, got {num_processes}")
     if not 0 <= process_id < num_processes:
         raise ValueError(f"process id {process_id} is not in 0..{num_processes - 1}")
     jax.distributed.initialize(coordinator, num_processes=num_processes, process_id=process_id)

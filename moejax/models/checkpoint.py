@@ -210,7 +210,8 @@ def _refuse_pickles(folder: str) -> None:
 def read_hf_config(folder: str) -> dict:
     path = os.path.join(folder, "config.json")
     if not os.path.isdir(folder):
-        raise CheckpointError(f"model folder {folder} does not exist")
+        raise CheckpointError(f"model folder {folder} " + ("is a file, not a folder" if os.path.exists(folder)
+                                                           else "does not exist"))
     if not os.path.isfile(path):
         raise CheckpointError(f"{folder} has no config.json (nor {FORMAT_FILE}): not a model folder")
     return read_json_object(path, "a model configuration")
@@ -617,7 +618,8 @@ def open_params(folder: str, dtype=None) -> tuple[dict, ModelConfig]:
     version 1 moejax folders are restored whole), as ``dtype`` (default: the checkpoint's own)."""
     folder = os.path.abspath(os.path.expanduser(folder))
     if not os.path.isdir(folder):
-        raise CheckpointError(f"model folder {folder} does not exist")
+        raise CheckpointError(f"model folder {folder} " + ("is a file, not a folder" if os.path.exists(folder)
+                                                           else "does not exist"))
     if is_moejax_folder(folder):
         meta = _read_meta(folder)
         cfg = from_hf(meta["hf_config"])

@@ -249,6 +249,15 @@ def _check_sizes(hf: dict[str, Any]) -> None:
             v = hf.get(k)
             if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < low):
                 raise UnsupportedModelError(f"config.json: {k} must be an integer >= {low}, got {v!r}")
+    for k, low, strict in (("rope_theta", 0.0, True), ("rms_norm_eps", 0.0, False)):
+        v = hf.get(k)
+        if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v)
+                              or v < low or (strict and v == low)):
+            raise UnsupportedModelError(f"config.json: {k} must be a finite number {'>' if strict else '>='} {low:g}, "
+                                        f"got {v!r}")
+    window = hf.get("sliding_window")
+    if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 0):
+        raise UnsupportedModelError(f"config.json: sliding_window must be an integer >= 0 or null, got {window!r}")
     layers = hf.get("num_hidden_layers") or 1
     experts = max(hf.get(k) or 1 for k in ("num_experts", "num_local_experts", "n_routed_experts"))
     for k, v, limit in (("num_hidden_layers", layers, MAX_LAYERS), ("the number of experts", experts, MAX_EXPERTS),
