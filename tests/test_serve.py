@@ -157,6 +157,7 @@ def test_seed_makes_sampling_reproducible(server):
     ({"prompt": PROMPT, "moejax": {"routing": "cache-prior", "delta": -1}}, 400, "delta"),
     (b'{"prompt": "a\\ud800b", "max_tokens": 2}', 400, "surrogate"),
     (b"[" * 100000 + b"]" * 100000, 400, "nested too deeply"),
+    ({"prompt": "x" * (9 << 20)}, 413, "over 8 MiB"),
     ({"prompt": PROMPT, "model": "gpt-4"}, 404, "does not exist"),
 ])
 def test_every_bad_request_gets_an_openai_error_object(server, body, status, words):

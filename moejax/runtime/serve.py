@@ -109,6 +109,9 @@ def _routing_override(body: dict) -> dict | None:
     return out
 
 
+#: the largest request body read: a context of 128k tokens is well under 1 MiB of text
+MAX_BODY_BYTES = 8 << 20
+
 #: the numeric routing overrides: (low, high, integer); the model checks K-dependent bounds after these
 OVERRIDE_RANGES = {"lam": (-1e6, 1e6, False), "top_j": (0, 1024, True), "max_rank": (0, 1024, True),
                    "cumsum_p": (0.0, 1.0, False), "prune_h": (0, 1024, True), "delta": (0.0, 1e6, False)}
@@ -318,9 +321,13 @@ def create_app(engine: Engine, dashboard_html: str | None = None):
         return JSONResponse(e.body(), status_code=500)
 
     async def read_body(request: Request) -> dict:
-        raw = await request.body()
+        raw = bytearray()
+        async for part in request.stream():  # read up to the limit, never a whole oversized body
+            raw += part
+            if len(raw) > MAX_BODY_BYTES:
+                raise RequestError(f"the request body is over {MAX_BODY_BYTES >> 20} MiB", status=413)
         try:
-            body = json.loads(raw or b"null")
+            body = json.loads(bytes(raw) or b"null")
         except (json.JSONDecodeError, UnicodeDecodeError) as e:
             raise RequestError(f"the request body is not valid JSON: {e}") from None
         except RecursionError:
@@ -337,7 +344,7 @@ def create_app(engine: Engine, dashboard_html: str | None = None):
         endpoint = "chat" if chat else "completions"
         try:
             body = await read_body(request)
-            job = server.job(body, chat)
+            job = await asyncio.to_thread(server.job, body, chat)  # tokenising a long prompt: off the event loop
             stream = body.get("stream", False)
             if not isinstance(stream, bool):
                 raise RequestError(f"'stream' must be true or false, got {stream!r}", param="stream")

@@ -32,8 +32,8 @@ class RequestError(ValueError):
 
     @property
     def kind(self) -> str:
-        return {400: "invalid_request_error", 404: "not_found_error", 429: "rate_limit_error"}.get(
-            self.status, "server_error")
+        return {404: "not_found_error", 429: "rate_limit_error"}.get(
+            self.status, "invalid_request_error" if 400 <= self.status < 500 else "server_error")
 
     def body(self) -> dict:
         return {"error": {"message": str(self), "type": self.kind, "param": self.param, "code": self.code}}
