@@ -627,6 +627,9 @@ CASES = [
          ("--cache-size", "cache size"),
          _corpus()),
     Case("train-prior-lr-negative", "train_prior", TP + ("--lr", "-1"), USAGE, ("--lr",), _corpus()),
+    Case("train-prior-too-few-tokens-leaves-no-folder", "train_prior",
+         ("--out", "{tmp}/pr/sub/deeper") + TP[2:] + ("--tokens", "99999999"), USAGE, ("tokens",), _corpus(),
+         tripwires=False),  # refused once the corpus is tokenised (cheap here): the case is the folders
     Case("train-prior-corpus-missing", "train_prior", TP, FAILURE, ("{tmp}/corpus",)),
     Case("train-prior-model-missing", "train_prior", TP[:2] + ("--model", "{tmp}/nope") + TP[4:], FAILURE,
          ("{tmp}/nope",), _corpus()),

@@ -34,10 +34,10 @@ class TaskData:
 
 def _need_str(obj: dict, field: str, where: str) -> str:
     if field not in obj:
-        raise ValueError(f"{where}: missing field {field!r}")
+        raise errors.Failure(f"{where}: missing field {field!r}")
     value = obj[field]
     if not isinstance(value, str) or not value.strip():
-        raise ValueError(f"{where}: field {field!r} must be a non-empty string, got {value!r}")
+        raise errors.Failure(f"{where}: field {field!r} must be a non-empty string, got {value!r}")
     return value
 
 
@@ -64,7 +64,7 @@ def read_jsonl(path: str, parse: Callable[[Any, str], Any], n: int | None = None
             try:
                 obj = json.loads(line)
             except json.JSONDecodeError as e:
-                raise ValueError(f"{where}: invalid JSON ({e.msg} at column {e.colno})") from None
+                raise errors.Failure(f"{where}: invalid JSON ({e.msg} at column {e.colno})") from None
             rows.append(parse(obj, where))
     return rows
 

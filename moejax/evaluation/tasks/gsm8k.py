@@ -9,6 +9,7 @@ from typing import Any
 
 import numpy as np
 
+from moejax.base import errors
 from moejax.runtime import decode
 from moejax.evaluation.tasks.common import (Encoder, N_SAMPLES, Stream, Tally, TaskData, _generation_budget,
     _need_str, fit_prompt)
@@ -28,16 +29,16 @@ class MathProblem:
 def gsm8k_gold(solution: str, where: str) -> str:
     """The number after the last ``####`` of a GSM8K answer, commas removed."""
     if "####" not in solution:
-        raise ValueError(f"{where}: answer has no '#### N' final line")
+        raise errors.Failure(f"{where}: answer has no '#### N' final line")
     gold = solution.rsplit("####", 1)[1].strip().replace(",", "")
     if normalize_number(gold) is None:
-        raise ValueError(f"{where}: final answer {gold!r} after '####' is not a number")
+        raise errors.Failure(f"{where}: final answer {gold!r} after '####' is not a number")
     return gold
 
 
 def _math_problem(obj: Any, where: str) -> MathProblem:
     if not isinstance(obj, dict):
-        raise ValueError(f"{where}: expected a JSON object, got {type(obj).__name__}")
+        raise errors.Failure(f"{where}: expected a JSON object, got {type(obj).__name__}")
     question, solution = _need_str(obj, "question", where), _need_str(obj, "answer", where)
     return MathProblem(question, solution, gsm8k_gold(solution, where))
 

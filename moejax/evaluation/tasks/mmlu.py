@@ -9,6 +9,7 @@ from typing import Any
 
 import numpy as np
 
+from moejax.base import errors
 from moejax.evaluation.tasks.common import (Encoder, Stream, Tally, TaskData, _open_text, fit_prompt,
     score_continuations)
 
@@ -31,14 +32,14 @@ def _mmlu_answer(value: Any, where: str) -> int:
         return LETTERS.index(text.upper())
     if text in ("0", "1", "2", "3"):
         return int(text)
-    raise ValueError(f"{where}: answer {value!r} is out of range (expected 0-3 or A-D)")
+    raise errors.Failure(f"{where}: answer {value!r} is out of range (expected 0-3 or A-D)")
 
 
 def _multiple_choice(subject: str, row: list, where: str) -> MultipleChoice:
     if len(row) != 6:
-        raise ValueError(f"{where}: expected 6 columns (question, 4 choices, answer), got {len(row)}")
+        raise errors.Failure(f"{where}: expected 6 columns (question, 4 choices, answer), got {len(row)}")
     if not str(row[0]).strip():
-        raise ValueError(f"{where}: empty question")
+        raise errors.Failure(f"{where}: empty question")
     return MultipleChoice(subject, str(row[0]), tuple(str(c) for c in row[1:5]), _mmlu_answer(row[5], where))
 
 
@@ -58,7 +59,7 @@ def read_mmlu_csv(path: str, subject: str) -> list[MultipleChoice]:
                     continue  # header
                 rows.append(_multiple_choice(subject, row, where))
         except csv.Error as e:
-            raise ValueError(f"{path}, line {reader.line_num}: malformed CSV ({e})") from None
+            raise errors.Failure(f"{path}, line {reader.line_num}: malformed CSV ({e})") from None
     return rows
 
 

@@ -9,6 +9,7 @@ from typing import Any
 
 import numpy as np
 
+from moejax.base import errors
 from moejax.evaluation.tasks.common import (Encoder, N_SAMPLES, Stream, Tally, TaskData, _generation_budget,
     _need_str, fit_prompt)
 
@@ -22,16 +23,16 @@ class OpenQuestion:
 
 def _open_question(obj: Any, where: str) -> OpenQuestion:
     if not isinstance(obj, dict):
-        raise ValueError(f"{where}: expected a JSON object, got {type(obj).__name__}")
+        raise errors.Failure(f"{where}: expected a JSON object, got {type(obj).__name__}")
     question = _need_str(obj, "question", where)
     if "answer" not in obj:
-        raise ValueError(f"{where}: missing field 'answer'")
+        raise errors.Failure(f"{where}: missing field 'answer'")
     answers = obj["answer"]
     if isinstance(answers, str):
         answers = [answers]
     if (not isinstance(answers, (list, tuple)) or not answers
             or not all(isinstance(a, str) and a.strip() for a in answers)):
-        raise ValueError(f"{where}: field 'answer' must be a non-empty list of strings, got {answers!r}")
+        raise errors.Failure(f"{where}: field 'answer' must be a non-empty list of strings, got {answers!r}")
     return OpenQuestion(question, tuple(answers))
 
 

@@ -8,6 +8,7 @@ from typing import Any
 
 import numpy as np
 
+from moejax.base import errors
 from moejax.evaluation.tasks.common import (Encoder, Stream, Tally, TaskData, _need_str, _open_text, fit_prompt,
     score_continuations)
 
@@ -25,34 +26,34 @@ class TruthfulQuestion:
 def _mc_targets(obj: dict, field: str, where: str) -> tuple[tuple[str, ...], tuple[int, ...]]:
     """``{choice: label}`` (mc_task.json) or ``{"choices": [...], "labels": [...]}`` (HF datasets)."""
     if field not in obj:
-        raise ValueError(f"{where}: missing field {field!r}")
+        raise errors.Failure(f"{where}: missing field {field!r}")
     t = obj[field]
     if isinstance(t, dict) and set(t) == {"choices", "labels"}:
         if len(t["choices"]) != len(t["labels"]):
-            raise ValueError(f"{where}: {field} has {len(t['choices'])} choices but {len(t['labels'])} labels")
+            raise errors.Failure(f"{where}: {field} has {len(t['choices'])} choices but {len(t['labels'])} labels")
         pairs = list(zip(t["choices"], t["labels"]))
     elif isinstance(t, dict):
         pairs = list(t.items())
     else:
-        raise ValueError(f"{where}: {field} must be an object of choice -> 0/1 label, got {type(t).__name__}")
+        raise errors.Failure(f"{where}: {field} must be an object of choice -> 0/1 label, got {type(t).__name__}")
     if not pairs:
-        raise ValueError(f"{where}: {field} has no choices")
+        raise errors.Failure(f"{where}: {field} has no choices")
     for choice, label in pairs:
         if not isinstance(choice, str) or not choice.strip():
-            raise ValueError(f"{where}: {field} has an empty or non-string choice {choice!r}")
+            raise errors.Failure(f"{where}: {field} has an empty or non-string choice {choice!r}")
         if label not in (0, 1):
-            raise ValueError(f"{where}: {field} label of {choice!r} must be 0 or 1, got {label!r}")
+            raise errors.Failure(f"{where}: {field} label of {choice!r} must be 0 or 1, got {label!r}")
     labels = tuple(int(label) for _, label in pairs)
     if sum(labels) == 0:
-        raise ValueError(f"{where}: {field} has no true answer (label 1)")
+        raise errors.Failure(f"{where}: {field} has no true answer (label 1)")
     if field == "mc1_targets" and sum(labels) != 1:
-        raise ValueError(f"{where}: mc1_targets must have exactly one true answer, got {sum(labels)}")
+        raise errors.Failure(f"{where}: mc1_targets must have exactly one true answer, got {sum(labels)}")
     return tuple(c for c, _ in pairs), labels
 
 
 def _truthful_question(obj: Any, where: str) -> TruthfulQuestion:
     if not isinstance(obj, dict):
-        raise ValueError(f"{where}: expected a JSON object, got {type(obj).__name__}")
+        raise errors.Failure(f"{where}: expected a JSON object, got {type(obj).__name__}")
     question = _need_str(obj, "question", where)
     mc1, mc2 = _mc_targets(obj, "mc1_targets", where), _mc_targets(obj, "mc2_targets", where)
     return TruthfulQuestion(question, mc1[0], mc1[1], mc2[0], mc2[1])
@@ -64,7 +65,7 @@ def read_truthfulqa(path: str) -> list[TruthfulQuestion]:
         try:
             items = json.load(f)
         except json.JSONDecodeError as e:
-            raise ValueError(f"{path}, line {e.lineno}: invalid JSON ({e.msg} at column {e.colno})") from None
+            raise errors.Failure(f"{path}, line {e.lineno}: invalid JSON ({e.msg} at column {e.colno})") from None
     if not isinstance(items, list):
         raise ValueError(f"{path}: expected a JSON list of questions, got {type(items).__name__}")
     return [_truthful_question(obj, f"{path}, entry {i}") for i, obj in enumerate(items, 1)]
