@@ -159,7 +159,8 @@ def test_seed_makes_sampling_reproducible(server):
     (b"[" * 100000 + b"]" * 100000, 400, "nested too deeply"),
     ({"prompt": "x" * (9 << 20)}, 413, "over 8 MiB"),
     ({"prompt": PROMPT, "model": "gpt-4"}, 404, "does not exist"),
-])
+], ids=lambda value: repr(value)[:40] if isinstance(value, (bytes, dict, list)) else None)  # short ids: a test's id
+# goes into PYTEST_CURRENT_TEST, and a 200 kB one made the server subprocess's exec fail (E2BIG)
 def test_every_bad_request_gets_an_openai_error_object(server, body, status, words):
     base, _ = server
     code, reply = _post(base + "/v1/completions", body)
