@@ -10,16 +10,32 @@ from moejax.runtime.offload import PREFILLS, OffloadConfig
 from moejax.runtime.simulate import CacheConfig
 
 
+#: the cache flags' defaults (``add_routing_args`` uses them): any other value turns the cache on
+CACHE_DEFAULTS = {"cache_scope": "layer", "eviction": "lru", "cache_init": "empty", "cache_seed": 0, "miss_rank": "1",
+                  "cascade_bits": "8", "quant_group": None}
+#: routing parameters, their defaults (``add_routing_args`` uses them) and the routing kinds that use them
+#: (any other kind refuses them)
+ROUTING_PARAMS = {"lam": (0.5, ("cache-prior",)), "delta": (None, ("cache-prior",)),
+                  "top_j": (None, ("cache-prior", "max-rank", "cumsum")), "max_rank": (None, ("max-rank",)),
+                  "cumsum_p": (0.9, ("cumsum",)), "prune_h": (None, ("pruning",))}
+#: the offload flags that only mean something with --offload, and their defaults (``add_offload_args``)
+OFFLOAD_DEFAULTS = {"paging": "host", "expert_store": "host", "store_dir": None}
+
+
 def add_routing_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("routing policy (DESIGN §2)")
     g.add_argument("--routing", choices=routing_lib.KINDS, default=None,
                    help="expert ranking policy (default: original); any routing option turns the cache on")
-    g.add_argument("--lam", type=float, default=0.5, help="cache-prior strength λ (default 0.5)")
-    g.add_argument("--top-j", type=int, default=None, help="always keep the top-J (default 1 if K=2 else 2)")
-    g.add_argument("--max-rank", type=int, default=None, help="max-rank M (default K)")
-    g.add_argument("--cumsum-p", type=float, default=0.9, help="cumsum probability threshold p (default 0.9)")
-    g.add_argument("--prune-h", type=int, default=None, help="pruning: keep ranks 1..h-1 (default K)")
-    g.add_argument("--delta", type=float, default=None,
+    g.add_argument("--lam", type=float, default=ROUTING_PARAMS["lam"][0],
+                   help="cache-prior strength λ (default 0.5)")
+    g.add_argument("--top-j", type=int, default=ROUTING_PARAMS["top_j"][0],
+                   help="always keep the top-J (default 1 if K=2 else 2)")
+    g.add_argument("--max-rank", type=int, default=ROUTING_PARAMS["max_rank"][0], help="max-rank M (default K)")
+    g.add_argument("--cumsum-p", type=float, default=ROUTING_PARAMS["cumsum_p"][0],
+                   help="cumsum probability threshold p (default 0.9)")
+    g.add_argument("--prune-h", type=int, default=ROUTING_PARAMS["prune_h"][0],
+                   help="pruning: keep ranks 1..h-1 (default K)")
+    g.add_argument("--delta", type=float, default=ROUTING_PARAMS["delta"][0],
                    help="cache-prior: fixed calibrated Δ instead of the running mean of max(z)-min(z)")
     g.add_argument("--prior", default=None, metavar="PATH",
                    help="learned-prior: checkpoint folder written by `python -m moejax.train_prior`")
@@ -29,18 +45,20 @@ def add_routing_args(p: argparse.ArgumentParser) -> None:
                         "of all L·N experts (default 0.5 when a cache is on); or the memory the cached experts "
                         "may take in all ('6GiB', '800MB': with --offload, of device slots); with --offload also "
                         "'auto': the most slots the free memory holds (the default 0.5 shrinks to that if it must)")
-    c.add_argument("--cache-scope", choices=cache_lib.SCOPES, default="layer")
-    c.add_argument("--eviction", choices=cache_lib.ONLINE_EVICTIONS, default="lru",
+    c.add_argument("--cache-scope", choices=cache_lib.SCOPES, default=CACHE_DEFAULTS["cache_scope"])
+    c.add_argument("--eviction", choices=cache_lib.ONLINE_EVICTIONS, default=CACHE_DEFAULTS["eviction"],
                    help="eviction policy (Belady is an offline oracle: use `moejax.trace replay`)")
-    c.add_argument("--cache-init", choices=cache_lib.INITS, default="empty")
-    c.add_argument("--cache-seed", type=errors.seed_arg, default=0, help="seed of --cache-init random")
+    c.add_argument("--cache-init", choices=cache_lib.INITS, default=CACHE_DEFAULTS["cache_init"])
+    c.add_argument("--cache-seed", type=errors.seed_arg, default=CACHE_DEFAULTS["cache_seed"],
+                   help="seed of --cache-init random")
     c.add_argument("--miss", choices=cache_lib.MISS_MODES, default="fetch",
                    help="miss handling: fetch (lossless), drop / substitute / cascade a low-importance miss")
-    c.add_argument("--miss-rank", default="1",
+    c.add_argument("--miss-rank", default=CACHE_DEFAULTS["miss_rank"],
                    help="0-based position (by weight) from which a miss is low-importance; cascade: one per "
                         "tier, e.g. '1,3' with --cascade-bits 8,4 (default 1)")
-    c.add_argument("--cascade-bits", default="8", help="cascade: bit width per tier, 8 and/or 4 (default 8)")
-    c.add_argument("--quant-group", type=int, default=None,
+    c.add_argument("--cascade-bits", default=CACHE_DEFAULTS["cascade_bits"],
+                   help="cascade: bit width per tier, 8 and/or 4 (default 8)")
+    c.add_argument("--quant-group", type=int, default=CACHE_DEFAULTS["quant_group"],
                    help="cascade: quantisation group size along the input axis (default: per channel)")
     c.add_argument("--prefetch", type=float, default=0.0, metavar="F",
                    help="speculative next-layer prefetch of the top round(K·F) predicted experts (0 = off)")
@@ -136,13 +154,13 @@ def add_offload_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("expert offloading (experts in host memory, device slots = the cache)")
     g.add_argument("--offload", action="store_true",
                    help="page experts from host memory into device slots for real (turns the cache on)")
-    g.add_argument("--paging", choices=("host", "jit"), default="host",
+    g.add_argument("--paging", choices=("host", "jit"), default=OFFLOAD_DEFAULTS["paging"],
                    help="host: host-driven between jitted stages (everywhere, bandwidth emulation); "
                         "jit: inside the scanned decode loop from host-memory arrays")
-    g.add_argument("--expert-store", choices=("host", "flash"), default="host",
+    g.add_argument("--expert-store", choices=("host", "flash"), default=OFFLOAD_DEFAULTS["expert_store"],
                    help="host: host memory (pinned_host where the backend has it), read once from the checkpoint; "
                         "flash: paged straight from the checkpoint's own files through their memory map")
-    g.add_argument("--store-dir", default=None,
+    g.add_argument("--store-dir", default=OFFLOAD_DEFAULTS["store_dir"],
                    help="API only: where a model loaded whole writes its flash-tier file (default: a temporary "
                         "folder); the command-line --offload pages from the checkpoint and writes nothing")
     g.add_argument("--bandwidth-gbps", type=float, default=None,
@@ -166,10 +184,10 @@ def offload_from_args(args: argparse.Namespace):
             raise ValueError("--prefill says how an offloaded prompt pages its experts: it needs --offload")
         if getattr(args, "overlap", None) is not None:
             raise ValueError("--overlap says how an offloaded decode step waits for its pages: it needs --offload")
-        for flag, name, default in (("--paging", "paging", "host"), ("--expert-store", "expert_store", "host"),
-                                    ("--store-dir", "store_dir", None)):
+        for name, default in OFFLOAD_DEFAULTS.items():
             if _given(args, name, default):
-                raise ValueError(f"{flag} says where and how experts are offloaded: it needs --offload")
+                raise ValueError(f"--{name.replace('_', '-')} says where and how experts are offloaded: it needs "
+                                 "--offload")
         return None
     if args.overlap is not None and args.paging == "jit":
         raise ValueError("--overlap says how host paging waits for its pages: in-jit paging runs each step as one "
@@ -181,15 +199,6 @@ def offload_from_args(args: argparse.Namespace):
     return OffloadConfig(paging=args.paging, store=args.expert_store, bandwidth_gbps=args.bandwidth_gbps,
                          latency_us=args.latency_us, store_dir=args.store_dir, prefill=args.prefill or "batched",
                          overlap=args.overlap != "off")
-
-
-#: the cache flags' defaults (``add_routing_args``): any other value turns the cache on
-CACHE_DEFAULTS = {"cache_scope": "layer", "eviction": "lru", "cache_init": "empty", "cache_seed": 0, "miss_rank": "1",
-                  "cascade_bits": "8", "quant_group": None}
-#: routing parameters, their defaults and the routing kinds that use them (any other kind refuses them)
-ROUTING_PARAMS = {"lam": (0.5, ("cache-prior",)), "delta": (None, ("cache-prior",)),
-                  "top_j": (None, ("cache-prior", "max-rank", "cumsum")), "max_rank": (None, ("max-rank",)),
-                  "cumsum_p": (0.9, ("cumsum",)), "prune_h": (None, ("pruning",))}
 
 
 def _given(args: argparse.Namespace, name: str, default) -> bool:
