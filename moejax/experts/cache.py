@@ -226,6 +226,16 @@ def parse_byte_size(spec) -> int | None:
     return int(float(m.group(1)) * BYTE_UNITS[unit])
 
 
+def slot_sets(n_layers: int, scope: str) -> int:
+    """How many sets of slots a cache has: one per MoE layer, or the one global pool."""
+    return n_layers if scope == "layer" else 1
+
+
+def capacity_limit(n_experts: int, n_layers: int, scope: str) -> int:
+    """The most slots one set can have: N per layer, L·N in the global pool."""
+    return n_experts if scope == "layer" else n_experts * n_layers
+
+
 def parse_capacity(spec, n_experts: int, n_layers: int = 1, scope: str = "layer",
                    expert_bytes: int | None = None) -> int:
     """Cache capacity as a count of experts.
@@ -238,14 +248,14 @@ def parse_capacity(spec, n_experts: int, n_layers: int = 1, scope: str = "layer"
     """
     if scope not in SCOPES:
         raise ValueError(f"unknown cache scope {scope!r}; expected one of {SCOPES}")
-    limit = n_experts if scope == "layer" else n_experts * n_layers
+    limit = capacity_limit(n_experts, n_layers, scope)
     what = "N" if scope == "layer" else "L*N"
     if str(spec).strip().lower() == "auto":
         raise ValueError("cache size 'auto' is the most device slots the free memory holds: only a model loaded "
                          "for offloading resolves it (Model.resolve_cache)")
     budget = parse_byte_size(spec)
     if budget is not None:
-        return _capacity_of_bytes(spec, budget, limit, n_layers if scope == "layer" else 1, expert_bytes)
+        return _capacity_of_bytes(spec, budget, limit, slot_sets(n_layers, scope), expert_bytes)
     text = str(spec).strip()
     try:
         if text.endswith("%"):
@@ -277,7 +287,8 @@ def _capacity_of_bytes(spec, budget: int, limit: int, sets: int, expert_bytes: i
     one = sets * int(expert_bytes)
     count = budget // one
     if count < 1:
-        per = f"one expert per MoE layer ({sets} × {format_bytes(expert_bytes)})" if sets > 1 else f"one expert ({format_bytes(one)})"
+        per = (f"one expert per MoE layer ({sets} × {format_bytes(expert_bytes)})" if sets > 1
+               else f"one expert ({format_bytes(one)})")
         raise ValueError(f"cache size {spec!r} holds less than {per}: give at least {format_bytes(one)}")
     return int(min(count, limit))
 

@@ -213,8 +213,9 @@ class Model:
     def memory_plan(self, cache: "simulate.CacheConfig", offload, tokens: int | None = None) -> dict | None:
         """What an offloaded run has and needs, in bytes: ``headroom`` (what the device can still allocate,
         ``where`` that limit comes from), ``fixed`` (KV cache of ``tokens`` positions, prompt staging, a host
-        store not read yet when the device is the host, and ``offload.RESERVE_BYTES``) and ``slot_set`` (one
-        slot in every layer, or one in a global pool). None when the device does not say its free memory."""
+        store not read yet when the device is the host, and ``offload.RESERVE_BYTES``), ``slot`` (one slot) and
+        ``slot_set`` (one slot in every layer, or one in a global pool). None when the device does not say its free
+        memory."""
         offload = self._offload(offload)
         device = jax.local_devices()[0]
         if device.platform == "cpu":
@@ -236,10 +237,9 @@ class Model:
         if (device.platform == "cpu" and offload.store == "host" and weights.has_lazy_experts(self.params)
                 and not self._stores):  # the host store will read every expert into this memory
             store = self.cfg.n_moe_layers * self.cfg.n_experts * simulate.expert_bytes(self.params, self.cfg)
-        sets = self.cfg.n_moe_layers if cache.scope == "layer" else 1
         return {"headroom": headroom, "where": where, "kv_cache": kv, "staging": staging, "host_store": store,
                 "reserve": offload_lib.RESERVE_BYTES, "fixed": kv + staging + store + offload_lib.RESERVE_BYTES,
-                "slot_set": sets * slot}
+                "slot": slot, "slot_set": cache_lib.slot_sets(self.cfg.n_moe_layers, cache.scope) * slot}
 
     def _fit_slots(self, cache, offload, tokens, mode: str):
         """``resolve_cache``'s memory check (``mode``: "auto", "check", "shrink")."""
@@ -250,7 +250,7 @@ class Model:
                                  "give a count, a fraction of N or a memory size")
             return dataclasses.replace(cache, fit_checked=True)
         gb = host_memory.format_bytes
-        limit = self.cfg.n_experts if cache.scope == "layer" else self.cfg.n_experts * self.cfg.n_moe_layers
+        limit = cache_lib.capacity_limit(self.cfg.n_experts, self.cfg.n_moe_layers, cache.scope)
         fit = offload_lib.slots_that_fit(plan["headroom"], plan["fixed"], plan["slot_set"], limit)
         store_note = (f"; the host store's own copy of every expert needs {gb(plan['host_store'])} of that "
                       "(--expert-store flash reads them from the checkpoint instead)" if plan["host_store"] else "")
@@ -259,9 +259,10 @@ class Model:
                    "; int8 slots (--expert-dtype int8) take about half the bytes")
         if mode == "auto":
             if fit < self.cfg.top_k:
+                least = plan["fixed"] + self.cfg.top_k * plan["slot_set"]
                 raise ValueError(f"cache size 'auto': {plan['where']} leaves {gb(plan['headroom'])}, and slots for "
-                                 f"K={self.cfg.top_k} experts {per} need {gb(plan['fixed'] + self.cfg.top_k * plan['slot_set'])} "
-                                 f"with the KV cache, staging and a {gb(plan['reserve'])} reserve{store_note}{smaller}")
+                                 f"K={self.cfg.top_k} experts {per} need {gb(least)} with the KV cache, staging and "
+                                 f"a {gb(plan['reserve'])} reserve{store_note}{smaller}")
             return dataclasses.replace(cache, size=str(fit), memory="auto", fit_checked=True)
         count = cache.capacity(self.cfg)
         need = count * plan["slot_set"] + plan["fixed"] - plan["reserve"]
@@ -274,15 +275,14 @@ class Model:
         hint = (f"--cache-size auto picks {fit}" if fit >= self.cfg.top_k
                 else f"with the {gb(plan['reserve'])} that auto holds back not even K={self.cfg.top_k} fit{smaller}")
         raise ValueError(f"cache size {cache.memory or cache.size!r} needs {gb(need)} ({count} slots {per} of "
-                         f"{gb(plan['slot_set'] // (self.cfg.n_moe_layers if cache.scope == 'layer' else 1))}, the KV "
-                         f"cache and staging), but {plan['where']} leaves {gb(plan['headroom'])}{store_note}: {hint}")
+                         f"{gb(plan['slot'])}, the KV cache and staging), but {plan['where']} leaves "
+                         f"{gb(plan['headroom'])}{store_note}: {hint}")
 
     def cache_memory_bytes(self, cache: "simulate.CacheConfig", offload=None) -> int:
         """What the cached experts occupy when the cache is full: capacity × (L per-layer sets, or one pool)
         × ``cached_expert_bytes``."""
-        sets = self.cfg.n_moe_layers if cache.scope == "layer" else 1
         one = self.cached_expert_bytes(offload)
-        return cache.capacity(self.cfg, one) * sets * one
+        return cache.capacity(self.cfg, one) * cache_lib.slot_sets(self.cfg.n_moe_layers, cache.scope) * one
 
     def router_state(self, routing=None, cache: "simulate.CacheConfig | None" = None, offload=None,
                      tokens: int | None = None) -> dict:
