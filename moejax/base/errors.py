@@ -12,6 +12,8 @@ the bottom of the import graph so that every layer can raise these.
 
 from __future__ import annotations
 
+import argparse
+import os
 import sys
 
 USAGE, FAILURE = 2, 1
@@ -33,8 +35,6 @@ HANDLED = (ValueError, OSError)  # what a command's main turns into one line and
 def seed_arg(text: str) -> int:
     """argparse type of every ``--seed``: an integer that fits a 64-bit seed (larger ones overflowed deep in
     JAX with a traceback)."""
-    import argparse
-
     try:
         value = int(text)
     except ValueError:
@@ -47,8 +47,6 @@ def seed_arg(text: str) -> int:
 def print_result(text: str) -> int:
     """Print a command's result on stdout and return its exit status: 0, or ``FAILURE`` with one ``error:`` line
     when stdout cannot take it (a full disk, ``> /dev/full``, a closed pipe) instead of a traceback."""
-    import os
-
     try:
         print(text, flush=True)
         return 0

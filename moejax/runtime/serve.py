@@ -83,6 +83,14 @@ def _unsupported(body: dict) -> None:
             raise RequestError(f"'{key}' is not supported by moejax.serve", param=key)
 
 
+#: the largest request body read: a context of 128k tokens is well under 1 MiB of text
+MAX_BODY_BYTES = 8 << 20
+
+#: the numeric routing overrides: (low, high, integer); the model checks K-dependent bounds after these
+OVERRIDE_RANGES = {"lam": (-1e6, 1e6, False), "top_j": (0, 1024, True), "max_rank": (0, 1024, True),
+                   "cumsum_p": (0.0, 1.0, False), "prune_h": (0, 1024, True), "delta": (0.0, 1e6, False)}
+
+
 def _routing_override(body: dict) -> dict | None:
     extra = body.get("moejax")
     if extra is None:
@@ -108,13 +116,6 @@ def _routing_override(body: dict) -> dict | None:
         out[key] = _number(extra, key, None, lo, hi, integer)
     return out
 
-
-#: the largest request body read: a context of 128k tokens is well under 1 MiB of text
-MAX_BODY_BYTES = 8 << 20
-
-#: the numeric routing overrides: (low, high, integer); the model checks K-dependent bounds after these
-OVERRIDE_RANGES = {"lam": (-1e6, 1e6, False), "top_j": (0, 1024, True), "max_rank": (0, 1024, True),
-                   "cumsum_p": (0.0, 1.0, False), "prune_h": (0, 1024, True), "delta": (0.0, 1e6, False)}
 
 
 # ------------------------------------------------------------------------------------------------ the API
