@@ -16,7 +16,7 @@ import numpy as np
 
 from moejax.base import errors, interrupts
 from moejax.experts import cache as cache_lib, trace as trace_lib
-from moejax.evaluation.plots import new_figure, save_figure
+from moejax.evaluation.plots import figure_stem, new_figure, save_figure
 from moejax.evaluation.records import _eviction_name, EVICTION_ORDER
 
 
@@ -235,6 +235,7 @@ def main(argv: list[str] | None = None) -> int:
     hp.add_argument("--out", required=True, help="output stem: writes STEM.png and STEM.svg")
     args = parser.parse_args(argv)
     try:
+        figure_stem(args.out)
         check_heatmap(args.traces, args.layer, args.cache_size, args.scope)
         paths = trace_heatmap(args.traces, args.layer, args.cache_size, args.out, args.eviction, args.max_tokens,
                               start=args.start, scope=args.scope, init=args.cache_init, seed=args.seed,

@@ -20,6 +20,7 @@ matplotlib is imported only inside the functions that draw (Agg canvas, no pyplo
 from __future__ import annotations
 
 import math
+import os
 from collections import defaultdict
 from pathlib import Path
 from typing import Callable, Sequence
@@ -80,15 +81,20 @@ def new_figure(nrows: int = 1, ncols: int = 1, panel: tuple[float, float] = (5.0
     return fig, fig.subplots(nrows, ncols, squeeze=False)
 
 
-def _stem(stem) -> Path:
-    stem = Path(stem)
+def figure_stem(stem, flag: str = "--out") -> Path:
+    """The path stem of a figure (``fig`` or ``fig.png`` → ``fig``; STEM.png and STEM.svg are written). An
+    empty name or a folder (``''``, ``figs/``) is refused, naming ``flag``."""
+    text = os.fspath(stem)
+    if not text.strip() or text.endswith(os.sep) or Path(text).name in ("", ".", ".."):
+        raise ValueError(f"{flag} {text!r} must name a file stem: STEM.png and STEM.svg are written")
+    stem = Path(text)
     return stem.with_suffix("") if stem.suffix.lower() in (".png", ".svg") else stem
 
 
 def save_figure(fig, stem) -> list[Path]:
     """Write ``stem.png`` and ``stem.svg`` atomically (reproducible: no dates, fixed SVG ids)."""
     matplotlib, _, _ = _mpl()
-    stem = _stem(stem)
+    stem = figure_stem(stem)
     paths = []
     with matplotlib.rc_context({"svg.hashsalt": "moejax", "svg.fonttype": "path"}):
         for ext, meta in (("png", {"Software": None}), ("svg", {"Date": None, "Creator": None})):

@@ -186,21 +186,39 @@ def load_trace(path) -> Trace:
 
 
 def gating_from_spec(spec: dict, n_experts: int):
-    """Build a moejax.models.gating object from a trace's gating spec."""
+    """Build a moejax.models.gating object from a trace's gating spec, checked against the trace's N experts
+    (a damaged spec raises ``TraceError`` naming the field, not a shape error deep inside re-routing)."""
 
     spec = dict(spec)
     kind = spec.pop("kind", "softmax")
-    n = int(spec.pop("n_experts", n_experts))
-    common = dict(normalize=bool(spec.get("normalize", kind == "softmax")), scale=float(spec.get("scale", 1.0)),
-                  norm_eps=float(spec.get("norm_eps", 0.0)))
+    if kind not in ("softmax", "group-limited", "sparsemixer"):
+        raise ValueError(f"unknown gating kind {kind!r}; expected softmax, group-limited or sparsemixer")
+
+    def count(key, default=None, low=1, high=None):
+        v = spec.get(key, default)
+        if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < low or (high is not None and v > high):
+            raise TraceError(f"trace 'gating' {key} must be an integer in [{low}, {high if high is not None else '∞'}]"
+                             f", got {v!r}")
+        return int(v)
+
+    def number(key, default):
+        v = spec.get(key, default)
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+            raise TraceError(f"trace 'gating' {key} must be a finite number, got {v!r}")
+        return float(v)
+
+    n = count("n_experts", n_experts, n_experts, n_experts)
+    common = dict(normalize=bool(spec.get("normalize", kind == "softmax")), scale=number("scale", 1.0),
+                  norm_eps=number("norm_eps", 0.0))
     if kind == "softmax":
-        return gating_lib.SoftmaxTopK(n, int(spec["top_k"]), **common)
+        return gating_lib.SoftmaxTopK(n, count("top_k", high=n), **common)
     if kind == "group-limited":
-        return gating_lib.GroupLimited(n, int(spec["top_k"]), **common, n_group=int(spec["n_group"]),
-                                       topk_group=int(spec["topk_group"]))
-    if kind == "sparsemixer":
-        return gating_lib.SparseMixer(n, int(spec.get("top_k", 2)), float(spec.get("jitter_eps", 0.01)))
-    raise ValueError(f"unknown gating kind {kind!r}; expected softmax, group-limited or sparsemixer")
+        n_group = count("n_group", high=n)
+        if n % n_group:
+            raise TraceError(f"trace 'gating' n_group {n_group} must divide the {n} experts")
+        return gating_lib.GroupLimited(n, count("top_k", high=n), **common, n_group=n_group,
+                                       topk_group=count("topk_group", high=n_group))
+    return gating_lib.SparseMixer(n, count("top_k", 2, high=n), number("jitter_eps", 0.01))
 
 
 # -------------------------------------------------------------------------------------------- replay

@@ -122,8 +122,30 @@ def _yarn_mscale(scale: float, mscale: float = 1.0) -> float:
     return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
 
 
+# rope parameters a rope type reads, checked up front: a zero or a string otherwise fails deep inside the frequency
+# formulas with a bare "math domain error" or "division by zero". (required, > 0) and (optional, >= 0: 0 = default)
+_ROPE_NUMBERS = {"linear": (("factor",), ()),
+                 "longrope": (("original_max_position_embeddings",), ("factor", "attention_factor")),
+                 "yarn": (("original_max_position_embeddings",),
+                          ("factor", "attention_factor", "beta_fast", "beta_slow", "mscale", "mscale_all_dim"))}
+
+
+def _check_rope_parameters(rp: dict[str, Any]) -> None:
+    required, optional = _ROPE_NUMBERS.get(rp["rope_type"], ((), ()))
+    for k in (*required, *optional):
+        v = rp.get(k)
+        if v is None and k in optional:
+            continue
+        positive = k in required or k in ("factor", "attention_factor")
+        if (isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0
+                or (positive and v == 0)):
+            raise UnsupportedModelError(f"config.json: rope_scaling of type {rp['rope_type']} needs {k} to be a "
+                                        f"finite number {'>' if positive else '>='} 0, got {v!r}")
+
+
 def _rope_frequencies(rp: dict[str, Any], dim: int, max_pos: int) -> tuple[np.ndarray, float]:
     """Inverse frequencies and cos/sin scale, mirroring transformers' ``modeling_rope_utils``."""
+    _check_rope_parameters(rp)
     base = float(rp["rope_theta"])
     exponents = np.arange(0, dim, 2, dtype=np.float32) / dim
     kind = rp["rope_type"]
@@ -229,6 +251,11 @@ _NON_NEGATIVE_INT_KEYS = ("shared_expert_intermediate_size", "n_shared_experts",
                           "q_lora_rank", "decoder_sparse_step")
 
 
+# switches read with ``bool()``: a string such as "false" would silently mean true
+_BOOL_KEYS = ("norm_topk_prob", "use_sliding_window", "qkv_bias", "attention_bias", "mlp_bias", "tie_word_embeddings",
+              "lm_head_bias")
+
+
 #: counts far beyond any released model (DeepSeek-V3: 61 layers of 256 experts): a damaged config.json, which
 #: would otherwise make loading build a table of layers × experts tensor names until memory runs out
 MAX_LAYERS, MAX_EXPERTS, MAX_EXPERT_TENSORS = 4096, 1 << 16, 1 << 20
@@ -258,6 +285,13 @@ def _check_sizes(hf: dict[str, Any]) -> None:
     window = hf.get("sliding_window")
     if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 0):
         raise UnsupportedModelError(f"config.json: sliding_window must be an integer >= 0 or null, got {window!r}")
+    for k in _BOOL_KEYS:
+        if hf.get(k) is not None and not isinstance(hf[k], bool):
+            raise UnsupportedModelError(f"config.json: {k} must be true or false, got {hf[k]!r}")
+    only = hf.get("mlp_only_layers")
+    if only is not None and (not isinstance(only, list)
+                             or any(isinstance(i, bool) or not isinstance(i, int) or i < 0 for i in only)):
+        raise UnsupportedModelError(f"config.json: mlp_only_layers must be a list of layer indices, got {only!r}")
     layers = hf.get("num_hidden_layers") or 1
     experts = max(hf.get(k) or 1 for k in ("num_experts", "num_local_experts", "n_routed_experts"))
     for k, v, limit in (("num_hidden_layers", layers, MAX_LAYERS), ("the number of experts", experts, MAX_EXPERTS),

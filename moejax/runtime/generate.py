@@ -50,13 +50,17 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def parse_prompt_ids(text: str) -> list[int]:
+    """``5,17,42`` (spaces and one trailing comma allowed); an empty entry such as ``1,,2`` is refused, since it
+    more likely lost an id than meant nothing."""
+    items = text.replace(" ", "").split(",")
+    if len(items) > 1 and items[-1] == "":
+        items.pop()
+    if items == [""]:
+        raise ValueError("the prompt is empty: --prompt-ids has no token ids")
     try:
-        ids = [int(t) for t in text.replace(" ", "").split(",") if t != ""]
+        return [int(t) for t in items]
     except ValueError:
         raise ValueError(f"--prompt-ids must be comma-separated integers, got {text!r}") from None
-    if not ids:
-        raise ValueError("the prompt is empty: --prompt-ids has no token ids")
-    return ids
 
 
 def is_utf8(text: str) -> bool:

@@ -54,7 +54,11 @@ class CacheConfig:
     fit_checked: bool = False
 
     def capacity(self, cfg: ModelConfig, expert_bytes: int | None = None) -> int:
-        """Slots per layer (per pool in global scope); a memory size needs ``expert_bytes``, one expert's."""
+        """Slots per layer (per pool in global scope); a memory size needs ``expert_bytes``, one expert's.
+        Also checks the miss ranks against this model's K."""
+        if self.miss != "fetch" and max(self.miss_rank) >= cfg.top_k:
+            raise ValueError(f"miss rank {max(self.miss_rank)} is past the last of the K={cfg.top_k} experts a token "
+                             f"uses (positions 0..{cfg.top_k - 1}): no miss would be handled by {self.miss!r}")
         return cache_lib.parse_capacity(self.size, cfg.n_experts, cfg.n_moe_layers, self.scope, expert_bytes)
 
     def miss_config(self) -> cache_lib.MissConfig:
