@@ -84,8 +84,9 @@ def test_sampling_is_seeded_and_top_p_tiny_is_greedy(capsys):
     folder = get_hf_model("qwen3_moe").folder
     args = ["--model", folder, "--prompt-ids", "5,6,7", "--max-new-tokens", "10", "--ignore-eos", "--json"]
     runs = [json.loads(_run(capsys, *args, "--temperature", "1.5", "--seed", s)[1])["token_ids"]
-            for s in ("1", "1", "2")]
+            for s in ("1", "1", "2", str(1 + 2**32), "-1", str(2**32 - 1))]
     assert runs[0] == runs[1] and runs[0] != runs[2]
+    assert runs[3] != runs[0] and runs[4] != runs[5]  # seeds that differ only above bit 32 differ too
     greedy = json.loads(_run(capsys, *args)[1])["token_ids"]
     nucleus = json.loads(_run(capsys, *args, "--temperature", "1.5", "--top-p", "1e-6", "--seed", "3")[1])
     assert nucleus["token_ids"] == greedy

@@ -59,7 +59,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from moejax.base import atomic, compile_cache, distributed, errors, interrupts, paths
+from moejax.base import atomic, compile_cache, distributed, errors, interrupts, paths, seeds
 from moejax.models.gating import descending_order
 from moejax.experts import routing as routing_lib
 from moejax.runtime import api, cli_options, simulate
@@ -121,7 +121,7 @@ class RankHook:
         if self.mode == "drop":
             valid = jnp.broadcast_to(slot < rank - 1, chosen.shape)
         else:
-            base = jax.random.fold_in(jax.random.PRNGKey(self.seed), moe_index)
+            base = jax.random.fold_in(seeds.prng_key(self.seed), moe_index)
             u = jax.vmap(lambda p: jax.random.uniform(jax.random.fold_in(base, p), (n,)))(pos)  # [T, N]
             taken = jnp.any(jnp.arange(n)[None, None, :] == chosen[:, :, None], axis=1)  # [T, N]
             pick = jnp.argmax(jnp.where(taken, -1.0, u), axis=-1).astype(jnp.int32)

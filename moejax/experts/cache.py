@@ -53,6 +53,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from moejax.base import seeds
 from moejax.base.memory import format_bytes
 
 SCOPES = ("layer", "global")
@@ -328,7 +329,7 @@ def init_cache(n_layers: int, n_experts: int, capacity: int, scope: str = "layer
 
 def _fill_random(state: CacheState, capacity: int, seed: int) -> CacheState:
     n_layers, n_experts = state.resident.shape
-    key = jax.random.PRNGKey(seed)
+    key = seeds.prng_key(seed)
     if state.scope == "layer":
         keys = jax.random.split(key, n_layers)
         perms = jax.vmap(lambda k: jax.random.permutation(k, n_experts))(keys)  # [L, N]

@@ -17,6 +17,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from moejax.base import seeds
 from moejax.models import gating
 from moejax.models.config import ModelConfig
 from moejax.models.model import forward, forward_sequential, init_kv
@@ -261,7 +262,7 @@ def generate(params, cfg: ModelConfig, prompt_ids, *, max_new_tokens: int, sampl
     dtype = params["embed"].dtype
     rows = kv_rows(prompt.size, max_new_tokens, chunk)
     kv = init_kv(cfg, kv_bucket(rows) if bucketed else rows, dtype)
-    key = jax.random.PRNGKey(seed)
+    key = seeds.prng_key(seed)
     pieces = prompt_pieces(prompt.size) if bucketed else [int(prompt.size)]
     starts = np.cumsum([0] + pieces[:-1]).tolist()
 

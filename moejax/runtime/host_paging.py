@@ -20,6 +20,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from moejax.base import seeds
 from moejax.models import layout, model as model_lib, quant
 from moejax.models.config import ModelConfig
 from moejax.experts.router import prefetch_step, router_step
@@ -607,7 +608,7 @@ def host_generate(params, cfg: ModelConfig, prompt_ids, router_state: dict, offl
     kv_rows = prompt.size + max_new_tokens + 1
     kv = pager.committed(model_lib.init_kv(cfg, decode.kv_bucket(kv_rows) if bucketed else kv_rows, dtype))
 
-    key = jax.random.PRNGKey(seed)
+    key = seeds.prng_key(seed)
     t_compile = time.perf_counter()
     if warmup and pager.batched_prefill:  # the prompt's programs, from shapes
         pager.compile_prefill(prompt.size, kv, key, sampling, bucketed)

@@ -30,7 +30,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from moejax.base import atomic, errors, interrupts
+from moejax.base import atomic, errors, interrupts, seeds
 from moejax.models import checkpoint
 from moejax.models.config import ModelConfig, from_hf
 from moejax.training import data, recipe
@@ -202,7 +202,7 @@ def train(args: argparse.Namespace) -> dict:
     auto_steps = args.steps == "auto"
     # planned length of the LR schedule: fixed, or (auto) set once the speed is measured after warmup
     total_steps = int(run_prev.get("planned_steps") or 0) if auto_steps else int(args.steps)
-    rng = jax.random.key(args.seed)
+    rng = seeds.prng_key(args.seed, typed=True)
     rng, init_key = jax.random.split(rng)
     params = recipe.init_params(cfg, init_key)
     opt_state = opt.init(params)

@@ -46,7 +46,7 @@ import numpy as np
 import optax
 from jax import lax
 
-from moejax.base import atomic, errors, interrupts
+from moejax.base import atomic, errors, interrupts, seeds
 from moejax.experts import cache as cache_lib, prior as prior_lib, router as router_lib, routing as routing_lib
 from moejax.experts.trace import json_safe
 from moejax.runtime import api, simulate
@@ -221,7 +221,7 @@ def train_one(init: dict, weight: float, z, up, down, m, *, steps: int, batch: i
     """Train one prior from ``init``; returns (params, mean training loss per logged block)."""
     opt = make_optimizer(lr, steps, weight_decay)
     params, opt_state = init, opt.init(init)
-    key = jax.random.key(seed)
+    key = seeds.prng_key(seed, typed=True)
     block = max(1, min(250, steps))
     curve, done = [], 0
     while done < steps:
@@ -356,7 +356,7 @@ def run(args: argparse.Namespace, log=print) -> dict:
     tr = (z_all[:n_train], up_all[:n_train], down_all[:n_train], m_all[:n_train])
     ho = (z_all[n_train:], up_all[n_train:], down_all[n_train:], m_all[n_train:]) if n_train < n_tok else tr
 
-    init = prior_lib.init_params(jax.random.key(args.seed), cfg.n_moe_layers, cfg.n_experts, args.hidden)
+    init = prior_lib.init_params(seeds.prng_key(args.seed, typed=True), cfg.n_moe_layers, cfg.n_experts, args.hidden)
     results = []
     for weight in weights:
         path = os.path.join(args.out, weight_name(weight))
