@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import time
 
 import jax
 import numpy as np
@@ -273,6 +274,67 @@ def test_batches_write_every_point_and_keys_identify_points(lm, data, tmp_path):
         assert rec["time_s"] > 0 and rec["finished_at"].endswith("+00:00")
         assert math.isfinite(rec["ppl"]) and rec["accuracy"] is None
     assert recs[0]["metrics"]["batch_size"] == 2 and set(recs[0]["metrics"]["miss_rate_first_tokens"]) == {"16", "64"}
+
+
+@pytest.mark.skipif(not results_file.PointClaims.available(), reason="no open-file-description locks here")
+def test_point_claims_between_runs(tmp_path):
+    """Claims conflict between runs (two descriptions of the file), survive this run's own appends (which
+    open and close the file), are dropped on release or close; new_records reads only what is new."""
+    path = str(tmp_path / "r.jsonl")
+    a, b = results_file.PointClaims(path), results_file.PointClaims(path)
+    assert a.shared and b.shared
+    assert a.claim(["x", "y"]) == ["x", "y"] and b.claim(["x", "y", "z"]) == ["z"]
+    results_file.append_result(path, _rec("x"))  # a's run appends: its claims stay
+    assert b.claim(["x"]) == [] and [r["key"] for r in b.new_records()] == ["x"] and b.new_records() == []
+    a.release(["x"])
+    assert b.claim(["x"]) == ["x"] and a.claim(["x", "z"]) == []
+    results_file.append_result(path, _rec("w"))
+    with open(path, "ab") as f:
+        f.write(b'{"key": "torn')  # a torn tail is not read until whole
+    assert [r["key"] for r in a.new_records()] == ["x", "w"] and a.new_records() == []
+    a.close()
+    assert b.claim(["y"]) == ["y"]  # a's claims ended with it
+    b.close()
+    empty = str(tmp_path / "sub" / "dir" / "new.jsonl")
+    results_file.PointClaims(empty).close()  # a run that wrote nothing leaves no file or folder it made
+    assert not (tmp_path / "sub").exists() and (tmp_path / "r.jsonl").exists()
+    with pytest.raises(OSError, match="cannot write results file"):
+        results_file.PointClaims(str(tmp_path / "r.jsonl" / "x.jsonl"))
+
+
+@pytest.mark.skipif(not results_file.PointClaims.available(), reason="no open-file-description locks here")
+@pytest.mark.parametrize("other_finishes", [True, False])
+def test_runs_sharing_a_results_file_split_its_points(lm, data, tmp_path, other_finishes):
+    """A point another run holds is not computed here: the runner computes the rest, then waits for that run
+    and takes its record — or, when that run ends without one, computes the point itself."""
+    import threading
+
+    pts = _points(lm, data, [0.0, 0.5, 1.0])
+    results = str(tmp_path / "shared.jsonl")
+    other = results_file.PointClaims(results)
+    assert other.claim([pts[1].key]) == [pts[1].key]
+    runner = _runner(lm, results, batch_size=1)
+    out = {}
+    worker = threading.Thread(target=lambda: out.update(recs=runner.run(pts)))
+    worker.start()
+    deadline = time.monotonic() + 120
+    while len(results_file.load_results(results)) < 2 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert worker.is_alive()  # the two free points are done; it waits for the held one
+    assert {r["key"] for r in results_file.load_results(results)} == {pts[0].key, pts[2].key}
+    theirs = dict(_rec(pts[1].key), sweep={"lam": 0.5}, by="the other run")
+    if other_finishes:
+        results_file.append_result(results, theirs)
+    other.close()
+    worker.join(120)
+    assert not worker.is_alive()
+    keys = [r["key"] for r in results_file.load_results(results)]
+    assert sorted(keys) == sorted(p.key for p in pts)  # every point once
+    assert [r["key"] for r in out["recs"]] == [p.key for p in pts]
+    if other_finishes:
+        assert runner.computed == 2 and runner.by_other_runs == 1 and out["recs"][1] == theirs
+    else:
+        assert runner.computed == 3 and runner.by_other_runs == 0 and out["recs"][1]["ppl"] > 1
 
 
 def test_replay_of_the_original_trace_equals_the_forward_cache(lm, data, tmp_path):

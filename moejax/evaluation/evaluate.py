@@ -174,8 +174,10 @@ def main(argv: list[str] | None = None) -> int:
             else:
                 status = errors.print_result(sweep.format_table(records))
                 if args.results:
-                    print(f"{runner.computed} point(s) computed, {len(records) - runner.computed} already in "
-                          f"{args.results}", file=sys.stderr)
+                    others = f", {runner.by_other_runs} by another run sharing it" if runner.by_other_runs else ""
+                    print(f"{runner.computed} point(s) computed{others}, "
+                          f"{len(records) - runner.computed - runner.by_other_runs} already in {args.results}",
+                          file=sys.stderr)
             return status
         routing = cache = None
         if cli_options.cache_requested(args):

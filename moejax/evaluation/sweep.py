@@ -309,6 +309,7 @@ class Runner:
         self._inputs: dict[tuple, WikitextInput] = {}
         self._traces: dict[tuple, tuple] = {}
         self.computed = 0
+        self.by_other_runs = 0  # points another run sharing the results file computed meanwhile
 
     # -- inputs
     def wikitext(self, point: Point) -> WikitextInput:
@@ -395,24 +396,36 @@ class Runner:
                 continue
             seen.add(p.key)
             (finished if p.key in done else todo).append(done.get(p.key, p))
-        groups: dict[Any, list[Point]] = {}
-        for i, p in enumerate(todo):
-            g = p.batch_group()
-            groups.setdefault(("batch", g) if g is not None else ("single", i), []).append(p)
+        groups = self._groups(todo)
         # a vmapped batch is padded to one size (one program): --batch-size, or less when no group fills it
         # (a batch of 99999 for 3 points padded to 99999 copies); a multiple of the devices it is spread over
         largest = max((len(m) for (how, _), m in groups.items() if how == "batch"), default=1)
         devices = distributed.mesh_size(self.mesh)
         self.pad_size = min(self.batch_size, -(-largest // devices) * devices)
+        return finished, self._batches(groups)
+
+    @staticmethod
+    def _groups(todo: list[Point]) -> dict[Any, list[Point]]:
+        groups: dict[Any, list[Point]] = {}
+        for i, p in enumerate(todo):
+            g = p.batch_group()
+            groups.setdefault(("batch", g) if g is not None else ("single", i), []).append(p)
+        return groups
+
+    def _batches(self, groups: dict[Any, list[Point]]) -> list[list[Point]]:
         batches = []
         for (how, _), members in groups.items():
             size = self.pad_size if how == "batch" else 1
             batches += [members[i:i + size] for i in range(0, len(members), size)]
-        return finished, batches
+        return batches
 
     def run(self, points: list[Point]) -> list[dict]:
         """Records of all ``points`` in their order: read from the results file where done, else computed
-        (or copied from ``reuse``, records of the same key from elsewhere) and appended as they finish."""
+        (or copied from ``reuse``, records of the same key from elsewhere) and appended as they finish.
+
+        Runs sharing one results file split its points (``results.PointClaims``): a point another run is
+        computing is skipped, and at the end waited for and read from the file (computed here only if that
+        run ended without it)."""
         finished, batches = self.plan(points)
         by_key = {r["key"]: r for r in finished}
         total = sum(len(b) for b in batches)
@@ -423,34 +436,80 @@ class Runner:
             bar = tqdm(total=total, unit="pt", file=sys.stderr, desc="sweep", dynamic_ncols=True)
             if finished:
                 bar.write(f"{len(finished)} point(s) already in {self.results}, {total} to go", file=sys.stderr)
+        # runs sharing the file split its points; a multi-process run computes every batch in step instead
+        share = self.results and total and not distributed.is_multiprocess()
+        claims = results_file.PointClaims(self.results) if share else None
+        self._wanted = {p.key for b in batches for p in b}
         try:
+            deferred: list[Point] = []
             for batch in batches:
-                reused = [p for p in batch if p.key in self.reuse]
-                for p in reused:
-                    rec = dict(self.reuse[p.key], **p.record, key=p.key)
-                    rec["metrics"] = dict(rec.get("metrics") or {}, reused_from=self.reuse[p.key].get("study"))
-                    self._emit(rec, by_key, bar)
-                batch = [p for p in batch if p.key not in self.reuse]
-                if not batch:
-                    continue
-                on_chunk = None
-                if bar is not None:
-                    label = ", ".join(f"{k}={_fmt(v)}" for k, v in batch[0].record["sweep"].items()) or batch[0].record["routing"]["kind"]
-
-                    def on_chunk(i, n, label=label, size=len(batch)):
-                        bar.set_postfix_str(f"{label}{' +%d' % (size - 1) if size > 1 else ''} chunk {i}/{n}")
-                start = time.perf_counter()
-                results = self._evaluate(batch, on_chunk)
-                per_point = (time.perf_counter() - start) / len(batch)
-                for p, res in zip(batch, results):
-                    rec = make_record(p, dict(res, batch_size=len(batch)) if len(batch) > 1 else res, per_point)
-                    self.computed += 1
-                    self._emit(rec, by_key, bar)
+                mine = self._claim(batch, claims, by_key, bar)
+                deferred += [p for p in batch if p.key not in by_key and p.key not in mine]
+                self._compute([p for p in batch if p.key in mine], by_key, bar, claims)
+            if claims is not None:  # computed elsewhere: wait for those runs, take their records, compute the rest
+                self._take_records(claims, by_key, bar)
+                claims.wait([p.key for p in deferred if p.key not in by_key])
+                self._take_records(claims, by_key, bar)
+                left = [p for p in deferred if p.key not in by_key]
+                claims.release([p.key for p in deferred if p.key in by_key])
+                for batch in self._batches(self._groups(left)):
+                    self._compute(batch, by_key, bar, claims)
         finally:
+            if claims is not None:
+                claims.close()
             if bar is not None:
                 bar.close()
         keys = dict.fromkeys(p.key for p in points)  # distinct, in order
         return [by_key[k] for k in keys if k in by_key]
+
+    def _claim(self, batch: list[Point], claims, by_key: dict, bar) -> set[str]:
+        """The keys of ``batch`` this run computes now: not done yet (other runs' records appended meanwhile
+        are taken) and not being computed by another run."""
+        if claims is None:
+            return {p.key for p in batch if p.key not in by_key}
+        self._take_records(claims, by_key, bar)
+        mine = set(claims.claim([p.key for p in batch if p.key not in by_key]))
+        # a run appends a point's record before it drops the claim: read again, or a point finished between
+        # the read above and the claim would be computed twice
+        self._take_records(claims, by_key, bar)
+        done = {k for k in mine if k in by_key}
+        claims.release(done)
+        return mine - done
+
+    def _take_records(self, claims, by_key: dict, bar) -> None:
+        for rec in claims.new_records():
+            if rec["key"] not in by_key and rec["key"] in self._wanted:
+                by_key[rec["key"]] = rec
+                self.by_other_runs += 1
+                if bar is not None:
+                    bar.update(1)
+
+    def _compute(self, batch: list[Point], by_key: dict, bar, claims=None) -> None:
+        reused = [p for p in batch if p.key in self.reuse]
+        for p in reused:
+            rec = dict(self.reuse[p.key], **p.record, key=p.key)
+            rec["metrics"] = dict(rec.get("metrics") or {}, reused_from=self.reuse[p.key].get("study"))
+            self._emit(rec, by_key, bar)
+        if claims is not None:
+            claims.release([p.key for p in reused])
+        batch = [p for p in batch if p.key not in self.reuse]
+        if not batch:
+            return
+        on_chunk = None
+        if bar is not None:
+            label = ", ".join(f"{k}={_fmt(v)}" for k, v in batch[0].record["sweep"].items()) or batch[0].record["routing"]["kind"]
+
+            def on_chunk(i, n, label=label, size=len(batch)):
+                bar.set_postfix_str(f"{label}{' +%d' % (size - 1) if size > 1 else ''} chunk {i}/{n}")
+        start = time.perf_counter()
+        results = self._evaluate(batch, on_chunk)
+        per_point = (time.perf_counter() - start) / len(batch)
+        for p, res in zip(batch, results):
+            rec = make_record(p, dict(res, batch_size=len(batch)) if len(batch) > 1 else res, per_point)
+            self.computed += 1
+            self._emit(rec, by_key, bar)
+        if claims is not None:  # after the appends: a run that finds a point unclaimed finds its record too
+            claims.release([p.key for p in batch])
 
     def _emit(self, rec: dict, by_key: dict, bar) -> None:
         if self.results:
