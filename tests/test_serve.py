@@ -264,11 +264,19 @@ def test_engine_carries_one_cache_across_requests_and_routing_overrides(model):
 
 
 def test_sigterm_and_sigint_stop_the_server_cleanly():
+    """Also: a client that goes away in the middle of its request body leaves no traceback in the log."""
     for sig in (signal.SIGTERM, signal.SIGINT):
         port = _free_port()
         proc = _start(port)
+        with socket.create_connection(("127.0.0.1", port), timeout=10) as c:
+            c.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                      b"Content-Length: 1000\r\n\r\n{\"prompt\": ")
+            time.sleep(0.3)
+        assert _get(f"http://127.0.0.1:{port}/health")[0] == 200
         proc.send_signal(sig)
         assert proc.wait(timeout=30) == 0
+        err = proc.stderr.read()
+        assert "Traceback" not in err and "ClientDisconnect" not in err, err
         with pytest.raises(OSError):
             socket.create_connection(("127.0.0.1", port), timeout=2)
 
@@ -310,7 +318,13 @@ def test_bad_options_are_one_line_errors(capsys):
         s.listen()
         proc = subprocess.run([sys.executable, "-m", "moejax.serve", "--port", str(port)], capture_output=True,
                               text=True, timeout=120)
+        # refused before the model loads, and without first saying where it serves
+        assert serve.main(["--model", "/nonexistent/model", "--port", str(port)]) == 1
+        assert "could not listen" in capsys.readouterr().err
     assert proc.returncode == 1 and "could not listen" in proc.stderr and "Traceback" not in proc.stderr
+    assert "http://" not in proc.stderr and proc.stderr.strip().splitlines()[-1].startswith("error:")
+    assert serve.main(["--host", "no-such-host.invalid"]) == 2
+    assert "--host" in capsys.readouterr().err
 
 
 def test_a_failing_model_gets_500_and_the_server_goes_on(tmp_path):

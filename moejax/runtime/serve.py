@@ -37,6 +37,7 @@ import argparse
 import asyncio
 import json
 import signal
+import socket
 import sys
 import time
 import uuid
@@ -302,6 +303,7 @@ def create_app(engine: Engine, dashboard_html: str | None = None):
     from fastapi import FastAPI, Request
     from fastapi.responses import HTMLResponse, JSONResponse, PlainTextResponse, StreamingResponse
     from starlette.exceptions import HTTPException as StarletteHTTPException
+    from starlette.requests import ClientDisconnect
 
     server = Server(engine)
     app = FastAPI(title="moejax", docs_url=None, redoc_url=None, openapi_url=None)
@@ -323,10 +325,13 @@ def create_app(engine: Engine, dashboard_html: str | None = None):
 
     async def read_body(request: Request) -> dict:
         raw = bytearray()
-        async for part in request.stream():  # read up to the limit, never a whole oversized body
-            raw += part
-            if len(raw) > MAX_BODY_BYTES:
-                raise RequestError(f"the request body is over {MAX_BODY_BYTES >> 20} MiB", status=413)
+        try:
+            async for part in request.stream():  # read up to the limit, never a whole oversized body
+                raw += part
+                if len(raw) > MAX_BODY_BYTES:
+                    raise RequestError(f"the request body is over {MAX_BODY_BYTES >> 20} MiB", status=413)
+        except ClientDisconnect:  # the client went away mid-body: answered (to no one) instead of a traceback
+            raise RequestError("the client disconnected before sending the whole body") from None
         try:
             body = json.loads(bytes(raw) or b"null")
         except (json.JSONDecodeError, UnicodeDecodeError) as e:
@@ -517,6 +522,25 @@ def check_args(args: argparse.Namespace) -> None:
         raise ValueError("--served-name is empty")
 
 
+def listening_socket(host: str, port: int) -> socket.socket:
+    """The server's socket, bound before the model loads: a busy port or a bad ``--host`` is one error line
+    before any wait (not after loading, behind a line saying where it serves), and with ``--port 0`` the
+    line says the port the system chose."""
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
+                                                              flags=socket.AI_PASSIVE)[0]
+    except socket.gaierror as e:
+        raise errors.UsageError(f"--host {host!r} is not an address of this machine: {e.strerror}") from None
+    sock = socket.socket(family, kind, proto)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # what uvicorn sets: restart at once
+        sock.bind(address)
+    except OSError as e:
+        sock.close()
+        raise errors.Failure(f"could not listen on {host}:{port}: {e.strerror or e}") from None
+    return sock
+
+
 def build_engine(args: argparse.Namespace) -> Engine:
     offload = cli_options.offload_from_args(args)
     model = api.load(args.model, offload=offload, dtype=args.dtype, **cli_options.weight_kwargs(args))
@@ -535,33 +559,39 @@ def main(argv: list[str] | None = None) -> int:
         print("error: moejax.serve needs its extra: pip install -e '.[serve]' (FastAPI and uvicorn)",
               file=sys.stderr)
         return errors.FAILURE
+    sock = None
     try:
         check_args(args)
+        sock = listening_socket(args.host, args.port)
         engine = build_engine(args)
         app = create_app(engine)
         if args.warmup:
             print(f"moejax.serve: compiling for prompts up to {args.warmup} tokens ...", file=sys.stderr, flush=True)
             print(f"moejax.serve: warm-up took {engine.warm_up(args.warmup):.1f} s", file=sys.stderr, flush=True)
     except errors.HANDLED as e:
+        if sock is not None:
+            sock.close()
         return errors.report(e)
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
                             timeout_graceful_shutdown=5, lifespan="off")
     server = _server_class()(config, engine)
-    print(f"moejax.serve: {engine.name} on http://{args.host}:{args.port} (Ctrl-C stops)", file=sys.stderr,
+    host = f"[{args.host}]" if ":" in args.host else args.host
+    print(f"moejax.serve: {engine.name} on http://{host}:{sock.getsockname()[1]} (Ctrl-C stops)", file=sys.stderr,
           flush=True)
     # uvicorn catches SIGINT/SIGTERM, stops accepting, closes open streams, then raises the signal again
     # with the handlers it found: these, which end the run here with status 0
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, _stop_serving)
     try:
-        server.run()
+        server.run(sockets=[sock])
     except _Stopped:
         pass
-    except SystemExit:  # uvicorn exits during startup when it cannot bind
-        print(f"error: could not listen on {args.host}:{args.port} (in use, or not allowed)", file=sys.stderr)
+    except SystemExit:  # uvicorn exits during startup when it cannot listen
+        print(f"error: could not listen on {args.host}:{args.port}", file=sys.stderr)
         return errors.FAILURE
     finally:
         engine.close()
+        sock.close()
     return 0
 
 
