@@ -506,6 +506,7 @@ CASES = [
                                                         "--limit", "1"), FAILURE, ("/dev/zero",)),
     Case("evaluate-results-is-a-folder", "evaluate", E("--results", "{tmp}/mine"), FAILURE, ("{tmp}/mine",),
          _both(TEXT, BYSTANDER)),
+    Case("evaluate-data-a-device", "evaluate", E()[:3] + ("/dev/null",) + E()[4:], FAILURE, ("/dev/null",)),
     Case("evaluate-sweep-unknown-parameter", "evaluate", E("--sweep", "foo=1,2"), USAGE, ("foo",), TEXT),
     Case("evaluate-sweep-without-values", "evaluate", E("--sweep", "lam="), USAGE, ("lam=",), TEXT),
     Case("evaluate-mmlu-data-empty-folder", "evaluate", ("--model", "default", "--task", "mmlu", "--data",
@@ -640,6 +641,7 @@ CASES = [
     # ----------------------------------------------------------------------------- train_prior
     Case("train-prior-weights-not-numbers", "train_prior", TP + ("--weights", "a,b"), USAGE, ("--weights",), _corpus()),
     Case("train-prior-holdout-above-one", "train_prior", TP + ("--holdout", "1.5"), USAGE, ("--holdout",), _corpus()),
+    Case("train-prior-shards-twice", "train_prior", TP[:-1] + ("0,0",), USAGE, ("--shards",), _corpus()),
     Case("train-prior-shards-not-numbers", "train_prior", TP[:-1] + ("x",), USAGE, ("--shards",), _corpus()),
     Case("train-prior-shard-missing", "train_prior", TP[:-1] + ("5",), USAGE, ("shard 5",), _corpus()),
     Case("train-prior-cache-size-zero", "train_prior", TP + ("--cache-size", "0"), USAGE,

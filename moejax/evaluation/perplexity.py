@@ -35,6 +35,8 @@ def load_wikitext(path: str | None = None) -> str:
         if not text.strip():
             raise errors.Failure(f"{path} holds no text to score")
         return text
+    if os.path.exists(path):  # a folder, a device, a pipe: never read (/dev/zero would fill memory)
+        raise errors.Failure(f"WikiText file {path} is not a regular file")
     if path != WIKITEXT_TEST:
         raise FileNotFoundError(f"WikiText file {path} does not exist")
     try:  # the usual recipe, where the network is there

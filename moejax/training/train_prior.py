@@ -304,6 +304,8 @@ def parse_shards(text: str, corpus_dir: str) -> list[str]:
             raise ValueError(f"shard {i:02d} ({os.path.basename(val_path)}) is the held-out validation split")
         if not 0 <= i < len(train_paths):
             raise ValueError(f"shard {i} does not exist (training shards are 0..{len(train_paths) - 1})")
+        if train_paths[i] in out:
+            raise ValueError(f"--shards names shard {i} twice")
         out.append(train_paths[i])
     return out
 
