@@ -139,6 +139,44 @@ def test_a_size_that_cannot_fit_is_refused_and_the_default_shrinks(monkeypatch, 
     assert got.stats["offload"]["device_memory"]["slots"] == 2 * plan["slot_set"]
 
 
+class _FakeAccelerator:
+    """What ``memory_plan`` reads of an accelerator: its platform, kind and allocator statistics."""
+
+    platform, device_kind = "gpu", "NVIDIA H100 80GB HBM3"
+
+    def __init__(self, stats):
+        self.stats = stats
+
+    def memory_stats(self):
+        return self.stats
+
+
+def test_on_an_accelerator_the_free_memory_is_the_allocators(monkeypatch):
+    """The accelerator branch of the fit check (no GPU here): headroom = bytes_limit - bytes_in_use; no host
+    store counted (it lives in host memory, not the device's); a device that keeps no statistics is unchecked."""
+    m = _offloaded("host")
+    monkeypatch.setattr(api.offload_lib, "RESERVE_BYTES", 0)  # tiny experts: a reserve would dwarf them
+    plan_cpu = m.memory_plan(CacheConfig(), None, 64)
+    monkeypatch.setattr(api.host_memory, "headroom", lambda: pytest.fail("the host's memory was read"))
+    gib = 1 << 30
+    used = 3 * gib
+    free = plan_cpu["kv_cache"] + plan_cpu["staging"] + plan_cpu["reserve"] + 5 * plan_cpu["slot_set"] + 7
+    device = _FakeAccelerator({"bytes_limit": used + free, "bytes_in_use": used})
+    monkeypatch.setattr(api.jax, "local_devices", lambda *a, **k: [device])
+    plan = m.memory_plan(CacheConfig(), None, 64)
+    assert plan["headroom"] == free and plan["host_store"] == 0
+    assert plan["where"].startswith("NVIDIA H100 80GB HBM3 memory (") and plan["slot_set"] == plan_cpu["slot_set"]
+    cc = m.resolve_cache(CacheConfig(size="auto"), tokens=64)
+    assert cc.size == "5" and cc.memory == "auto" and cc.fit_checked
+    with pytest.raises(ValueError, match=r"cache size '7' needs .* NVIDIA H100 80GB HBM3 memory .* auto picks 5"):
+        m.resolve_cache(CacheConfig(size="7"), tokens=64)
+    device.stats = {}  # some backends keep no allocator statistics
+    assert m.memory_plan(CacheConfig(), None, 64) is None
+    assert m.resolve_cache(CacheConfig(size="7"), tokens=64).fit_checked
+    with pytest.raises(ValueError, match="does not say"):
+        m.resolve_cache(CacheConfig(size="auto"), tokens=64)
+
+
 def test_the_host_store_counts_its_copy_of_every_expert(monkeypatch):
     m = _offloaded("host")
     plan = m.memory_plan(CacheConfig(), None, 64)
