@@ -555,3 +555,23 @@ def test_truncated_shard_and_escaping_index_are_named_errors(tmp_path, capsys):
         err = capsys.readouterr().err
         assert rc != 0 and "outside the model folder" in err, err
     assert not (tmp_path / "o1").exists() and not (tmp_path / "o2").exists()
+
+
+def test_a_model_folder_that_cannot_be_read_says_so(tmp_path, monkeypatch):
+    """Without read permission a folder's config.json is invisible: the error is the permission (as root the
+    refusal cannot be produced for real, so the listing is made to fail as it would)."""
+    folder = tmp_path / "locked"
+    folder.mkdir()
+    real = os.listdir
+
+    def listdir(path="."):
+        if os.fspath(path) == str(folder):
+            raise PermissionError(13, "Permission denied", str(folder))
+        return real(path)
+
+    monkeypatch.setattr(checkpoint.os, "listdir", listdir)
+    with pytest.raises(checkpoint.CheckpointError, match=r"cannot read model folder .*locked: Permission denied"):
+        checkpoint.read_hf_config(str(folder))
+    monkeypatch.undo()
+    with pytest.raises(checkpoint.CheckpointError, match="has no config.json"):
+        checkpoint.read_hf_config(str(folder))

@@ -246,7 +246,11 @@ class PointClaims:
     def new_records(self) -> list[dict]:
         """Records appended since the last call (every record on the first call); lines that do not parse
         are skipped here (reading the whole file reports them)."""
-        with open(self.path, "rb") as f:
+        try:
+            f = open(self.path, "rb")
+        except FileNotFoundError:  # moved away meanwhile: the next append makes it again
+            return []
+        with f:
             size = os.fstat(f.fileno()).st_size
             if size < self._end:  # a torn tail was cut off since: read again from the start
                 self._end = 0

@@ -448,7 +448,11 @@ class Runner:
                 self._compute([p for p in batch if p.key in mine], by_key, bar, claims)
             if claims is not None:  # computed elsewhere: wait for those runs, take their records, compute the rest
                 self._take_records(claims, by_key, bar)
-                claims.wait([p.key for p in deferred if p.key not in by_key])
+                waiting = [p.key for p in deferred if p.key not in by_key]
+                if waiting and bar is not None:
+                    bar.write(f"waiting for {len(waiting)} point(s) another run sharing {self.results} is computing",
+                              file=sys.stderr)
+                claims.wait(waiting)
                 self._take_records(claims, by_key, bar)
                 left = [p for p in deferred if p.key not in by_key]
                 claims.release([p.key for p in deferred if p.key in by_key])

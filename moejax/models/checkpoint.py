@@ -213,6 +213,10 @@ def read_hf_config(folder: str) -> dict:
         raise CheckpointError(f"model folder {folder} " + ("is a file, not a folder" if os.path.exists(folder)
                                                            else "does not exist"))
     if not os.path.isfile(path):
+        try:
+            os.listdir(folder)  # a folder this user may not read hides its config.json: say so instead
+        except PermissionError as e:
+            raise CheckpointError(f"cannot read model folder {folder}: {e.strerror}") from None
         raise CheckpointError(f"{folder} has no config.json (nor {FORMAT_FILE}): not a model folder")
     return read_json_object(path, "a model configuration")
 
