@@ -351,3 +351,20 @@ def test_replay_of_the_original_trace_equals_the_forward_cache(lm, data, tmp_pat
     assert lru["ppl"] == pytest.approx(fwd["ppl"], rel=1e-6)
     assert belady["miss_rate"] < lru["miss_rate"] and belady["ppl"] == lru["ppl"]
     assert len(list((tmp_path / "traces").glob("*.npz"))) == 1  # the trace is kept for the next run
+
+
+def test_edited_data_is_a_new_point(lm, tmp_path):
+    """A point's key follows the data's contents, not only its path (a rerun after editing the file used to
+    report the old file's records)."""
+    f = tmp_path / "t.txt"
+    f.write_text(TEXT)
+    first = _points(lm, str(f), [0.5])[0].key
+    assert _points(lm, str(f), [0.5])[0].key == first
+    f.write_text(TEXT + " more words .")
+    assert _points(lm, str(f), [0.5])[0].key != first
+    folder = tmp_path / "task"
+    folder.mkdir()
+    (folder / "a.jsonl").write_text("1\n")
+    d1 = sweep_points.data_digest(str(folder))
+    (folder / "a.jsonl").write_text("2\n")
+    assert sweep_points.data_digest(str(folder)) != d1

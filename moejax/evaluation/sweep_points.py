@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
+import functools
 import hashlib
 import itertools
 import json
@@ -272,6 +273,33 @@ class Point:
         return (self.policy.kind, static)
 
 
+@functools.lru_cache(maxsize=64)
+def _digest(path: str, size: int, mtime_ns: int) -> str:  # noqa: ARG001 - size and mtime key the cache
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def data_digest(path: str) -> str | None:
+    """sha256 of a data file's bytes, or of a data folder's files (names and bytes, in name order); None when
+    there is nothing there (the loader names the problem)."""
+    if os.path.isfile(path):
+        st = os.stat(path)
+        return _digest(path, st.st_size, st.st_mtime_ns)
+    if not os.path.isdir(path):
+        return None
+    h = hashlib.sha256()
+    for root, dirs, files in os.walk(path):
+        dirs.sort()
+        for name in sorted(files):
+            full = os.path.join(root, name)
+            if os.path.isfile(full):
+                h.update(os.path.relpath(full, path).encode() + b"\0" + data_digest(full).encode())
+    return h.hexdigest()
+
+
 def make_point(model, model_name: str, *, task: str = "wikitext", study: str | None = None, data: str | None = None,
                context: int | None = 1024, max_tokens: int | None = None, limit: int | None = None,
                shots: int | None = None, max_new_tokens: int | None = None, routing: dict | None = None,
@@ -290,6 +318,8 @@ def make_point(model, model_name: str, *, task: str = "wikitext", study: str | N
                 "max_tokens": max_tokens, "context": context, "shots": shots, "max_new_tokens": max_new_tokens, "routing": routing,
                 "cache": None if crec is None else {k: v for k, v in crec.items() if k != "size"},
                 "method": method}
+    if data_id is not None:  # the data's contents, not only its path: edited data is evaluated again
+        identity["data_digest"] = data_digest(data_id)
     record = {"study": study, "task": task, "model": model_name, "routing": routing, "cache": crec,
               "sweep": dict(sweep or {}), "method": method}
     if offload is not None:  # real paging: in the identity (and the record) only when on
