@@ -13,6 +13,7 @@ import pytest
 from conftest import get_hf_model, get_moejax_model
 from test_evaluate import TEXT, _word_tokenizer
 
+import moejax
 from moejax.runtime import decode, generate
 
 SUPPORTED = ("mixtral", "phimoe", "qwen2_moe", "qwen3_moe", "olmoe", "deepseek_v2")
@@ -364,3 +365,33 @@ def test_a_result_that_stdout_cannot_take_is_one_error_line():
         proc = subprocess.run([sys.executable, "-m", "moejax.generate", "--prompt-ids", "5,17", "--max-new-tokens", "1",
                                "--json"], stdout=full, stderr=subprocess.PIPE, text=True, timeout=300)
     assert proc.returncode == 1 and proc.stderr == "error: could not write the result to stdout: No space left on device\n"
+
+
+def test_generate_names_a_bad_argument_instead_of_coercing_it():
+    """Floats, bools, strings and ids past int32 used to be truncated or wrapped into other prompts; bad
+    scalars failed deep inside (or ran: seed=1.5 as 1); one stop string was split into characters."""
+    m = moejax.load(get_hf_model("qwen3_moe").folder)
+    for prompt in ([1.7, 2.2], np.array([2**32 + 1, 2]), ["1", "2"], [True, False], "123", [[1, 2]], 5, []):
+        with pytest.raises(ValueError, match="prompt_ids"):
+            m.generate(prompt, max_new_tokens=2)
+    for kw, name in ((dict(seed=1.5), "seed"), (dict(chunk=0), "chunk"), (dict(max_new_tokens="2"), "max_new_tokens"),
+                     (dict(temperature="1"), "temperature"), (dict(on_tokens=5), "on_tokens")):
+        with pytest.raises((TypeError, ValueError), match=name):
+            m.generate([1, 2], **kw)
+    with pytest.raises(ValueError, match="stop strings need a tokenizer"):
+        m.generate([1, 2], stop="8")
+    with pytest.raises(ValueError, match="max_position_embeddings"):
+        m.forward(np.arange(m.cfg.max_position_embeddings + 1) % m.cfg.vocab_size)
+    d = moejax.load("default")
+    ids = d.encode("The history of the city")
+    whole = d.generate(ids, max_new_tokens=20, stop_at_eos=False)
+    one = d.generate(ids, max_new_tokens=20, stop_at_eos=False, stop="zzq.")  # not 'z', 'q', '.'
+    assert one.token_ids == whole.token_ids and one.stats["stopped"] == "max_new_tokens"
+
+
+def test_a_subnormal_top_p_keeps_the_most_likely_token():
+    logits = jnp.asarray([0.1, 3.0, 0.2, -1.0])
+    for top_p in (1e-40, 1e-45, 1e-30):
+        for seed in range(3):
+            got = decode.sample(logits, jax.random.PRNGKey(seed), decode.Sampling(1.0, top_p))
+            assert int(got) == 1

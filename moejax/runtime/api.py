@@ -159,15 +159,27 @@ class Model:
             return self.cfg.eos_token_ids
         return config_lib.eos_token_ids_of(eos, "generation_config.json")
 
-    def _tokens(self, token_ids) -> jax.Array:
-        ids = np.asarray(token_ids)
+    def _ids(self, token_ids, name: str) -> np.ndarray:
+        """``token_ids`` checked, as int32: a non-empty 1-D sequence of integers in the vocabulary (floats,
+        bools, strings and ids past int32 were silently truncated or wrapped)."""
+        if isinstance(token_ids, (str, bytes)):
+            raise ValueError(f"{name} must be token ids, got text {token_ids!r}: encode it first (model.encode)")
+        try:
+            ids = np.asarray(token_ids)
+        except (ValueError, TypeError) as e:
+            raise ValueError(f"{name} must be a 1-D sequence of token ids: {e}") from None
         if ids.ndim != 1 or ids.size == 0:
-            raise ValueError(f"token_ids must be a non-empty 1-D array, got shape {ids.shape}")
-        if not np.issubdtype(ids.dtype, np.integer):
-            raise ValueError(f"token_ids must be integers, got {ids.dtype}")
+            raise ValueError(f"{name} must be a non-empty 1-D sequence of token ids, got shape {ids.shape}")
+        if ids.dtype == bool or not np.issubdtype(ids.dtype, np.integer):
+            raise ValueError(f"{name} must be integers, got {ids.dtype}")
         if ids.min() < 0 or ids.max() >= self.cfg.vocab_size:
-            raise ValueError(f"token ids must be in 0..{self.cfg.vocab_size - 1}")
-        return jnp.asarray(ids, jnp.int32)
+            raise ValueError(f"{name} must be in 0..{self.cfg.vocab_size - 1}, got {ids.min()}..{ids.max()}")
+        return ids.astype(np.int32)
+
+    def _tokens(self, token_ids) -> jax.Array:
+        ids = self._ids(token_ids, "token_ids")
+        self.cfg.check_context(len(ids), "a sequence of length")
+        return jnp.asarray(ids)
 
     def _policy(self, routing):
 
@@ -369,8 +381,15 @@ class Model:
         (offload, host paging): keep the device slots for a next call that continues from ``result.
         router_state`` (``host_paging.host_generate``), as a server carrying one cache does. ``on_cache``: the
         cache as it changes (``decode.generate``; offloaded: token by token)."""
+        prompt_ids = self._ids(prompt_ids, "prompt_ids")
+        _check_generate_args(max_new_tokens, temperature, top_p, seed, chunk,
+                             dict(on_tokens=on_tokens, cancelled=cancelled, on_cache=on_cache))
+        stop = (stop,) if isinstance(stop, str) else tuple(stop or ())  # one string is one stop string
+        if stop and self.tokenizer is None:
+            raise ValueError("stop strings need a tokenizer: this model's output is token ids (their decimal "
+                             "digits would be matched)")
         cfg = dataclasses.replace(self.cfg, eos_token_ids=self.eos_token_ids)
-        stop = decode.Stop(tuple(stop), self.text if stop else None, cancelled)
+        stop = decode.Stop(stop, self.text if stop else None, cancelled)
         router = None
         offload = self._offload(offload)
         if offload is not None:
@@ -398,6 +417,24 @@ class Model:
         if router is not None:
             result.stats["cache"] = simulate.summarize(result.router_state, self.params, self.cfg)
         return result
+
+
+def _check_generate_args(max_new_tokens, temperature, top_p, seed, chunk, callbacks: dict) -> None:
+    """``Model.generate``'s scalar and callback arguments, named when wrong (they failed deep inside, or
+    were silently truncated: seed=1.5 ran as 1)."""
+    for name, v in (("max_new_tokens", max_new_tokens), ("seed", seed), ("chunk", chunk)):
+        if isinstance(v, bool) or not isinstance(v, (int, np.integer)):
+            raise TypeError(f"{name} must be an integer, got {v!r}")
+    if chunk < 1:
+        raise ValueError(f"chunk must be >= 1, got {chunk}")
+    if not -(2**63) <= seed < 2**63:
+        raise ValueError(f"seed {seed} does not fit 64 bits")
+    for name, v in (("temperature", temperature), ("top_p", top_p)):
+        if isinstance(v, bool) or not isinstance(v, (int, float, np.floating, np.integer)):
+            raise TypeError(f"{name} must be a number, got {v!r}")
+    for name, f in callbacks.items():
+        if f is not None and not callable(f):
+            raise TypeError(f"{name} must be a function or None, got {f!r}")
 
 
 def offload_config(offload) -> "offload_lib.OffloadConfig | None":

@@ -48,7 +48,8 @@ def sample(logits: jax.Array, key: jax.Array, sampling: Sampling) -> jax.Array:
     if sampling.top_p < 1:
         order = jnp.argsort(-logits)
         probs = jax.nn.softmax(logits[order])
-        keep_sorted = jnp.cumsum(probs) - probs < sampling.top_p  # always keeps the most likely token
+        # the most likely token always stays (a subnormal top_p, flushed to 0 by XLA, kept none: token 0)
+        keep_sorted = (jnp.cumsum(probs) - probs < sampling.top_p).at[0].set(True)
         keep = jnp.zeros_like(keep_sorted).at[order].set(keep_sorted)
         logits = jnp.where(keep, logits, -jnp.inf)
     return jax.random.categorical(key, logits).astype(jnp.int32)

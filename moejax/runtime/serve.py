@@ -264,8 +264,15 @@ class Server:
         return Job(prompt_ids=ids, max_tokens=max_tokens,
                    temperature=_number(body, "temperature", 0.0, 0.0, 2.0),
                    top_p=_number(body, "top_p", 1.0, 1e-6, 1.0),
-                   seed=_number(body, "seed", 0, -(2 ** 63), 2 ** 63 - 1, integer=True) % (2 ** 32),
-                   stop=_stop_strings(body), routing=_routing_override(body))
+                   seed=_number(body, "seed", 0, -(2 ** 63), 2 ** 63 - 1, integer=True),  # all 64 bits count
+                   stop=self.stop_strings(body), routing=_routing_override(body))
+
+    def stop_strings(self, body: dict) -> tuple[str, ...]:
+        stop = _stop_strings(body)
+        if stop and self.engine.model.tokenizer is None:
+            raise RequestError("this model has no tokenizer: its output is token ids, and stop strings would "
+                               "match their decimal digits", param="stop")
+        return stop
 
     def response(self, chat: bool, rid: str, result: dict, text: str) -> dict:
         n_gen = len(result["token_ids"])
