@@ -320,6 +320,14 @@ class Case:
     tripwires: bool = True  # False: the value is only refused while tracing the model, which is cheap here
 
 
+def _make_big(folder: Path) -> None:
+    """A float32 checkpoint whose weights overflow float16."""
+    from moejax.testing import random_checkpoint
+
+    random_checkpoint.main(["qwen3-30b-a3b", str(folder), "--layers", "1", "--dtype", "float32", "--std", "1e5",
+                            *[f"--set={k}={v}" for k, v in TINY_SETTINGS.items()]])
+
+
 def G(*extra: str, model: str = "{tiny}") -> tuple[str, ...]:
     """generate on the tiny model, one new token."""
     return ("--model", model, "--prompt-ids", "1,2,3", "--max-new-tokens", "1", *extra)
@@ -674,6 +682,8 @@ CASES = [
          ("F33", "model.safetensors"), _model(_header(_set_dtype("F33")))),
     Case("convert-moejax-json-garbage", "convert", ("moejax-to-hf", "{tmp}/mj", "{tmp}/out"), FAILURE,
          ("moejax.json",), _model(lambda f: (f / "moejax.json").write_text("{garbage"), rel="mj")),
+    Case("convert-float16-overflows", "convert", ("hf-to-moejax", "{tmp}/big", "{tmp}/out", "--dtype", "float16"),
+         FAILURE, ("--dtype", "float16"), lambda tmp, tiny: _make_big(tmp / "big")),
     Case("convert-expert-dtype-unknown", "convert", ("hf-to-moejax", "{tiny}", "{tmp}/out", "--expert-dtype", "int4"),
          USAGE, ("--expert-dtype",)),
     Case("convert-moejax-to-moejax-from-hf", "convert", ("moejax-to-moejax", "{tmp}/model", "{tmp}/out"), FAILURE,

@@ -209,6 +209,11 @@ def write_stream(path: str, specs: list[tuple[str, np.dtype, tuple[int, ...]]], 
             done = 0
             for part in chunks(key):
                 part = np.ascontiguousarray(part, dtype=dtype)
+                if part.dtype.kind == "f" or part.dtype.name == "bfloat16":
+                    # a value beyond a narrow dtype's range becomes inf: garbage weights written as success
+                    if not np.isfinite(part.astype(np.float32, copy=False)).all():
+                        raise SafetensorsError(f"tensor {key!r} holds inf or NaN as {dtype}: a value beyond its "
+                                               "range? (convert: keep a wider --dtype)")
                 f.write(part.tobytes())
                 done += part.nbytes
             if done != want:

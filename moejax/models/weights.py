@@ -33,7 +33,8 @@ EXPERTS_PLACEMENTS = ("device", "lazy")
 
 def _copy(file: SafetensorsFile, view: np.ndarray, transposed: bool, dtype) -> np.ndarray:
     """A host copy of a stored view in moejax's orientation, as ``dtype``; the mapped pages are released."""
-    out = np.array(view.T if transposed else view, dtype=dtype, order="C")
+    with np.errstate(over="ignore"):  # an overflowing cast is refused by name where it is written or loaded
+        out = np.array(view.T if transposed else view, dtype=dtype, order="C")
     file.release(view)
     return out
 
