@@ -371,6 +371,8 @@ def test_generate_names_a_bad_argument_instead_of_coercing_it():
     """Floats, bools, strings and ids past int32 used to be truncated or wrapped into other prompts; bad
     scalars failed deep inside (or ran: seed=1.5 as 1); one stop string was split into characters."""
     m = moejax.load(get_hf_model("qwen3_moe").folder)
+    with pytest.raises(ValueError, match="floating type"):  # every weight cast to zeros, failing later
+        moejax.load(get_hf_model("qwen3_moe").folder, dtype="int8")
     for prompt in ([1.7, 2.2], np.array([2**32 + 1, 2]), ["1", "2"], [True, False], "123", [[1, 2]], 5, []):
         with pytest.raises(ValueError, match="prompt_ids"):
             m.generate(prompt, max_new_tokens=2)

@@ -101,7 +101,9 @@ def read_jsonl(path) -> tuple[list[dict], list[str]]:
         where = f"{path}:{i + 1}"
         try:
             obj = json.loads(lines[i])
-        except json.JSONDecodeError as err:
+        except ValueError as err:  # not JSON, or an integer of over 4300 digits
+            if not isinstance(err, json.JSONDecodeError):
+                raise ResultsError(f"{where}: not valid JSON ({err})") from None
             if i == numbered[-1]:
                 notes.append(f"{where}: skipped a truncated last line ({err.msg}; an interrupted write?)")
                 continue

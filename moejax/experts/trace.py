@@ -446,6 +446,15 @@ def _check_synth_args(args) -> None:
         raise ValueError(f"--rho must be a correlation in [-1, 1], got {args.rho}")
     if args.seed < 0:
         raise ValueError(f"--seed must be >= 0, got {args.seed}")
+    values = args.tokens * args.layers * (args.experts if args.logits else args.top_k)
+    if args.experts > MAX_EXPERTS or values > MAX_SYNTH_VALUES:
+        raise ValueError(f"--tokens {args.tokens} × --layers {args.layers} × {'--experts' if args.logits else '--top-k'}"
+                         f" makes {values:,} values per array (at most {MAX_SYNTH_VALUES:,}; --experts at most "
+                         f"{MAX_EXPERTS}): a smaller trace, or several")
+
+
+#: the most values one synthetic trace array may hold (4 GiB as float32): beyond, memory runs out
+MAX_SYNTH_VALUES = 1 << 30
 
 
 def _synth(args) -> int:

@@ -227,7 +227,7 @@ def read_json_object(path: str, what: str) -> dict:
     try:
         with open(path, encoding="utf-8") as f:
             value = json.load(f)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+    except (ValueError, RecursionError) as e:  # not JSON, not UTF-8, an integer of over 4300 digits, too deep
         raise CheckpointError(f"{path} is not valid JSON: {e}") from None
     if not isinstance(value, dict):
         raise CheckpointError(f"{path} must hold a JSON object ({what}), not a {type(value).__name__}")
@@ -243,7 +243,7 @@ def _open_shards(folder: str, index_name: str = "model.safetensors.index.json",
         try:
             with open(index_path) as f:
                 weight_map = json.load(f).get("weight_map", {})
-        except (json.JSONDecodeError, UnicodeDecodeError, AttributeError) as e:
+        except (ValueError, AttributeError) as e:
             raise CheckpointError(f"{index_path}: not a safetensors index ({e})") from None
         if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
             raise CheckpointError(f"{index_path}: 'weight_map' must map tensor names to shard file names")

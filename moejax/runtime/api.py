@@ -479,6 +479,14 @@ def load(path: str, dtype=None, offload=None, layout: str = "serving", weight_dt
     ``shard="experts"``: for models larger than one device, each MoE layer's experts are split over the first
     ``devices`` devices (default all; N must divide evenly), every device reading only its own experts from
     the files, the rest replicated (``moejax.base.distributed``); forward, generate and sweeps then run on all."""
+    if dtype is not None:
+        try:
+            kind = jnp.dtype(dtype)
+        except TypeError:
+            raise ValueError(f"dtype {dtype!r} is not a data type (float32, bfloat16 or float16)") from None
+        if not jnp.issubdtype(kind, jnp.floating):
+            raise ValueError(f"dtype {dtype!r} must be a floating type (float32, bfloat16, float16); int8 weights "
+                             "are weight_dtype='int8'")
     path = resolve_model_path(path)
     offload = offload_config(offload)
     mesh = None

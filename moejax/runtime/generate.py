@@ -57,10 +57,9 @@ def parse_prompt_ids(text: str) -> list[int]:
         items.pop()
     if items == [""]:
         raise ValueError("the prompt is empty: --prompt-ids has no token ids")
-    try:
-        return [int(t) for t in items]
-    except ValueError:
-        raise ValueError(f"--prompt-ids must be comma-separated integers, got {text!r}") from None
+    if not all(t.isascii() and t.lstrip("-").isdigit() for t in items):  # int() also takes "1_0" and "١٢"
+        raise ValueError(f"--prompt-ids must be comma-separated integers, got {text!r}")
+    return [int(t) for t in items]
 
 
 def is_utf8(text: str) -> bool:

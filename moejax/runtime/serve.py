@@ -341,7 +341,7 @@ def create_app(engine: Engine, dashboard_html: str | None = None):
             raise RequestError("the client disconnected before sending the whole body") from None
         try:
             body = json.loads(bytes(raw) or b"null")
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        except ValueError as e:  # bad JSON or UTF-8, an integer of over 4300 digits
             raise RequestError(f"the request body is not valid JSON: {e}") from None
         except RecursionError:
             raise RequestError("the request body is nested too deeply") from None

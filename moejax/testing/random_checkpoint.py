@@ -57,7 +57,7 @@ def preset_config(name: str) -> dict:
     with open(path) as f:
         try:
             config = json.load(f)
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        except ValueError as e:  # bad JSON or UTF-8, an integer of over 4300 digits
             raise errors.Failure(f"{path}: not valid JSON ({e})") from None
     if not isinstance(config, dict):
         raise errors.Failure(f"{path}: a config.json holds a JSON object")

@@ -159,7 +159,7 @@ def read_run(path: str) -> dict:
     try:
         with open(path, encoding="utf-8") as f:
             run = json.load(f)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+    except ValueError as e:  # bad JSON or UTF-8, an integer of over 4300 digits
         raise errors.Failure(f"{path} is not valid JSON: {e}") from None
     if not isinstance(run, dict) or not isinstance(run.get("args"), dict):
         raise errors.Failure(f"{path} is not a training run record (a JSON object with \"args\")")

@@ -65,6 +65,8 @@ def read_jsonl(path: str, parse: Callable[[Any, str], Any], n: int | None = None
                 obj = json.loads(line)
             except json.JSONDecodeError as e:
                 raise errors.Failure(f"{where}: invalid JSON ({e.msg} at column {e.colno})") from None
+            except (ValueError, RecursionError) as e:  # an integer of over 4300 digits, nesting too deep
+                raise errors.Failure(f"{where}: invalid JSON ({e})") from None
             rows.append(parse(obj, where))
     return rows
 

@@ -66,8 +66,10 @@ def read_truthfulqa(path: str) -> list[TruthfulQuestion]:
             items = json.load(f)
         except json.JSONDecodeError as e:
             raise errors.Failure(f"{path}, line {e.lineno}: invalid JSON ({e.msg} at column {e.colno})") from None
+        except (ValueError, RecursionError) as e:  # an integer of over 4300 digits, nesting too deep
+            raise errors.Failure(f"{path}: invalid JSON ({e})") from None
     if not isinstance(items, list):
-        raise ValueError(f"{path}: expected a JSON list of questions, got {type(items).__name__}")
+        raise errors.Failure(f"{path}: expected a JSON list of questions, got {type(items).__name__}")
     return [_truthful_question(obj, f"{path}, entry {i}") for i, obj in enumerate(items, 1)]
 
 
