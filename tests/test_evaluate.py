@@ -219,3 +219,16 @@ def test_merge_offload_sums_counters_and_recomputes_rates():
     assert m["bytes_moved"] == 600 and m["demand_loads"] == 6 and m["transfer_s"] == 0.75
     assert m["tokens"] == 40 and m["bytes_per_token"] == 15.0 and m["tokens_per_s"] == pytest.approx(40 / 1.0)
     assert m["device_memory"] == 9 and m["paging"] == "host" and m["chunks"] == 2
+
+
+def test_perplexity_of_nothing_is_refused_not_perfect():
+    """max_tokens=0 or an empty text scored 0 tokens as ppl 1.0; max_tokens=-5 silently dropped 5 tokens."""
+    import moejax
+    from moejax.evaluation.perplexity import wikitext_perplexity
+
+    m = moejax.load("default")
+    for kw in (dict(max_tokens=0), dict(max_tokens=-5), dict(max_tokens=2.5), dict(context=16.5)):
+        with pytest.raises(ValueError, match="max_tokens|context"):
+            wikitext_perplexity(m, "The city was built .", **{"context": 16, **kw})
+    with pytest.raises(ValueError, match="nothing to predict"):
+        wikitext_perplexity(m, "", context=16)
