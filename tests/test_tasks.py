@@ -495,8 +495,10 @@ def test_prompts_drop_shots_then_truncate_from_the_left_to_fit_the_context():
     train = common.read_jsonl(os.path.join(FIXTURES, "gsm8k", "train.jsonl"), gsm8k._math_problem)
     one = len(tok.encode(gsm8k.gsm8k_prompt(test[0], train[:1])))
     model = FakeModel(reply=_gsm8k_reply, context=one + 20, tokenizer=tok)
-    res = tasks.evaluate_task(model, "gsm8k", os.path.join(FIXTURES, "gsm8k"), limit=1, max_new_tokens=20)
+    with pytest.warns(UserWarning, match="fewer than shots=8: 2-shot"):  # the fixture's train file has 2
+        res = tasks.evaluate_task(model, "gsm8k", os.path.join(FIXTURES, "gsm8k"), limit=1, max_new_tokens=20)
     assert res["shortened"] == 1 and res["mean_shots"] == 1.0 and len(model.calls[0][1]) == one
+    assert res["shots"] == 2  # the record says what was shown, not what was asked
 
 
 def test_cache_state_is_carried_through_every_call_in_order(fake_summary):

@@ -67,9 +67,10 @@ from __future__ import annotations
 
 import os
 import time
+import warnings
 from typing import Any
 
-from moejax.base import paths
+from moejax.base import errors, paths
 from moejax.runtime import simulate as sim
 from moejax.evaluation.tasks.common import Encoder, Stream, TaskData, _file_in, _progress, read_jsonl
 from moejax.evaluation.tasks.gsm8k import _math_problem, run_gsm8k
@@ -103,6 +104,9 @@ def load_task_files(task: str, path: str, shots: int) -> TaskData:
         return TaskData(read_truthfulqa(file), [], [file])
     if task == "nq_open":
         rows = read_jsonl(file, _open_question)
+        if shots >= len(rows):
+            raise errors.UsageError(f"--shots {shots}: {file} holds {len(rows)} question(s), and the shots are taken "
+                                    "from its first rows: none would be left to score")
         return TaskData(rows[shots:], rows[:shots], [file])
     train = os.path.join(os.path.dirname(file), "train.jsonl")
     pool: list = []
@@ -201,6 +205,10 @@ def evaluate_task(model, task: str, data: str | None = None, *, limit: int | Non
     loaded = load_task(task, data, shots)
     if not loaded.examples:
         raise ValueError(f"no {task} examples to score in {', '.join(loaded.files)}")
+    if task == "gsm8k" and len(loaded.shots) < shots:  # a short train file: say how many were really shown
+        warnings.warn(f"gsm8k: {', '.join(loaded.files[1:])} holds {len(loaded.shots)} exemplar(s), fewer than "
+                      f"shots={shots}: {len(loaded.shots)}-shot", stacklevel=2)
+        shots = len(loaded.shots)
     if limit is not None:
         loaded.examples = loaded.examples[:limit]
     stream = Stream(model, routing, cache, state, options)
