@@ -575,3 +575,15 @@ def test_a_model_folder_that_cannot_be_read_says_so(tmp_path, monkeypatch):
     monkeypatch.undo()
     with pytest.raises(checkpoint.CheckpointError, match="has no config.json"):
         checkpoint.read_hf_config(str(folder))
+
+
+def test_a_single_weights_file_wins_over_an_index_as_in_transformers(tmp_path):
+    """A folder with both model.safetensors and an index (a re-save over a sharded one) loads the single file,
+    as transformers does; the index used to win, loading whatever its shards held."""
+    src = get_hf_model("qwen3_moe").folder
+    folder = tmp_path / "both"
+    shutil.copytree(src, folder)
+    (folder / "model.safetensors.index.json").write_text(json.dumps(
+        {"metadata": {}, "weight_map": {"model.embed_tokens.weight": "model-00001-of-00002.safetensors"}}))
+    ids = [3, 5, 7]
+    np.testing.assert_array_equal(moejax.load(str(folder)).forward(ids).logits, moejax.load(src).forward(ids).logits)

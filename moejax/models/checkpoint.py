@@ -239,7 +239,10 @@ def _open_shards(folder: str, index_name: str = "model.safetensors.index.json",
     """Map every tensor key to the (memory-mapped) file holding it; fail on duplicates and broken indexes.
     ``stem``: only files whose names start with it count (the moejax format's ``params*.safetensors``)."""
     index_path = os.path.join(folder, index_name)
-    if os.path.isfile(index_path):
+    single = index_name[:-len(".index.json")]
+    if os.path.isfile(os.path.join(folder, single)):  # transformers' order: the single file wins over an index
+        weight_map, names = None, [single]
+    elif os.path.isfile(index_path):
         try:
             with open(index_path) as f:
                 weight_map = json.load(f).get("weight_map", {})
