@@ -408,6 +408,27 @@ def _check_replay_args(args) -> None:
                          "(softmax, group-limited or sparsemixer)")
     if args.gating is not None and args.routing is None:
         raise ValueError("--gating only applies to re-routing: pass --routing too")
+    kind = args.routing or "original"
+    for name, default, kinds in REPLAY_ROUTING_PARAMS:  # a parameter the kind does not read would change nothing
+        if getattr(args, name) != default and kind not in kinds:
+            raise ValueError(f"{_flag(name)} only applies to --routing {' / '.join(kinds)} (got "
+                             f"{'--routing ' + args.routing if args.routing else 'no --routing'})")
+    if args.seed != 0 and args.cache_init != "random":
+        raise ValueError("--seed only applies with --cache-init random")
+    for name, kinds in (("n_group", ("group-limited",)), ("topk_group", ("group-limited",)),
+                        ("jitter_eps", ("sparsemixer",))):
+        if getattr(args, name) is not None and args.gating not in kinds:
+            raise ValueError(f"{_flag(name)} only applies to --gating {' / '.join(kinds)}")
+    for name in ("scale", "jitter_eps"):
+        v = getattr(args, name)
+        if v is not None and not math.isfinite(v):
+            raise ValueError(f"{_flag(name)} must be a finite number, got {v}")
+
+
+# replay's routing parameters: (name, default, routing kinds that read it)
+REPLAY_ROUTING_PARAMS = (("lam", 0.0, ("cache-prior",)), ("delta", None, ("cache-prior",)),
+                         ("top_j", None, ("cache-prior", "max-rank", "cumsum")), ("max_rank", None, ("max-rank",)),
+                         ("cumsum_p", 0.0, ("cumsum",)), ("prune_h", None, ("pruning",)))
 
 
 def _check_gating_flags(args, n: int) -> None:

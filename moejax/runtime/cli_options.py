@@ -249,6 +249,13 @@ def cache_from_args(args: argparse.Namespace, model=None, offload=None, tokens: 
                       cascade_bits=_int_list(args.cascade_bits, "--cascade-bits"), quant_group=args.quant_group,
                       prefetch=args.prefetch, prefetch_percentile=args.prefetch_percentile)
     cfg.miss_config(), cfg.prefetch_config()  # bad values fail here, with the option's own message
+    for name, flag, needs, ok in (("cascade_bits", "--cascade-bits", "--miss cascade", args.miss == "cascade"),
+                                  ("quant_group", "--quant-group", "--miss cascade", args.miss == "cascade"),
+                                  ("miss_rank", "--miss-rank", "--miss drop / substitute / cascade",
+                                   args.miss != "fetch"),
+                                  ("cache_seed", "--cache-seed", "--cache-init random", args.cache_init == "random")):
+        if _given(args, name, CACHE_DEFAULTS[name]) and not ok:  # it would change nothing: say so
+            raise ValueError(f"{flag} only applies with {needs}")
     if model is None:
         return cfg
     return model.resolve_cache(cfg, offload, tokens, shrink_to_fit=args.cache_size is None)
