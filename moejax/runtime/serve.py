@@ -77,11 +77,18 @@ def _stop_strings(body: dict) -> tuple[str, ...]:
 def _unsupported(body: dict) -> None:
     """Refuse what the engine does not do rather than silently ignore it."""
     for key in ("n", "best_of"):
-        if body.get(key) not in (None, 1):
+        if body.get(key) is not None and (isinstance(body[key], bool) or body[key] != 1):  # true == 1 in Python
             raise RequestError(f"'{key}' must be 1: the engine runs one sequence per request", param=key)
     for key in ("logprobs", "top_logprobs", "echo", "suffix", "tools", "functions", "logit_bias"):
         if body.get(key):
             raise RequestError(f"'{key}' is not supported by moejax.serve", param=key)
+    for key, neutral in (("frequency_penalty", 0), ("presence_penalty", 0), ("repetition_penalty", 1)):
+        if body.get(key) is not None and (isinstance(body[key], bool) or body[key] != neutral):
+            raise RequestError(f"'{key}' is not supported by moejax.serve (only {neutral}, no penalty)", param=key)
+    fmt = body.get("response_format")
+    if fmt is not None and fmt != {"type": "text"}:
+        raise RequestError("'response_format' is not supported by moejax.serve (only {\"type\": \"text\"})",
+                           param="response_format")
 
 
 #: the largest request body read: a context of 128k tokens is well under 1 MiB of text
@@ -256,6 +263,9 @@ class Server:
                                "and at least one must be left to generate", param="messages" if chat else "prompt",
                                code="context_length_exceeded")
         room = self.context - len(ids)
+        if not chat and body.get("max_completion_tokens") is not None:  # a chat field: here it was ignored
+            raise RequestError("'max_completion_tokens' belongs to /v1/chat/completions; completions take 'max_tokens'",
+                               param="max_completion_tokens")
         key = "max_completion_tokens" if chat and body.get("max_completion_tokens") is not None else "max_tokens"
         max_tokens = _number(body, key, min(256, room) if chat else 16, 1, self.context, integer=True)
         if max_tokens > room:
