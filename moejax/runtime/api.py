@@ -173,7 +173,8 @@ class Model:
         if ids.dtype == bool or not np.issubdtype(ids.dtype, np.integer):
             raise ValueError(f"{name} must be integers, got {ids.dtype}")
         if ids.min() < 0 or ids.max() >= self.cfg.vocab_size:
-            raise ValueError(f"{name} must be in 0..{self.cfg.vocab_size - 1}, got {ids.min()}..{ids.max()}")
+            bad = ids[(ids < 0) | (ids >= self.cfg.vocab_size)][0]
+            raise ValueError(f"{name}: token id {bad} is outside the vocabulary (0..{self.cfg.vocab_size - 1})")
         return ids.astype(np.int32)
 
     def _tokens(self, token_ids) -> jax.Array:
