@@ -283,9 +283,3 @@ class PointClaims:
                     os.rmdir(folder)
                 except OSError:  # something else was put there meanwhile
                     break
-
-    def __enter__(self) -> PointClaims:
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()

@@ -23,6 +23,9 @@ import jax.numpy as jnp
 from moejax.experts import prior as prior_lib
 
 KINDS = ("original", "pruning", "max-rank", "cumsum", "cache-prior", "learned-prior")
+#: each policy parameter and the kinds that read it (``make_policy``): any other kind would ignore it
+PARAM_KINDS = {"lam": ("cache-prior",), "delta": ("cache-prior",), "top_j": ("cache-prior", "max-rank", "cumsum"),
+               "max_rank": ("max-rank",), "cumsum_p": ("cumsum",), "prune_h": ("pruning",)}
 
 
 def default_top_j(top_k: int) -> int:

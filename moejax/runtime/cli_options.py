@@ -15,9 +15,8 @@ CACHE_DEFAULTS = {"cache_scope": "layer", "eviction": "lru", "cache_init": "empt
                   "cascade_bits": "8", "quant_group": None}
 #: routing parameters, their defaults (``add_routing_args`` uses them) and the routing kinds that use them
 #: (any other kind refuses them)
-ROUTING_PARAMS = {"lam": (0.5, ("cache-prior",)), "delta": (None, ("cache-prior",)),
-                  "top_j": (None, ("cache-prior", "max-rank", "cumsum")), "max_rank": (None, ("max-rank",)),
-                  "cumsum_p": (0.9, ("cumsum",)), "prune_h": (None, ("pruning",))}
+ROUTING_PARAMS = {name: (default, routing_lib.PARAM_KINDS[name]) for name, default in (
+    ("lam", 0.5), ("delta", None), ("top_j", None), ("max_rank", None), ("cumsum_p", 0.9), ("prune_h", None))}
 #: the offload flags that only mean something with --offload, and their defaults (``add_offload_args``)
 OFFLOAD_DEFAULTS = {"paging": "host", "expert_store": "host", "store_dir": None}
 
