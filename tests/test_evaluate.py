@@ -15,7 +15,7 @@ from conftest import VOCAB, get_hf_model
 
 import moejax
 from moejax.experts import routing
-from moejax.runtime import simulate
+from moejax.runtime import offload, simulate
 from moejax.evaluation import evaluate, perplexity, sweep
 
 TEXT = (" = Valkyria = \n\n The game began development in 2010 , carrying over a large portion of the work . "
@@ -214,11 +214,12 @@ def test_merge_offload_sums_counters_and_recomputes_rates():
     chunks = [(10, {"paging": "host", "bytes_moved": 400, "demand_loads": 4, "transfer_s": 0.5, "tokens_per_s": 20.0,
                     "bytes_per_token": 40.0, "device_memory": 7}),
               (30, {"paging": "host", "bytes_moved": 200, "demand_loads": 2, "transfer_s": 0.25, "tokens_per_s": 60.0,
-                    "bytes_per_token": 6.7, "device_memory": 9})]
-    m = perplexity.merge_offload(chunks)
+                    "bytes_per_token": 6.7, "device_memory": 9, "bytes_per_decode_token": 3.0})]
+    m = offload.merge_summaries(chunks)
     assert m["bytes_moved"] == 600 and m["demand_loads"] == 6 and m["transfer_s"] == 0.75
     assert m["tokens"] == 40 and m["bytes_per_token"] == 15.0 and m["tokens_per_s"] == pytest.approx(40 / 1.0)
     assert m["device_memory"] == 9 and m["paging"] == "host" and m["chunks"] == 2
+    assert "bytes_per_decode_token" not in m  # one call's rate, not the evaluation's
 
 
 def test_perplexity_of_nothing_is_refused_not_perfect():

@@ -17,7 +17,7 @@ import jax
 import numpy as np
 import pytest
 
-from moejax.runtime import simulate
+from moejax.runtime import offload, simulate
 from moejax.evaluation import tasks
 from moejax.evaluation.tasks import common, gsm8k, mmlu, nq_open, truthfulqa
 
@@ -619,3 +619,19 @@ def test_default_model_gsm8k_generation_carries_the_cache_like_chained_generate_
     # generate donates (deletes) arrays of the state it gets; the caller's state is left intact
     assert not any(x.is_deleted() for x in jax.tree_util.tree_leaves(state) if isinstance(x, jax.Array))
     assert simulate.summarize(state, m.params, m.cfg) == res["cache"]
+
+
+def test_task_with_offload_reports_what_the_paging_moved_over_every_call(default_model):
+    """``offload=`` pages the experts for real in every forward of the task; the result gains one ``offload``
+    summary over all of them (as WikiText's chunks get one), where before it had none."""
+    m = default_model
+    res = tasks.evaluate_task(m, "mmlu", os.path.join(FIXTURES, "mmlu"), shots=0, limit=2, routing="original",
+                              cache=simulate.CacheConfig(size="0.5"), offload=offload.OffloadConfig())
+    off = res["offload"]
+    assert off["paging"] == "host" and off["chunks"] == 2 and off["tokens"] == res["tokens"]
+    pages = off["prefill_pages"] + off["demand_loads"] + off["prefetch_loads"]
+    assert pages > 0 and off["bytes_moved"] == pages * off["expert_bytes"]
+    assert off["bytes_per_token"] == off["bytes_moved"] / res["tokens"]
+    plain = tasks.evaluate_task(m, "mmlu", os.path.join(FIXTURES, "mmlu"), shots=0, limit=2, routing="original",
+                                cache=simulate.CacheConfig(size="0.5"))
+    assert "offload" not in plain and plain["predicted_letters"] == res["predicted_letters"]

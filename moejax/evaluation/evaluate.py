@@ -74,6 +74,16 @@ def offload_from_args(args: argparse.Namespace):
     return cli_options.offload_from_args(args) if hasattr(cli_options, "offload_from_args") else None
 
 
+# The options each task reads; any other is refused rather than silently ignored.
+TASK_OPTIONS = {
+    "wikitext": ("context", "max_tokens"),
+    "mmlu": ("limit", "shots"),
+    "gsm8k": ("limit", "shots", "max_new_tokens"),
+    "truthfulqa": ("limit",),
+    "nq_open": ("limit", "shots", "max_new_tokens"),
+}
+
+
 def _check_args(args: argparse.Namespace) -> None:
     for name in ("max_tokens", "limit", "shots", "max_new_tokens", "batch_size"):
         value = getattr(args, name)
@@ -81,6 +91,16 @@ def _check_args(args: argparse.Namespace) -> None:
             raise ValueError(f"--{name.replace('_', '-')} must be >= {0 if name == 'shots' else 1}, got {value}")
     if args.context is not None and args.context < 2:
         raise ValueError(f"--context must be at least 2 tokens, got {args.context}")
+    for name in ("context", "max_tokens", "limit", "shots", "max_new_tokens"):
+        if getattr(args, name) is not None and name not in TASK_OPTIONS[args.task]:
+            reads = ", ".join("--" + n.replace("_", "-") for n in TASK_OPTIONS[args.task])
+            raise errors.UsageError(f"--{name.replace('_', '-')} does not apply to --task {args.task} "
+                                    f"(it reads {reads})")
+    if not (args.sweep or args.results):
+        for name in ("batch_size", "study"):
+            if getattr(args, name) is not None:
+                raise errors.UsageError(f"--{name.replace('_', '-')} applies to sweeps and results files: "
+                                        "pass --sweep or --results with it")
 
 
 def build_points(args: argparse.Namespace, model: api.Model) -> list[sweep_points.Point]:

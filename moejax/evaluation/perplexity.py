@@ -19,6 +19,7 @@ import numpy as np
 
 from moejax.base import errors, paths
 from moejax.runtime import api, simulate
+from moejax.runtime import offload as offload_lib
 
 WIKITEXT_TEST = paths.WIKITEXT2_TEST
 
@@ -161,22 +162,5 @@ def perplexity_of_ids(model: api.Model, text: str, ids: np.ndarray, context: int
                       lifetime_std=stats["lifetime_std"], bytes_per_token=stats.get("bytes_per_token"),
                       cache=stats)
     if offload_chunks:
-        result["offload"] = merge_offload(offload_chunks)
+        result["offload"] = offload_lib.merge_summaries(offload_chunks)
     return result
-
-
-OFFLOAD_ADDITIVE = ("bytes_moved", "demand_loads", "prefetch_loads", "low_bit_loads", "transfer_s", "compute_wait_s")
-
-
-def merge_offload(chunks: list[tuple[int, dict]]) -> dict[str, Any]:
-    """One offload summary over the chunks of an evaluation: counters and times summed, bytes and tokens per
-    second recomputed over all tokens, everything else (configuration, device memory) from the last chunk."""
-    tokens = sum(n for n, _ in chunks)
-    out = {k: v for k, v in chunks[-1][1].items() if k not in ("bytes_per_token", "achieved_gbps", "tokens_per_s")}
-    for key in OFFLOAD_ADDITIVE:
-        if any(key in c for _, c in chunks):
-            out[key] = sum(c.get(key) or 0 for _, c in chunks)
-    seconds = [n / c["tokens_per_s"] for n, c in chunks if c.get("tokens_per_s")]
-    out.update(tokens=tokens, chunks=len(chunks), bytes_per_token=out.get("bytes_moved", 0) / max(tokens, 1),
-               tokens_per_s=tokens / sum(seconds) if len(seconds) == len(chunks) and sum(seconds) > 0 else None)
-    return out

@@ -23,6 +23,7 @@ weights + slots × expert bytes + KV cache + low-bit staging).
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 from moejax.models.config import ModelConfig
 from moejax.experts import cache as cache_lib
@@ -101,3 +102,27 @@ def check_capacity(cfg: ModelConfig, cache_state: cache_lib.CacheState) -> None:
     if cache_state.eviction in cache_lib.OFFLINE_EVICTIONS:
         raise ValueError(f"{cache_state.eviction} is an offline oracle over a recorded trace; "
                          "it cannot drive real offloading")
+
+
+# Counters and times of one call's summary that add up over calls; the per-call rates that cannot be
+# recombined from a summary (per decode token, achieved GB/s) are dropped, tokens/s and bytes/token recomputed.
+OFFLOAD_ADDITIVE = ("bytes_moved", "demand_loads", "prefetch_loads", "low_bit_loads", "transfer_s", "compute_wait_s",
+                    "prefill_pages", "pages_in_place", "overlapped_steps", "bytes_moved_prefill",
+                    "storage_read_bytes_prefill")
+OFFLOAD_PER_CALL_RATES = ("bytes_per_token", "achieved_gbps", "tokens_per_s", "bytes_per_decode_token",
+                          "storage_read_per_decode_token")
+
+
+def merge_summaries(calls: list[tuple[int, dict]]) -> dict[str, Any]:
+    """One offload summary over the calls of an evaluation (WikiText chunks, task prompts and generations),
+    each ``(tokens it fed, its stats["offload"])``: counters and times summed, bytes and tokens per second
+    recomputed over all tokens, everything else (configuration, device memory) from the last call."""
+    tokens = sum(n for n, _ in calls)
+    out = {k: v for k, v in calls[-1][1].items() if k not in OFFLOAD_PER_CALL_RATES}
+    for key in OFFLOAD_ADDITIVE:
+        if any(key in c for _, c in calls):
+            out[key] = sum(c.get(key) or 0 for _, c in calls)
+    seconds = [n / c["tokens_per_s"] for n, c in calls if c.get("tokens_per_s")]
+    out.update(tokens=tokens, chunks=len(calls), bytes_per_token=out.get("bytes_moved", 0) / max(tokens, 1),
+               tokens_per_s=tokens / sum(seconds) if len(seconds) == len(calls) and sum(seconds) > 0 else None)
+    return out

@@ -71,6 +71,7 @@ import warnings
 from typing import Any
 
 from moejax.base import errors, paths
+from moejax.runtime import offload as offload_lib
 from moejax.runtime import simulate as sim
 from moejax.evaluation.tasks.common import Encoder, Stream, TaskData, _file_in, _progress, read_jsonl
 from moejax.evaluation.tasks.gsm8k import _math_problem, run_gsm8k
@@ -236,4 +237,6 @@ def evaluate_task(model, task: str, data: str | None = None, *, limit: int | Non
         result.update(miss_rate=stats["miss_rate"], lifetime=stats["lifetime_mean"],
                       lifetime_std=stats["lifetime_std"], bytes_per_token=stats.get("bytes_per_token"),
                       cache=stats)
+    if stream.offload_calls:  # options={"offload": ...}: what the real paging moved, over every call
+        result["offload"] = offload_lib.merge_summaries(stream.offload_calls)
     return (result, stream.state) if return_state else result

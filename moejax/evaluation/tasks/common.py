@@ -176,6 +176,7 @@ class Stream:
                 state = {**state, "policy": resolve_policy(model, routing)}
             self.state = own_state(state)
         self.tokens = 0  # tokens fed to the model (their routing moved the cache)
+        self.offload_calls: list[tuple[int, dict]] = []  # (tokens fed, stats["offload"]) of each paged call
         self.context = model.cfg.max_position_embeddings
         self.programs = ProgramBudget()
 
@@ -191,6 +192,7 @@ class Stream:
             out = self.model.forward(ids, **self._cache_kwargs(), **self.options)
             if self.simulate:
                 self.state = out.state
+            self._offloaded(len(ids), out)
             return out.logits
         padded = padded_length(len(ids), self.context, getattr(self.model.cfg, "rope_long_after", self.context))
         self.programs.before(("forward", padded))
@@ -211,7 +213,12 @@ class Stream:
             self.state = result.router_state
         # what the model ran: the last generated token is never fed, and a stop's chunk runs to its end
         self.tokens += result.stats["fed_tokens"]
+        self._offloaded(result.stats["fed_tokens"], result)
         return list(result.token_ids)
+
+    def _offloaded(self, tokens: int, output) -> None:
+        if self.options.get("offload") is not None:  # real paging: keep what this call moved
+            self.offload_calls.append((tokens, output.stats["offload"]))
 
 
 class Encoder:
