@@ -397,3 +397,20 @@ def test_a_subnormal_top_p_keeps_the_most_likely_token():
         for seed in range(3):
             got = decode.sample(logits, jax.random.PRNGKey(seed), decode.Sampling(1.0, top_p))
             assert int(got) == 1
+
+
+def test_sampling_flags_under_greedy_decoding_are_noted_not_silently_dropped(capsys):
+    """--top-p and --seed change nothing at --temperature 0: the run says so on stderr (exit 0, same tokens);
+    with sampling the note is absent and the seed acts."""
+    folder = get_hf_model("mixtral").folder
+    base = ("--model", folder, "--prompt-ids", "5,17,42", "--max-new-tokens", "4", "--ignore-eos", "--json")
+    rc, plain, err = _run(capsys, *base)
+    assert rc == 0 and "note:" not in err
+    rc, noted, err = _run(capsys, *base, "--top-p", "0.5", "--seed", "3")
+    assert rc == 0 and "--top-p and --seed only act when sampling" in err
+    assert json.loads(noted)["token_ids"] == json.loads(plain)["token_ids"]
+    rc, sampled, err = _run(capsys, *base, "--temperature", "1.0", "--seed", "3")
+    assert rc == 0 and "note:" not in err
+    again = get_moejax_model("mixtral").generate([5, 17, 42], max_new_tokens=4, stop_at_eos=False, temperature=1.0,
+                                                 seed=3)
+    assert json.loads(sampled)["token_ids"] == again.token_ids

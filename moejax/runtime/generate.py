@@ -34,8 +34,8 @@ def build_parser() -> argparse.ArgumentParser:
     src.add_argument("--prompt-ids", help="comma-separated token ids, e.g. 5,17,42 (no tokenizer needed)")
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--seed", type=errors.seed_arg, default=0)
+    p.add_argument("--top-p", type=float, default=None, help="nucleus sampling (default 1.0: off); with --temperature > 0")
+    p.add_argument("--seed", type=errors.seed_arg, default=None, help="sampling seed (default 0); with --temperature > 0")
     p.add_argument("--chat", action="store_true", help="wrap the prompt in the checkpoint's chat template")
     p.add_argument("--ignore-eos", action="store_true", help="keep generating past end-of-sequence tokens")
     p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], help="compute dtype (default: stored)")
@@ -146,6 +146,10 @@ def run(args: argparse.Namespace) -> dict:
                      **cli_options.shard_kwargs(args))
     load_time = time.perf_counter() - t_load
     ids = prompt_token_ids(model, args)
+    ignored = [flag for flag, value in (("--top-p", args.top_p), ("--seed", args.seed)) if value is not None]
+    if args.temperature == 0 and ignored:  # a note, not a refusal: scripts pass a seed to every run
+        sys.stderr.write(f"note: {' and '.join(ignored)} only act when sampling (--temperature > 0); "
+                         "this run decodes greedily\n")
     routing = cache = None
     if cli_options.cache_requested(args):  # every option is validated before anything is printed
         routing = cli_options.policy_from_args(args, model.cfg.top_k)
@@ -163,7 +167,8 @@ def run(args: argparse.Namespace) -> dict:
             sys.stdout.write(" " if not model.decode(ids[-1:]).endswith(" ") else "")
         streamer = Streamer(model, render)
     result = model.generate(ids, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
-                            top_p=args.top_p, seed=args.seed, stop_at_eos=not args.ignore_eos,
+                            top_p=1.0 if args.top_p is None else args.top_p, seed=args.seed or 0,
+                            stop_at_eos=not args.ignore_eos,
                             on_tokens=streamer, routing=routing, cache=cache, offload=offload)
     raw_text = model.decode(result.token_ids)
     text = render(raw_text)
