@@ -259,3 +259,5 @@ def test_the_paper_protocol_fills_the_unset_flags_and_explicit_flags_win():
         with pytest.raises(ValueError, match=message):
             studies.cache_sizes(bad, 32)
     assert studies.main(["--cache-sizes", "3,x", "--out", "/nonexistent/never"]) == 2
+    a = studies.build_parser().parse_args(["--evictions", "lfu,lru,lfu", "--only", "eviction"])
+    assert studies.check_args(a)[1] == ("lfu", "lru")  # a policy given twice runs once, as a size does

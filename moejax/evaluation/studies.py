@@ -385,7 +385,7 @@ def cache_sizes(spec: str, n: int | None) -> list[int]:
     if spec == "all":
         return list(range(1, n + 1))
     try:
-        sizes = sorted({int(c) for c in spec.split(",") if c.strip()})
+        sizes = sorted({int(c) for c in spec.split(",") if c.strip()})  # a set: a size given twice runs once
     except ValueError:
         raise ValueError(f"--cache-sizes takes 'default', 'all' or comma-separated counts, got {spec!r}") from None
     if not sizes or sizes[0] < 1 or (n is not None and sizes[-1] > n):
@@ -533,16 +533,20 @@ def build_parser() -> argparse.ArgumentParser:
                    "paper) or comma-separated counts")
     p.add_argument("--batch-size", type=int, default=None, help="points per vmapped batch (default: 1 on CPU, 8 on "
                    "accelerators)")
-    p.add_argument("--evictions", default=",".join(EVICTIONS), help="eviction study: comma-separated policies "
+    p.add_argument("--evictions", default=None, help="eviction study: comma-separated policies "
                    f"(default {','.join(EVICTIONS)})")
-    p.add_argument("--mmlu-limit", type=int, default=40)
-    p.add_argument("--gsm8k-limit", type=int, default=10)
+    p.add_argument("--mmlu-limit", type=int, default=None, help=f"tasks study: MMLU questions (default {MMLU_LIMIT})")
+    p.add_argument("--gsm8k-limit", type=int, default=None, help=f"tasks study: GSM8K problems (default {GSM8K_LIMIT})")
     p.add_argument("--no-progress", action="store_true")
     cli_options.add_distributed_args(p)
     return p
 
 
 PAPER_TOKENS = 65_536
+MMLU_LIMIT, GSM8K_LIMIT = 40, 10
+# Flags that only one study reads: given while --only leaves that study out, they are refused.
+STUDY_FLAGS = {"lifetimes_max_tokens": "lifetimes", "cache_sizes": "cache_size", "evictions": "eviction",
+               "mmlu_limit": "tasks", "gsm8k_limit": "tasks"}
 
 
 def apply_protocol(args: argparse.Namespace) -> None:
@@ -557,16 +561,29 @@ def apply_protocol(args: argparse.Namespace) -> None:
         args.lifetimes_max_tokens = 0
     if args.cache_sizes is None:
         args.cache_sizes = "all" if paper else "default"
+    if args.evictions is None:
+        args.evictions = ",".join(EVICTIONS)
+    if args.mmlu_limit is None:
+        args.mmlu_limit = MMLU_LIMIT
+    if args.gsm8k_limit is None:
+        args.gsm8k_limit = GSM8K_LIMIT
 
 
 def check_args(args: argparse.Namespace) -> tuple[list[str], tuple[str, ...]]:
     """(studies to run, eviction policies) from the flags; a ``ValueError`` naming the flag it refuses."""
-    apply_protocol(args)
-    chosen = [s.strip() for item in args.only for s in item.split(",") if s.strip()] or list(STUDIES)
+    named = [s.strip() for item in args.only for s in item.split(",") if s.strip()]
+    if args.only and not named:
+        raise errors.UsageError(f"--only {args.only[-1]!r} names no study; expected some of {', '.join(STUDIES)}")
+    chosen = named or list(STUDIES)
     unknown = [s for s in chosen if s not in RUNNERS]
     if unknown:
         raise ValueError(f"unknown study {unknown}; expected some of {', '.join(STUDIES)}")
-    evictions = tuple(e.strip() for e in args.evictions.split(",") if e.strip())
+    for name, study in STUDY_FLAGS.items():
+        if getattr(args, name) is not None and study not in chosen:
+            raise errors.UsageError(f"--{name.replace('_', '-')} is read by the {study} study only, which --only "
+                                    "leaves out")
+    apply_protocol(args)
+    evictions = tuple(dict.fromkeys(e.strip() for e in args.evictions.split(",") if e.strip()))  # each once
     if not evictions or any(e not in EVICTIONS for e in evictions):
         raise ValueError(f"--evictions {args.evictions!r}: expected some of {', '.join(EVICTIONS)}")
     for flag, limit in (("--mmlu-limit", args.mmlu_limit), ("--gsm8k-limit", args.gsm8k_limit)):
