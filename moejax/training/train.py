@@ -183,6 +183,7 @@ def train(args: argparse.Namespace) -> dict:
     check_out_folder(out, args.resume, args.overwrite)
     run_path = os.path.join(out, "run.json")
     run_prev = resume_args(args, run_path) if args.resume and os.path.isfile(run_path) else {}
+    check_schedule(args)
     data.split_shards(args.corpus_dir)  # no corpus: fail before creating or deleting anything
     if args.overwrite and not args.resume:
         remove_run(out)
@@ -469,6 +470,19 @@ def check_args(args: argparse.Namespace) -> None:
             raise ValueError(f"{_flag(name)} must be a finite number {'>' if strict else '>='} 0, got {value}")
     if args.steps == "auto" and not args.time_budget_min:
         raise ValueError("--steps auto needs --time-budget-min (the run's length is what the budget allows)")
+    if args.min_lr_ratio > 1:
+        raise ValueError(f"--min-lr-ratio is the final learning rate / the peak, at most 1, got {args.min_lr_ratio}")
+
+
+def check_schedule(args: argparse.Namespace) -> None:
+    """Refuse schedule flags that would silently do nothing; on ``--resume`` after the run's own settings
+    replaced the command line's (``resume_args``)."""
+    if args.steps != "auto" and args.warmup >= args.steps:
+        raise errors.UsageError(f"--warmup {args.warmup} must be below --steps {args.steps}: the learning rate would "
+                                "never reach its peak (pass a shorter --warmup)")
+    if (args.aux_coef_start is None) != (args.aux_decay_steps == 0):
+        raise errors.UsageError("--aux-coef-start and --aux-decay-steps go together: the balancing weight decays "
+                                "from --aux-coef-start to --aux-coef over --aux-decay-steps steps")
 
 
 def main(argv: list[str] | None = None) -> int:

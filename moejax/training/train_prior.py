@@ -289,6 +289,9 @@ def parse_weights(text: str) -> list[float]:
         raise ValueError(f"--weights must be comma-separated numbers, got {text!r}") from e
     if not weights or any(not np.isfinite(w) or w < 0 for w in weights):
         raise ValueError(f"--weights must be finite and >= 0, got {text!r}")
+    twice = sorted({w for w in weights if weights.count(w) > 1})
+    if twice:  # one checkpoint per weight: a second one would only train the same prior again
+        raise errors.UsageError(f"--weights {text!r} names {', '.join(f'{w:g}' for w in twice)} twice")
     return weights
 
 
