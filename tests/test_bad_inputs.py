@@ -596,6 +596,8 @@ CASES = [
     Case("plots-heatmap-garbage-trace", "plots", H, FAILURE, ("{tmp}/t.npz",), _write("t.npz", b"PK\x03\x04garbage")),
     Case("plots-heatmap-out-under-a-file", "plots", H[:-1] + ("{tmp}/mine/notes.txt/fig",), FAILURE,
          ("{tmp}/mine/notes.txt",), _both(_trace(), BYSTANDER)),
+    Case("plots-heatmap-seed-without-random-init", "plots", H[:-2] + ("--seed", "3") + H[-2:], USAGE, ("--seed",),
+         _trace()),
     Case("plots-heatmap-out-empty", "plots", H[:-1] + ("",), USAGE, ("--out",), _trace()),
     Case("plots-heatmap-out-a-folder", "plots", H[:-1] + ("{tmp}/mine/",), USAGE, ("--out",), _both(_trace(), BYSTANDER)),
     Case("plots-heatmap-max-tokens-zero", "plots", H + ("--max-tokens", "0"), USAGE,

@@ -78,7 +78,9 @@ def test_writing_is_deterministic_shard_independent_and_refuses_to_clobber(tmp_p
     argv = ["olmoe-1b-7b", str(tmp_path / "a"), "--layers", "1", "--dtype", "bfloat16", "--seed", "3",
             *[f"--set={k}={v}" for k, v in {**TINY_COMMON, **TINY["olmoe-1b-7b"]}.items()]]
     assert rc.main(argv) == 0
-    assert rc.main([*argv[:1], str(tmp_path / "b"), *argv[2:], "--shard-gb", "0.00005"]) == 0
+    assert "note:" not in capsys.readouterr().err  # every override names a key of the preset
+    assert rc.main([*argv[:1], str(tmp_path / "b"), *argv[2:], "--shard-gb", "0.00005", "--set", "hiden_size=32"]) == 0
+    assert "note: --set hiden_size: the olmoe-1b-7b config has no such key" in capsys.readouterr().err
     a, b = moejax.load(str(tmp_path / "a")), moejax.load(str(tmp_path / "b"))
     assert a.fingerprint == b.fingerprint and a.params["embed"].dtype == np.dtype("bfloat16")
     assert json.load(open(tmp_path / "a" / "config.json"))["num_hidden_layers"] == 1

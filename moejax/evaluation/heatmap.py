@@ -228,7 +228,7 @@ def main(argv: list[str] | None = None) -> int:
     hp.add_argument("--cache-scope", "--scope", dest="scope", choices=("layer", "global"), default="layer",
                     help="as in generate/evaluate (--scope is the older spelling)")
     hp.add_argument("--cache-init", choices=("empty", "random"), default="empty")
-    hp.add_argument("--seed", type=errors.seed_arg, default=0, help="seed of --cache-init random")
+    hp.add_argument("--seed", type=errors.seed_arg, default=None, help="seed of --cache-init random (default 0)")
     hp.add_argument("--max-tokens", type=int, default=200)
     hp.add_argument("--start", type=int, default=0, help="first token shown (the replay starts at token 0)")
     hp.add_argument("--label", action="append", default=None, help="panel title, once per trace")
@@ -236,9 +236,11 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         figure_stem(args.out)
+        if args.seed is not None and args.cache_init != "random":
+            raise errors.UsageError("--seed only applies with --cache-init random")
         check_heatmap(args.traces, args.layer, args.cache_size, args.scope)
         paths = trace_heatmap(args.traces, args.layer, args.cache_size, args.out, args.eviction, args.max_tokens,
-                              start=args.start, scope=args.scope, init=args.cache_init, seed=args.seed,
+                              start=args.start, scope=args.scope, init=args.cache_init, seed=args.seed or 0,
                               labels=args.label)
     except errors.HANDLED as err:
         return errors.report(err)

@@ -238,7 +238,12 @@ def main(argv: list[str] | None = None) -> int:
         if not args.preset or not args.out:
             p.error("PRESET and OUT are required (or --list)")
         check_args(args)
-        config = with_overrides(preset_config(args.preset), args.layers, parse_sets(args.set), args.dtype)
+        preset, sets = preset_config(args.preset), parse_sets(args.set)
+        for key in sets:
+            if key not in preset:  # a family may read it, but a typo ("hiden_size") would change nothing
+                print(f"note: --set {key}: the {args.preset} config has no such key; it is added as given "
+                      "(check the spelling)", file=sys.stderr)
+        config = with_overrides(preset, args.layers, sets, args.dtype)
         folder = write_checkpoint(config, args.out, dtype=args.dtype, seed=args.seed,
                                   shard_bytes=int(args.shard_gb * 1e9),
                                   overwrite=args.overwrite, progress=lambda s: print(s, file=sys.stderr),
