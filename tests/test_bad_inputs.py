@@ -328,6 +328,15 @@ def _make_big(folder: Path) -> None:
                             *[f"--set={k}={v}" for k, v in TINY_SETTINGS.items()]])
 
 
+def _mmlu_without_one_dev(folder: Path, tiny: str) -> None:
+    """Two subjects whose questions alternate; the second one's dev file (its shots) is missing."""
+    for split in ("test", "dev"):
+        (folder / "mmlu" / split).mkdir(parents=True)
+    for subject in ("anatomy", "zoology"):
+        (folder / "mmlu" / "test" / f"{subject}_test.csv").write_text("What is it?,a,b,c,d,A\n" * 3)
+    (folder / "mmlu" / "dev" / "anatomy_dev.csv").write_text("What was it?,a,b,c,d,B\n")
+
+
 def G(*extra: str, model: str = "{tiny}") -> tuple[str, ...]:
     """generate on the tiny model, one new token."""
     return ("--model", model, "--prompt-ids", "1,2,3", "--max-new-tokens", "1", *extra)
@@ -522,6 +531,7 @@ CASES = [
          _both(TEXT, BYSTANDER)),
     Case("evaluate-data-a-device", "evaluate", E()[:3] + ("/dev/null",) + E()[4:], FAILURE, ("/dev/null",)),
     Case("evaluate-sweep-unknown-parameter", "evaluate", E("--sweep", "foo=1,2"), USAGE, ("foo",), TEXT),
+    Case("evaluate-sweep-one-point-twice", "evaluate", E("--sweep", "cache_size=2,0.0625"), USAGE, ("--sweep",), TEXT),
     Case("evaluate-sweep-without-values", "evaluate", E("--sweep", "lam="), USAGE, ("lam=",), TEXT),
     Case("evaluate-mmlu-data-empty-folder", "evaluate", ("--model", "default", "--task", "mmlu", "--data",
                                                           "{tmp}/mine", "--limit", "1"), FAILURE, ("{tmp}/mine",),
@@ -612,6 +622,10 @@ CASES = [
     Case("report-results-is-a-device", "report", ("/dev/zero",) + R[1:], FAILURE, ("/dev/zero",)),
     # ----------------------------------------------------------------------------- report
     Case("report-results-empty-file", "report", R, FAILURE, ("{tmp}/r.jsonl",), _write("r.jsonl", "")),
+    Case("report-results-ppl-below-one", "report", R, FAILURE, ("{tmp}/r.jsonl",),
+         _write("r.jsonl", json.dumps({**_RECORD, "ppl": -5.0}) + "\n")),
+    Case("report-results-miss-rate-700-percent", "report", R, FAILURE, ("{tmp}/r.jsonl",),
+         _write("r.jsonl", json.dumps({**_RECORD, "miss_rate": 7.0}) + "\n")),
     Case("report-results-is-a-folder", "report", ("{tmp}/mine",) + R[1:], FAILURE, ("{tmp}/mine",), BYSTANDER),
     Case("report-results-not-utf8", "report", R, FAILURE,
          ("{tmp}/r.jsonl",), _write("r.jsonl", b"\xff\xfe\x00\x01" * 8)),
@@ -651,6 +665,10 @@ CASES = [
                                                 "--out", "{tmp}/s", "--data", "{tmp}/text.txt"), USAGE,
          ("--batch-size",), TEXT),
     Case("studies-model-missing", "studies", ("--model", "{tmp}/nope", "--out", "{tmp}/s"), FAILURE, ("{tmp}/nope",)),
+    Case("studies-model-without-tokenizer", "studies", ("--model", "{tiny}", "--only", "pareto", "--out", "{tmp}/s"),
+         FAILURE, ("tokenizer.json",)),
+    Case("evaluate-mmlu-dev-file-missing", "evaluate", ("--model", "default", "--task", "mmlu", "--data", "{tmp}/mmlu",
+                                                        "--shots", "1"), FAILURE, ("dev",), _mmlu_without_one_dev),
     Case("studies-out-is-a-file", "studies", ("--model", "{tiny}", "--only", "pareto", "--out",
                                               "{tmp}/mine/notes.txt"), USAGE, ("{tmp}/mine/notes.txt",), BYSTANDER),
     Case("studies-data-missing", "studies", ("--model", "default", "--only", "pareto", "--out", "{tmp}/s", "--data",

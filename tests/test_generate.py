@@ -414,3 +414,48 @@ def test_sampling_flags_under_greedy_decoding_are_noted_not_silently_dropped(cap
     again = get_moejax_model("mixtral").generate([5, 17, 42], max_new_tokens=4, stop_at_eos=False, temperature=1.0,
                                                  seed=3)
     assert json.loads(sampled)["token_ids"] == again.token_ids
+
+
+def test_routing_cache_and_state_arguments_of_the_wrong_kind_are_named():
+    """routing=5, cache="4", a foreign state dict, cache= beside state=, and CacheConfig fields no model can
+    run failed deep inside jit (AttributeError on a tracer, KeyError 'cache', max() of an empty tuple) or were
+    silently ignored (cache= beside state=)."""
+    from moejax.evaluation import tasks
+    from moejax.runtime import simulate
+
+    m = moejax.load(get_hf_model("qwen3_moe").folder)
+    for call in (m.forward, lambda ids, **kw: m.generate(ids, max_new_tokens=2, **kw)):
+        for kw, message in ((dict(routing=5), "routing must be a kind name"),
+                            (dict(cache="4"), r"cache must be a simulate.CacheConfig \(e.g. CacheConfig\(size='4'\)\)"),
+                            (dict(state={"cache": 1}), "state must be a router state"),
+                            (dict(state=[1]), "state must be a router state")):
+            with pytest.raises(TypeError, match=message):
+                call([1, 2, 3], **kw)
+        with pytest.raises(ValueError, match="cache= or state=, not both"):
+            call([1, 2, 3], state=m.router_state(), cache=simulate.CacheConfig(size="2"))
+    for kw, message in ((dict(miss="drop", miss_rank=()), "miss rank"), (dict(eviction="lru2"), "eviction 'lru2'"),
+                        (dict(scope="model"), "scope"), (dict(init="full"), "init"), (dict(prefetch=-1.0), "prefetch"),
+                        (dict(size=None), "size must be")):
+        with pytest.raises((TypeError, ValueError), match=message):
+            simulate.CacheConfig(**kw)
+    d = moejax.load("default")
+    folder = os.path.join(os.path.dirname(__file__), "data", "tasks", "mmlu")
+    for kw, message in ((dict(limit=1.5), "limit must be an integer"), (dict(limit=True), "limit must be an integer"),
+                        (dict(bogus=1), "option 'bogus', which Model.forward"),
+                        (dict(state_=1), "option 'state_'"), (dict(stop="x"), "sets 'stop' itself")):
+        with pytest.raises((TypeError, ValueError), match=message):
+            tasks.evaluate_task(d, "mmlu", folder, shots=0, **kw)
+    with pytest.raises(TypeError, match="option 'bogus', which Model.generate"):
+        tasks.evaluate_task(d, "gsm8k", shots=0, limit=1, bogus=1)
+
+
+@pytest.mark.parametrize("temperature", [1e300, float("inf")])
+def test_a_huge_temperature_samples_uniformly_without_overflow_warnings(temperature):
+    """--temperature 1e300 printed two numpy overflow warnings (casts to float32); T → inf is uniform sampling."""
+    import warnings
+
+    logits = jnp.asarray([10.0, 0.0, -10.0, -1e4])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        got = [int(decode.sample(logits, jax.random.PRNGKey(s), decode.Sampling(temperature))) for s in range(200)]
+    assert set(got) == {0, 1, 2, 3}  # every token, the least likely too

@@ -149,7 +149,7 @@ def test_load_refuses_what_int8_cannot_do():
         moejax.load(folder, weight_dtype="int4")
     with pytest.raises(ValueError, match="layout='serving'"):
         moejax.load(folder, expert_dtype="int8", layout="canonical")
-    with pytest.raises(ValueError, match="int8 slots are filled by the host pager"):
+    with pytest.raises(ValueError, match="int8 slots .* are filled by the host pager"):
         moejax.load(folder, expert_dtype="int8", offload=offload.OffloadConfig(paging="jit"))
     m = moejax.load(folder, weight_dtype="int8")
     with pytest.raises(ValueError, match="already in the serving layout"):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 
@@ -127,3 +128,11 @@ def test_cli_end_to_end(tmp_path):
     np.savez(tmp_path / "bad.npz", experts=np.zeros((4, 2), np.int32))
     broken = _cli("replay", tmp_path / "bad.npz", "--cache-size", 1)
     assert broken.returncode == 1 and "trace 'experts' must be [T, L, K]" in broken.stderr
+
+
+def test_synth_names_the_file_it_wrote(tmp_path, capsys):
+    """np.savez appends .npz: `trace synth s.txt` wrote s.txt.npz but said "wrote s.txt"."""
+    assert trace.main(["synth", str(tmp_path / "s.txt"), "--tokens", "8", "--layers", "1", "--experts", "4",
+                       "--top-k", "2"]) == 0
+    assert capsys.readouterr().out.startswith(f"wrote {tmp_path / 's.txt.npz'}:")
+    assert os.listdir(tmp_path) == ["s.txt.npz"]

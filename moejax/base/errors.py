@@ -16,6 +16,8 @@ import argparse
 import os
 import sys
 
+from moejax.base import seeds
+
 USAGE, FAILURE = 2, 1
 
 
@@ -39,9 +41,10 @@ def seed_arg(text: str) -> int:
         value = int(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"invalid seed {text!r}: an integer") from None
-    if not -(2**63) <= value < 2**63:
-        raise argparse.ArgumentTypeError(f"seed {value} does not fit 64 bits")
-    return value
+    try:
+        return seeds.check_seed(value)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def print_result(text: str) -> int:

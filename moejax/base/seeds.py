@@ -10,6 +10,14 @@ from __future__ import annotations
 import jax
 
 _LOW = 0xFFFFFFFF
+SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1  # what every seed may be: a signed 64-bit integer
+
+
+def check_seed(seed: int) -> int:
+    """``seed`` when it fits 64 bits; a ValueError naming it otherwise (larger ones overflowed deep in JAX)."""
+    if not SEED_MIN <= seed <= SEED_MAX:
+        raise ValueError(f"seed {seed} does not fit 64 bits")
+    return seed
 
 
 def prng_key(seed: int, typed: bool = False) -> jax.Array:

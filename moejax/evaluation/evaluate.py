@@ -133,6 +133,12 @@ def build_points(args: argparse.Namespace, model: api.Model) -> list[sweep_point
                                               shots=args.shots, max_new_tokens=args.max_new_tokens, routing=routing,
                                               policy=policy, cache=cache, sweep=values, method=method,
                                               offload=offload_from_args(args)))
+    seen: dict[str, dict] = {}
+    for point in points:  # two values that mean one point (cache_size=2 and 0.0625 of N = 32) would print once
+        if point.key in seen:
+            raise errors.UsageError(f"--sweep values {seen[point.key]} and {point.record['sweep']} are the same "
+                                    "point for this model (give each once)")
+        seen[point.key] = point.record["sweep"]
     return points
 
 

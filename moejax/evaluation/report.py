@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import re
 import shlex
@@ -44,6 +45,11 @@ from moejax.evaluation.records import (PlotError, cache_of, capacity_of, evictio
 STUDY_ORDER = ("pareto", "cache_size", "lifetimes", "sensitivity", "init", "delta", "eviction", "tasks")
 NUMBER_FIELDS = ("ppl", "accuracy", "miss_rate", "lifetime", "lifetime_std", "bytes_per_token", "collision_misses",
                  "prefetch_precision", "prefetch_recall", "time_s")
+# The range each number of a record can have (a perplexity below 1 or a 700 % miss rate is a damaged file).
+FIELD_RANGES = {"ppl": (1.0, math.inf), "accuracy": (0.0, 1.0), "miss_rate": (0.0, 1.0),
+                "prefetch_precision": (0.0, 1.0), "prefetch_recall": (0.0, 1.0), "lifetime": (0.0, math.inf),
+                "lifetime_std": (0.0, math.inf), "bytes_per_token": (0.0, math.inf),
+                "collision_misses": (0.0, math.inf), "time_s": (0.0, math.inf)}
 DICT_FIELDS = ("routing", "cache", "sweep", "metrics")
 STRING_FIELDS = ("key", "study", "task", "model", "finished_at")
 DETAILS_ROWS = 25  # longer tables fold into <details>
@@ -70,6 +76,9 @@ def check_record(rec: Any, where: str) -> dict:
         v = rec.get(name)
         if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float))):
             raise ResultsError(f"{where}: field {name!r} must be a number or null, got {v!r}")
+        low, high = FIELD_RANGES.get(name, (-math.inf, math.inf))
+        if v is not None and not low <= v <= high and v == v:  # NaN stands for "not defined" (no lifetime yet)
+            raise ResultsError(f"{where}: field {name!r} is {v!r}, outside [{low:g}, {high:g}]")
     cache = rec.get("cache") or {}
     if cache.get("capacity") is not None and num(cache["capacity"]) is None:
         raise ResultsError(f"{where}: cache.capacity must be a number, got {cache['capacity']!r}")

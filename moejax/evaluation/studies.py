@@ -610,6 +610,8 @@ def main(argv: list[str] | None = None) -> int:
         chosen, evictions = check_args(args)
         mesh = cli_options.start_distributed(args)
         model = api.load(args.model, dtype=getattr(jnp, args.dtype))
+        if model.tokenizer is None:  # every study scores text: say so before the first one, not in each
+            raise errors.Failure(f"{args.model} has no tokenizer.json: the studies score WikiText and task text")
     except errors.HANDLED as e:
         return errors.report(e)
     label = sweep_points.model_label(args.model) + ("" if args.dtype == "bfloat16" else f"@{args.dtype}")

@@ -135,6 +135,16 @@ def make_policy(kind: str, top_k: int, *, lam=0.0, top_j=None, max_rank=None, cu
     raise ValueError(f"unknown routing kind {kind!r}; expected one of {KINDS}")
 
 
+def as_policy(routing, top_k: int) -> RoutingPolicy:
+    """The policy ``routing=`` names: None (the original routing), a kind name, or a ``make_policy`` policy."""
+    if routing is None or isinstance(routing, str):
+        return make_policy(routing or "original", top_k)
+    if not isinstance(routing, RoutingPolicy):
+        raise TypeError(f"routing must be a kind name ({', '.join(KINDS)}) or a routing.make_policy(...) policy, "
+                        f"got {type(routing).__name__} {routing!r}")
+    return routing
+
+
 def stack_policies(policies: list[RoutingPolicy]) -> RoutingPolicy:
     """Stack same-kind policies along a new leading axis, ready for ``jax.vmap(..., in_axes=0)``."""
     kinds = {p.kind for p in policies}

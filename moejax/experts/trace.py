@@ -482,7 +482,7 @@ def _synth(args) -> int:
     _check_synth_args(args)
     tr = synthetic_trace(args.tokens, args.layers, args.experts, args.top_k, args.seed, args.rho, args.logits)
     save_trace(args.out, tr.experts, tr.weights, tr.logits, tr.n_experts, tr.gating)
-    print(f"wrote {args.out}: experts {tr.shape}")
+    print(f"wrote {trace_path(args.out)}: experts {tr.shape}")  # np.savez naming: .npz appended
     return 0
 
 

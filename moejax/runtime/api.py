@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from moejax.base import distributed, memory as host_memory, textproc
+from moejax.base import distributed, memory as host_memory, seeds, textproc
 from moejax.models import assets, checkpoint, gating, layout as layout_lib, weights
 from moejax.models import config as config_lib
 from moejax.models.config import ModelConfig
@@ -22,6 +22,7 @@ from moejax.runtime import decode, expert_store, host_paging, jit_paging, offloa
 from moejax.runtime.decode import CHUNK as DECODE_CHUNK  # a default inside Model, whose decode() hides the module
 
 DEFAULT_MODEL_NAME = assets.DEFAULT_MODEL_NAME  # "default": the embedded model, in every command
+ROUTER_STATE_KEYS = frozenset({"cache", "routing", "policy"})  # simulate.init_router_state
 resolve_model_path = assets.resolve_model_path
 
 
@@ -183,10 +184,7 @@ class Model:
         return jnp.asarray(ids)
 
     def _policy(self, routing):
-
-        if routing is None or isinstance(routing, str):
-            return routing_lib.make_policy(routing or "original", self.cfg.top_k)
-        return routing
+        return routing_lib.as_policy(routing, self.cfg.top_k)
 
     def cached_expert_bytes(self, offload=None) -> int:
         """Bytes one cached expert occupies: a device slot's when offloading (``offload``, else the model's own
@@ -207,6 +205,9 @@ class Model:
         choose), replaced by it with a note on stderr. Counts and fractions are checked against N."""
         if cache is None:
             return None
+        if not isinstance(cache, simulate.CacheConfig):
+            raise TypeError(f"cache must be a simulate.CacheConfig (e.g. CacheConfig(size={str(cache)!r})), got "
+                            f"{type(cache).__name__} {cache!r}")
         offload = self._offload(offload) if offload is not False else None
         spec = str(cache.size).strip()
         if spec.lower() == "auto":
@@ -310,6 +311,12 @@ class Model:
         """``state`` carried over (with ``routing``'s policy swapped in, if given), or a fresh one."""
         if state is None:
             return self.router_state(routing, cache, False if offload is None else offload, tokens)
+        if not (isinstance(state, dict) and set(state) >= ROUTER_STATE_KEYS):
+            raise TypeError("state must be a router state that this library made (an Output's .state, a "
+                            "GenerateResult's .router_state, Model.router_state(...)), got "
+                            + (f"a dict with keys {sorted(state)}" if isinstance(state, dict) else type(state).__name__))
+        if cache is not None:
+            raise ValueError("give cache= or state=, not both: a carried-over state has its cache already")
         return state if routing is None else {**state, "policy": self._policy(routing)}
 
     def forward(self, token_ids, *, routing=None, cache=None, state: dict | None = None,
@@ -428,8 +435,7 @@ def _check_generate_args(max_new_tokens, temperature, top_p, seed, chunk, callba
             raise TypeError(f"{name} must be an integer, got {v!r}")
     if chunk < 1:
         raise ValueError(f"chunk must be >= 1, got {chunk}")
-    if not -(2**63) <= seed < 2**63:
-        raise ValueError(f"seed {seed} does not fit 64 bits")
+    seeds.check_seed(seed)
     for name, v in (("temperature", temperature), ("top_p", top_p)):
         if isinstance(v, bool) or not isinstance(v, (int, float, np.floating, np.integer)):
             raise TypeError(f"{name} must be a number, got {v!r}")

@@ -39,12 +39,14 @@ class Sampling:
 
 
 def sample(logits: jax.Array, key: jax.Array, sampling: Sampling) -> jax.Array:
-    if sampling.temperature < np.finfo(np.float32).tiny:
+    if sampling.temperature < float(np.finfo(np.float32).tiny):
         return jnp.argmax(logits, axis=-1).astype(jnp.int32)
     logits = logits.astype(jnp.float32)
     # shifted to a maximum of 0 first: a tiny temperature then tends to greedy (0 / T = 0, the rest -inf)
-    # instead of inf / inf = NaN (a subnormal T gave garbage tokens)
-    logits = (logits - jnp.max(logits, axis=-1, keepdims=True)) / sampling.temperature
+    # instead of inf / inf = NaN (a subnormal T gave garbage tokens); a huge one is float32's largest (the
+    # limit T → inf, uniform sampling, without an overflow warning when it is cast)
+    temperature = min(sampling.temperature, float(np.finfo(np.float32).max))
+    logits = (logits - jnp.max(logits, axis=-1, keepdims=True)) / temperature
     if sampling.top_p < 1:
         order = jnp.argsort(-logits)
         probs = jax.nn.softmax(logits[order])

@@ -74,8 +74,8 @@ class OffloadConfig:
         if self.slot_dtype not in ("stored", "int8"):
             raise ValueError(f"slot_dtype must be 'stored' or 'int8', got {self.slot_dtype!r}")
         if self.slot_dtype == "int8" and self.paging == "jit":
-            raise ValueError("int8 slots are filled by the host pager (paging='host'); in-jit paging keeps the "
-                             "stored dtype")
+            raise ValueError("int8 slots (--weight-dtype / --expert-dtype int8, or experts stored int8) are filled "
+                             "by the host pager (--paging host, paging='host'); in-jit paging keeps the stored dtype")
 
 
 #: memory an offloaded run needs beyond its slots, KV cache and staging buffers, which ``--cache-size auto`` and

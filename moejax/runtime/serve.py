@@ -42,7 +42,7 @@ import sys
 import time
 import uuid
 
-from moejax.base import compile_cache, errors
+from moejax.base import compile_cache, errors, seeds
 from moejax.experts import routing as routing_lib, trace as trace_lib
 from moejax.runtime import api, cli_options, decode
 from moejax.runtime.serve_engine import ROUTING_OVERRIDE_KEYS, Engine, Job, RequestError
@@ -274,7 +274,7 @@ class Server:
         return Job(prompt_ids=ids, max_tokens=max_tokens,
                    temperature=_number(body, "temperature", 0.0, 0.0, 2.0),
                    top_p=_number(body, "top_p", 1.0, 1e-6, 1.0),
-                   seed=_number(body, "seed", 0, -(2 ** 63), 2 ** 63 - 1, integer=True),  # all 64 bits count
+                   seed=_number(body, "seed", 0, seeds.SEED_MIN, seeds.SEED_MAX, integer=True),  # all 64 bits count
                    stop=self.stop_strings(body), routing=_routing_override(body))
 
     def stop_strings(self, body: dict) -> tuple[str, ...]:

@@ -53,6 +53,18 @@ class CacheConfig:
     # measure again (the slots they would count may already be allocated, e.g. a server's kept slots)
     fit_checked: bool = False
 
+    def __post_init__(self):
+        """Refuse what no model could run, when the config is made (the size is checked per model)."""
+        for name, value, allowed in (("scope", self.scope, cache_lib.SCOPES),
+                                     ("eviction", self.eviction, cache_lib.EVICTIONS),
+                                     ("init", self.init, cache_lib.INITS)):
+            if value not in allowed:
+                raise ValueError(f"CacheConfig {name} {value!r}: expected one of {', '.join(allowed)}")
+        if isinstance(self.size, bool) or not isinstance(self.size, (str, int, float)):
+            raise TypeError(f"CacheConfig size must be a count, a fraction of N or a memory size (a string such "
+                            f"as '4', '0.5' or '6GiB'), got {type(self.size).__name__} {self.size!r}")
+        self.miss_config(), self.prefetch_config()  # their own checks (miss ranks, bit widths, percentile)
+
     def capacity(self, cfg: ModelConfig, expert_bytes: int | None = None) -> int:
         """Slots per layer (per pool in global scope); a memory size needs ``expert_bytes``, one expert's.
         Also checks the miss ranks against this model's K."""

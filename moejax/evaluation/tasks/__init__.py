@@ -65,10 +65,13 @@ process's memory maps (XLA:CPU) they are dropped (``ProgramBudget``; ``compile_c
 
 from __future__ import annotations
 
+import inspect
 import os
 import time
 import warnings
 from typing import Any
+
+import numpy as np
 
 from moejax.base import errors, paths
 from moejax.runtime import offload as offload_lib
@@ -182,6 +185,25 @@ def load_task(task: str, data: str | None = None, shots: int = 0) -> TaskData:
     return parse_hf(task, rows, shots)
 
 
+# What the task's Stream sets itself on each call: an option may not name these.
+STREAM_KEYWORDS = ("state", "max_new_tokens", "stop", "bucketed", "prefill_routing")
+
+
+def _check_options(model, task: str, options: dict) -> None:
+    """Each extra option must be a keyword of the model call the task makes (``forward`` for the scored
+    tasks, ``generate`` for the generative ones), and not one the evaluation sets itself: a typo or a
+    clash is named here instead of failing deep inside the first example."""
+    method = "generate" if task in DEFAULT_MAX_NEW_TOKENS else "forward"
+    params = inspect.signature(getattr(model, method)).parameters
+    open_ended = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
+    for name in options:
+        if name in STREAM_KEYWORDS or name in ("routing", "cache"):
+            raise TypeError(f"evaluate_task sets {name!r} itself (pass routing=, cache= or state= to evaluate_task)")
+        if not open_ended and name not in params:
+            raise TypeError(f"evaluate_task got option {name!r}, which Model.{method} (the call {task} makes) "
+                            f"does not take")
+
+
 def evaluate_task(model, task: str, data: str | None = None, *, limit: int | None = None, routing=None,
                   cache=None, state=None, shots: int | None = None, max_new_tokens: int | None = None,
                   progress: bool = False, return_state: bool = False, **options) -> dict:
@@ -199,8 +221,9 @@ def evaluate_task(model, task: str, data: str | None = None, *, limit: int | Non
         raise ValueError(f"shots must be >= 0, got {shots}")
     if task == "truthfulqa" and shots:
         raise ValueError(f"truthfulqa is evaluated 0-shot (MC1/MC2); got shots={shots}")
-    if limit is not None and limit < 1:
-        raise ValueError(f"limit must be at least 1, got {limit}")
+    if limit is not None and (isinstance(limit, bool) or not isinstance(limit, (int, np.integer)) or limit < 1):
+        raise ValueError(f"limit must be an integer >= 1 or None, got {limit!r}")
+    _check_options(model, task, options)
     max_new_tokens = DEFAULT_MAX_NEW_TOKENS.get(task, 0) if max_new_tokens is None else int(max_new_tokens)
     enc = Encoder(model)
     loaded = load_task(task, data, shots)

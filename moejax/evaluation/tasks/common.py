@@ -146,10 +146,7 @@ def own_state(state):
 
 def resolve_policy(model, routing):
     """A routing policy from a policy or a kind name (as ``Model.forward`` reads ``routing=``)."""
-    if routing is None or isinstance(routing, str):
-
-        return routing_lib.make_policy(routing or "original", model.cfg.top_k)
-    return routing
+    return routing_lib.as_policy(routing, model.cfg.top_k)
 
 
 def padded_length(n_tokens: int, context: int, rope_long_after: int) -> int:

@@ -121,14 +121,15 @@ def run_mmlu(stream: Stream, enc: Encoder, data: TaskData, shots: int, bar) -> d
     subjects: dict[str, list[bool]] = {}
     predicted = dict.fromkeys(LETTERS, 0)
     multi_token = 0
-    for row in data.examples:
-        where = data.shot_source.get(row.subject, f"the dev split of {row.subject}")
-        if shots and row.subject not in data.shots:
-            raise FileNotFoundError(f"mmlu {row.subject}: no dev file {where} for the {shots}-shot prompt "
+    for subject in dict.fromkeys(row.subject for row in data.examples):  # every subject's shots, before any work
+        where = data.shot_source.get(subject, f"the dev split of {subject}")
+        if shots and subject not in data.shots:
+            raise FileNotFoundError(f"mmlu {subject}: no dev file {where} for the {shots}-shot prompt "
                                     "(pass shots=0)")
+        if len(data.shots.get(subject, [])) < shots:
+            raise ValueError(f"mmlu {subject}: {shots} shots asked but {where} has {len(data.shots[subject])} rows")
+    for row in data.examples:
         pool = data.shots.get(row.subject, [])
-        if len(pool) < shots:
-            raise ValueError(f"mmlu {row.subject}: {shots} shots asked but {where} has {len(pool)} rows")
         conts = [enc.continuation(mmlu_prompt(row, pool[:shots]), f" {letter}") for letter in LETTERS]
         extra = max(len(c) for c in conts) - 1
         p = fit_prompt(enc, lambda k: mmlu_prompt(row, pool[:k]), shots, stream.context - extra)
