@@ -74,17 +74,22 @@ def _stop_strings(body: dict) -> tuple[str, ...]:
     return tuple(stop)
 
 
+#: request fields the engine takes only at their neutral value: field -> (value, why)
+NEUTRAL_ONLY = {"n": (1, "the engine runs one sequence per request"),
+                "best_of": (1, "the engine runs one sequence per request"),
+                "frequency_penalty": (0, "moejax.serve applies no penalty"),
+                "presence_penalty": (0, "moejax.serve applies no penalty"),
+                "repetition_penalty": (1, "moejax.serve applies no penalty")}
+
+
 def _unsupported(body: dict) -> None:
     """Refuse what the engine does not do rather than silently ignore it."""
-    for key in ("n", "best_of"):
-        if body.get(key) is not None and (isinstance(body[key], bool) or body[key] != 1):  # true == 1 in Python
-            raise RequestError(f"'{key}' must be 1: the engine runs one sequence per request", param=key)
+    for key, (neutral, why) in NEUTRAL_ONLY.items():
+        if body.get(key) is not None and (isinstance(body[key], bool) or body[key] != neutral):  # true == 1
+            raise RequestError(f"'{key}' must be {neutral} or absent: {why}", param=key)
     for key in ("logprobs", "top_logprobs", "echo", "suffix", "tools", "functions", "logit_bias"):
         if body.get(key):
             raise RequestError(f"'{key}' is not supported by moejax.serve", param=key)
-    for key, neutral in (("frequency_penalty", 0), ("presence_penalty", 0), ("repetition_penalty", 1)):
-        if body.get(key) is not None and (isinstance(body[key], bool) or body[key] != neutral):
-            raise RequestError(f"'{key}' is not supported by moejax.serve (only {neutral}, no penalty)", param=key)
     fmt = body.get("response_format")
     if fmt is not None and fmt != {"type": "text"}:
         raise RequestError("'response_format' is not supported by moejax.serve (only {\"type\": \"text\"})",
