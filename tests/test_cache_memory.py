@@ -114,17 +114,23 @@ def test_auto_takes_the_most_slots_the_free_memory_holds(monkeypatch):
 def test_a_size_that_cannot_fit_is_refused_and_the_default_shrinks(monkeypatch, capsys):
     m = _offloaded()
     plan = m.memory_plan(CacheConfig(), None, 64)
-    _free(monkeypatch, plan["fixed"] - plan["reserve"] + 3 * plan["slot_set"])
+    base = plan["reserve"] - plan["prompt_reserve"]  # the runtime's margin: auto and a default size keep it
+    assert base == offload.RESERVE_BASE
+    _free(monkeypatch, plan["fixed"] - base + 3 * plan["slot_set"])
     checked = m.resolve_cache(CacheConfig(size="3"), tokens=64)
-    assert checked.size == "3" and checked.fit_checked  # a size given is held to the bare need
+    assert checked.size == "3" and checked.fit_checked  # slots, KV cache, staging and the prompt's reserve fit
     _free(monkeypatch, 0)  # later (slots allocated, say), a checked cache is not measured again
     assert m.resolve_cache(checked).size == "3" and m.cache_memory_bytes(checked) == 3 * plan["slot_set"]
     assert m.generate(PROMPT, 2, stop_at_eos=False, cache=checked).stats["cache"]["tokens"] == 5
-    _free(monkeypatch, plan["fixed"] - plan["reserve"] + 3 * plan["slot_set"])
-    with pytest.raises(ValueError, match=r"cache size '4' needs .* \(4 slots per layer of .* leaves .*: "
-                                         r"with the .* that auto holds back not even K=2 fit; int8 slots"):  # the reserve leaves none for auto
-        m.resolve_cache(CacheConfig(size="4"), tokens=64)
-    monkeypatch.setattr(api.offload_lib, "RESERVE_BYTES", 0)
+    # the prompt's part of the reserve is kept for a size given (a long prompt without it was OOM-killed)
+    _free(monkeypatch, plan["fixed"] - base + 3 * plan["slot_set"] - 1)
+    with pytest.raises(ValueError, match=r"cache size '3' needs .* \(3 slots per layer of .*, the KV cache, staging "
+                                         r"and a .* reserve for the prompt\), but .* leaves .*: not even K=2 fit"):
+        m.resolve_cache(CacheConfig(size="3"), tokens=64)
+    _free(monkeypatch, plan["fixed"] + 3 * plan["slot_set"] + plan["slot_set"] // 2)
+    default = m.resolve_cache(CacheConfig(), tokens=64, shrink_to_fit=True)  # a default size keeps all of it
+    assert default.size == "3" and "using 3 (--cache-size auto)" in capsys.readouterr().err
+    monkeypatch.setattr(api.offload_lib, "reserve_bytes", lambda positions, hidden_size, runtime=True: 0)
     plan = m.memory_plan(CacheConfig(), None, 64)
     _free(monkeypatch, plan["fixed"] + 2 * plan["slot_set"] + plan["slot_set"] // 2)
     with pytest.raises(ValueError, match=r"cache size '3' needs .* \(3 slots per layer .*: --cache-size auto picks 2"):
@@ -155,7 +161,7 @@ def test_on_an_accelerator_the_free_memory_is_the_allocators(monkeypatch):
     """The accelerator branch of the fit check (no GPU here): headroom = bytes_limit - bytes_in_use; no host
     store counted (it lives in host memory, not the device's); a device that keeps no statistics is unchecked."""
     m = _offloaded("host")
-    monkeypatch.setattr(api.offload_lib, "RESERVE_BYTES", 0)  # tiny experts: a reserve would dwarf them
+    monkeypatch.setattr(api.offload_lib, "reserve_bytes", lambda positions, hidden_size, runtime=True: 0)  # tiny experts
     plan_cpu = m.memory_plan(CacheConfig(), None, 64)
     monkeypatch.setattr(api.host_memory, "headroom", lambda: pytest.fail("the host's memory was read"))
     gib = 1 << 30
@@ -182,7 +188,7 @@ def test_the_host_store_counts_its_copy_of_every_expert(monkeypatch):
     plan = m.memory_plan(CacheConfig(), None, 64)
     every = m.cfg.n_moe_layers * m.cfg.n_experts * m.cached_expert_bytes()
     assert plan["host_store"] == every and plan["fixed"] == plan["kv_cache"] + plan["staging"] + every + plan["reserve"]
-    _free(monkeypatch, plan["fixed"] - plan["reserve"] + 2 * plan["slot_set"] - every // 2)
+    _free(monkeypatch, plan["fixed"] - plan["reserve"] + plan["prompt_reserve"] + 2 * plan["slot_set"] - every // 2)
     with pytest.raises(ValueError, match=r"host store's own copy of every expert needs .* of that \(--expert-store flash"):
         m.resolve_cache(CacheConfig(size="2"), tokens=64)
 
@@ -241,3 +247,18 @@ def test_headroom_is_the_tightest_limit(monkeypatch, tmp_path):
     assert memory.headroom() is None
     assert [memory.format_bytes(n) for n in (512, 3400, 12_600_000, 1_250_000_000)] == [
         "512 B", "3.4 kB", "12.6 MB", "1.25 GB"]
+
+
+def test_the_reserve_follows_the_prompt_a_run_may_have():
+    """Measured at Qwen1.5-MoE shapes (bench/RESULTS.md, "the reserve"): ~0.52 GiB of runtime at 8 tokens, a
+    batched piece's activations up to 512 tokens, little per position after; the piece part grows with the
+    hidden size. The old flat 1.5 GiB refused C = 4 under 6 GiB, which runs."""
+    gib = 1 << 30
+    r = offload.reserve_bytes
+    assert 0.55 * gib < r(8) < 0.58 * gib and 1.1 * gib < r(512) < 1.15 * gib
+    assert r(40) < r(512) < r(1024) < r(4096) < 1.3 * gib and r(4096) - r(2048) < 0.11 * gib
+    assert r(512, hidden_size=4096) - r(512) == pytest.approx(r(512) - r(0), rel=1e-6)
+    m = _offloaded()
+    assert m.memory_plan(CacheConfig(), None, 64)["reserve"] == r(64, m.cfg.hidden_size)
+    assert m.memory_plan(CacheConfig(), None, None)["reserve"] == r(min(offload.DEFAULT_FIT_POSITIONS,
+                                                                        m.cfg.max_position_embeddings), m.cfg.hidden_size)

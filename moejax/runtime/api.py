@@ -227,7 +227,9 @@ class Model:
     def memory_plan(self, cache: "simulate.CacheConfig", offload, tokens: int | None = None) -> dict | None:
         """What an offloaded run has and needs, in bytes: ``headroom`` (what the device can still allocate,
         ``where`` that limit comes from), ``fixed`` (KV cache of ``tokens`` positions, prompt staging, a host
-        store not read yet when the device is the host, and ``offload.RESERVE_BYTES``), ``slot`` (one slot) and
+        store not read yet when the device is the host, and ``reserve``: ``offload.reserve_bytes``, the runtime's and
+        the prompt's working memory; a size given is held to ``prompt_reserve``, the prompt's alone), ``slot`` (one
+        slot) and
         ``slot_set`` (one slot in every layer, or one in a global pool). None when the device does not say its free
         memory."""
         offload = self._offload(offload)
@@ -247,12 +249,14 @@ class Model:
         positions = min(tokens or offload_lib.DEFAULT_FIT_POSITIONS, self.cfg.max_position_embeddings)
         kv = expert_store.tree_nbytes(jax.eval_shape(lambda: init_kv(self.cfg, positions, self.params["embed"].dtype)))
         staging = self.cfg.top_k * slot if offload.paging == "host" else 0
+        reserve = offload_lib.reserve_bytes(positions, self.cfg.hidden_size)
+        prompt_reserve = offload_lib.reserve_bytes(positions, self.cfg.hidden_size, runtime=False)
         store = 0
         if (device.platform == "cpu" and offload.store == "host" and weights.has_lazy_experts(self.params)
                 and not self._stores):  # the host store will read every expert into this memory
             store = self.cfg.n_moe_layers * self.cfg.n_experts * simulate.expert_bytes(self.params, self.cfg)
         return {"headroom": headroom, "where": where, "kv_cache": kv, "staging": staging, "host_store": store,
-                "reserve": offload_lib.RESERVE_BYTES, "fixed": kv + staging + store + offload_lib.RESERVE_BYTES,
+                "reserve": reserve, "prompt_reserve": prompt_reserve, "fixed": kv + staging + store + reserve,
                 "slot": slot, "slot_set": cache_lib.slot_sets(self.cfg.n_moe_layers, cache.scope) * slot}
 
     def _fit_slots(self, cache, offload, tokens, mode: str):
@@ -279,7 +283,11 @@ class Model:
                                  f"a {gb(plan['reserve'])} reserve{store_note}{smaller}")
             return dataclasses.replace(cache, size=str(fit), memory="auto", fit_checked=True)
         count = cache.capacity(self.cfg)
-        need = count * plan["slot_set"] + plan["fixed"] - plan["reserve"]
+        # a size given is held to the prompt's part of the reserve (without it a long prompt was OOM-killed:
+        # C = 9 under 8 GiB with 1,024 prompt tokens), not the runtime's margin (C = 4 ran under 5.75 GiB with
+        # 8 tokens; bench/RESULTS.md); a default size keeps all of it
+        reserve = plan["prompt_reserve"] if mode == "check" else plan["reserve"]
+        need = count * plan["slot_set"] + plan["fixed"] - plan["reserve"] + reserve
         if need <= plan["headroom"]:
             return dataclasses.replace(cache, fit_checked=True)
         if mode == "shrink" and fit >= self.cfg.top_k:
@@ -287,10 +295,11 @@ class Model:
                              f"{gb(plan['headroom'])}: using {fit} (--cache-size auto)\n")
             return dataclasses.replace(cache, size=str(fit), memory="auto", fit_checked=True)
         hint = (f"--cache-size auto picks {fit}" if fit >= self.cfg.top_k
-                else f"with the {gb(plan['reserve'])} that auto holds back not even K={self.cfg.top_k} fit{smaller}")
+                else f"not even K={self.cfg.top_k} fit{smaller}")
         raise ValueError(f"cache size {cache.memory or cache.size!r} needs {gb(need)} ({count} slots {per} of "
-                         f"{gb(plan['slot'])}, the KV cache and staging), but {plan['where']} leaves "
-                         f"{gb(plan['headroom'])}{store_note}: {hint}")
+                         f"{gb(plan['slot'])}, the KV cache, staging and a {gb(reserve)} reserve for the "
+                         f"{'prompt' if mode == 'check' else 'runtime and the prompt'}), but {plan['where']} leaves {gb(plan['headroom'])}{store_note}: "
+                         f"{hint}")
 
     def cache_memory_bytes(self, cache: "simulate.CacheConfig", offload=None) -> int:
         """What the cached experts occupy when the cache is full: capacity × (L per-layer sets, or one pool)

@@ -299,16 +299,32 @@ class HostPager:
         """``output`` comes from a computation that reads the buffers under ``key`` (a MoE layer's slots, "pool",
         "staging"): no page is written into them in place until it is ready."""
         if self.in_place:
-            self._readers.setdefault(key, []).append(output)
+            self._readers[key] = [*self._running(key), output]
+
+    def _running(self, key) -> list:
+        """The outputs registered under ``key`` whose computation still runs. A finished or donated one is
+        dropped: the list must not keep its buffer alive (a prompt piece's rows are [T·K, D] float32, 16 MiB
+        per MoE layer at 512 tokens; held, they grew the memory of an offloaded prompt by ~0.75 GiB per
+        1,024 tokens)."""
+        # a donated output (a prefill round's rows) was consumed by a later reader, itself registered
+        return [a for a in self._readers.get(key, []) if not a.is_deleted() and not a.is_ready()]
+
+    def release_finished(self) -> None:
+        """Drop every finished reader (``_running``), under every key."""
+        for key in list(self._readers):
+            running = self._running(key)
+            if running:
+                self._readers[key] = running
+            else:
+                del self._readers[key]
 
     def _idle(self, key) -> bool:
         """Whether every computation reading the buffers under ``key`` has finished (then they may be written
         in place). While one runs a page takes the copy path instead, into a new buffer swapped into the slot:
         the running computation keeps the old one, and the copy overlaps it rather than waiting for it (a
         batched prompt's staging rounds: waiting cost back the saved copies at 1,024 tokens)."""
-        # a donated output (a prefill round's rows) was consumed by a later reader, itself registered
-        pending = [a for a in self._readers.get(key, []) if not a.is_deleted()]
-        if all(a.is_ready() for a in pending):
+        pending = self._running(key)
+        if not pending:
             self._readers.pop(key, None)
             return True
         self._readers[key] = pending
@@ -632,6 +648,7 @@ def host_generate(params, cfg: ModelConfig, prompt_ids, router_state: dict, offl
                 pager.split_stage_b = pos == 2
                 _, _, warm_kv, warm_key = pager.step(int(prompt[0]), jnp.int32(pos), warm_kv, warm_key, sampling)
         pager.split_stage_b = None
+        del warm_kv  # a whole second KV cache: held to the end it cost 196 kB per position at Qwen1.5-MoE shapes
         jax.block_until_ready(pager.slots)
         pager.state, pager.stats, _, pager.staging = saved
         pager.slots = fill_slots(pager.slots, pager.store, pager.state["cache"])

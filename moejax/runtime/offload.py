@@ -28,7 +28,7 @@ from typing import Any
 from moejax.models.config import ModelConfig
 from moejax.experts import cache as cache_lib
 from moejax.runtime.expert_store import STORES
-from moejax.runtime.prefill_paging import PREFILLS
+from moejax.runtime.prefill_paging import MAX_PIECE, PREFILLS
 
 PAGINGS = ("host", "jit")
 PAGE_WRITES = ("auto", "copy")
@@ -78,13 +78,25 @@ class OffloadConfig:
                              "by the host pager (--paging host, paging='host'); in-jit paging keeps the stored dtype")
 
 
-#: memory an offloaded run needs beyond its slots, KV cache and staging buffers, which ``--cache-size auto`` and
-#: the fit check hold back: compiling the stage programs, a page's transient buffers, and page cache for the
-#: programs' own code (peak RSS measured at 1.9 GiB over weights + slots + KV: bench/RESULTS.md, with the
-#: runtime's first 0.4 GiB already held when the check runs)
-RESERVE_BYTES = 3 << 29
+#: what an offloaded run's memory peaks at beyond its weights, slots, KV cache and staging buffers, held back
+#: by ``--cache-size auto`` and the fit check (bench/RESULTS.md, "the reserve", Qwen1.5-MoE shapes, peak anonymous
+#: memory over the accounted bytes): the runtime and compiling the stage programs, ~0.52 GiB with an 8-token
+#: prompt; a batched prompt piece's activations (``prefill_paging.MAX_PIECE`` tokens), +0.5 GiB at 512 tokens;
+#: then little per position (0.96–1.19 GiB from 2,048 to 4,096). Each term is rounded up; what the process
+#: already holds when the check runs (0.12–0.78 GiB measured) is margin on top.
+RESERVE_BASE = 9 << 26  # 0.5625 GiB
+RESERVE_PER_PIECE_TOKEN = (9 << 26) // 512  # 0.5625 GiB for a whole 512-token piece
+RESERVE_PER_LATER_TOKEN = (1 << 30) // (20 * 1024)  # 0.05 GiB per 1,024 positions past the first piece
 #: positions a KV cache is sized for when the call does not say (``Model.router_state`` alone)
 DEFAULT_FIT_POSITIONS = 4096
+
+
+def reserve_bytes(positions: int, hidden_size: int = 2048, runtime: bool = True) -> int:
+    """``RESERVE_*`` for a run of ``positions`` (prompt + new tokens, a bound on the prompt's length), with
+    the runtime's part (``RESERVE_BASE``) or, ``runtime=False``, the prompt's alone; the piece's activations
+    scale with the hidden size (measured at 2,048)."""
+    piece = min(positions, MAX_PIECE) * RESERVE_PER_PIECE_TOKEN * max(1.0, hidden_size / 2048)
+    return int(RESERVE_BASE * runtime + piece + max(positions - MAX_PIECE, 0) * RESERVE_PER_LATER_TOKEN)
 
 
 def slots_that_fit(headroom: int, fixed: int, slot_set_bytes: int, limit: int) -> int:

@@ -220,6 +220,7 @@ def run_piece(pager, tokens: np.ndarray, pos0: int, kv: list, record: list | Non
         x = finish_layer(lp["moe"], cfg, x, h, rows, experts, weights)
         blocks.append(routed)
         moe_index += 1
+        pager.release_finished()  # earlier layers' rows are done with (this layer's routing waited on them)
     if record is not None and blocks:
         record.append({name: np.stack([np.asarray(b[j]) for b in blocks])
                        for j, name in enumerate(RECORD_NAMES)})
