@@ -116,6 +116,43 @@ def test_a_slot_is_never_written_in_place_while_a_computation_reads_it():
             np.testing.assert_array_equal(np.asarray(x), y)
 
 
+def test_the_readers_list_does_not_keep_finished_outputs_alive():
+    """The pager's list of computations reading the slots held every finished prompt piece's rows ([T·K, D]
+    float32 per MoE layer) until that layer was paged again: ~0.75 GiB per 1,024 prompt tokens at Qwen1.5-MoE
+    shapes (bench/RESULTS.md, "the reserve"). A finished or donated output is dropped as soon as the list is
+    looked at: on the next ``reading`` and by ``release_finished`` (after each layer of a prompt piece)."""
+    import gc
+    import weakref
+
+    m = moejax.load(get_hf_model("qwen3_moe").folder, offload="flash")
+    pager = host_paging.HostPager(m.params, m.cfg, m.router_state("original", CacheConfig(size="4")),
+                                  offload.OffloadConfig(store="flash"), {})
+
+    class Output:  # a stand-in with the jax.Array methods the list reads, and a weak reference to it
+        def __init__(self, ready):
+            self.ready = ready
+
+        def is_ready(self):
+            return self.ready
+
+        def is_deleted(self):
+            return False
+
+    done, running = Output(True), Output(False)
+    gone = weakref.ref(done)
+    pager.reading(0, done)
+    pager.reading("staging", running)
+    pager.reading(0, Output(False))  # the finished one is dropped here
+    assert [o.ready for o in pager._readers[0]] == [False]
+    del done
+    gc.collect()
+    assert gone() is None  # nothing keeps it alive
+    running.ready = True
+    pager._readers[0][0].ready = True
+    pager.release_finished()
+    assert pager._readers == {}
+
+
 def test_host_view_is_the_arrays_own_memory():
     a = jax.device_put(jnp.zeros((4, 6), jnp.bfloat16))
     view = expert_store.host_view(a)
