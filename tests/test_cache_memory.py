@@ -262,3 +262,23 @@ def test_the_reserve_follows_the_prompt_a_run_may_have():
     assert m.memory_plan(CacheConfig(), None, 64)["reserve"] == r(64, m.cfg.hidden_size)
     assert m.memory_plan(CacheConfig(), None, None)["reserve"] == r(min(offload.DEFAULT_FIT_POSITIONS,
                                                                         m.cfg.max_position_embeddings), m.cfg.hidden_size)
+
+
+def test_a_teacher_forced_pass_counts_the_logits_it_returns(monkeypatch):
+    """An offloaded forward returns float32 logits [T, V] (filled piece by piece: one piece's on top); a
+    1,024-token pass under 8 GiB with auto was OOM-killed at Qwen1.5-MoE shapes (1.2 GB of logits held
+    twice, not counted). Now they are in the plan and the pass fits (bench/RESULTS.md, "the reserve")."""
+    m = _offloaded()
+    bare = m.memory_plan(CacheConfig(), None, 64)
+    plan = m.memory_plan(CacheConfig(), None, 64, logits_rows=64)
+    assert bare["logits"] == 0 and plan["logits"] == (64 + 64) * m.cfg.vocab_size * 4
+    assert plan["fixed"] == bare["fixed"] + plan["logits"]
+    _free(monkeypatch, plan["fixed"] + 3 * bare["slot_set"] + bare["slot_set"] // 2)
+    assert m.resolve_cache(CacheConfig(size="auto"), tokens=64, logits_rows=64).size == "3"
+    assert int(m.resolve_cache(CacheConfig(size="auto"), tokens=64).size) > 3  # without the logits: more
+    seen = []
+    real_plan = api.Model.memory_plan
+    monkeypatch.setattr(api.Model, "memory_plan", lambda self, *a, **k: seen.append(a[3:] or k) or real_plan(self, *a, **k))
+    _free(monkeypatch, 10**15)
+    out = m.forward(PROMPT, cache=CacheConfig(size="auto"))  # the forward asks for its own rows
+    assert seen and seen[-1] in ((len(PROMPT),), {"logits_rows": len(PROMPT)}) and out.logits.shape[0] == len(PROMPT)

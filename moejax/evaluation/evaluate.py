@@ -103,6 +103,12 @@ def _check_args(args: argparse.Namespace) -> None:
                                         "pass --sweep or --results with it")
 
 
+def scored_rows(args: argparse.Namespace) -> int:
+    """Logit rows one teacher-forced pass of the task returns (what an offloaded pass holds beside its slots):
+    a WikiText chunk, or a scored prompt (mmlu, truthfulqa); generative tasks return none."""
+    return args.context if args.task in ("wikitext", "mmlu", "truthfulqa") else 0
+
+
 def build_points(args: argparse.Namespace, model: api.Model) -> list[sweep_points.Point]:
     """The evaluation points of a command line: one, or the grid of its ``--sweep`` flags. Every point's
     policy and cache are built (and checked against the model) before anything is computed."""
@@ -121,7 +127,8 @@ def build_points(args: argparse.Namespace, model: api.Model) -> list[sweep_point
         routing = sweep_points.routing_record("original", model.cfg.top_k)
         if with_cache:
             policy = cli_options.policy_from_args(a, model.cfg.top_k)
-            cache = cli_options.cache_from_args(a, model, offload_from_args(args), args.context)  # checked now, not hours later
+            cache = cli_options.cache_from_args(a, model, offload_from_args(args), args.context,  # checked now,
+                                                logits_rows=scored_rows(args))  # not hours later
             kind_now = a.routing or "original"
             extra = {"prior": os.path.realpath(a.prior)} if getattr(a, "prior", None) else {}
             routing = sweep_points.routing_record(kind_now, model.cfg.top_k, lam=a.lam, top_j=a.top_j,
@@ -208,7 +215,8 @@ def main(argv: list[str] | None = None) -> int:
         routing = cache = None
         if cli_options.cache_requested(args):
             routing = cli_options.policy_from_args(args, model.cfg.top_k)
-            cache = cli_options.cache_from_args(args, model, offload_from_args(args), args.context)
+            cache = cli_options.cache_from_args(args, model, offload_from_args(args), args.context,
+                                                logits_rows=scored_rows(args))
         res = run_task(model, args, routing, cache)
     except errors.HANDLED as e:
         return errors.report(e)

@@ -18,7 +18,8 @@ from moejax.models import config as config_lib
 from moejax.models.config import ModelConfig
 from moejax.models.model import forward as model_forward, init_kv
 from moejax.experts import cache as cache_lib, routing as routing_lib
-from moejax.runtime import decode, expert_store, host_paging, jit_paging, offload as offload_lib, simulate
+from moejax.runtime import (decode, expert_store, host_paging, jit_paging, offload as offload_lib, prefill_paging,
+                            simulate)
 from moejax.runtime.decode import CHUNK as DECODE_CHUNK  # a default inside Model, whose decode() hides the module
 
 DEFAULT_MODEL_NAME = assets.DEFAULT_MODEL_NAME  # "default": the embedded model, in every command
@@ -195,7 +196,7 @@ class Model:
         return expert_store.slot_nbytes(self.cfg, self.params["embed"].dtype, offload.slot_dtype == "int8")
 
     def resolve_cache(self, cache: "simulate.CacheConfig | None", offload=None, tokens: int | None = None,
-                      shrink_to_fit: bool = False) -> "simulate.CacheConfig | None":
+                      shrink_to_fit: bool = False, logits_rows: int = 0) -> "simulate.CacheConfig | None":
         """``cache`` with its size as a count of experts per layer (global: in the pool) for this model.
 
         A memory size ("6GiB") becomes the count it holds (``cached_expert_bytes``). When offloading, "auto" is
@@ -215,19 +216,21 @@ class Model:
                 raise ValueError("cache size 'auto' sizes the device slots of an offloaded model (--offload, "
                                  "offload=...); a simulation holds every expert: give a count, a fraction of N "
                                  "or a memory size")
-            return self._fit_slots(cache, offload, tokens, "auto")
+            return self._fit_slots(cache, offload, tokens, "auto", logits_rows)
         if cache_lib.parse_byte_size(spec) is not None:
             count = cache.capacity(self.cfg, self.cached_expert_bytes(offload))
             cache = dataclasses.replace(cache, size=str(count), memory=spec)
         cache.capacity(self.cfg)
         if offload is not None and not cache.fit_checked:
-            cache = self._fit_slots(cache, offload, tokens, "shrink" if shrink_to_fit else "check")
+            cache = self._fit_slots(cache, offload, tokens, "shrink" if shrink_to_fit else "check", logits_rows)
         return cache
 
-    def memory_plan(self, cache: "simulate.CacheConfig", offload, tokens: int | None = None) -> dict | None:
+    def memory_plan(self, cache: "simulate.CacheConfig", offload, tokens: int | None = None,
+                    logits_rows: int = 0) -> dict | None:
         """What an offloaded run has and needs, in bytes: ``headroom`` (what the device can still allocate,
         ``where`` that limit comes from), ``fixed`` (KV cache of ``tokens`` positions, prompt staging, a host
-        store not read yet when the device is the host, and ``reserve``: ``offload.reserve_bytes``, the runtime's and
+        store not read yet when the device is the host, the float32 logits of ``logits_rows`` positions a
+        teacher-forced pass returns (and one prompt piece's, made before they are copied in), and ``reserve``: ``offload.reserve_bytes``, the runtime's and
         the prompt's working memory; a size given is held to ``prompt_reserve``, the prompt's alone), ``slot`` (one
         slot) and
         ``slot_set`` (one slot in every layer, or one in a global pool). None when the device does not say its free
@@ -251,17 +254,19 @@ class Model:
         staging = self.cfg.top_k * slot if offload.paging == "host" else 0
         reserve = offload_lib.reserve_bytes(positions, self.cfg.hidden_size)
         prompt_reserve = offload_lib.reserve_bytes(positions, self.cfg.hidden_size, runtime=False)
+        logits = (logits_rows + min(logits_rows, prefill_paging.MAX_PIECE)) * self.cfg.vocab_size * 4
         store = 0
         if (device.platform == "cpu" and offload.store == "host" and weights.has_lazy_experts(self.params)
                 and not self._stores):  # the host store will read every expert into this memory
             store = self.cfg.n_moe_layers * self.cfg.n_experts * simulate.expert_bytes(self.params, self.cfg)
         return {"headroom": headroom, "where": where, "kv_cache": kv, "staging": staging, "host_store": store,
-                "reserve": reserve, "prompt_reserve": prompt_reserve, "fixed": kv + staging + store + reserve,
+                "logits": logits, "reserve": reserve, "prompt_reserve": prompt_reserve,
+                "fixed": kv + staging + store + logits + reserve,
                 "slot": slot, "slot_set": cache_lib.slot_sets(self.cfg.n_moe_layers, cache.scope) * slot}
 
-    def _fit_slots(self, cache, offload, tokens, mode: str):
+    def _fit_slots(self, cache, offload, tokens, mode: str, logits_rows: int = 0):
         """``resolve_cache``'s memory check (``mode``: "auto", "check", "shrink")."""
-        plan = self.memory_plan(cache, offload, tokens)
+        plan = self.memory_plan(cache, offload, tokens, logits_rows)
         if plan is None:
             if mode == "auto":
                 raise ValueError("cache size 'auto' needs to know the free memory, and this device does not say: "
@@ -308,18 +313,19 @@ class Model:
         return cache.capacity(self.cfg, one) * cache_lib.slot_sets(self.cfg.n_moe_layers, cache.scope) * one
 
     def router_state(self, routing=None, cache: "simulate.CacheConfig | None" = None, offload=None,
-                     tokens: int | None = None) -> dict:
+                     tokens: int | None = None, logits_rows: int = 0) -> dict:
         """A fresh router state for ``routing`` (policy or kind name) and ``cache`` (default: N/2 LRU, when
         offloading at most what memory holds); sizes resolved by ``resolve_cache`` for ``offload`` (default:
-        the model's own setting) and a run of ``tokens`` positions."""
-
-        cache = self.resolve_cache(cache or simulate.CacheConfig(), offload, tokens, shrink_to_fit=cache is None)
+        the model's own setting) and a run of ``tokens`` positions (``logits_rows`` of them returned)."""
+        cache = self.resolve_cache(cache or simulate.CacheConfig(), offload, tokens, shrink_to_fit=cache is None,
+                                   logits_rows=logits_rows)
         return simulate.init_router_state(self.cfg, self._policy(routing), cache)
 
-    def _resolve_state(self, routing, cache, state: dict | None, offload, tokens: int | None = None) -> dict:
+    def _resolve_state(self, routing, cache, state: dict | None, offload, tokens: int | None = None,
+                       logits_rows: int = 0) -> dict:
         """``state`` carried over (with ``routing``'s policy swapped in, if given), or a fresh one."""
         if state is None:
-            return self.router_state(routing, cache, False if offload is None else offload, tokens)
+            return self.router_state(routing, cache, False if offload is None else offload, tokens, logits_rows)
         if not (isinstance(state, dict) and set(state) >= ROUTER_STATE_KEYS):
             raise TypeError("state must be a router state that this library made (an Output's .state, a "
                             "GenerateResult's .router_state, Model.router_state(...)), got "
@@ -345,7 +351,7 @@ class Model:
         tokens = self._tokens(token_ids)
         offload = self._offload(offload)
         if offload is not None:
-            state = self._resolve_state(routing, cache, state, offload, len(tokens))
+            state = self._resolve_state(routing, cache, state, offload, len(tokens), logits_rows=len(tokens))
             out = host_paging.host_forward(self.params, self.cfg, np.asarray(tokens), state, offload, self._stores)
             check_output(self.cfg, out["router_logits"], out["logits"])
             stats = simulate.summarize(out["router_state"], self.params, self.cfg)

@@ -237,10 +237,12 @@ def policy_from_args(args: argparse.Namespace, top_k: int) -> routing_lib.Routin
                                    delta=args.delta, prior=params)
 
 
-def cache_from_args(args: argparse.Namespace, model=None, offload=None, tokens: int | None = None):
+def cache_from_args(args: argparse.Namespace, model=None, offload=None, tokens: int | None = None,
+                    logits_rows: int = 0):
     """The ``CacheConfig`` of the flags; with the loaded ``model`` its size resolved to that model's count of
     experts (``api.Model.resolve_cache``: a memory size, "auto", the fit of ``offload``'s slots beside a KV cache
-    of ``tokens`` positions; the default size shrinks to fit, a size given is refused if it cannot)."""
+    of ``tokens`` positions and, for teacher-forced passes, the logits of ``logits_rows``; the default size
+    shrinks to fit, a size given is refused if it cannot)."""
 
     cfg = CacheConfig(size=str(args.cache_size or "0.5"), scope=args.cache_scope, eviction=args.eviction,
                       init=args.cache_init, seed=args.cache_seed, miss=args.miss,
@@ -257,7 +259,7 @@ def cache_from_args(args: argparse.Namespace, model=None, offload=None, tokens: 
             raise ValueError(f"{flag} only applies with {needs}")
     if model is None:
         return cfg
-    return model.resolve_cache(cfg, offload, tokens, shrink_to_fit=args.cache_size is None)
+    return model.resolve_cache(cfg, offload, tokens, shrink_to_fit=args.cache_size is None, logits_rows=logits_rows)
 
 
 def describe(args: argparse.Namespace) -> dict:

@@ -449,15 +449,18 @@ class HostPager:
         """The prompt (from position 0) in batched pieces (``prefill_paging.prefill_pieces``); returns (next
         token, its logits, kv, key) as ``step`` does for the last prompt token, or with ``all_logits`` (a
         teacher-forced pass) (logits [T, V] of every position, kv)."""
-        x, start, logits = None, 0, []
+        x, start = None, 0
+        # each piece's logits are copied into the result at once (kept as pieces and joined, a 1,024-token
+        # pass held twice its [T, V] float32 logits: 1.2 GB at Qwen1.5-MoE's vocabulary)
+        logits = np.empty((prompt.size, self.cfg.vocab_size), np.float32) if all_logits else None
         for n in prefill_paging.prefill_pieces(prompt.size, bucketed):
             x, kv = prefill_paging.run_piece(self, prompt[start:start + n], start, kv, record)
             if all_logits:
-                logits.append(_logits(self.params, self.cfg, x))
+                logits[start:start + n] = np.asarray(_logits(self.params, self.cfg, x))
             start += n
         self.stats.tokens += int(prompt.size)
         if all_logits:
-            return np.concatenate([np.asarray(a) for a in logits]), kv
+            return logits, kv
         nxt, last, key = _head(self.params, self.cfg, x, key, sampling)
         return nxt, last, kv, key
 
@@ -563,11 +566,10 @@ def host_forward(params, cfg: ModelConfig, tokens, router_state: dict, offload: 
     if pager.batched_prefill:
         logits, kv = pager.prefill(tokens, kv, key, decode.Sampling(), record=rec, all_logits=True)
     else:
-        logits = []
+        logits = np.empty((tokens.size, cfg.vocab_size), np.float32)  # filled row by row, never held twice
         for pos, tok in enumerate(tokens.tolist()):
             _, lg, kv, key = pager.step(tok, jnp.int32(pos), kv, key, decode.Sampling(), record=rec)
-            logits.append(lg)
-        logits = np.stack([np.asarray(x) for x in logits])
+            logits[pos] = np.asarray(lg)
     elapsed = time.perf_counter() - t0
     out = stack_records(rec)
     return {"logits": logits, **out, "router_state": pager.state,
