@@ -63,10 +63,10 @@ def one(model_path: str, prompt: int, cache_size: str, new_tokens: int) -> dict:
     accounted = sum(memory[k] for k in ("non_expert_weights", "slots", "kv_cache", "prefill_staging",
                                         "low_bit_staging"))
     reserve = offload.reserve_bytes(min(positions, model.cfg.max_position_embeddings), model.cfg.hidden_size)
+    over, held_beyond = peak[0] - accounted, held - memory["non_expert_weights"]
     gib = 2**30
-    return {"prompt": prompt, "peak": peak[0] / gib, "accounted": accounted / gib, "over": (peak[0] - accounted) / gib,
-            "held": (held - memory["non_expert_weights"]) / gib, "reserve": reserve / gib,
-            "margin": (reserve + held - peak[0] + accounted - memory["non_expert_weights"]) / gib,
+    return {"prompt": prompt, "peak": peak[0] / gib, "accounted": accounted / gib, "over": over / gib,
+            "held": held_beyond / gib, "reserve": reserve / gib, "margin": (reserve + held_beyond - over) / gib,
             "ttft_s": result.stats["time_to_first_token_s"]}
 
 

@@ -230,11 +230,10 @@ class Model:
         """What an offloaded run has and needs, in bytes: ``headroom`` (what the device can still allocate,
         ``where`` that limit comes from), ``fixed`` (KV cache of ``tokens`` positions, prompt staging, a host
         store not read yet when the device is the host, the float32 logits of ``logits_rows`` positions a
-        teacher-forced pass returns (and one prompt piece's, made before they are copied in), and ``reserve``: ``offload.reserve_bytes``, the runtime's and
-        the prompt's working memory; a size given is held to ``prompt_reserve``, the prompt's alone), ``slot`` (one
-        slot) and
-        ``slot_set`` (one slot in every layer, or one in a global pool). None when the device does not say its free
-        memory."""
+        teacher-forced pass returns (and one prompt piece's, made before they are copied in), and ``reserve``:
+        ``offload.reserve_bytes``, the runtime's and the prompt's working memory; a size given is held to
+        ``prompt_reserve``, the prompt's alone), ``slot`` (one slot) and ``slot_set`` (one slot in every layer,
+        or one in a global pool). None when the device does not say its free memory."""
         offload = self._offload(offload)
         device = jax.local_devices()[0]
         if device.platform == "cpu":
@@ -291,8 +290,9 @@ class Model:
         # a size given is held to the prompt's part of the reserve (without it a long prompt was OOM-killed:
         # C = 9 under 8 GiB with 1,024 prompt tokens), not the runtime's margin (C = 4 ran under 5.75 GiB with
         # 8 tokens; bench/RESULTS.md); a default size keeps all of it
-        reserve = plan["prompt_reserve"] if mode == "check" else plan["reserve"]
-        need = count * plan["slot_set"] + plan["fixed"] - plan["reserve"] + reserve
+        reserve, reserved_for = ((plan["prompt_reserve"], "prompt") if mode == "check"
+                                 else (plan["reserve"], "runtime and the prompt"))
+        need = count * plan["slot_set"] + plan["fixed"] - plan["reserve"] + reserve  # ``fixed`` holds all of it
         if need <= plan["headroom"]:
             return dataclasses.replace(cache, fit_checked=True)
         if mode == "shrink" and fit >= self.cfg.top_k:
@@ -303,8 +303,7 @@ class Model:
                 else f"not even K={self.cfg.top_k} fit{smaller}")
         raise ValueError(f"cache size {cache.memory or cache.size!r} needs {gb(need)} ({count} slots {per} of "
                          f"{gb(plan['slot'])}, the KV cache, staging and a {gb(reserve)} reserve for the "
-                         f"{'prompt' if mode == 'check' else 'runtime and the prompt'}), but {plan['where']} leaves {gb(plan['headroom'])}{store_note}: "
-                         f"{hint}")
+                         f"{reserved_for}), but {plan['where']} leaves {gb(plan['headroom'])}{store_note}: {hint}")
 
     def cache_memory_bytes(self, cache: "simulate.CacheConfig", offload=None) -> int:
         """What the cached experts occupy when the cache is full: capacity × (L per-layer sets, or one pool)

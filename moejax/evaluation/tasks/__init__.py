@@ -185,8 +185,9 @@ def load_task(task: str, data: str | None = None, shots: int = 0) -> TaskData:
     return parse_hf(task, rows, shots)
 
 
-# What the task's Stream sets itself on each call: an option may not name these.
-STREAM_KEYWORDS = ("state", "max_new_tokens", "stop", "bucketed", "prefill_routing")
+# What the task's Stream passes itself on each call (beside evaluate_task's own routing, cache, state and
+# max_new_tokens, which never reach ``options``): an option may not name these.
+STREAM_KEYWORDS = ("stop", "bucketed", "prefill_routing")
 
 
 def _check_options(model, task: str, options: dict) -> None:
@@ -197,8 +198,8 @@ def _check_options(model, task: str, options: dict) -> None:
     params = inspect.signature(getattr(model, method)).parameters
     open_ended = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
     for name in options:
-        if name in STREAM_KEYWORDS or name in ("routing", "cache"):
-            raise TypeError(f"evaluate_task sets {name!r} itself (pass routing=, cache= or state= to evaluate_task)")
+        if name in STREAM_KEYWORDS:
+            raise TypeError(f"evaluate_task sets {name!r} itself on every {method} call")
         if not open_ended and name not in params:
             raise TypeError(f"evaluate_task got option {name!r}, which Model.{method} (the call {task} makes) "
                             f"does not take")
