@@ -87,3 +87,42 @@ def test_exports_to_hf_and_transformers_agrees(default, tmp_path):
     ours = moejax.load(assets.DEFAULT_MODEL_DIR, dtype="float32").forward(ids).logits
     np.testing.assert_allclose(ours, ref, atol=2e-3, rtol=1e-3)
     assert (ours.argmax(-1) == ref.argmax(-1)).mean() > 0.95
+
+
+def _bench(name: str):
+    import importlib.util
+
+    path = os.path.join(os.path.dirname(__file__), "..", "bench", f"{name}.py")
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_side_by_side_bench_summarises_fronts_and_goals():
+    """bench/bench_default_model.py (issue 15's comparison): per method, the lowest miss rate within each
+    perplexity bound of original routing at C = N/2, the Pareto-optimal points, and the goals."""
+    bench = _bench("bench_default_model")
+
+    def rec(kind, miss, ppl, capacity=16, method="forward", eviction="lru"):
+        return {"routing": {"kind": kind}, "method": method, "miss_rate": miss, "ppl": ppl,
+                "cache": {"capacity": capacity, "eviction": eviction}}
+
+    records = [rec("original", 0.44, 100.0), rec("original", 0.7, 100.0, capacity=8),
+               rec("original", 0.21, 100.0, method="replay", eviction="belady"),
+               rec("cache-prior", 0.44, 100.0), rec("cache-prior", 0.30, 100.9), rec("cache-prior", 0.20, 104.0),
+               rec("cache-prior", 0.25, 106.0),  # dominated by (0.20, 104.0)
+               rec("max-rank", 0.35, 100.5), rec("max-rank", 0.33, 112.0), rec("max-rank", 0.05, 50.0, capacity=8)]
+    s = bench.front_summary(records, 16)
+    assert s["original"] == {"ppl": 100.0, "miss_rate": 0.44} and s["belady_miss_rate"] == 0.21
+    cp = s["methods"]["cache-prior"]
+    assert cp["lowest_miss_within"] == {"+1%": 0.30, "+5%": 0.20, "+10%": 0.20}
+    assert cp["front"] == [[0.20, 104.0], [0.30, 100.9], [0.44, 100.0]] and cp["points"] == 4
+    assert s["methods"]["max-rank"]["lowest_miss_within"] == {"+1%": 0.35, "+5%": 0.35, "+10%": 0.35}
+    assert "cumsum" not in s["methods"]
+    with pytest.raises(Exception, match="no original-routing pass at C = 4"):
+        bench.front_summary(records, 4)
+    quality = {"ppl_word": 150.0, "normalized_entropy": [0.85, 0.97], "dead_experts": 0}
+    assert bench.goals(quality) == {"word_ppl": True, "entropy": True, "no_dead_expert": True}
+    assert bench.goals(dict(quality, ppl_word=150.1, normalized_entropy=[0.99], dead_experts=1)) == {
+        "word_ppl": False, "entropy": False, "no_dead_expert": False}

@@ -11,6 +11,7 @@ import sys
 
 import numpy as np
 import pytest
+from hypothesis import given, settings, strategies as st
 from conftest import VOCAB, get_hf_model
 
 import moejax
@@ -75,6 +76,36 @@ def test_expert_usage_entropy_by_hand():
     np.testing.assert_allclose(usage["entropy_bits"], [1.0, 2.0])
     assert usage["dead_experts"] == 2 and usage["entropy_max_bits"] == 2.0
     np.testing.assert_allclose(usage["share"][0], [0.5, 0.5, 0, 0])
+
+
+def test_consecutive_reuse_by_hand():
+    # one layer, K = 2: token 1 keeps expert 3 of token 0; token 2 shares nothing; token 3 was pruned to one
+    # expert (-1 = none), which token 2 also chose
+    experts = np.array([[[3, 1], [3, 0], [2, 5], [5, -1]]])
+    np.testing.assert_array_equal(perplexity.reuse_counts(experts), [[2, 5, 2, 3]])
+    usage = perplexity.expert_usage(np.array([[1, 1, 1, 2, 0, 2]]), perplexity.reuse_counts(experts))
+    assert usage["reuse"] == [pytest.approx(2 / 5)] and usage["reuse_any"] == [pytest.approx(2 / 3)]
+    # independent routing with these shares: K' = 5/3 experts per token x sum of squared shares
+    shares = np.array([1, 1, 1, 2, 0, 2]) / 7
+    assert usage["reuse_independent"] == [pytest.approx(5 / 3 * (shares ** 2).sum())]
+    assert perplexity.reuse_counts(experts[:, :1]).tolist() == [[0, 0, 0, 0]]  # one token: no pairs
+    assert "reuse" not in perplexity.expert_usage(np.array([[1, 1]]), np.zeros((1, 4), np.int64))
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.integers(1, 3), st.integers(1, 9), st.integers(1, 4), st.integers(0, 2 ** 31 - 1))
+def test_consecutive_reuse_equals_a_loop_over_token_pairs(layers, tokens, k, seed):
+    rng = np.random.default_rng(seed)
+    n = k + 3
+    experts = np.stack([np.stack([rng.permutation(n)[:k] for _ in range(tokens)]) for _ in range(layers)])
+    experts[rng.random(experts.shape) < 0.2] = -1  # pruned choices
+    want = np.zeros((layers, 4), np.int64)
+    for layer in range(layers):
+        for t in range(1, tokens):
+            cur = {int(x) for x in experts[layer, t] if x >= 0}
+            shared = len(cur & {int(x) for x in experts[layer, t - 1] if x >= 0})
+            want[layer] += [shared, len(cur), shared > 0, 1]
+    np.testing.assert_array_equal(perplexity.reuse_counts(experts), want)
 
 
 def test_perplexity_matches_a_direct_computation(lm):

@@ -352,7 +352,8 @@ def test_a_cache_flag_alone_turns_the_cache_on(capsys):
     """--eviction, --cache-scope, ... given alone used to run without a cache (exit 0, no statistics)."""
     for flags, key, value in ((["--eviction", "lfu"], "eviction", "lfu"), (["--cache-scope", "global"], "scope", "global"),
                               (["--cache-init", "random"], "cache_init", "random")):
-        assert generate.main(["--prompt-ids", "5,17", "--max-new-tokens", "2", "--json", *flags]) == 0
+        assert generate.main(["--model", get_hf_model("qwen3_moe").folder, "--prompt-ids", "5,17",
+                              "--max-new-tokens", "2", "--json", *flags]) == 0
         cache = json.loads(capsys.readouterr().out)["stats"]["cache"]
         assert cache[key] == value
 

@@ -185,6 +185,8 @@ def test_vmapped_batch_equals_the_loop(lm, data):
         assert rec["metrics"]["cache"]["misses"] == ref["cache"]["misses"]
         assert rec["lifetime"] == pytest.approx(ref["lifetime"], rel=1e-9)
         np.testing.assert_allclose(rec["metrics"]["expert_usage"]["share"], ref["expert_usage"]["share"])
+        for key in ("reuse", "reuse_any", "reuse_independent"):
+            np.testing.assert_allclose(rec["metrics"]["expert_usage"][key], ref["expert_usage"][key], rtol=1e-12)
         assert rec["metrics"]["tokens"] == MAX_TOKENS and rec["metrics"]["chunks"] == 5
     assert recs[3]["miss_rate"] > recs[4]["miss_rate"]  # C = 2 misses more than C = 7
     # λ = 0 in the sweep engine is plain perplexity (original routing, no cache at all)

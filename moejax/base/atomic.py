@@ -23,12 +23,6 @@ import numpy as np
 from moejax.base import interrupts, tempfiles
 
 
-def _umask() -> int:
-    mask = os.umask(0o022)
-    os.umask(mask)
-    return mask
-
-
 @contextlib.contextmanager
 def atomic_file(path: str | os.PathLike, mode: str = "wb", make_parents: bool = False) -> Iterator[IO]:
     """An open file (``"wb"`` or ``"w"``, UTF-8) that becomes ``path`` only when the block succeeds.

@@ -169,6 +169,10 @@ def _print_single(res: dict[str, Any]) -> None:
         usage = res["expert_usage"]
         print("expert usage entropy (bits, max %.2f): %s" % (
             usage["entropy_max_bits"], " ".join(f"{e:.2f}" for e in usage["entropy_bits"])))
+        if "reuse" in usage:
+            print("experts the previous token also chose: %s (independent routing: %s)" % (
+                " ".join(f"{r:.3f}" for r in usage["reuse"]),
+                " ".join(f"{r:.3f}" for r in usage["reuse_independent"])))
     else:
         shown = {k: v for k, v in res.items() if isinstance(v, (int, float, str)) and k not in ("miss_rate", "lifetime")}
         print("  ".join(f"{k} {v:.4f}" if isinstance(v, float) else f"{k} {v}" for k, v in shown.items()))

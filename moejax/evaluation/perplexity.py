@@ -69,21 +69,51 @@ def token_nll(logits: np.ndarray, ids: np.ndarray) -> np.ndarray:
     return -logp[np.arange(len(ids) - 1), ids[1:]]
 
 
-def expert_usage(counts: np.ndarray) -> dict:
-    """Per-layer share of routed tokens per expert and usage entropy (bits; uniform = log2 N)."""
+REUSE_FIELDS = ("reused", "chosen", "pairs_sharing", "pairs")
+
+
+def reuse_counts(experts: np.ndarray) -> np.ndarray:
+    """Temporal locality of one pass's routing, per layer [L, 4] (``REUSE_FIELDS``), over consecutive tokens
+    t-1, t of ``experts`` [L, T, K] (ids, -1 = none): the experts token t chose that token t-1 also chose,
+    the experts token t chose, the pairs that share at least one expert, and the pairs. Summed over passes,
+    it is what an LRU cache of a few experts can exploit (the papers' premise)."""
+    e = np.asarray(experts)
+    if e.shape[1] < 2:
+        return np.zeros((e.shape[0], len(REUSE_FIELDS)), np.int64)
+    prev, cur = e[:, :-1, :, None], e[:, 1:, None, :]
+    reused = ((prev == cur) & (cur >= 0)).any(axis=2).sum(-1)  # [L, T-1]: token t's experts seen at t-1
+    chosen = (e[:, 1:] >= 0).sum(-1)
+    return np.stack([reused.sum(-1), chosen.sum(-1), (reused > 0).sum(-1),
+                     np.full(e.shape[0], e.shape[1] - 1)], axis=-1).astype(np.int64)
+
+
+def expert_usage(counts: np.ndarray, reuse: np.ndarray | None = None) -> dict:
+    """Per-layer share of routed tokens per expert and usage entropy (bits; uniform = log2 N); with ``reuse``
+    (summed ``reuse_counts``) also the consecutive-token reuse: ``reuse`` = the share of a token's experts
+    that the previous token also chose, ``reuse_any`` = the share of consecutive tokens that share an
+    expert, and ``reuse_independent`` = the first for tokens routed independently with these usage shares
+    (K·Σ share², = K/N when uniform): reuse above it is temporal locality, not imbalance."""
     shares = counts / np.maximum(counts.sum(-1, keepdims=True), 1)
     with np.errstate(divide="ignore", invalid="ignore"):
         ent = -np.nansum(np.where(shares > 0, shares * np.log2(shares), 0.0), axis=-1)
     n = counts.shape[-1]
-    return {"entropy_bits": ent.tolist(), "entropy_max_bits": math.log2(n),
-            "normalized_entropy": (ent / math.log2(n)).tolist(), "share": shares.tolist(),
-            "dead_experts": int((counts == 0).sum()), "max_share_over_uniform": float(shares.max() * n)}
+    usage = {"entropy_bits": ent.tolist(), "entropy_max_bits": math.log2(n),
+             "normalized_entropy": (ent / math.log2(n)).tolist(), "share": shares.tolist(),
+             "dead_experts": int((counts == 0).sum()), "max_share_over_uniform": float(shares.max() * n)}
+    if reuse is not None and reuse[:, 3].sum() > 0:
+        reused, chosen, sharing, pairs = (reuse[:, i].astype(np.float64) for i in range(4))
+        k = chosen / np.maximum(pairs, 1)  # experts per token (K; less where some were dropped)
+        usage.update(reuse=(reused / np.maximum(chosen, 1)).tolist(),
+                     reuse_any=(sharing / np.maximum(pairs, 1)).tolist(),
+                     reuse_independent=(k * (shares ** 2).sum(-1)).tolist())
+    return usage
 
 
 def perplexity_result(text: str, ids: np.ndarray, context: int, n_chunks: int, nll_sum: float, n_pred: int,
-                      counts: np.ndarray) -> dict[str, Any]:
+                      counts: np.ndarray, reuse: np.ndarray | None = None) -> dict[str, Any]:
     """Perplexity per token / word and bits per byte from the summed NLL of the ``n_pred`` predicted tokens
-    of ``ids`` (the tokens of ``text``), plus expert usage from the per-layer selection ``counts`` [L, N]."""
+    of ``ids`` (the tokens of ``text``), plus expert usage from the per-layer selection ``counts`` [L, N]
+    and consecutive-token ``reuse`` [L, 4] (``reuse_counts``)."""
     n_text_tokens = len(ids)
     # without a BOS the first token of each chunk is not predicted: scale by the mean NLL
     total_nll = nll_sum if n_pred == n_text_tokens else nll_sum / max(n_pred, 1) * n_text_tokens
@@ -96,7 +126,7 @@ def perplexity_result(text: str, ids: np.ndarray, context: int, n_chunks: int, n
         "ppl": math.exp(nll_sum / max(n_pred, 1)),
         "ppl_word": math.exp(total_nll / max(words, 1)),
         "bits_per_byte": total_nll / math.log(2) / max(n_bytes, 1),
-        "expert_usage": expert_usage(counts),
+        "expert_usage": expert_usage(counts, reuse),
     }
 
 
@@ -133,6 +163,7 @@ def perplexity_of_ids(model: api.Model, text: str, ids: np.ndarray, context: int
     extra = {} if offload is None else {"offload": offload}
     nll_sum, n_pred = 0.0, 0
     counts = np.zeros((model.cfg.n_moe_layers, model.cfg.n_experts), np.int64)
+    reuse = np.zeros((model.cfg.n_moe_layers, len(REUSE_FIELDS)), np.int64)
     offload_chunks = []
     bar = None
     if progress:
@@ -151,11 +182,12 @@ def perplexity_of_ids(model: api.Model, text: str, ids: np.ndarray, context: int
         for layer in range(counts.shape[0]):
             e = out.experts[layer]
             np.add.at(counts[layer], e[e >= 0], 1)
+        reuse += reuse_counts(out.experts)
         if bar:
             bar.update(len(nll))
     if bar:
         bar.close()
-    result: dict[str, Any] = perplexity_result(text, ids, context, len(chunks), nll_sum, n_pred, counts)
+    result: dict[str, Any] = perplexity_result(text, ids, context, len(chunks), nll_sum, n_pred, counts, reuse)
     if simulating:
         stats = simulate.summarize(state, model.params, model.cfg)
         result.update(miss_rate=stats["miss_rate"], lifetime=stats["lifetime_mean"],

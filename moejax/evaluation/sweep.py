@@ -124,6 +124,7 @@ class _Acc:
     nll_sum: float = 0.0
     n_pred: int = 0
     counts: np.ndarray = None
+    reuse: np.ndarray = None  # [L, 4] perplexity.reuse_counts summed over the chunks
     early_miss: list = dataclasses.field(default_factory=list)  # per token: misses over all layers
     early_valid: list = dataclasses.field(default_factory=list)
     trace_e: list = dataclasses.field(default_factory=list)
@@ -131,6 +132,7 @@ class _Acc:
 
     def __post_init__(self):
         self.counts = np.zeros((self.n_layers, self.n_experts), np.int64)
+        self.reuse = np.zeros((self.n_layers, len(perplexity.REUSE_FIELDS)), np.int64)
 
     def add(self, nll, experts, hits=None, weights=None, keep_trace=False):
         total = float(np.asarray(nll, np.float64).sum())
@@ -142,6 +144,7 @@ class _Acc:
         for layer in range(experts.shape[0]):
             e = experts[layer]
             self.counts[layer] += np.bincount(e[e >= 0], minlength=self.n_experts)
+        self.reuse += perplexity.reuse_counts(experts)
         if hits is not None and sum(len(m) for m in self.early_miss) < EARLY_WINDOWS[-1]:
             valid = experts >= 0  # [L, T, K]
             self.early_miss.append(((valid & ~hits).sum(axis=(0, 2))))
@@ -160,7 +163,7 @@ class _Acc:
 
 def _result(model, text: str, ids: np.ndarray, context: int, n_chunks: int, acc: _Acc, state) -> dict:
 
-    res = perplexity.perplexity_result(text, ids, context, n_chunks, acc.nll_sum, acc.n_pred, acc.counts)
+    res = perplexity.perplexity_result(text, ids, context, n_chunks, acc.nll_sum, acc.n_pred, acc.counts, acc.reuse)
     if state is not None:
         stats = simulate.summarize(state, model.params, model.cfg)
         rs = state["routing"]

@@ -187,9 +187,10 @@ class TokenData:
     """Training and validation token streams over a cached data folder.
 
     Training sequences are windows of ``seq_len + 1`` tokens at multiples of ``seq_len`` inside each
-    training shard; their order is a seeded permutation per shard, shards in corpus order, so the whole
-    stream is a pure function of (seed, position) and resuming needs only the position. Shards are
-    tokenized lazily, when the stream reaches them."""
+    training shard; their order is a seeded permutation per shard and pass over the corpus (a run that
+    wraps around sees each shard in a new order), shards in corpus order, so the whole stream is a pure
+    function of (seed, position) and resuming needs only the position. Shards are tokenized lazily, when
+    the stream reaches them."""
 
     def __init__(self, data_dir: str = DEFAULT_DATA_DIR, corpus_dir: str = DEFAULT_CORPUS_DIR,
                  vocab_size: int = DEFAULT_VOCAB, seq_len: int = 256, seed: int = 0,
@@ -200,6 +201,7 @@ class TokenData:
         self.train_paths, self.val_path = split_shards(corpus_dir)
         self.val_max_chars = val_max_chars
         self._train: dict[int, tuple[np.memmap, np.ndarray]] = {}
+        self._orders: dict[tuple[int, int], np.ndarray] = {}  # (shard, pass) -> order, passes > 0
         self._val = None
 
     @property
@@ -218,19 +220,33 @@ class TokenData:
             self._train[i] = (arr, order)
         return self._train[i]
 
+    def order(self, i: int, epoch: int) -> np.ndarray:
+        """Shard ``i``'s sequence order in pass ``epoch`` over the corpus (pass 0: ``_shard``'s)."""
+        first = self._shard(i)[1]
+        if epoch == 0:
+            return first
+        if (i, epoch) not in self._orders:
+            if len(self._orders) >= 2 * len(self.train_paths):  # a pass or two is all a batch reaches
+                self._orders.clear()
+            self._orders[(i, epoch)] = np.random.default_rng([self.seed, i, epoch]).permutation(first.size)
+        return self._orders[(i, epoch)]
+
     def batch(self, position: int, batch_size: int) -> tuple[np.ndarray, int]:
         """``batch_size`` training sequences [B, seq_len + 1] (int32) starting at stream ``position``;
-        returns them and the next position. The stream wraps around after the last training shard."""
+        returns them and the next position. The stream wraps around after the last training shard, each
+        shard then in a new order."""
         out = np.empty((batch_size, self.seq_len + 1), np.int32)
         for b in range(batch_size):
             pos = position + b
             shard = 0
             while True:
-                arr, order = self._shard(shard % len(self.train_paths))
-                if pos < order.size:
+                n_seq = self._shard(shard % len(self.train_paths))[1].size
+                if pos < n_seq:
                     break
-                pos -= order.size
+                pos -= n_seq
                 shard += 1
+            arr = self._shard(shard % len(self.train_paths))[0]
+            order = self.order(shard % len(self.train_paths), shard // len(self.train_paths))
             start = int(order[pos]) * self.seq_len
             out[b] = arr[start:start + self.seq_len + 1]
         return out, position + batch_size
