@@ -41,6 +41,7 @@ from moejax.runtime import simulate
 
 WORD_PPL_GOAL = 150.0
 ENTROPY_GOAL = (0.85, 0.97)  # usage entropy / log2 N, every layer
+GOALS = ("word_ppl", "entropy", "no_dead_expert")  # the table's order (JSON files keep them sorted)
 PPL_BOUNDS = (0.01, 0.05, 0.10)  # the front summary: lowest miss rate within +1/5/10 % of original's perplexity
 FRONT_METHODS = ("cache-prior", "max-rank", "cumsum", "pruning")
 
@@ -149,7 +150,7 @@ def table(results: dict) -> str:
     rows.append(("Belady miss rate, C = N/2 (original routing)",
                  lambda r: _fmt(r["front"]["belady_miss_rate"], ".3f") if r.get("front") else "-"))
     rows.append(("goals: word ppl ≤ 150 / entropy 85–97 % / no dead",
-                 lambda r: " / ".join("yes" if v else "no" for v in r["goals"].values())))
+                 lambda r: " / ".join("yes" if r["goals"][g] else "no" for g in GOALS)))
     context = results[labels[0]]["quality"]["context"]
     lines = ["| | " + " | ".join(labels) + " |", "|---|" + "---|" * len(labels)]
     for name, cell in rows:
@@ -170,6 +171,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--work", default=os.path.join("bench", "results", "default_model"),
                    help="the pareto studies' folders, one per label (resumable)")
     p.add_argument("--out", default=os.path.join("bench", "results", "default_model.json"))
+    p.add_argument("--include", action="append", default=[], metavar="JSON",
+                   help="columns measured earlier: an --out file of this script, its models shown first (the GPU run "
+                        "measures the candidate alone and shows it beside the CPU's figures of the shipped model)")
     p.add_argument("--no-progress", action="store_true")
     args = p.parse_args(argv)
     models = args.model or ["default"]
@@ -181,8 +185,19 @@ def main(argv: list[str] | None = None) -> int:
             raise errors.UsageError(f"two models would share a column: labels {labels} (give --label)")
         if args.context < 2 or args.points < 1 or args.pareto_tokens < 0 or (args.max_tokens or 1) < 1:
             raise errors.UsageError("--context must be >= 2, --points >= 1, --pareto-tokens >= 0, --max-tokens >= 1")
-        text = perplexity.load_wikitext(args.data)
         results = {}
+        for path in args.include:
+            try:
+                with open(path, encoding="utf-8") as f:
+                    earlier = json.load(f)["models"]
+            except (OSError, ValueError, KeyError, TypeError) as e:
+                raise errors.UsageError(f"--include {path}: not a results file of this script ({e})") from None
+            for label, entry in earlier.items():
+                if label in labels or label in results:
+                    raise errors.UsageError(f"--include {path}: its column {label!r} is also measured here "
+                                            "(give --label)")
+                results[label] = entry
+        text = perplexity.load_wikitext(args.data)
         for model_arg, label in zip(models, labels):
             print(f"== {label}: {model_arg}", file=sys.stderr)
             q = quality(model_arg, text, args.context, args.max_tokens, not args.no_progress)

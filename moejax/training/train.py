@@ -398,8 +398,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--clip", type=float, default=1.0)
     p.add_argument("--min-lr-ratio", type=float, default=0.1, help="final learning rate / peak (cosine decay)")
     p.add_argument("--aux-coef", type=float, default=0.5,
-                   help="load-balancing loss coefficient (alone, 0.01-0.1 let the CPU run's router collapse onto 4 "
-                        "experts early on; with --z-coef and --router-lr-scale 0.01 is enough)")
+                   help="load-balancing loss coefficient (0.01-0.1 let the CPU run's router collapse onto 4 experts "
+                        "early on; at 0.01 the granular config collapses for ~50 steps with every remedy, and "
+                        "--z-coef 1e-3 --router-lr-scale 0.1 --offset-coef 1 recovers best: bench/train_default.md)")
     p.add_argument("--aux-coef-start", type=float, default=None,
                    help="balancing weight at step 0, decaying linearly to --aux-coef over --aux-decay-steps")
     p.add_argument("--aux-decay-steps", type=int, default=0)
