@@ -155,9 +155,9 @@ def test_prefill_routing_leaves_the_callers_state_usable():
     from moejax.experts import routing
     from moejax.runtime import simulate
 
-    m = moejax.load("default")
+    m = moejax.load(get_hf_model("qwen3_moe").folder)
     state = m.router_state("cache-prior", simulate.CacheConfig(size="0.5"))
-    ids = m.encode("The history of the")
+    ids = [5, 17, 3, 42, 9]
     a = m.generate(ids, 20, state=state, prefill_routing="original")
     float(state["policy"].lam)  # raises if the caller's arrays were donated
     b = m.generate(ids, 20, state=state, prefill_routing="original")
