@@ -1,0 +1,40 @@
+#!/usr/bin/env bash
+# Issue 14, parts 1-3 on the lent GPU machine in ONE device call (timeout_s 600): the offload equality tests
+# with the GPU visible (host and in-jit paging: same tokens as the simulation, bytes = loads x expert bytes),
+# then bench_offload.py's GPU suite (pinned host -> device bandwidth; offloaded decode at OLMoE expert shapes
+# vs the roofline, host and in-jit paging, C = N/2 and N/4). Everything lands in $OUT (<= 8 files).
+#
+#     bash bench/gpu_offload.sh                                # on the device (run tool; nothing to carry)
+#     SMALL=1 OUT=/tmp/gpu-offload bash bench/gpu_offload.sh   # the same path on this CPU (tiny shapes, ~2 min)
+#
+# Each step has its own time box so that one that hangs or fails still leaves the others' results; the
+# summary at the end names each step's exit status. Parts 3's other models (Qwen1.5-MoE, Mixtral beyond the
+# GPU's memory) and part 4 (the research loop vs transformers) are not in this call.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+: "${OUT:?OUT must name the folder to return files from}"
+export PYTHONUNBUFFERED=1
+mkdir -p "$OUT"
+small=(); tests_box=240; bench_box=300
+if [[ -n "${SMALL:-}" ]]; then small=(--small); fi
+{
+    date
+    nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>/dev/null || echo "no nvidia-smi"
+    python3 -m pip install -q --no-deps --no-build-isolation --no-index -e . 2>&1 | tail -2
+    python3 -c "import jax; print('jax', jax.__version__, jax.devices())"
+} > "$OUT/env.txt" 2>&1
+cat "$OUT/env.txt"
+
+# 1. the offload equality tests, GPU visible (the suite's tiny models; the tests compare with the simulation)
+timeout "$tests_box" python3 -m pytest -q -p no:cacheprovider tests/test_offload.py tests/test_overlap.py \
+    tests/test_page_writes.py -k "simulation or slots or bytes or compiles" > "$OUT/tests.txt" 2>&1
+tests_rc=$?
+tail -5 "$OUT/tests.txt"
+
+# 2-3. bandwidth and offloaded decode vs the roofline
+timeout "$bench_box" python3 bench/bench_offload.py --suite gpu --layers 4 "${small[@]}" --out "$OUT/offload_gpu.json" \
+    > "$OUT/bench.txt" 2>&1
+bench_rc=$?
+tail -8 "$OUT/bench.txt"
+echo "summary: tests exit $tests_rc, bench exit $bench_rc (124 = its time box ran out)" | tee -a "$OUT/env.txt"
+ls -la "$OUT"
