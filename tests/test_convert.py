@@ -588,3 +588,29 @@ def test_a_single_weights_file_wins_over_an_index_as_in_transformers(tmp_path):
         {"metadata": {}, "weight_map": {"model.embed_tokens.weight": "model-00001-of-00002.safetensors"}}))
     ids = [3, 5, 7]
     np.testing.assert_array_equal(moejax.load(str(folder)).forward(ids).logits, moejax.load(src).forward(ids).logits)
+
+
+def test_the_model_card_and_licence_travel_with_every_conversion(tmp_path, capsys):
+    """A converted folder lost README.md (the default model's holds the corpus's share-alike licence),
+    LICENSE and training.json: a user shipping an int8 copy shipped it without its terms."""
+    src = _copy_hf("qwen3_moe", tmp_path / "hf")
+    card = {"README.md": "---\nlicense: apache-2.0\n---\n# a model card \u00e9\n", "LICENSE": "Apache License 2.0\n",
+            "training.json": '{"tokens": 1}\n'}
+    for name, text in card.items():
+        (tmp_path / "hf" / name).write_text(text, encoding="utf-8")
+    mj = str(tmp_path / "mj")
+    assert convert_cli.main(["hf-to-moejax", src, mj]) == 0
+    q8 = str(tmp_path / "q8")
+    assert convert_cli.main(["moejax-to-moejax", mj, q8, "--expert-dtype", "int8"]) == 0
+    back = str(tmp_path / "back")
+    assert convert_cli.main(["moejax-to-hf", q8, back]) == 0
+    capsys.readouterr()
+    for folder in (mj, q8, back):
+        for name, text in card.items():
+            assert open(os.path.join(folder, name), encoding="utf-8").read() == text, (folder, name)
+    assert convert_cli.main(["moejax-to-moejax", mj, q8, "--overwrite"]) == 0  # the card is the checkpoint's own
+    # the default model's card comes along too
+    default = str(tmp_path / "default-int8")
+    assert convert_cli.main(["moejax-to-moejax", "default", default, "--expert-dtype", "int8"]) == 0
+    assert "share-alike" in open(os.path.join(default, "README.md"), encoding="utf-8").read()
+    assert os.path.isfile(os.path.join(default, "training.json"))

@@ -52,6 +52,9 @@ TOKENIZER_FILES = (
     "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json",
     "chat_template.jinja", "chat_template.json",
 )
+#: the model card and its terms: a conversion carries them along with the tokenizer (the default model's
+#: README holds the corpus's share-alike licence; an HF folder's, the model's)
+CARD_FILES = ("README.md", "LICENSE", "LICENSE.txt", "LICENSE.md", "NOTICE", "training.json")
 
 
 class CheckpointError(Failure):
@@ -143,7 +146,7 @@ def is_checkpoint_folder(folder: str) -> bool:
 
 #: what a checkpoint folder holds (moejax, Hugging Face, an exported training run): ``--overwrite`` replaces a
 #: checkpoint folder only when it holds nothing else, so no file the user kept beside the weights is deleted
-CHECKPOINT_NAMES = frozenset((*TOKENIZER_FILES, "config.json", FORMAT_FILE, "training.json", "README.md",
+CHECKPOINT_NAMES = frozenset((*TOKENIZER_FILES, *CARD_FILES, "config.json", FORMAT_FILE,
                               "vocab.json", "merges.txt", "tokenizer.model", "added_tokens.json", ".gitattributes"))
 CHECKPOINT_SUFFIXES = (".safetensors", ".safetensors.index.json")
 CHECKPOINT_FOLDERS = frozenset(("params",))  # version-1 moejax folders: orbax's parameters
@@ -190,8 +193,9 @@ def check_replaceable(target: str, overwrite: bool, protect: tuple[str, ...] = (
                                  "--overwrite would delete them; move them out or choose another target")
 
 
-def _copy_tokenizer(src: str, dst: str) -> None:
-    for name in TOKENIZER_FILES:
+def _copy_companion_files(src: str, dst: str) -> None:
+    """The tokenizer and the model card of ``src`` (what a checkpoint holds beside its weights) into ``dst``."""
+    for name in (*TOKENIZER_FILES, *CARD_FILES):
         if os.path.isfile(os.path.join(src, name)):
             shutil.copy2(os.path.join(src, name), os.path.join(dst, name))
 
@@ -411,7 +415,8 @@ def _hf_value(params: dict, e: hf_keys.Entry) -> np.ndarray:
 def save_hf(params: dict, cfg: ModelConfig, folder: str, *, tokenizer_from: str | None = None,
             overwrite: bool = False, max_shard_bytes: int = 4 << 30, protect: tuple[str, ...] = ()) -> str:
     """Write a Hugging Face folder (safetensors shards + index, config.json) that transformers loads,
-    tensor by tensor (``params`` may be lazy: a conversion holds one tensor at a time; or serving-layout)."""
+    tensor by tensor (``params`` may be lazy: a conversion holds one tensor at a time; or serving-layout).
+    ``tokenizer_from``: a folder whose tokenizer and model card (``CARD_FILES``) come along."""
     params = layout.canonical_view(params)
     dtype = _leaf_dtype(params["embed"])
     table = {e.hf_key: e for e in hf_keys.entries(cfg)}
@@ -422,7 +427,7 @@ def save_hf(params: dict, cfg: ModelConfig, folder: str, *, tokenizer_from: str 
         hf["torch_dtype"] = hf["dtype"] = str(dtype)
         atomic.write_json(os.path.join(tmp, "config.json"), hf)
         if tokenizer_from:
-            _copy_tokenizer(tokenizer_from, tmp)
+            _copy_companion_files(tokenizer_from, tmp)
     return os.path.abspath(folder)
 
 
@@ -491,7 +496,8 @@ def save_moejax(params: dict, cfg: ModelConfig, folder: str, *, tokenizer_from: 
     each MoE layer's experts as one ``[N, in, out]`` stack per matrix (one expert = one contiguous slice,
     so offloading pages it straight from the file). Streams: ``params`` may be lazy (or serving-layout).
     ``expert_dtype="int8"``: the routed experts as int8 + scales (version 3, module docstring).
-    ``extra_files``: file name -> text, written into the folder before it appears (a README, a record)."""
+    ``tokenizer_from``: a folder whose tokenizer and model card (``CARD_FILES``) come along; ``extra_files``:
+    file name -> text, written into the folder before it appears (a README, a record; they win over a copy)."""
     if expert_dtype not in EXPERT_DTYPES:
         raise ValueError(f"expert_dtype must be one of {', '.join(EXPERT_DTYPES)}, got {expert_dtype!r}")
     for name in extra_files or {}:
@@ -523,7 +529,7 @@ def save_moejax(params: dict, cfg: ModelConfig, folder: str, *, tokenizer_from: 
             meta["experts"] = "int8"
         atomic.write_json(os.path.join(tmp, FORMAT_FILE), meta)
         if tokenizer_from:
-            _copy_tokenizer(tokenizer_from, tmp)
+            _copy_companion_files(tokenizer_from, tmp)
         for name, text in (extra_files or {}).items():
             atomic.write_text(os.path.join(tmp, name), text)
     return os.path.abspath(folder)
