@@ -121,6 +121,15 @@ def test_cli_end_to_end(tmp_path):
                 "--json")  # the spelling generate and evaluate use
     untimed = lambda r: {k: v for k, v in json.loads(r.stdout).items() if k != "seconds"}  # noqa: E731
     assert same.returncode == 0 and untimed(same) == untimed(rerouted) and untimed(same)["scope"] == "global"
+    # the kind alone routes with the defaults of generate and evaluate (λ = 0.5, p = 0.9), not as original
+    implicit = _cli("replay", path, "--cache-size", 4, "--cache-scope", "global", "--routing", "cache-prior", "--json")
+    assert implicit.returncode == 0 and untimed(implicit) == untimed(rerouted)
+    plain = untimed(_cli("replay", path, "--cache-size", 4, "--cache-scope", "global", "--json"))
+    assert plain["misses"] != untimed(rerouted)["misses"]
+    for kind, value in (("cumsum", "0.9"),):
+        alone, given = (untimed(_cli("replay", path, "--cache-size", 4, "--routing", kind, *extra, "--json"))
+                        for extra in ([], ["--cumsum-p", value]))
+        assert alone == given
     table = _cli("replay", path, "--cache-size", 3)
     assert table.returncode == 0 and "miss_rate" in table.stdout and "layer" in table.stdout
     bad = _cli("replay", path, "--cache-size", "9")

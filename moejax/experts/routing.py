@@ -26,6 +26,9 @@ KINDS = ("original", "pruning", "max-rank", "cumsum", "cache-prior", "learned-pr
 #: each policy parameter and the kinds that read it (``make_policy``): any other kind would ignore it
 PARAM_KINDS = {"lam": ("cache-prior",), "delta": ("cache-prior",), "top_j": ("cache-prior", "max-rank", "cumsum"),
                "max_rank": ("max-rank",), "cumsum_p": ("cumsum",), "prune_h": ("pruning",)}
+#: each parameter's default on every command line (None: the kind's own, e.g. J from K, M = K): λ = 0.5 and
+#: p = 0.9, so that naming a kind changes the routing (λ = 0 or p = 0 would route exactly as original)
+PARAM_DEFAULTS = {"lam": 0.5, "delta": None, "top_j": None, "max_rank": None, "cumsum_p": 0.9, "prune_h": None}
 
 
 def default_top_j(top_k: int) -> int:

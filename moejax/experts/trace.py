@@ -409,7 +409,7 @@ def _check_replay_args(args) -> None:
     if args.gating is not None and args.routing is None:
         raise ValueError("--gating only applies to re-routing: pass --routing too")
     kind = args.routing or "original"
-    for name, default in REPLAY_ROUTING_DEFAULTS.items():  # a parameter the kind does not read changes nothing
+    for name, default in routing_lib.PARAM_DEFAULTS.items():  # a parameter the kind does not read changes nothing
         kinds = routing_lib.PARAM_KINDS[name]
         if getattr(args, name) != default and kind not in kinds:
             raise ValueError(f"{_flag(name)} only applies to --routing {' / '.join(kinds)} (got "
@@ -424,11 +424,6 @@ def _check_replay_args(args) -> None:
         v = getattr(args, name)
         if v is not None and not math.isfinite(v):
             raise ValueError(f"{_flag(name)} must be a finite number, got {v}")
-
-
-#: replay's defaults of the routing parameters (the kinds that read each: ``routing.PARAM_KINDS``)
-REPLAY_ROUTING_DEFAULTS = {"lam": 0.0, "delta": None, "top_j": None, "max_rank": None, "cumsum_p": 0.0,
-                           "prune_h": None}
 
 
 def _check_gating_flags(args, n: int) -> None:
@@ -516,11 +511,11 @@ def main(argv: list[str] | None = None) -> int:
     rp.add_argument("--expert-bytes", type=int, default=None)
     rp.add_argument("--routing", choices=routing_lib.KINDS, default=None,
                     help="re-route from the trace's logits with this policy (default: replay recorded experts)")
-    d = REPLAY_ROUTING_DEFAULTS
-    rp.add_argument("--lam", type=float, default=d["lam"])
+    d = routing_lib.PARAM_DEFAULTS  # as in generate and evaluate: replay used λ = 0 and p = 0 (original routing)
+    rp.add_argument("--lam", type=float, default=d["lam"], help="cache-prior strength λ (default 0.5)")
     rp.add_argument("--top-j", type=int, default=d["top_j"])
     rp.add_argument("--max-rank", type=int, default=d["max_rank"])
-    rp.add_argument("--cumsum-p", type=float, default=d["cumsum_p"])
+    rp.add_argument("--cumsum-p", type=float, default=d["cumsum_p"], help="cumsum threshold p (default 0.9)")
     rp.add_argument("--prune-h", type=int, default=d["prune_h"])
     rp.add_argument("--delta", type=float, default=d["delta"], help="fixed Δ for cache-prior (default: running mean)")
     rp.add_argument("--gating", choices=("softmax", "group-limited", "sparsemixer"), default=None,

@@ -15,8 +15,7 @@ CACHE_DEFAULTS = {"cache_scope": "layer", "eviction": "lru", "cache_init": "empt
                   "cascade_bits": "8", "quant_group": None}
 #: routing parameters, their defaults (``add_routing_args`` uses them) and the routing kinds that use them
 #: (any other kind refuses them)
-ROUTING_PARAMS = {name: (default, routing_lib.PARAM_KINDS[name]) for name, default in (
-    ("lam", 0.5), ("delta", None), ("top_j", None), ("max_rank", None), ("cumsum_p", 0.9), ("prune_h", None))}
+ROUTING_PARAMS = {name: (default, routing_lib.PARAM_KINDS[name]) for name, default in routing_lib.PARAM_DEFAULTS.items()}
 #: the offload flags that only mean something with --offload, and their defaults (``add_offload_args``)
 OFFLOAD_DEFAULTS = {"paging": "host", "expert_store": "host", "store_dir": None}
 
