@@ -7,6 +7,8 @@
 #     bash bench/gpu_offload.sh                                # on the device (run tool; nothing to carry)
 #     SMALL=1 OUT=/tmp/gpu-offload bash bench/gpu_offload.sh   # the same path on this CPU (tiny shapes, ~2 min)
 #
+# The device image runs Python 3.12 and jax 0.11.2 (this machine: 3.11, jax 0.10.2); the bench part also ran
+# here under Python 3.12.1 + jax 0.11.2 (SMALL=1). The tests need torch for their tiny checkpoints: the image has it.
 # Each step has its own time box so that one that hangs or fails still leaves the others' results; the
 # summary at the end names each step's exit status. Parts 3's other models (Qwen1.5-MoE, Mixtral beyond the
 # GPU's memory) and part 4 (the research loop vs transformers) are not in this call.
