@@ -36,7 +36,7 @@ import numpy as np
 
 import moejax
 from moejax.base import atomic, errors
-from moejax.evaluation import perplexity, studies
+from moejax.evaluation import perplexity, studies, sweep_points
 from moejax.runtime import simulate
 
 WORD_PPL_GOAL = 150.0
@@ -81,7 +81,7 @@ def pareto(model_arg: str, work: str, context: int, tokens: int, points: int, pr
         raise errors.Failure(f"the pareto study of {model_arg} failed (exit {status}); see above")
     with open(os.path.join(work, "pareto.jsonl"), encoding="utf-8") as f:
         records = [json.loads(line) for line in f if line.strip()]
-    want = f"{'default' if model_arg == 'default' else os.path.realpath(model_arg)}@float32"
+    want = sweep_points.model_label(model_arg) + "@float32"  # how the studies name it (float32 compute)
     return [r for r in records if r.get("model") == want and r["metrics"].get("context") == context
             and r["metrics"].get("tokens") == tokens]
 
