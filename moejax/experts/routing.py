@@ -31,6 +31,16 @@ PARAM_KINDS = {"lam": ("cache-prior",), "delta": ("cache-prior",), "top_j": ("ca
 PARAM_DEFAULTS = {"lam": 0.5, "delta": None, "top_j": None, "max_rank": None, "cumsum_p": 0.9, "prune_h": None}
 
 
+def unread_param(kind: str | None, values: dict) -> tuple[str, tuple[str, ...]] | None:
+    """The first parameter of ``values`` (name -> value) set away from its ``PARAM_DEFAULTS`` that ``kind``
+    (None: original routing) does not read, with the kinds that do; None when there is none. Such a value
+    would change nothing, so the commands refuse it."""
+    for name, default in PARAM_DEFAULTS.items():
+        if values.get(name, default) != default and (kind or "original") not in PARAM_KINDS[name]:
+            return name, PARAM_KINDS[name]
+    return None
+
+
 def default_top_j(top_k: int) -> int:
     """Paper §4.2: always keep the top-1 for K = 2 (Mixtral, Phi-MoE), the top-2 for granular MoEs."""
     return 1 if top_k <= 2 else 2

@@ -408,12 +408,11 @@ def _check_replay_args(args) -> None:
                          "(softmax, group-limited or sparsemixer)")
     if args.gating is not None and args.routing is None:
         raise ValueError("--gating only applies to re-routing: pass --routing too")
-    kind = args.routing or "original"
-    for name, default in routing_lib.PARAM_DEFAULTS.items():  # a parameter the kind does not read changes nothing
-        kinds = routing_lib.PARAM_KINDS[name]
-        if getattr(args, name) != default and kind not in kinds:
-            raise ValueError(f"{_flag(name)} only applies to --routing {' / '.join(kinds)} (got "
-                             f"{'--routing ' + args.routing if args.routing else 'no --routing'})")
+    unread = routing_lib.unread_param(args.routing, {name: getattr(args, name) for name in routing_lib.PARAM_DEFAULTS})
+    if unread:  # a parameter the kind does not read would change nothing
+        name, kinds = unread
+        raise ValueError(f"{_flag(name)} only applies to --routing {' / '.join(kinds)} (got "
+                         f"{'--routing ' + args.routing if args.routing else 'no --routing'})")
     if args.seed != 0 and args.cache_init != "random":
         raise ValueError("--seed only applies with --cache-init random")
     for name, kinds in (("n_group", ("group-limited",)), ("topk_group", ("group-limited",)),

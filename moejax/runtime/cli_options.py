@@ -15,7 +15,8 @@ CACHE_DEFAULTS = {"cache_scope": "layer", "eviction": "lru", "cache_init": "empt
                   "cascade_bits": "8", "quant_group": None}
 #: routing parameters, their defaults (``add_routing_args`` uses them) and the routing kinds that use them
 #: (any other kind refuses them)
-ROUTING_PARAMS = {name: (default, routing_lib.PARAM_KINDS[name]) for name, default in routing_lib.PARAM_DEFAULTS.items()}
+ROUTING_PARAMS = {name: (default, routing_lib.PARAM_KINDS[name])
+                  for name, default in routing_lib.PARAM_DEFAULTS.items()}
 #: the offload flags that only mean something with --offload, and their defaults (``add_offload_args``)
 OFFLOAD_DEFAULTS = {"paging": "host", "expert_store": "host", "store_dir": None}
 
@@ -226,11 +227,11 @@ def policy_from_args(args: argparse.Namespace, top_k: int) -> routing_lib.Routin
     elif prior_path:
         raise ValueError("--prior only applies to --routing learned-prior "
                          f"(got --routing {args.routing or 'original'})")
-    kind = args.routing or "original"
-    for name, (default, kinds) in ROUTING_PARAMS.items():
-        if _given(args, name, default) and kind not in kinds:
-            flag = "--" + name.replace("_", "-")
-            raise ValueError(f"{flag} only applies to --routing {' / '.join(kinds)} (got --routing {kind})")
+    unread = routing_lib.unread_param(args.routing, {name: getattr(args, name, None) for name in ROUTING_PARAMS})
+    if unread:
+        name, kinds = unread
+        raise ValueError(f"--{name.replace('_', '-')} only applies to --routing {' / '.join(kinds)} (got --routing "
+                         f"{args.routing or 'original'})")
     return routing_lib.make_policy(args.routing or "original", top_k, lam=args.lam, top_j=args.top_j,
                                    max_rank=args.max_rank, cumsum_p=args.cumsum_p, prune_h=args.prune_h,
                                    delta=args.delta, prior=params)
