@@ -69,6 +69,12 @@ def token_nll(logits: np.ndarray, ids: np.ndarray) -> np.ndarray:
     return -logp[np.arange(len(ids) - 1), ids[1:]]
 
 
+def expert_counts(experts: np.ndarray, n_experts: int) -> np.ndarray:
+    """How often each expert was chosen, per layer [L, N], in one pass's ``experts`` [L, T, K] (-1 = none)."""
+    e = np.asarray(experts)
+    return np.stack([np.bincount(layer[layer >= 0], minlength=n_experts) for layer in e]).astype(np.int64)
+
+
 REUSE_FIELDS = ("reused", "chosen", "pairs_sharing", "pairs")
 
 
@@ -179,9 +185,7 @@ def perplexity_of_ids(model: api.Model, text: str, ids: np.ndarray, context: int
         nll = token_nll(out.logits, chunk)
         nll_sum += float(nll.sum())
         n_pred += len(nll)
-        for layer in range(counts.shape[0]):
-            e = out.experts[layer]
-            np.add.at(counts[layer], e[e >= 0], 1)
+        counts += expert_counts(out.experts, model.cfg.n_experts)
         reuse += reuse_counts(out.experts)
         if bar:
             bar.update(len(nll))

@@ -141,9 +141,7 @@ class _Acc:
                                         "weights, or an overflow in this dtype); refusing to report a perplexity")
         self.nll_sum += total
         self.n_pred += int(nll.shape[0])
-        for layer in range(experts.shape[0]):
-            e = experts[layer]
-            self.counts[layer] += np.bincount(e[e >= 0], minlength=self.n_experts)
+        self.counts += perplexity.expert_counts(experts, self.n_experts)
         self.reuse += perplexity.reuse_counts(experts)
         if hits is not None and sum(len(m) for m in self.early_miss) < EARLY_WINDOWS[-1]:
             valid = experts >= 0  # [L, T, K]
