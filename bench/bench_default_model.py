@@ -30,7 +30,6 @@ import os
 import sys
 import time
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -38,6 +37,7 @@ import moejax
 from moejax.base import atomic, errors
 from moejax.evaluation import perplexity, studies, sweep_points
 from moejax.runtime import simulate
+from moejax.training import recipe
 
 WORD_PPL_GOAL = 150.0
 ENTROPY_GOAL = (0.85, 0.97)  # usage entropy / log2 N, every layer
@@ -58,7 +58,7 @@ def quality(model_arg: str, text: str, context: int, max_tokens: int | None, pro
     usage = res["expert_usage"]
     return {
         "experts": n, "top_k": k, "layers": model.cfg.num_layers, "moe_layers": model.cfg.n_moe_layers,
-        "parameters": int(sum(np.prod(x.shape) for x in jax.tree.leaves(model.params) if hasattr(x, "shape"))),
+        "parameters": recipe.count_params(model.params),
         "context": context, "tokens": res["tokens"], "words": res["words"], "seconds": time.perf_counter() - start,
         "ppl": res["ppl"], "ppl_word": res["ppl_word"], "bits_per_byte": res["bits_per_byte"],
         "entropy_bits": usage["entropy_bits"], "entropy_max_bits": usage["entropy_max_bits"],
@@ -154,7 +154,7 @@ def table(results: dict) -> str:
     context = results[labels[0]]["quality"]["context"]
     lines = ["| | " + " | ".join(labels) + " |", "|---|" + "---|" * len(labels)]
     for name, cell in rows:
-        lines.append(f"| {name.replace('%d', str(context)) if '%d' in name else name} | "
+        lines.append(f"| {name.replace('%d', str(context))} | "
                      + " | ".join(cell(results[label]) for label in labels) + " |")
     return "\n".join(lines)
 

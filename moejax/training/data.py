@@ -236,18 +236,14 @@ class TokenData:
         returns them and the next position. The stream wraps around after the last training shard, each
         shard then in a new order."""
         out = np.empty((batch_size, self.seq_len + 1), np.int32)
+        n_shards = len(self.train_paths)
         for b in range(batch_size):
-            pos = position + b
-            shard = 0
-            while True:
-                n_seq = self._shard(shard % len(self.train_paths))[1].size
-                if pos < n_seq:
-                    break
+            pos, visited = position + b, 0  # shards visited in the stream, over every pass
+            while pos >= (n_seq := self._shard(visited % n_shards)[1].size):
                 pos -= n_seq
-                shard += 1
-            arr = self._shard(shard % len(self.train_paths))[0]
-            order = self.order(shard % len(self.train_paths), shard // len(self.train_paths))
-            start = int(order[pos]) * self.seq_len
+                visited += 1
+            arr = self._shard(visited % n_shards)[0]
+            start = int(self.order(visited % n_shards, visited // n_shards)[pos]) * self.seq_len
             out[b] = arr[start:start + self.seq_len + 1]
         return out, position + batch_size
 
