@@ -1,6 +1,7 @@
 """Training data: the WikiText-style Wikipedia corpus, a byte-level BPE tokenizer, packed token shards.
 
-    corpus (gzip text shards, ../shared/data/corpus/enwiki-2015-wikitext-style-NN.txt.gz)
+    corpus (gzip text shards, ../shared/data/corpus/enwiki-2015-wikitext-style-NN.txt.gz; a shard recompressed
+            with xz, ``-NN.txt.xz``, a quarter smaller, reads the same)
       -> documents (an article starts at a ``" = Title = "`` line; streamed, never loaded whole)
       -> tokenizer.json (byte-level BPE trained with ``tokenizers``; ``<|endoftext|>`` is BOS and EOS)
       -> shard-NN.bin (uint16 token ids, every document preceded by ``<|endoftext|>``) + shard-NN.json
@@ -14,6 +15,7 @@ from __future__ import annotations
 import glob
 import gzip
 import hashlib
+import lzma
 import os
 import re
 from typing import Iterable, Iterator
@@ -29,6 +31,7 @@ DEFAULT_VOCAB = 8192
 DEFAULT_DATA_DIR = os.path.join(os.path.expanduser("~"), ".cache", "moejax", "data")
 DEFAULT_CORPUS_DIR = paths.CORPUS_DIR
 CORPUS_PATTERN = "enwiki-2015-wikitext-style-*.txt.gz"
+CORPUS_PATTERNS = (CORPUS_PATTERN, "enwiki-2015-wikitext-style-*.txt.xz")
 WIKITEXT2_TEST = paths.WIKITEXT2_TEST
 _TITLE = re.compile(r"^ = [^=].* = $")
 
@@ -36,10 +39,16 @@ _TITLE = re.compile(r"^ = [^=].* = $")
 # ------------------------------------------------------------------------------------------ corpus
 def corpus_shards(corpus_dir: str = DEFAULT_CORPUS_DIR) -> list[str]:
     """All corpus shard paths, sorted; the last one is the validation split."""
-    paths = sorted(glob.glob(os.path.join(corpus_dir, CORPUS_PATTERN)))
-    if not paths:
-        raise FileNotFoundError(f"no corpus shards ({CORPUS_PATTERN}) in {corpus_dir}")
-    return paths
+    found = {}
+    for pattern in CORPUS_PATTERNS:
+        for path in glob.glob(os.path.join(corpus_dir, pattern)):
+            found.setdefault(os.path.basename(path).split(".")[0], []).append(path)
+    if not found:
+        raise FileNotFoundError(f"no corpus shards ({' or '.join(CORPUS_PATTERNS)}) in {corpus_dir}")
+    twice = sorted(name for name, ps in found.items() if len(ps) > 1)
+    if twice:  # both would tokenize to the same .bin: which one is meant?
+        raise ValueError(f"shard {twice[0]} is in {corpus_dir} twice (.txt.gz and .txt.xz): keep one")
+    return sorted(ps[0] for ps in found.values())
 
 
 def split_shards(corpus_dir: str = DEFAULT_CORPUS_DIR) -> tuple[list[str], str]:
@@ -51,11 +60,15 @@ def split_shards(corpus_dir: str = DEFAULT_CORPUS_DIR) -> tuple[list[str], str]:
 
 
 def _open_text(path: str):
-    return gzip.open(path, "rt", encoding="utf-8") if path.endswith(".gz") else open(path, encoding="utf-8")
+    if path.endswith(".gz"):
+        return gzip.open(path, "rt", encoding="utf-8")
+    if path.endswith(".xz"):
+        return lzma.open(path, "rt", encoding="utf-8")
+    return open(path, encoding="utf-8")
 
 
 def iter_documents(path: str, max_chars: int | None = None) -> Iterator[str]:
-    """Stream the articles of one shard (gzip or plain text). A document starts at a ``" = Title = "``
+    """Stream the articles of one shard (gzip, xz or plain text). A document starts at a ``" = Title = "``
     line (WikiText layout) and keeps its lines joined with newlines. ``max_chars`` stops early."""
     lines: list[str] = []
     seen = 0
