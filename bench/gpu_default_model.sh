@@ -51,6 +51,16 @@ t0=$SECONDS
 mkdir -p "$OUT" "$WORK/offload"
 log="$WORK/log.txt"
 small=(); if [[ -n "${SMALL:-}" ]]; then small=(--small); fi
+# what comes back: the model in parts of 15 MiB, the metrics, the offload results, the log. Packed as soon as
+# the model is exported and again at the end, so that a call cut off by its time limit still returns the model.
+pack() {
+    if [[ -d "$WORK/model" ]] && [[ ! -f "$OUT/model.tar.part-aa" ]]; then
+        tar cf - -C "$WORK" model | split -b 15M - "$OUT/model.tar.part-"; fi
+    if [[ -f "$WORK/run/metrics.jsonl" ]]; then gzip -c "$WORK/run/metrics.jsonl" > "$OUT/metrics.jsonl.gz"; fi
+    cp "$WORK/run/run.json" "$OUT/run.json" 2>/dev/null || true
+    tar czf "$OUT/offload.tar.gz" -C "$WORK" offload
+    tr '\r' '\n' < "$log" | grep -v "it/s\]\|s/it\]" | tail -c 1000000 > "$OUT/log.txt" || true
+}
 {
     date
     nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>/dev/null || echo "no nvidia-smi"
@@ -93,6 +103,7 @@ EOF
         fi
     fi
     python3 -m moejax.train --out "$WORK/run" --export "$WORK/model" || echo "export exit $?"
+    pack
     wait "$tests_pid"; echo "offload tests exit $? (124 = time box)"; tail -3 "$WORK/offload/tests.txt"
     # issue 14 part 2-3 on the quiet GPU: pinned host -> device bandwidth, offloaded decode vs the roofline
     box=$(( DEADLINE_S - (SECONDS - t0) - 15 ))
@@ -104,11 +115,6 @@ EOF
     fi
     date
 } 2>&1 | tee "$log" | tr '\r' '\n' | grep -v "it/s\]\|s/it\]" || true
-# what comes back, whatever failed above: the model in parts of 15 MiB, the metrics, the offload results, the log
-if [[ -d "$WORK/model" ]]; then tar cf - -C "$WORK" model | split -b 15M - "$OUT/model.tar.part-"; fi
-if [[ -f "$WORK/run/metrics.jsonl" ]]; then gzip -c "$WORK/run/metrics.jsonl" > "$OUT/metrics.jsonl.gz"; fi
-cp "$WORK/run/run.json" "$OUT/run.json" 2>/dev/null || true
-tar czf "$OUT/offload.tar.gz" -C "$WORK" offload
-tr '\r' '\n' < "$log" | grep -v "it/s\]\|s/it\]" | tail -c 1000000 > "$OUT/log.txt" || true
+pack
 ls -la "$OUT"
 echo "whole call: $(( SECONDS - t0 )) s"
