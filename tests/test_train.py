@@ -10,8 +10,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from moejax.models import checkpoint
+from moejax.models import model as M
 from moejax.models.config import from_hf
 from moejax.runtime import api
 from moejax.training import data, recipe, train
@@ -69,6 +72,29 @@ def test_sparse_dispatch_equals_model_forward():
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-5)
     low = jax.jit(lambda q, t: recipe.sparse_batch_forward(q, cfg, t, 0.5))(p, toks)  # tight capacity: some assignments dropped
     assert 0 < float(low[3]) < 1
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.integers(1, 9), st.lists(st.integers(0, 8), min_size=1, max_size=200))
+def test_queue_positions_are_the_running_count(n, values):
+    """The capacity dispatch's place of each assignment in its expert's queue: the running count of its value
+    before it (what the one-hot cumulative sum gave), by one stable sort."""
+    a = np.asarray([v % n for v in values], np.int32)
+    want = [int(np.sum(a[:i] == v)) for i, v in enumerate(a)]
+    np.testing.assert_array_equal(np.asarray(jax.jit(M.queue_positions, static_argnums=1)(jnp.asarray(a), n)), want)
+
+
+def test_steps_auto_leaves_evaluation_and_checkpoints_out_of_the_speed():
+    """--steps auto's speed is the training steps' own: the H200 run measured 656 ms a step where its steps
+    took 200 ms, because the first evaluation (15 s, compiling) and checkpoint (72 s, orbax starting) fell in
+    the measuring window."""
+    since, now = (10, 100.0, 0.0), (200, 227.0, 87.0)  # 190 steps in 127 s, 87 of them evaluating and saving
+    assert train.step_seconds(since, now) == pytest.approx(40.0 / 190)
+    assert train.step_seconds((10, 0.0, 0.0), (10, 5.0, 0.0)) == 5.0  # no step: no division by zero
+    # the schedule: the time left less 3 % of the budget, at that speed; never shorter than the warmup
+    assert train.planned_steps(200, 0.2, left_s=300.0, budget_s=1000.0, warmup=200) == 200 + 1350
+    assert train.planned_steps(200, 0.2, left_s=-50.0, budget_s=330.0, warmup=200) == 201
+    assert train.planned_steps(20, 0.2, left_s=1.0, budget_s=10.0, warmup=200) == 201
 
 
 def test_load_balancing_loss():

@@ -550,6 +550,17 @@ def _switched_op(act: str, block_rows: int | None):
     return op
 
 
+def queue_positions(a: jax.Array, n: int) -> jax.Array:
+    """Each entry's place in its value's queue, in order: ``a`` [M] int in [0, n) -> [M], 0 for the first
+    entry with its value, 1 for the second... One stable sort, not the running count of a one-hot [M, n]
+    matrix: 2x faster on the CPU at a 64x1024 batch, top-8 of 64, and no [M, n] intermediate (134 MB there)."""
+    order = jnp.argsort(a, stable=True)
+    counts = jnp.bincount(a, length=n)
+    starts = jnp.cumsum(counts) - counts
+    ranked = jnp.arange(a.shape[0], dtype=a.dtype) - starts[a[order]].astype(a.dtype)
+    return jnp.zeros_like(a).at[order].set(ranked)
+
+
 def capacity_experts(p: dict, cfg: ModelConfig, x: jax.Array, experts: jax.Array, weights: jax.Array,
                      capacity: int) -> tuple[jax.Array, jax.Array]:
     """Capacity-based sparse MoE over S tokens (training; drops assignments past the capacity): x [S, D], experts/weights [S, K].
@@ -563,8 +574,7 @@ def capacity_experts(p: dict, cfg: ModelConfig, x: jax.Array, experts: jax.Array
     a = experts.T.reshape(-1)  # [K*S], k-major
     tok = jnp.tile(jnp.arange(S), K)
     w = weights.T.reshape(-1)
-    onehot = jax.nn.one_hot(a, N, dtype=jnp.int32)
-    pos = jnp.take_along_axis(jnp.cumsum(onehot, 0), a[:, None], 1)[:, 0] - 1
+    pos = queue_positions(a, N)
     keep = pos < capacity
     slot = jnp.where(keep, a * capacity + pos, N * capacity)  # dropped -> a dummy slot
     xin = jnp.zeros((N * capacity + 1, D), x.dtype).at[slot].set(x[tok])[:-1].reshape(N, capacity, D)
