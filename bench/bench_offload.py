@@ -155,7 +155,7 @@ def gpu_suite(args) -> dict:
     d, f = cfg.hidden_size, cfg.moe_intermediate_size
     one = [(d, f), (d, f), (f, d)]
     bw = measure_device_put({"one_expert": one, f"k{cfg.top_k}_experts": one * cfg.top_k,
-                             "256MiB": [(64, 2**20)] if not small else [(4, 2**16)]}, np.dtype("bfloat16"))
+                             "128MiB": [(64, 2**20)] if not small else [(4, 2**16)]}, np.dtype("bfloat16"))
     peak = max(v["gbps"] for v in bw.values())
     ids = np.arange(1, 17, dtype=np.int32) * 7 % cfg.vocab_size
     policy = routing.make_policy("original", cfg.top_k)

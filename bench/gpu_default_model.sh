@@ -17,6 +17,12 @@
 # A dry run of the whole path on this CPU (tiny model, minutes): CONFIG=micro MINUTES=0.5 BATCH=4 SEQ=128 \
 #     SMALL=1 DEADLINE_S=400 OUT=/tmp/gpu-out bash bench/gpu_default_model.sh
 #
+# Measured on the H200 (2026-11-26, session 13; bench/RESULTS.md "On the H200"): tokenizing the four shards 10 s;
+# the first training step 225 s (XLA compiling, two "very slow compile" alarms for one reduce fusion, before
+# the capacity dispatch's one-hot running count became a sort); then 200 ms a step (328K tokens/s); the
+# first evaluation 15 s; the first checkpoint 72 s (orbax starting; later ones are quick). So a checkpoint
+# is written only at the end, and the time budget must cover the compile: check the first step's time.
+#
 # Why the corpus is recompressed: the call carries the working tree and the carried paths in 64 MiB. With the
 # shipped model's 28 MB in the tree one gzip shard (18.8 MB, 13.3M tokens) fits; xz makes a shard 13.3 MB, and a
 # tree without the shipped model (a throw-away branch checked out for the call) leaves room for four shards.
@@ -83,14 +89,14 @@ EOF
         tests/test_overlap.py tests/test_page_writes.py -k "simulation or slots or bytes or compiles" \
         > "$WORK/offload/tests.txt" 2>&1 &
     tests_pid=$!
-    # the recipe (bench/train_default.md, "The GPU run"): balancing 0.01 with the router remedies; a checkpoint
-    # every minute, so that a late failure still leaves a model to export
+    # the recipe (bench/train_default.md, "The GPU run"): balancing 0.01 with the router remedies; one
+    # checkpoint, at the end (the first one costs a minute; CKPT_MINUTES=1 for one a minute)
     train() {  # $1: attention, $2: minutes
         XLA_PYTHON_CLIENT_MEM_FRACTION=0.7 python3 -m moejax.train --out "$WORK/run" --overwrite --config "$CONFIG" \
             --steps auto --time-budget-min "$2" \
             --batch "$BATCH" --seq-len "$SEQ" --lr 3e-3 --warmup 200 --min-lr-ratio 0.1 \
             --aux-coef 0.01 --z-coef 1e-3 --router-lr-scale 0.1 --offset-coef "${OFFSET_COEF:-1.0}" \
-            --compute-dtype bfloat16 --attention "$1" --eval-every 200 --eval-seqs 64 --ckpt-every 0 --ckpt-minutes 1 \
+            --compute-dtype bfloat16 --attention "$1" --eval-every 200 --eval-seqs 64 --ckpt-every 0 --ckpt-minutes "${CKPT_MINUTES:-1000}" \
             --corpus-dir .corpus --data-dir "$WORK/data" --seed 0
     }
     t_train=$SECONDS
