@@ -190,7 +190,16 @@ def gpu_suite(args) -> dict:
                 "achieved_gbps": o.get("achieved_gbps"),
                 "achieved_fraction_of_peak": (o["achieved_gbps"] / peak) if o.get("achieved_gbps") else None,
                 "device_memory": o.get("device_memory")}
+            if "step_s" in o:  # host paging: where a decode token's time goes (ms)
+                n = max(s["generated_tokens"], 1)
+                result["runs"][f"{paging}_C{size}"]["ms_per_token"] = {
+                    "step": 1e3 * o["step_s"] / n, "waiting_for_routing": 1e3 * o["sync_s"] / n,
+                    "paging": 1e3 * o["page_s"] / n,
+                    "rest_on_host": 1e3 * (o["step_s"] - o["sync_s"] - o["page_s"]) / n}
             print(paging, size, json.dumps(result["runs"][f"{paging}_C{size}"], default=str)[:400], flush=True)
+            if "ms_per_token" in result["runs"][f"{paging}_C{size}"]:
+                print("   ms per token:", json.dumps({k: round(v, 3) for k, v in
+                                                      result["runs"][f"{paging}_C{size}"]["ms_per_token"].items()}))
     return result
 
 

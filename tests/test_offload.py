@@ -344,6 +344,15 @@ def test_emulated_bandwidth_slows_decoding_down():
     assert o["transfer_s"] == pytest.approx(o["bytes_moved"] / 2e6, rel=1e-6)
     assert slow.stats["total_time_s"] >= o["bytes_moved"] / 2e6 * 0.9
     assert o["achieved_gbps"] == pytest.approx(0.002, rel=1e-6)
+    # the time breakdown of the steps: the link's waits happen inside them, the routing syncs are a part
+    for stats in (slow.stats, fast.stats):
+        o = stats["offload"]
+        assert 0 < o["sync_s"] < o["step_s"] <= stats["total_time_s"]
+        assert 0 < o["page_s"] and o["sync_s"] + o["page_s"] <= o["step_s"]
+    # a prompt fed token by token pages inside the steps too: every wait on the link is step time
+    tok = m.generate(PROMPT, 3, cache=cc, offload=offload.OffloadConfig(bandwidth_gbps=0.002, prefill="token"),
+                     stop_at_eos=False).stats["offload"]
+    assert tok["compute_wait_s"] > 0.01 and tok["step_s"] >= tok["page_s"] >= tok["compute_wait_s"]
 
 
 def test_generate_cli_offload_json_and_errors(tmp_path):

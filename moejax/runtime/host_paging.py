@@ -184,6 +184,9 @@ class PagingStats:
     overlapped_steps: int = 0  # MoE layer steps whose resident and shared experts computed while misses were read
     transfer_s: float = 0.0  # real: issue → ready of each demand batch (the host waits on it alone)
     timed_bytes: int = 0  # bytes of those batches
+    step_s: float = 0.0  # wall time in ``step``: every decode token (and prompt token, when fed one by one)
+    sync_s: float = 0.0  # of it, waiting for the device's routing results the host pages by
+    page_s: float = 0.0  # of it, paging: reading pages, issuing their copies, waiting for them, writing slots
 
 
 PAGE_MMAP_THRESHOLD = 1 << 20
@@ -226,6 +229,7 @@ class HostPager:
         self.moe_ids = self.store.moe_ids
         self.link = Link(offload.bandwidth_gbps, offload.latency_us)
         self.stats = PagingStats()
+        self._paging_clock = 0.0  # seconds in _issue and _complete, wherever called (step counts its share)
         self.global_scope = cs.scope == "global"
         slots = init_slots(cfg, cs, self.dtype, int8=offload.slot_dtype == "int8")
         self.slots = fill_slots(self.committed(slots), self.store, cs)
@@ -287,12 +291,22 @@ class HostPager:
             "page_writes": self.offload.page_writes, "pages_in_place": s.pages_in_place,
             "overlap": self.offload.overlap, "overlapped_steps": s.overlapped_steps,
             "transfer_s": transfer_s, "compute_wait_s": link.wait_s,
+            # where a decode step's time goes: waiting for routing results, transfers, the rest on the host
+            "step_s": s.step_s, "sync_s": s.sync_s, "page_s": s.page_s,
             # emulated: bytes over link busy time; real: demand batches' bytes over their issue→ready time
             "achieved_gbps": ((s.bytes_moved if link.emulated else s.timed_bytes) / transfer_s / 1e9
                               if transfer_s > 0 else None),
             "tokens_per_s": tokens / seconds if seconds > 0 else None,
             "device_memory": self.device_bytes(kv),
         }
+
+    def _on_host(self, *arrays) -> tuple:
+        """Device results the host needs to page by, as numpy arrays: the wait (the device finishing what was
+        queued before them, and the copy) is counted in ``sync_s``."""
+        t = time.perf_counter()
+        out = tuple(np.asarray(a) for a in arrays)
+        self.stats.sync_s += time.perf_counter() - t
+        return out
 
     # ---- paging
     def reading(self, key, output) -> None:
@@ -342,7 +356,8 @@ class HostPager:
         """Page each (moe_index, expert, slot) from the store: read into the slot's own memory (``in_place``, when
         nothing reading it runs: done when this returns), else ``device_put`` (``_complete`` swaps it in);
         returns (pages, done_time)."""
-        now = time.perf_counter() if now is None else now
+        t_call = time.perf_counter()
+        now = t_call if now is None else now
         out, done = [], now
         for moe_index, expert, s in loads:
             if self.in_place and not bits and self._idle(self._slot_key(moe_index, staging)):
@@ -356,6 +371,7 @@ class HostPager:
             done = self.link.schedule(self.store.nbytes_of(bits), now)
             self.stats.bytes_moved += self.store.nbytes_of(bits)
             out.append((moe_index, expert, s, data))
+        self._paging_clock += time.perf_counter() - t_call
         return out, done
 
     def _complete(self, issued, done_time, t_issue, timed: bool = True, staging: bool = False):
@@ -365,6 +381,7 @@ class HostPager:
         compute and is not timed."""
         if not issued:
             return
+        t_call = time.perf_counter()
         if self.link.emulated:
             self.link.wait_until(done_time)
         else:
@@ -382,6 +399,7 @@ class HostPager:
                 self.slots = write_slot(self.slots, data, s, flip)
             else:
                 self.slots[moe_index] = write_slot(self.slots[moe_index], data, s, flip)
+        self._paging_clock += time.perf_counter() - t_call
 
     def _early(self, demand, experts, tier, slot_ids, shared: bool):
         """Which of a decode step's K experts stage B computes before its misses are paged in (``[K]`` bool:
@@ -477,6 +495,7 @@ class HostPager:
         """One token through every layer with paging; returns (next token, logits, kv, key).
         ``record`` (a list) receives this token's block {experts, weights, hits, router_logits}, each
         [moe_layers, 1, ...] (``stack_records``)."""
+        t_step, paging_before = time.perf_counter(), self._paging_clock
         cfg = self.cfg
         layer_records = []
         x = prefill_paging.embed_tokens(self.params["embed"], jnp.asarray([token], jnp.int32))
@@ -489,12 +508,12 @@ class HostPager:
                 x, kv[i] = prefill_paging.dense_layer(lp, cfg, rep, x, pos, kv[i])
                 continue
             nxt = self.predicting_for(moe_index)
-            before = np.asarray(self.state["cache"].slot)
+            before, = self._on_host(self.state["cache"].slot)
             x, h, kv[i], self.state, prediction, routed = _stage_a(
                 lp, nxt, cfg, rep, jnp.int32(moe_index), x, pos, kv[i], self.state, prediction)
             experts, weights, hits, tier, slot_ids, slot_mid, z = routed
             layer_records.append((experts, weights, hits, z))
-            mid, after = np.asarray(slot_mid), np.asarray(self.state["cache"].slot)
+            mid, after, tier_np = self._on_host(slot_mid, self.state["cache"].slot, tier)
             demand = slot_changes(before, mid)  # this layer's misses: needed before its experts run
             ahead = slot_changes(mid, after)  # the next layer's prefetch: overlaps this layer's compute
             early = self._early(demand, experts, tier, slot_ids, "shared" in lp["moe"])
@@ -508,7 +527,6 @@ class HostPager:
             t_issue = time.perf_counter()
             issued, done = self._issue(demand, now=t_issue)
             self.stats.demand_loads += len(demand)
-            tier_np = np.asarray(tier)
             low_issued = []
             if self.tiers and tier_np.any():
                 e_np = np.asarray(experts)
@@ -545,6 +563,8 @@ class HostPager:
         self._complete(*pending, timed=False)
         nxt_token, logits, key = _head(self.params, cfg, x, key, sampling)
         self.stats.tokens += 1
+        self.stats.step_s += time.perf_counter() - t_step
+        self.stats.page_s += self._paging_clock - paging_before
         if record is not None and layer_records:
             record.append({name: np.stack([np.asarray(r[j]) for r in layer_records])[:, None]
                            for j, name in enumerate(RECORD_NAMES)})
