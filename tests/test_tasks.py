@@ -635,3 +635,39 @@ def test_task_with_offload_reports_what_the_paging_moved_over_every_call(default
     plain = tasks.evaluate_task(m, "mmlu", os.path.join(FIXTURES, "mmlu"), shots=0, limit=2, routing="original",
                                 cache=simulate.CacheConfig(size="0.5"))
     assert "offload" not in plain and plain["predicted_letters"] == res["predicted_letters"]
+
+
+@pytest.mark.parametrize("task, kw", [("mmlu", {"shots": 2}), ("truthfulqa", {}), ("gsm8k", {"shots": 2, "max_new_tokens": 30}),
+                                      ("nq_open", {"shots": 1, "max_new_tokens": 5})])
+def test_longest_pass_is_the_largest_call_the_evaluation_makes(task, kw):
+    """What an offloaded evaluation's fit check counts (``tasks.longest_pass``, used by ``evaluate --task ...
+    --offload``): the positions and logit rows of the largest call the run really makes — a scored forward
+    holds and returns every position; a generation holds ``decode.kv_bucket(prompt + new + 1)`` positions,
+    as offloaded ``generate`` allocates, and returns no logits. Not ``--context``, which tasks do not read."""
+    from moejax.runtime import decode
+
+    model = FakeModel(_mmlu_scores if task == "mmlu" else _truthful_scores, reply=_gsm8k_reply, context=160)
+    data = os.path.join(FIXTURES, task)
+    got = tasks.longest_pass(model, task, data, **kw)
+    tasks.evaluate_task(model, task, data, tag="x", **kw)  # with an option forwards run unpadded, as when paging
+    sizes = [(len(ids), len(ids)) if kind == "forward" else (decode.kv_bucket(len(ids) + c["max_new_tokens"] + 1), 0)
+             for kind, ids, c in model.calls]
+    assert got == (max(s[0] for s in sizes), max(s[1] for s in sizes))
+    assert got[0] > 8 and (got[1] > 0) == (task in ("mmlu", "truthfulqa"))
+    # a shorter context cuts the prompts, and the longest pass with them
+    short = FakeModel(context=48)
+    assert tasks.longest_pass(short, task, data, **kw)[0] <= max(48, decode.kv_bucket(48))
+
+
+def test_evaluate_fits_an_offloaded_task_to_its_longest_pass():
+    """``evaluate --task mmlu --offload`` checks the cache's fit beside the task's longest pass (before: beside
+    ``--context``, 1,024 positions, which the task does not read: a longer prompt outgrew the plan)."""
+    from moejax.evaluation import evaluate as ev
+
+    model, data = FakeModel(_mmlu_scores, context=160), os.path.join(FIXTURES, "mmlu")
+    argv = ["--model", "m", "--task", "mmlu", "--data", data, "--shots", "2"]
+    offloaded, plain = ev.build_parser().parse_args(argv + ["--offload"]), ev.build_parser().parse_args(argv)
+    offloaded.context = plain.context = 1024  # what main sets before the fit check
+    longest = tasks.longest_pass(model, "mmlu", data, shots=2)
+    assert ev.pass_size(offloaded, model) == longest and longest[0] < 160
+    assert ev.pass_size(plain, model) == (1024, 1024)  # nothing is paged: the figure decides nothing

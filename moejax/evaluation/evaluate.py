@@ -103,10 +103,15 @@ def _check_args(args: argparse.Namespace) -> None:
                                         "pass --sweep or --results with it")
 
 
-def scored_rows(args: argparse.Namespace) -> int:
-    """Logit rows one teacher-forced pass of the task returns (what an offloaded pass holds beside its slots):
-    a WikiText chunk, or a scored prompt (mmlu, truthfulqa); generative tasks return none."""
-    return args.context if args.task in ("wikitext", "mmlu", "truthfulqa") else 0
+def pass_size(args: argparse.Namespace, model: api.Model) -> tuple[int, int]:
+    """(positions, logit rows) of the largest pass the evaluation makes: what an offloaded pass holds beside
+    its slots (a KV cache, the float32 logits a teacher-forced pass returns). WikiText: a chunk of
+    ``--context``. A task (which does not read ``--context``): its longest prompt, built now as the run will
+    build it (``tasks.longest_pass``) — only when offloading, the one case the figure decides anything."""
+    if args.task == "wikitext" or offload_from_args(args) is None:
+        return args.context, args.context if args.task in ("wikitext", "mmlu", "truthfulqa") else 0
+    return tasks.longest_pass(model, args.task, args.data, limit=args.limit, shots=args.shots,
+                              max_new_tokens=args.max_new_tokens)
 
 
 def build_points(args: argparse.Namespace, model: api.Model) -> list[sweep_points.Point]:
@@ -118,6 +123,7 @@ def build_points(args: argparse.Namespace, model: api.Model) -> list[sweep_point
     with_cache = cli_options.cache_requested(args) or bool(axes)
     label = sweep_points.model_label(args.model) + (f"@{args.dtype}" if args.dtype else "") + cli_options.weight_label(args)
     points = []
+    tokens, rows = pass_size(args, model) if with_cache else (args.context, 0)
     for values in grid:
         a = argparse.Namespace(**vars(args))
         a.routing = kind
@@ -127,8 +133,8 @@ def build_points(args: argparse.Namespace, model: api.Model) -> list[sweep_point
         routing = sweep_points.routing_record("original", model.cfg.top_k)
         if with_cache:
             policy = cli_options.policy_from_args(a, model.cfg.top_k)
-            cache = cli_options.cache_from_args(a, model, offload_from_args(args), args.context,  # checked now,
-                                                logits_rows=scored_rows(args))  # not hours later
+            cache = cli_options.cache_from_args(a, model, offload_from_args(args), tokens,  # checked now,
+                                                logits_rows=rows)  # not hours later
             kind_now = a.routing or "original"
             extra = {"prior": os.path.realpath(a.prior)} if getattr(a, "prior", None) else {}
             routing = sweep_points.routing_record(kind_now, model.cfg.top_k, lam=a.lam, top_j=a.top_j,
@@ -219,8 +225,7 @@ def main(argv: list[str] | None = None) -> int:
         routing = cache = None
         if cli_options.cache_requested(args):
             routing = cli_options.policy_from_args(args, model.cfg.top_k)
-            cache = cli_options.cache_from_args(args, model, offload_from_args(args), args.context,
-                                                logits_rows=scored_rows(args))
+            cache = cli_options.cache_from_args(args, model, offload_from_args(args), *pass_size(args, model))
         res = run_task(model, args, routing, cache)
     except errors.HANDLED as e:
         return errors.report(e)

@@ -69,18 +69,19 @@ import inspect
 import os
 import time
 import warnings
-from typing import Any
+from typing import Any, Iterator
 
 import numpy as np
 
 from moejax.base import errors, paths
 from moejax.runtime import offload as offload_lib
 from moejax.runtime import simulate as sim
-from moejax.evaluation.tasks.common import Encoder, Stream, TaskData, _file_in, _progress, read_jsonl
-from moejax.evaluation.tasks.gsm8k import _math_problem, run_gsm8k
-from moejax.evaluation.tasks.mmlu import _multiple_choice, interleave_subjects, load_mmlu_files, run_mmlu
-from moejax.evaluation.tasks.nq_open import _open_question, run_nq_open
-from moejax.evaluation.tasks.truthfulqa import _truthful_question, read_truthfulqa, run_truthfulqa
+from moejax.evaluation.tasks.common import Encoder, Request, Stream, TaskData, _file_in, _progress, read_jsonl
+from moejax.evaluation.tasks.gsm8k import _math_problem, gsm8k_requests, run_gsm8k
+from moejax.evaluation.tasks.mmlu import (_multiple_choice, interleave_subjects, load_mmlu_files, mmlu_requests,
+                                          run_mmlu)
+from moejax.evaluation.tasks.nq_open import _open_question, nq_open_requests, run_nq_open
+from moejax.evaluation.tasks.truthfulqa import _truthful_question, read_truthfulqa, run_truthfulqa, truthfulqa_requests
 
 TASKS = ("mmlu", "gsm8k", "truthfulqa", "nq_open")
 
@@ -205,6 +206,57 @@ def _check_options(model, task: str, options: dict) -> None:
                             f"does not take")
 
 
+def _prepare(model, task: str, data: str | None, limit: int | None, shots: int | None,
+             max_new_tokens: int | None, warn: bool = True) -> tuple[Encoder, TaskData, int, int]:
+    """The checked arguments of a task evaluation, its examples (the first ``limit``) and its encoder:
+    (encoder, data, shots, max_new_tokens)."""
+    if task not in TASKS:
+        raise ValueError(f"unknown task {task!r}; expected one of {TASKS}")
+    shots = DEFAULT_SHOTS[task] if shots is None else int(shots)
+    if shots < 0:
+        raise ValueError(f"shots must be >= 0, got {shots}")
+    if task == "truthfulqa" and shots:
+        raise ValueError(f"truthfulqa is evaluated 0-shot (MC1/MC2); got shots={shots}")
+    if limit is not None and (isinstance(limit, bool) or not isinstance(limit, (int, np.integer)) or limit < 1):
+        raise ValueError(f"limit must be an integer >= 1 or None, got {limit!r}")
+    max_new_tokens = DEFAULT_MAX_NEW_TOKENS.get(task, 0) if max_new_tokens is None else int(max_new_tokens)
+    loaded = load_task(task, data, shots)
+    if not loaded.examples:
+        raise ValueError(f"no {task} examples to score in {', '.join(loaded.files)}")
+    if task == "gsm8k" and len(loaded.shots) < shots:  # a short train file: say how many were really shown
+        if warn:
+            warnings.warn(f"gsm8k: {', '.join(loaded.files[1:])} holds {len(loaded.shots)} exemplar(s), fewer "
+                          f"than shots={shots}: {len(loaded.shots)}-shot", stacklevel=3)
+        shots = len(loaded.shots)
+    if limit is not None:
+        loaded.examples = loaded.examples[:limit]
+    return Encoder(model), loaded, shots, max_new_tokens
+
+
+def task_requests(task: str, enc: Encoder, data: TaskData, shots: int, max_new_tokens: int,
+                  context: int) -> Iterator[Request]:
+    """Every example's model work, in scoring order, as the task's run makes it."""
+    if task == "mmlu":
+        return mmlu_requests(enc, data, shots, context)
+    if task == "gsm8k":
+        return gsm8k_requests(enc, data, shots, max_new_tokens, context)
+    if task == "truthfulqa":
+        return truthfulqa_requests(enc, data, context)
+    return nq_open_requests(enc, data, shots, max_new_tokens, context)
+
+
+def longest_pass(model, task: str, data: str | None = None, *, limit: int | None = None, shots: int | None = None,
+                 max_new_tokens: int | None = None) -> tuple[int, int]:
+    """(positions, logit rows) of the largest model call the evaluation will make: what an offloaded one must
+    hold beside its slots (a KV cache of that many positions; the float32 logits a scored pass returns).
+    Builds every prompt, as the run will (tokenizing is seconds against the run's hours), so a budget is
+    checked against the real longest prompt, not ``--context``, which the tasks do not read."""
+    enc, loaded, shots, max_new_tokens = _prepare(model, task, data, limit, shots, max_new_tokens, warn=False)
+    context = model.cfg.max_position_embeddings  # as Stream.context
+    passes = [p for req in task_requests(task, enc, loaded, shots, max_new_tokens, context) for p in req.passes()]
+    return max(p[0] for p in passes), max(p[1] for p in passes)
+
+
 def evaluate_task(model, task: str, data: str | None = None, *, limit: int | None = None, routing=None,
                   cache=None, state=None, shots: int | None = None, max_new_tokens: int | None = None,
                   progress: bool = False, return_state: bool = False, **options) -> dict:
@@ -215,27 +267,8 @@ def evaluate_task(model, task: str, data: str | None = None, *, limit: int | Non
     only matters for gsm8k and nq_open); ``routing`` / ``cache`` / ``state``: simulate the expert cache, one
     state carried through the whole evaluation (``return_state=True`` returns ``(result, final_state)``);
     ``options`` go unchanged to every ``model.forward`` / ``model.generate`` call."""
-    if task not in TASKS:
-        raise ValueError(f"unknown task {task!r}; expected one of {TASKS}")
-    shots = DEFAULT_SHOTS[task] if shots is None else int(shots)
-    if shots < 0:
-        raise ValueError(f"shots must be >= 0, got {shots}")
-    if task == "truthfulqa" and shots:
-        raise ValueError(f"truthfulqa is evaluated 0-shot (MC1/MC2); got shots={shots}")
-    if limit is not None and (isinstance(limit, bool) or not isinstance(limit, (int, np.integer)) or limit < 1):
-        raise ValueError(f"limit must be an integer >= 1 or None, got {limit!r}")
+    enc, loaded, shots, max_new_tokens = _prepare(model, task, data, limit, shots, max_new_tokens)
     _check_options(model, task, options)
-    max_new_tokens = DEFAULT_MAX_NEW_TOKENS.get(task, 0) if max_new_tokens is None else int(max_new_tokens)
-    enc = Encoder(model)
-    loaded = load_task(task, data, shots)
-    if not loaded.examples:
-        raise ValueError(f"no {task} examples to score in {', '.join(loaded.files)}")
-    if task == "gsm8k" and len(loaded.shots) < shots:  # a short train file: say how many were really shown
-        warnings.warn(f"gsm8k: {', '.join(loaded.files[1:])} holds {len(loaded.shots)} exemplar(s), fewer than "
-                      f"shots={shots}: {len(loaded.shots)}-shot", stacklevel=2)
-        shots = len(loaded.shots)
-    if limit is not None:
-        loaded.examples = loaded.examples[:limit]
     stream = Stream(model, routing, cache, state, options)
     update, close = _progress(len(loaded.examples), task, progress)
     t0 = time.perf_counter()

@@ -14,6 +14,7 @@ import numpy as np
 
 from moejax.base import errors, textproc
 from moejax.experts import routing as routing_lib
+from moejax.runtime import decode
 
 
 PAD_MULTIPLE = 64
@@ -271,6 +272,28 @@ def fit_prompt(enc: Encoder, build: Callable[[int], str], shots: int, budget: in
     return FittedPrompt(ids, text, 0, True)
 
 
+@dataclasses.dataclass
+class Request:
+    """One example's model work, decided before any of it runs: its prompt, then either the continuations
+    scored after it (``score_continuations``) or ``max_new_tokens`` generated after it."""
+
+    row: Any
+    prompt: FittedPrompt
+    continuations: list[list[int]] | None = None
+    max_new_tokens: int = 0
+
+    def passes(self) -> list[tuple[int, int]]:
+        """(positions, logit rows returned) of each model call it makes: a scored forward holds and returns
+        every position it reads; a generation holds the bucketed KV cache of an offloaded ``generate``
+        (``decode.kv_bucket`` of prompt + new tokens + 1) and returns no pass of logits."""
+        n = len(self.prompt.ids)
+        if self.continuations is None:
+            return [(decode.kv_bucket(n + self.max_new_tokens + 1), 0)]
+        if all(len(c) == 1 for c in self.continuations):
+            return [(n, n)]
+        return [(n + len(c) - 1, n + len(c) - 1) for c in self.continuations]
+
+
 def score_continuations(stream: Stream, prompt: np.ndarray, continuations: list[list[int]]) -> list[float]:
     """Sum of log-probs of each continuation after ``prompt``; one forward in all when every
     continuation is one token, else one forward over ``prompt + continuation[:-1]`` each, in order."""
@@ -305,11 +328,10 @@ class Tally:
                 "mean_shots": float(np.mean(self.shots_used)) if self.shots_used else 0.0}
 
 
-def _generation_budget(stream: Stream, max_new_tokens: int) -> int:
-    if max_new_tokens < 1 or max_new_tokens > stream.context - 2:
-        raise ValueError(f"max_new_tokens must be in 1..{stream.context - 2} (context {stream.context}), "
-                         f"got {max_new_tokens}")
-    return stream.context - max_new_tokens
+def _generation_budget(context: int, max_new_tokens: int) -> int:
+    if max_new_tokens < 1 or max_new_tokens > context - 2:
+        raise ValueError(f"max_new_tokens must be in 1..{context - 2} (context {context}), got {max_new_tokens}")
+    return context - max_new_tokens
 
 
 def _progress(total: int, task: str, enabled: bool) -> tuple[Callable[[int], None], Callable[[], None]]:

@@ -5,13 +5,13 @@ from __future__ import annotations
 import dataclasses
 import re
 from decimal import Decimal, InvalidOperation
-from typing import Any
+from typing import Any, Iterator
 
 import numpy as np
 
 from moejax.base import errors
 from moejax.runtime import decode
-from moejax.evaluation.tasks.common import (Encoder, N_SAMPLES, Stream, Tally, TaskData, _generation_budget,
+from moejax.evaluation.tasks.common import (Encoder, Request, N_SAMPLES, Stream, Tally, TaskData, _generation_budget,
     _need_str, fit_prompt)
 
 GSM8K_STOPS = ("\n\nQuestion:", "Question:", "\n\n\n")
@@ -91,11 +91,18 @@ def numbers_match(prediction: str | None, gold: str) -> bool:
     return a is not None and b is not None and a == b
 
 
+def gsm8k_requests(enc: Encoder, data: TaskData, shots: int, max_new_tokens: int, context: int) -> Iterator[Request]:
+    """Each question's prompt (the most exemplars that leave ``max_new_tokens`` of ``context``)."""
+    budget = _generation_budget(context, max_new_tokens)
+    for row in data.examples:
+        p = fit_prompt(enc, lambda k: gsm8k_prompt(row, data.shots[:k]), shots, budget)  # noqa: B023
+        yield Request(row, p, max_new_tokens=max_new_tokens)
+
+
 def run_gsm8k(stream: Stream, enc: Encoder, data: TaskData, shots: int, max_new_tokens: int, bar) -> dict:
     tally, correct, samples, no_answer = Tally(), [], [], 0
-    budget = _generation_budget(stream, max_new_tokens)
-    for row in data.examples:
-        p = fit_prompt(enc, lambda k: gsm8k_prompt(row, data.shots[:k]), shots, budget)
+    for req in gsm8k_requests(enc, data, shots, max_new_tokens, stream.context):
+        row, p = req.row, req.prompt
         tally.add(p, shots)
         tokens = stream.generate(p.ids, max_new_tokens, prefill_routing="original", stop=GSM8K_STOPS)
         text = cut_at_stops(enc.render(tokens))

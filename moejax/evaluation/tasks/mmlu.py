@@ -5,12 +5,12 @@ from __future__ import annotations
 import csv
 import dataclasses
 import os
-from typing import Any
+from typing import Any, Iterator
 
 import numpy as np
 
 from moejax.base import errors
-from moejax.evaluation.tasks.common import (Encoder, Stream, Tally, TaskData, _open_text, fit_prompt,
+from moejax.evaluation.tasks.common import (Encoder, Request, Stream, Tally, TaskData, _open_text, fit_prompt,
     score_continuations)
 
 LETTERS = "ABCD"
@@ -116,11 +116,8 @@ def mmlu_prompt(row: MultipleChoice, shots: list[MultipleChoice]) -> str:
     return mmlu_header(row.subject) + "".join(mmlu_question(s, True) for s in shots) + mmlu_question(row, False)
 
 
-def run_mmlu(stream: Stream, enc: Encoder, data: TaskData, shots: int, bar) -> dict:
-    tally, correct = Tally(), []
-    subjects: dict[str, list[bool]] = {}
-    predicted = dict.fromkeys(LETTERS, 0)
-    multi_token = 0
+def mmlu_requests(enc: Encoder, data: TaskData, shots: int, context: int) -> Iterator[Request]:
+    """Each example's prompt (the most shots that fit ``context``) and the four letters' continuations."""
     for subject in dict.fromkeys(row.subject for row in data.examples):  # every subject's shots, before any work
         where = data.shot_source.get(subject, f"the dev split of {subject}")
         if shots and subject not in data.shots:
@@ -132,9 +129,19 @@ def run_mmlu(stream: Stream, enc: Encoder, data: TaskData, shots: int, bar) -> d
         pool = data.shots.get(row.subject, [])
         conts = [enc.continuation(mmlu_prompt(row, pool[:shots]), f" {letter}") for letter in LETTERS]
         extra = max(len(c) for c in conts) - 1
-        p = fit_prompt(enc, lambda k: mmlu_prompt(row, pool[:k]), shots, stream.context - extra)
+        p = fit_prompt(enc, lambda k: mmlu_prompt(row, pool[:k]), shots, context - extra)  # noqa: B023
         if p.shots != shots:
             conts = [enc.continuation(p.text, f" {letter}") for letter in LETTERS]
+        yield Request(row, p, continuations=conts)
+
+
+def run_mmlu(stream: Stream, enc: Encoder, data: TaskData, shots: int, bar) -> dict:
+    tally, correct = Tally(), []
+    subjects: dict[str, list[bool]] = {}
+    predicted = dict.fromkeys(LETTERS, 0)
+    multi_token = 0
+    for req in mmlu_requests(enc, data, shots, stream.context):
+        row, p, conts = req.row, req.prompt, req.continuations
         multi_token += any(len(c) > 1 for c in conts)
         tally.add(p, shots)
         pred = int(np.argmax(score_continuations(stream, p.ids, conts)))

@@ -5,12 +5,12 @@ from __future__ import annotations
 import dataclasses
 import re
 import string
-from typing import Any
+from typing import Any, Iterator
 
 import numpy as np
 
 from moejax.base import errors
-from moejax.evaluation.tasks.common import (Encoder, N_SAMPLES, Stream, Tally, TaskData, _generation_budget,
+from moejax.evaluation.tasks.common import (Encoder, Request, N_SAMPLES, Stream, Tally, TaskData, _generation_budget,
     _need_str, fit_prompt)
 
 @dataclasses.dataclass(frozen=True)
@@ -56,11 +56,19 @@ def exact_match(prediction: str, answers) -> bool:
     return any(pred == normalize_answer(a) for a in answers)
 
 
+def nq_open_requests(enc: Encoder, data: TaskData, shots: int, max_new_tokens: int,
+                     context: int) -> Iterator[Request]:
+    """Each question's prompt (the most exemplars that leave ``max_new_tokens`` of ``context``)."""
+    budget = _generation_budget(context, max_new_tokens)
+    for row in data.examples:
+        p = fit_prompt(enc, lambda k: nq_prompt(row, data.shots[:k]), shots, budget)  # noqa: B023
+        yield Request(row, p, max_new_tokens=max_new_tokens)
+
+
 def run_nq_open(stream: Stream, enc: Encoder, data: TaskData, shots: int, max_new_tokens: int, bar) -> dict:
     tally, correct, samples = Tally(), [], []
-    budget = _generation_budget(stream, max_new_tokens)
-    for row in data.examples:
-        p = fit_prompt(enc, lambda k: nq_prompt(row, data.shots[:k]), shots, budget)
+    for req in nq_open_requests(enc, data, shots, max_new_tokens, stream.context):
+        row, p = req.row, req.prompt
         tally.add(p, shots)
         text = enc.render(stream.generate(p.ids, max_new_tokens, stop=("\n",))).split("\n", 1)[0].strip()
         ok = exact_match(text, row.answers)

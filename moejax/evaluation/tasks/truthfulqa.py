@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from typing import Any
+from typing import Any, Iterator
 
 import numpy as np
 
 from moejax.base import errors
-from moejax.evaluation.tasks.common import (Encoder, Stream, Tally, TaskData, _need_str, _open_text, fit_prompt,
+from moejax.evaluation.tasks.common import (Encoder, Request, Stream, Tally, TaskData, _need_str, _open_text, fit_prompt,
     score_continuations)
 
 @dataclasses.dataclass(frozen=True)
@@ -91,16 +91,26 @@ def mc2_score(scores: list[float], labels: tuple[int, ...]) -> float:
     return float(p[np.asarray(labels, bool)].sum() / p.sum())
 
 
+def truthfulqa_choices(row) -> list[str]:
+    return list(dict.fromkeys(row.mc1_choices + row.mc2_choices))  # distinct, MC1 ones first
+
+
+def truthfulqa_requests(enc: Encoder, data: TaskData, context: int) -> Iterator[Request]:
+    """Each question's 0-shot prompt and its distinct choices' continuations."""
+    for row in data.examples:
+        prompt = truthfulqa_prompt(row)
+        conts = [enc.continuation(prompt, f" {c}") for c in truthfulqa_choices(row)]
+        extra = max(len(c) for c in conts) - 1
+        p = fit_prompt(enc, lambda k: prompt, 0, context - extra)  # noqa: B023
+        yield Request(row, p, continuations=conts)
+
+
 def run_truthfulqa(stream: Stream, enc: Encoder, data: TaskData, bar) -> dict:
     tally, mc1, mc2 = Tally(), [], []
-    for row in data.examples:
-        context = truthfulqa_prompt(row)
-        choices = list(dict.fromkeys(row.mc1_choices + row.mc2_choices))  # distinct, MC1 ones first
-        conts = [enc.continuation(context, f" {c}") for c in choices]
-        extra = max(len(c) for c in conts) - 1
-        p = fit_prompt(enc, lambda k: context, 0, stream.context - extra)
+    for req in truthfulqa_requests(enc, data, stream.context):
+        row, p, conts = req.row, req.prompt, req.continuations
         tally.add(p, 0)
-        score = dict(zip(choices, score_continuations(stream, p.ids, conts)))
+        score = dict(zip(truthfulqa_choices(row), score_continuations(stream, p.ids, conts)))
         mc1.append(mc1_correct([score[c] for c in row.mc1_choices], row.mc1_labels))
         mc2.append(mc2_score([score[c] for c in row.mc2_choices], row.mc2_labels))
         bar(1)
