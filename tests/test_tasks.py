@@ -637,7 +637,8 @@ def test_task_with_offload_reports_what_the_paging_moved_over_every_call(default
     assert "offload" not in plain and plain["predicted_letters"] == res["predicted_letters"]
 
 
-@pytest.mark.parametrize("task, kw", [("mmlu", {"shots": 2}), ("truthfulqa", {}), ("gsm8k", {"shots": 2, "max_new_tokens": 30}),
+@pytest.mark.parametrize("task, kw", [("mmlu", {"shots": 2}), ("truthfulqa", {}),
+                                      ("gsm8k", {"shots": 2, "max_new_tokens": 30}),
                                       ("nq_open", {"shots": 1, "max_new_tokens": 5})])
 def test_longest_pass_is_the_largest_call_the_evaluation_makes(task, kw):
     """What an offloaded evaluation's fit check counts (``tasks.longest_pass``, used by ``evaluate --task ...

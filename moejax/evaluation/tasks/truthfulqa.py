@@ -9,8 +9,8 @@ from typing import Any, Iterator
 import numpy as np
 
 from moejax.base import errors
-from moejax.evaluation.tasks.common import (Encoder, Request, Stream, Tally, TaskData, _need_str, _open_text, fit_prompt,
-    score_continuations)
+from moejax.evaluation.tasks.common import (Encoder, Request, Stream, Tally, TaskData, _need_str, _open_text,
+    fit_prompt, score_continuations)
 
 @dataclasses.dataclass(frozen=True)
 class TruthfulQuestion:
