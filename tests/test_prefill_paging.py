@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from moejax.experts import cache as cache_lib, routing as routing_lib
@@ -51,6 +51,9 @@ def routed_piece(seed: int, capacity: int, init: str, prefetch: bool, lam: float
 @settings(max_examples=40, deadline=None)
 @given(seed=st.integers(0, 10_000), capacity=st.integers(K, N), init=st.sampled_from(["empty", "random"]),
        prefetch=st.booleans(), lam=st.sampled_from([0.0, 0.5, 2.0]), staging=st.integers(1, 3))
+# found by CI's draw: nothing to load and more streamed experts than one staging round holds (the second
+# round was marked "after the loads" all the same)
+@example(seed=1496, capacity=2, init="random", prefetch=False, lam=0.0, staging=1)
 def test_plan_computes_every_used_expert_once_from_a_buffer_holding_it(seed, capacity, init, prefetch, lam, staging):
     before, after, experts, made = routed_piece(seed, capacity, init, prefetch, lam)
     plan = plan_layer(before, after, experts)

@@ -98,7 +98,7 @@ def rounds(plan: LayerPages, staging: int) -> list[tuple[dict, tuple, bool]]:
     whether the loads go into the slots before this round); empty rounds left out, the loads always made."""
     groups = [plan.streamed[i:i + staging] for i in range(0, len(plan.streamed), staging)]
     out = [(plan.resident, groups[0] if groups else (), False),
-           (plan.paged, groups[1] if len(groups) > 1 else (), True)]
+           (plan.paged, groups[1] if len(groups) > 1 else (), bool(plan.loads))]
     out += [({}, g, False) for g in groups[2:]]
     kept = [r for r in out if r[0] or r[1]]
     if plan.loads and not any(r[2] for r in kept):  # nothing computed after the loads: make them anyway
