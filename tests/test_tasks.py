@@ -17,7 +17,7 @@ import jax
 import numpy as np
 import pytest
 
-from moejax.runtime import offload, simulate
+from moejax.runtime import decode, offload, simulate
 from moejax.evaluation import tasks
 from moejax.evaluation.tasks import common, gsm8k, mmlu, nq_open, truthfulqa
 
@@ -643,18 +643,23 @@ def test_task_with_offload_reports_what_the_paging_moved_over_every_call(default
 def test_longest_pass_is_the_largest_call_the_evaluation_makes(task, kw):
     """What an offloaded evaluation's fit check counts (``tasks.longest_pass``, used by ``evaluate --task ...
     --offload``): the positions and logit rows of the largest call the run really makes — a scored forward
-    holds and returns every position; a generation holds ``decode.kv_bucket(prompt + new + 1)`` positions,
-    as offloaded ``generate`` allocates, and returns no logits. Not ``--context``, which tasks do not read."""
-    from moejax.runtime import decode
-
+    holds and returns every position; a generation holds ``decode.kv_bucket(decode.kv_rows(prompt, new))``
+    positions, as in-jit paging allocates them (the host pager: ``kv_bucket(prompt + new + 1)``, never more),
+    and returns no logits. Not ``--context``, which tasks do not read."""
     model = FakeModel(_mmlu_scores if task == "mmlu" else _truthful_scores, reply=_gsm8k_reply, context=160)
     data = os.path.join(FIXTURES, task)
     got = tasks.longest_pass(model, task, data, **kw)
     tasks.evaluate_task(model, task, data, tag="x", **kw)  # with an option forwards run unpadded, as when paging
-    sizes = [(len(ids), len(ids)) if kind == "forward" else (decode.kv_bucket(len(ids) + c["max_new_tokens"] + 1), 0)
-             for kind, ids, c in model.calls]
+    sizes = [(len(ids), len(ids)) if kind == "forward" else
+             (decode.kv_bucket(decode.kv_rows(len(ids), c["max_new_tokens"])), 0) for kind, ids, c in model.calls]
     assert got == (max(s[0] for s in sizes), max(s[1] for s in sizes))
+    host = [decode.kv_bucket(len(ids) + c["max_new_tokens"] + 1) for kind, ids, c in model.calls if kind != "forward"]
+    assert got[0] >= max(host, default=0)
     assert got[0] > 8 and (got[1] > 0) == (task in ("mmlu", "truthfulqa"))
+    # in-jit paging's cache holds whole chunks of new tokens: 96 + 2 chunks of 16 + 1 = 129 rows, a bucket of 256
+    # (the host pager's 96 + 18 + 1 = 115 would fit in 128)
+    gen = common.Request(None, common.FittedPrompt(np.zeros(96, np.int32), "", 0, False), max_new_tokens=18)
+    assert gen.passes() == [(256, 0)]
     # a shorter context cuts the prompts, and the longest pass with them
     short = FakeModel(context=48)
     assert tasks.longest_pass(short, task, data, **kw)[0] <= max(48, decode.kv_bucket(48))

@@ -285,10 +285,11 @@ class Request:
     def passes(self) -> list[tuple[int, int]]:
         """(positions, logit rows returned) of each model call it makes: a scored forward holds and returns
         every position it reads; a generation holds the bucketed KV cache of an offloaded ``generate``
-        (``decode.kv_bucket`` of prompt + new tokens + 1) and returns no pass of logits."""
+        (``decode.kv_bucket`` of ``decode.kv_rows``: what in-jit paging allocates, and at least the host
+        pager's prompt + new tokens + 1) and returns no pass of logits."""
         n = len(self.prompt.ids)
         if self.continuations is None:
-            return [(decode.kv_bucket(n + self.max_new_tokens + 1), 0)]
+            return [(decode.kv_bucket(decode.kv_rows(n, self.max_new_tokens)), 0)]
         if all(len(c) == 1 for c in self.continuations):
             return [(n, n)]
         return [(n + len(c) - 1, n + len(c) - 1) for c in self.continuations]
