@@ -28,8 +28,10 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import moejax  # noqa: E402
 from moejax.base import atomic  # noqa: E402
 from moejax.models.config import ModelConfig  # noqa: E402
+from moejax.models.model import init_kv  # noqa: E402
 from moejax.runtime import decode  # noqa: E402
 from moejax.runtime.api import Model  # noqa: E402
+from moejax.runtime.expert_store import tree_nbytes  # noqa: E402
 from moejax.training import recipe  # noqa: E402
 
 
@@ -45,9 +47,8 @@ def attention_heavy_model(max_len: int = 8192) -> Model:
 
 
 def kv_bytes(model: Model, rows: int) -> int:
-    cfg = model.cfg
-    per_row = (cfg.kv_lora_rank + cfg.qk_rope_head_dim) if cfg.mla else 2 * cfg.num_kv_heads * cfg.head_dim
-    return cfg.num_layers * rows * per_row * jnp.dtype(model.params["embed"].dtype).itemsize
+    """The KV cache of ``rows`` positions, as the memory plan counts it (``init_kv``'s shapes)."""
+    return tree_nbytes(jax.eval_shape(lambda: init_kv(model.cfg, rows, model.params["embed"].dtype)))
 
 
 def measure(model: Model, lengths: list[int], new_tokens: int, repeat: int) -> list[dict]:

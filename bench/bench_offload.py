@@ -183,7 +183,7 @@ def gpu_suite(args) -> dict:
                                      offload=offload.OffloadConfig(paging=paging)).stats["offload"]["bytes_moved"]
                 bpt = (o["bytes_moved"] - pre) / max(s["generated_tokens"] - 1, 1)
             roofline = 1.0 / (bpt / (peak * 1e9) + t_compute)
-            result["runs"][f"{paging}_C{size}"] = {
+            run = result["runs"][f"{paging}_C{size}"] = {
                 "tokens_per_s": s["tokens_per_s"], "ttft_s": s["time_to_first_token_s"],
                 "miss_rate": res.stats["cache"]["miss_rate"], "bytes_per_token": bpt,
                 "roofline_tokens_per_s": roofline, "fraction_of_roofline": s["tokens_per_s"] / roofline,
@@ -192,14 +192,13 @@ def gpu_suite(args) -> dict:
                 "device_memory": o.get("device_memory")}
             if "step_s" in o:  # host paging: where a decode token's time goes (ms)
                 n = max(s["generated_tokens"], 1)
-                result["runs"][f"{paging}_C{size}"]["ms_per_token"] = {
+                run["ms_per_token"] = {
                     "step": 1e3 * o["step_s"] / n, "waiting_for_routing": 1e3 * o["sync_s"] / n,
                     "paging": 1e3 * o["page_s"] / n,
                     "rest_on_host": 1e3 * (o["step_s"] - o["sync_s"] - o["page_s"]) / n}
-            print(paging, size, json.dumps(result["runs"][f"{paging}_C{size}"], default=str)[:400], flush=True)
-            if "ms_per_token" in result["runs"][f"{paging}_C{size}"]:
-                print("   ms per token:", json.dumps({k: round(v, 3) for k, v in
-                                                      result["runs"][f"{paging}_C{size}"]["ms_per_token"].items()}))
+            print(paging, size, json.dumps(run, default=str)[:400], flush=True)
+            if "ms_per_token" in run:
+                print("   ms per token:", json.dumps({k: round(v, 3) for k, v in run["ms_per_token"].items()}))
     return result
 
 

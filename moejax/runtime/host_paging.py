@@ -291,7 +291,7 @@ class HostPager:
             "page_writes": self.offload.page_writes, "pages_in_place": s.pages_in_place,
             "overlap": self.offload.overlap, "overlapped_steps": s.overlapped_steps,
             "transfer_s": transfer_s, "compute_wait_s": link.wait_s,
-            # where a decode step's time goes: waiting for routing results, transfers, the rest on the host
+            # where the steps' time goes: waiting for routing results, paging, the rest is host work
             "step_s": s.step_s, "sync_s": s.sync_s, "page_s": s.page_s,
             # emulated: bytes over link busy time; real: demand batches' bytes over their issue→ready time
             "achieved_gbps": ((s.bytes_moved if link.emulated else s.timed_bytes) / transfer_s / 1e9

@@ -37,12 +37,17 @@ _TITLE = re.compile(r"^ = [^=].* = $")
 
 
 # ------------------------------------------------------------------------------------------ corpus
+def shard_name(path: str) -> str:
+    """A shard's name without its compression (``enwiki-...-00``): what its token file is called."""
+    return os.path.basename(path).split(".")[0]
+
+
 def corpus_shards(corpus_dir: str = DEFAULT_CORPUS_DIR) -> list[str]:
     """All corpus shard paths, sorted; the last one is the validation split."""
     found = {}
     for pattern in CORPUS_PATTERNS:
         for path in glob.glob(os.path.join(corpus_dir, pattern)):
-            found.setdefault(os.path.basename(path).split(".")[0], []).append(path)
+            found.setdefault(shard_name(path), []).append(path)
     if not found:
         raise FileNotFoundError(f"no corpus shards ({' or '.join(CORPUS_PATTERNS)}) in {corpus_dir}")
     twice = sorted(name for name, ps in found.items() if len(ps) > 1)
@@ -183,7 +188,7 @@ def tokenize_to_bin(tok, docs: Iterable[str], out_path: str) -> int:
 
 def shard_bin(data_dir: str, shard_path: str, tok=None, max_chars: int | None = None, log=print) -> np.memmap:
     """The token memmap of one corpus shard, tokenizing it on first use."""
-    name = os.path.basename(shard_path).split(".")[0]
+    name = shard_name(shard_path)
     suffix = "" if max_chars is None else f"-{max_chars}"
     out = os.path.join(data_dir, f"{name}{suffix}.bin")
     meta_path = out[:-4] + ".json"

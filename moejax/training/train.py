@@ -315,7 +315,7 @@ def step_seconds(since: tuple[int, float, float], now: tuple[int, float, float])
     """Seconds per training step between two (step, clock, overhead) readings, leaving out the time spent
     evaluating and checkpointing in between: the first evaluation compiles its step and the first checkpoint
     starts up orbax, which on an H200 took 15 s and 72 s against 0.2 s a step; counted, they made the
-    steps look three times slower (656 ms) and the schedule a third of what the time left allowed."""
+    steps look three times slower (656 ms), which plans a third of the steps the time left allows."""
     return max((now[1] - since[1]) - (now[2] - since[2]), 0.0) / max(now[0] - since[0], 1)
 
 
