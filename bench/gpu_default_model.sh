@@ -89,26 +89,33 @@ EOF
         tests/test_overlap.py tests/test_page_writes.py -k "simulation or slots or bytes or compiles" \
         > "$WORK/offload/tests.txt" 2>&1 &
     tests_pid=$!
-    # the recipe (bench/train_default.md, "The GPU run"): balancing 0.01 with the router remedies; one
-    # checkpoint, at the end (the first one costs a minute; CKPT_MINUTES=1 for one a minute)
+    # the recipe (bench/train_default.md, "The GPU run"): balancing 0.01 with the router remedies; no
+    # checkpoint (orbax's first save took 72 s here, and the optimizer state cannot come back anyway): the
+    # model is exported from memory when training stops (CKPT_MINUTES=1 for a checkpoint a minute). The
+    # optimized HLO of the training step is dumped, to name the fusion if its compile is slow again.
     train() {  # $1: attention, $2: minutes
+        XLA_FLAGS="--xla_dump_to=$WORK/xla --xla_dump_hlo_module_re=jit_train_step ${XLA_FLAGS:-}" \
         XLA_PYTHON_CLIENT_MEM_FRACTION=0.7 python3 -m moejax.train --out "$WORK/run" --overwrite --config "$CONFIG" \
             --steps auto --time-budget-min "$2" \
             --batch "$BATCH" --seq-len "$SEQ" --lr 3e-3 --warmup 200 --min-lr-ratio 0.1 \
             --aux-coef 0.01 --z-coef 1e-3 --router-lr-scale 0.1 --offset-coef "${OFFSET_COEF:-1.0}" \
-            --compute-dtype bfloat16 --attention "$1" --eval-every 200 --eval-seqs 64 --ckpt-every 0 --ckpt-minutes "${CKPT_MINUTES:-1000}" \
-            --corpus-dir .corpus --data-dir "$WORK/data" --seed 0
+            --compute-dtype bfloat16 --attention "$1" --eval-every 500 --eval-seqs 64 --ckpt-every 0 --ckpt-minutes "${CKPT_MINUTES:-0}" \
+            --export-at-end "$WORK/model" --corpus-dir .corpus --data-dir "$WORK/data" --seed 0
     }
     t_train=$SECONDS
     if ! train "${ATTENTION:-auto}" "$MINUTES"; then
         echo "training (fused attention) failed after $(( SECONDS - t_train )) s"
         # no checkpoint yet: what remains of the training time, if enough, on the model's own attention
         left=$(python3 -c "print(int($MINUTES * 60 - $(( SECONDS - t_train ))))")
-        if [[ ! -f "$WORK/run/checkpoints/latest.json" ]] && (( left > 90 )); then
+        if [[ ! -d "$WORK/model" ]] && (( left > 90 )); then
             train model "$(python3 -c "print($left / 60)")" || echo "training (model attention) failed too"
         fi
     fi
-    python3 -m moejax.train --out "$WORK/run" --export "$WORK/model" || echo "export exit $?"
+    if [[ ! -d "$WORK/model" ]] && [[ -f "$WORK/run/checkpoints/latest.json" ]]; then
+        python3 -m moejax.train --out "$WORK/run" --export "$WORK/model" || echo "export exit $?"; fi
+    # the training step's optimized HLO (for a slow compile): the largest after-optimizations file, gzipped
+    hlo=$(ls -S "$WORK"/xla/*jit_train_step*after_optimizations.txt 2>/dev/null | head -1 || true)
+    if [[ -n "$hlo" ]]; then gzip -c "$hlo" > "$WORK/offload/train_step_hlo.txt.gz"; fi
     pack
     wait "$tests_pid"; echo "offload tests exit $? (124 = time box)"; tail -3 "$WORK/offload/tests.txt"
     # issue 14 part 2-3 on the quiet GPU: pinned host -> device bandwidth, offloaded decode vs the roofline

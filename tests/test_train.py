@@ -161,6 +161,29 @@ def test_rerun_and_export_never_destroy_what_is_there(dirs, baseline, tmp_path, 
     assert train.main(["--out", out, "--export", folder, "--overwrite"]) == 0  # a checkpoint: replaced
 
 
+def test_export_at_end_equals_export_of_the_final_checkpoint(dirs, baseline, tmp_path, capsys):
+    """--export-at-end writes from memory what --export writes from the last checkpoint; with no checkpoint
+    asked for (--ckpt-every 0 --ckpt-minutes 0) none is written; an export folder that may not be replaced
+    is refused before training."""
+    mine = tmp_path / "notes"
+    mine.mkdir()
+    (mine / "todo.txt").write_text("keep me")
+    assert train.main(_argv(dirs, str(dirs["root"] / "e0"), "--export-at-end", str(mine), "--overwrite")) == 2
+    assert "not a checkpoint folder" in capsys.readouterr().err and not (dirs["root"] / "e0").exists()
+    at_end = str(tmp_path / "at-end")
+    out, m = run(dirs, "e", "--export-at-end", at_end)
+    assert [r["loss"] for r in m] == [r["loss"] for r in baseline[1]]
+    assert train.latest_checkpoint(out) is None and not os.path.exists(os.path.join(out, "checkpoints"))
+    from_ckpt = train.export(baseline[0], str(tmp_path / "from-ckpt"))
+    got, want = _snapshot(at_end), _snapshot(from_ckpt)
+    assert got.keys() == want.keys() and got["params.safetensors"] == want["params.safetensors"]
+    timeless = lambda files: {k: v for k, v in json.loads(files["training.json"]).items() if k != "time_s"}  # noqa: E731
+    assert timeless(got) == timeless(want)
+    assert all(got[k] == want[k] for k in got if k not in ("training.json", "README.md"))  # README: the time too
+    out, _ = run(dirs, "e2", "--export-at-end", str(tmp_path / "at-end-2"), "--ckpt-every", "6")
+    assert train.latest_checkpoint(out).endswith("step_00000012")  # checkpoints asked for: the last one too
+
+
 def test_overwrite_starts_a_fresh_run(dirs, tmp_path):
     out, first = run(dirs, "fresh", "--stop-after", "3")
     _, again = run(dirs, "fresh", "--stop-after", "2", "--overwrite")

@@ -185,6 +185,8 @@ def train(args: argparse.Namespace) -> dict:
     run_prev = resume_args(args, run_path) if args.resume and os.path.isfile(run_path) else {}
     check_schedule(args)
     data.split_shards(args.corpus_dir)  # no corpus: fail before creating or deleting anything
+    if args.export_at_end:  # before anything, not after training: a folder that cannot be written fails now
+        checkpoint.check_replaceable(args.export_at_end, args.overwrite, protect=(out,))
     if args.overwrite and not args.resume:
         remove_run(out)
     os.makedirs(out, exist_ok=True)
@@ -219,7 +221,7 @@ def train(args: argparse.Namespace) -> dict:
     if step == 0 and os.path.exists(metrics_path):
         os.remove(metrics_path)
     n_params = recipe.count_params(params)
-    run = {"args": {k: v for k, v in vars(args).items() if k not in ("export", "resume", "overwrite")}, "hf_config": hf,
+    run = {"args": {k: v for k, v in vars(args).items() if k not in ("export", "export_at_end", "resume", "overwrite")}, "hf_config": hf,
            "params": n_params, "hardware": hardware(), "planned_steps": total_steps or None}
     atomic.write_json(run_path, run)
     log(f"model {args.config}: {n_params / 1e6:.2f}M params ({cfg.n_experts} experts, top-{cfg.top_k}, "
@@ -240,6 +242,9 @@ def train(args: argparse.Namespace) -> dict:
                mininterval=2.0, file=sys.stderr)
     last_ckpt_time, window_t, window_steps, stop_reason = time.time(), time.time(), 0, "steps"
     m, first_step = None, step
+    # the run's last state is checkpointed, unless it is exported from memory instead and no checkpoint
+    # was asked for: a run not meant to resume, e.g. on a lent machine (orbax's first save took 72 s there)
+    final_checkpoint = not (args.export_at_end and not args.ckpt_every and not args.ckpt_minutes)
     probe_from = None  # (step, time, overhead) where the speed measurement of --steps auto starts
     overhead_s = 0.0  # time spent evaluating and checkpointing, which the speed measurement leaves out
     next_batch = ds.batch(data_pos, args.batch)
@@ -289,7 +294,7 @@ def train(args: argparse.Namespace) -> dict:
         out_of_time = out_of_time or interrupted
         if auto_steps and total_steps and step >= total_steps:
             out_of_time = True  # the schedule is done
-        if (args.ckpt_every and step % args.ckpt_every == 0) or out_of_time or step == max_steps \
+        if (args.ckpt_every and step % args.ckpt_every == 0) or (final_checkpoint and (out_of_time or step == max_steps)) \
                 or (args.ckpt_minutes and now - last_ckpt_time > args.ckpt_minutes * 60):
             t_ckpt = time.time()
             save_state(out, step, params, opt_state, data_pos, rng)
@@ -308,6 +313,8 @@ def train(args: argparse.Namespace) -> dict:
     run["last"] = summary
     atomic.write_json(run_path, run)
     log(f"done: {json.dumps(summary)}")
+    if args.export_at_end:
+        log(f"exported: {write_export(params, cfg, {**run, 'step': step}, out, args.export_at_end, overwrite=args.overwrite)}")
     return summary
 
 
@@ -349,6 +356,13 @@ def export(out: str, folder: str, dtype=jnp.bfloat16, text_style: str = "wikitex
     An existing ``folder`` is replaced only with ``overwrite`` and only if it is a checkpoint."""
     checkpoint.check_replaceable(folder, overwrite, protect=(out,))
     params, cfg, run = load_trained_params(out)
+    return write_export(params, cfg, run, out, folder, dtype, text_style, overwrite)
+
+
+def write_export(params, cfg: ModelConfig, run: dict, out: str, folder: str, dtype=jnp.bfloat16,
+                 text_style: str = "wikitext", overwrite: bool = False) -> str:
+    """``export``'s folder from parameters in hand: a checkpoint's, or (``--export-at-end``) the training
+    loop's own, with ``run`` = the run record plus the step they are from."""
     params = jax.tree.map(lambda x: jnp.asarray(x, dtype), params)
     eos = cfg.eos_token_ids[0] if cfg.eos_token_ids else 0
     staging = os.path.join(out, "export-files")
@@ -454,6 +468,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--corpus-dir", default=data.DEFAULT_CORPUS_DIR)
     p.add_argument("--vocab-size", type=int, default=data.DEFAULT_VOCAB)
     p.add_argument("--export", metavar="DIR", help="write OUT's latest params as a bf16 moejax folder and exit")
+    p.add_argument("--export-at-end", metavar="DIR",
+                   help="when training stops, write its params as --export would, straight from memory; with "
+                        "--ckpt-every 0 --ckpt-minutes 0 this replaces the final checkpoint (no orbax at all: a run "
+                        "that will not be resumed)")
     return p
 
 
