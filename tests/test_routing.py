@@ -264,3 +264,22 @@ def test_descending_order_is_a_permutation_even_with_nan(values):
     key = [(-np.inf if np.isnan(v) else v) for v in values]
     ref = sorted(range(len(values)), key=lambda i: (-key[i], i))
     assert order.tolist() == ref
+
+
+@settings(max_examples=40, deadline=None)
+@given(rows=st.lists(st.lists(st.sampled_from([0.0, -0.0, 1.0, -2.5, 3.0, 1e-30, float("nan"), float("inf"),
+                                                 float("-inf")]), min_size=9, max_size=9), min_size=1, max_size=6))
+def test_large_batches_sort_to_the_same_order(rows):
+    """A batch past PAIRWISE_LIMIT sorts instead of comparing pairwise (a training batch's [tokens, N, N]
+    comparison took minutes to compile on a GPU): the same order, ties, NaN and signed zeros included."""
+    from moejax.models import gating
+
+    x = jnp.asarray(rows, jnp.float32)
+    clean = jnp.where(jnp.isnan(x), -jnp.inf, x)
+    np.testing.assert_array_equal(gating.order_by_sort(clean), gating.order_by_comparison(clean))
+    big = jnp.tile(x, (gating.PAIRWISE_LIMIT // (len(rows) * 81) + 1, 1))  # past the limit: the sort path
+    np.testing.assert_array_equal(gating.descending_order(big)[: len(rows)], gating.descending_order(x))
+    def lowered(a, platform):
+        return jax.jit(gating.descending_order).trace(a).lower(lowering_platforms=(platform,)).as_text()
+
+    assert "sort" not in lowered(x, "cpu") and "sort" in lowered(big, "cpu") and "sort" in lowered(x, "cuda")

@@ -389,11 +389,15 @@ def hw_text(hw: dict) -> str:
 
 
 def command_line(a: dict) -> str:
-    return (f"python -m moejax.train --out OUT --config {a['config']} --steps {a['steps']} --batch {a['batch']} "
-            f"--seq-len {a['seq_len']} --lr {a['lr']} --warmup {a['warmup']} --seed {a['seed']} "
-            f"--capacity-factor {a['capacity_factor']} "
-            f"--eval-every {a['eval_every']}"
-            + (f" --time-budget-min {a['time_budget_min']:g}" if a.get("time_budget_min") else "") + " --data-dir DATA")
+    """The training command as run: the settings that differ from the defaults (and the model's size and
+    length, always), with the run's and data's folders left as OUT and DATA."""
+    defaults = vars(build_parser().parse_args(["--out", "OUT"]))
+    always = ("config", "steps", "batch", "seq_len", "lr", "seed")
+    skip = ("out", "data_dir", "corpus_dir", "export", "export_at_end", "resume", "overwrite", "stop_after")
+    flags = [f"{_flag(k)} {v:g}" if isinstance(v, float) else f"{_flag(k)} {v}"
+             for k, v in a.items() if k in defaults and k not in skip and v is not None
+             and (k in always or v != defaults[k])]
+    return "python -m moejax.train --out OUT " + " ".join(flags) + " --data-dir DATA"
 
 
 def readme_text(cfg: ModelConfig, info: dict) -> str:
