@@ -178,7 +178,8 @@ def test_export_at_end_equals_export_of_the_final_checkpoint(dirs, baseline, tmp
     got, want = _snapshot(at_end), _snapshot(from_ckpt)
     assert got.keys() == want.keys() and got["params.safetensors"] == want["params.safetensors"]
     timeless = lambda files: {k: v for k, v in json.loads(files["training.json"]).items() if k != "time_s"}  # noqa: E731
-    assert timeless(got) == timeless(want)
+    assert timeless(got) == {**timeless(want), "command": timeless(want)["command"] + " --export-at-end MODEL"}
+    assert "--warmup 2 " in timeless(got)["command"] and "--export MODEL" in want["README.md"].decode()
     assert all(got[k] == want[k] for k in got if k not in ("training.json", "README.md"))  # README: the time too
     out, _ = run(dirs, "e2", "--export-at-end", str(tmp_path / "at-end-2"), "--ckpt-every", "6")
     assert train.latest_checkpoint(out).endswith("step_00000012")  # checkpoints asked for: the last one too

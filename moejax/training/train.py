@@ -314,7 +314,7 @@ def train(args: argparse.Namespace) -> dict:
     atomic.write_json(run_path, run)
     log(f"done: {json.dumps(summary)}")
     if args.export_at_end:
-        log(f"exported: {write_export(params, cfg, {**run, 'step': step}, out, args.export_at_end, overwrite=args.overwrite)}")
+        log(f"exported: {write_export(params, cfg, {**run, 'step': step}, out, args.export_at_end, overwrite=args.overwrite, at_end=True)}")
     return summary
 
 
@@ -360,7 +360,7 @@ def export(out: str, folder: str, dtype=jnp.bfloat16, text_style: str = "wikitex
 
 
 def write_export(params, cfg: ModelConfig, run: dict, out: str, folder: str, dtype=jnp.bfloat16,
-                 text_style: str = "wikitext", overwrite: bool = False) -> str:
+                 text_style: str = "wikitext", overwrite: bool = False, at_end: bool = False) -> str:
     """``export``'s folder from parameters in hand: a checkpoint's, or (``--export-at-end``) the training
     loop's own, with ``run`` = the run record plus the step they are from."""
     params = jax.tree.map(lambda x: jnp.asarray(x, dtype), params)
@@ -376,8 +376,9 @@ def write_export(params, cfg: ModelConfig, run: dict, out: str, folder: str, dty
     last = run.get("last") or {}
     info = {"model": "qwen3_moe", "params": run["params"], "step": run["step"],
             "tokens": run["step"] * a["batch"] * a["seq_len"], "val_ce": last.get("val_ce"),
-            "time_s": last.get("time_s"), "hardware": run["hardware"], "command": command_line(a)}
-    extra = {"training.json": atomic.json_text(info), "README.md": readme_text(cfg, info)}
+            "time_s": last.get("time_s"), "hardware": run["hardware"],
+            "command": command_line(a) + (" --export-at-end MODEL" if at_end else "")}
+    extra = {"training.json": atomic.json_text(info), "README.md": readme_text(cfg, info, at_end)}
     folder = checkpoint.save_moejax(params, cfg, folder, tokenizer_from=staging, overwrite=overwrite, protect=(out,),
                                     extra_files=extra)
     os.chmod(folder, 0o755)
@@ -395,12 +396,13 @@ def command_line(a: dict) -> str:
     always = ("config", "steps", "batch", "seq_len", "lr", "seed")
     skip = ("out", "data_dir", "corpus_dir", "export", "export_at_end", "resume", "overwrite", "stop_after")
     flags = [f"{_flag(k)} {v:g}" if isinstance(v, float) else f"{_flag(k)} {v}"
-             for k, v in a.items() if k in defaults and k not in skip and v is not None
+             for k, v in ((k, a.get(k)) for k in defaults) if k not in skip and v is not None  # the parser's order
              and (k in always or v != defaults[k])]
     return "python -m moejax.train --out OUT " + " ".join(flags) + " --data-dir DATA"
 
 
-def readme_text(cfg: ModelConfig, info: dict) -> str:
+def readme_text(cfg: ModelConfig, info: dict, at_end: bool = False) -> str:
+    then = "" if at_end else ", then `python -m moejax.train --out OUT --export MODEL`"
     ppl = f"{np.exp(info['val_ce']):.1f}" if info.get("val_ce") else "n/a"
     return f"""# moejax default model
 
@@ -415,7 +417,7 @@ corpus (Wikipedia contributors, CC BY-SA 3.0 / GFDL; share-alike applies to verb
 - validation (corpus shard -07) cross-entropy {info.get('val_ce')} nats/token (perplexity {ppl}, BPE tokens)
 - text style: WikiText (` @-@ `, spaces before punctuation); `generation_config.json` has
   `"text_style": "wikitext"` and `moejax.base.textproc.wikitext_detokenize` undoes the spacing
-- command: `{info['command']}`, then `python -m moejax.train --out OUT --export moejax/assets/default-model`
+- command: `{info['command']}`{then}
 """
 
 
