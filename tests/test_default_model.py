@@ -19,7 +19,7 @@ from moejax.models import assets, checkpoint
 from moejax.runtime import api
 from moejax.evaluation.tasks import common
 
-MAX_BYTES = 32 * 1024 * 1024
+MAX_BYTES = 96 * 1024 * 1024  # under PyPI's default 100 MB file limit, with the package around it
 
 
 def _folder_bytes(folder: str) -> int:
