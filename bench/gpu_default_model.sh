@@ -22,6 +22,9 @@
 # the capacity dispatch's one-hot running count became a sort); then 200 ms a step (328K tokens/s); the
 # first evaluation 15 s; the first checkpoint 72 s (orbax starting; later ones are quick). So a checkpoint
 # is written only at the end, and the time budget must cover the compile: check the first step's time.
+# Session 14 (2026-11-27): the compile was 258 s again, plus 84 s for the eval step: the returned HLO named
+# gating.descending_order's pairwise ranking batched to [65536, 64, 64] (now a sort off the CPU); no
+# checkpoint (--export-at-end), 628 steps, 41M tokens, shipped as the default. Check the first step again.
 #
 # Why the corpus is recompressed: the call carries the working tree and the carried paths in 64 MiB. With the
 # shipped model's 28 MB in the tree one gzip shard (18.8 MB, 13.3M tokens) fits; xz makes a shard 13.3 MB, and a

@@ -6,6 +6,11 @@
 # vs the roofline, host and in-jit paging, C = N/2 and N/4). Everything lands in $OUT (<= 8 files).
 #
 #     bash bench/gpu_offload.sh                                # on the device (run tool; nothing to carry)
+#
+# The tree a call carries must fit 64 MiB: with the 60 MB default model main's tree is 66 MiB, so call from a
+# throw-away branch without results/ (60 MiB; `git checkout -b device-call && git rm -rq results && git commit
+# -qm tmp`), never from one without the model (session 14 did: half the suite's failures were that).
+# The device machine is released 30 s after a call ends: a second call must be the very next step.
 #     SMALL=1 OUT=/tmp/gpu-offload bash bench/gpu_offload.sh   # the same path on this CPU (tiny shapes, ~2 min)
 #
 # The device image runs Python 3.12 and jax 0.11.2 (this machine: 3.11, jax 0.10.2); the bench part also ran
