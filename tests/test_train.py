@@ -95,6 +95,35 @@ def test_steps_auto_leaves_evaluation_and_checkpoints_out_of_the_speed():
     assert train.planned_steps(200, 0.2, left_s=300.0, budget_s=1000.0, warmup=200) == 200 + 1350
     assert train.planned_steps(200, 0.2, left_s=-50.0, budget_s=330.0, warmup=200) == 201
     assert train.planned_steps(20, 0.2, left_s=1.0, budget_s=10.0, warmup=200) == 201
+    # after an evaluation that took longer than planned: shorter, never longer, never before the warmup ends
+    assert train.replanned_steps(1063, 500, 0.195, left_s=100.0, budget_s=480.0, warmup=200) == 500 + 438
+    assert train.replanned_steps(600, 500, 0.195, left_s=100.0, budget_s=480.0, warmup=200) == 600
+    assert train.replanned_steps(1063, 100, 0.195, left_s=0.0, budget_s=480.0, warmup=200) == 201
+
+
+def test_steps_auto_shortens_its_schedule_after_a_slow_evaluation(dirs, monkeypatch, capsys):
+    """An evaluation slower than planned (the H200's first one compiled for 84 s) shortens the schedule so
+    that the learning rate still decays within the budget, instead of the budget cutting the run off."""
+    import time as time_mod
+
+    compiled = recipe.compiled_steps
+
+    slept = []
+
+    def slow_eval(*a, **k):  # the first evaluation takes 3 s more
+        opt, step, eval_step = compiled(*a, **k)
+        return opt, step, lambda *x: (slept or (time_mod.sleep(3.0), slept.append(1)), eval_step(*x))[1]
+
+    monkeypatch.setattr(recipe, "compiled_steps", slow_eval)
+    out = str(dirs["root"] / "auto")
+    argv = _argv(dirs, out, "--steps", "auto", "--time-budget-min", "0.25", "--warmup", "4", "--eval-every", "25",
+                 "--eval-seqs", "4")
+    assert train.main(argv) == 0
+    err = capsys.readouterr().err
+    first = int(err.split("-> schedule of ")[1].split()[0])
+    assert "more spent evaluating/checkpointing than planned" in err
+    run = json.load(open(os.path.join(out, "run.json")))
+    assert run["planned_steps"] < first and run["last"]["step"] <= first
 
 
 def test_load_balancing_loss():

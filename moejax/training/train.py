@@ -246,7 +246,9 @@ def train(args: argparse.Namespace) -> dict:
     # was asked for: a run not meant to resume, e.g. on a lent machine (orbax's first save took 72 s there)
     final_checkpoint = not (args.export_at_end and not args.ckpt_every and not args.ckpt_minutes)
     probe_from = None  # (step, time, overhead) where the speed measurement of --steps auto starts
+    measured_step_s = None  # --steps auto: the speed it planned with
     overhead_s = 0.0  # time spent evaluating and checkpointing, which the speed measurement leaves out
+    overhead_planned = 0.0  # overhead_s when the schedule was last checked against the time left
     next_batch = ds.batch(data_pos, args.batch)
     while step < max_steps:
         if auto_steps and not total_steps:
@@ -255,7 +257,8 @@ def train(args: argparse.Namespace) -> dict:
             if step == probe_start:
                 probe_from = (step, time.time(), overhead_s)
             elif probe_from and step >= probe_end:
-                per_step = step_seconds(probe_from, (step, time.time(), overhead_s))
+                measured_step_s = step_seconds(probe_from, (step, time.time(), overhead_s))
+                per_step = measured_step_s
                 total_steps = planned_steps(step, per_step, budget - (time.time() - start), budget, args.warmup)
                 run["planned_steps"] = total_steps
                 atomic.write_json(run_path, run)
@@ -292,6 +295,16 @@ def train(args: argparse.Namespace) -> dict:
         out_of_time = budget is not None and now - start > budget
         interrupted = args.stop_after is not None and step - first_step >= args.stop_after
         out_of_time = out_of_time or interrupted
+        if auto_steps and total_steps and measured_step_s and overhead_s > overhead_planned:
+            # an evaluation or checkpoint took longer than planned for (a first one compiles): shorten the
+            # schedule so that the learning rate still decays within the budget instead of being cut off
+            shorter = replanned_steps(total_steps, step, measured_step_s, budget - (time.time() - start), budget, args.warmup)
+            if shorter < total_steps:
+                log(f"--steps auto: {overhead_s - overhead_planned:.0f} s more spent evaluating/checkpointing than "
+                    f"planned -> schedule of {shorter} steps instead of {total_steps}")
+                total_steps = run["planned_steps"] = shorter
+                atomic.write_json(run_path, run)
+        overhead_planned = overhead_s
         if auto_steps and total_steps and step >= total_steps:
             out_of_time = True  # the schedule is done
         if (args.ckpt_every and step % args.ckpt_every == 0) or (final_checkpoint and (out_of_time or step == max_steps)) \
@@ -332,6 +345,13 @@ def planned_steps(step: int, per_step: float, left_s: float, budget_s: float, wa
     ending before the warmup does."""
     more = int(max(left_s - 0.03 * budget_s, 0.0) / per_step) if per_step > 0 else 0
     return max(step + 1, warmup + 1, step + more)
+
+
+def replanned_steps(total: int, step: int, per_step: float, left_s: float, budget_s: float, warmup: int) -> int:
+    """``--steps auto`` after an unplanned delay: the schedule shortened to what the time left still holds
+    (``planned_steps``), never lengthened (the learning rate would rise again). On the H200 the first
+    evaluation compiled for 84 s and the run was cut off at step 628 of 1,063, its rate still at 60 %."""
+    return min(total, planned_steps(step, per_step, left_s, budget_s, warmup))
 
 
 def step_config(args: argparse.Namespace) -> recipe.StepConfig:
