@@ -39,6 +39,12 @@ def _share_compiled_programs() -> None:
 
 _share_compiled_programs()
 
+# "default" in the tests (and in every CLI subprocess they start) is the embedded model's CPU-trained
+# predecessor: 4 layers, 32 experts top-4, 28 MB. The shipped default (8 layers, 64 experts top-8) made the
+# suite twice as long; tests/test_default_model.py checks the shipped one itself.
+CPU_DEFAULT_MODEL = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "cpu-default-model")
+os.environ["MOEJAX_DEFAULT_MODEL"] = CPU_DEFAULT_MODEL
+
 
 def _compile_quickly() -> None:
     """Compile the tests' programs with XLA's LLVM backend at optimisation level 0 (a third less time for the

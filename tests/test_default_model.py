@@ -26,9 +26,31 @@ def _folder_bytes(folder: str) -> int:
     return sum(os.path.getsize(os.path.join(d, f)) for d, _, files in os.walk(folder) for f in files)
 
 
+@pytest.fixture(scope="module", autouse=True)
+def shipped_default():
+    """Here "default" is the shipped model: conftest points MOEJAX_DEFAULT_MODEL at its small predecessor for
+    the rest of the suite (this module's CLI subprocesses inherit the environment without it)."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.delenv(assets.DEFAULT_MODEL_ENV, raising=False)
+        yield
+
+
 @pytest.fixture(scope="module")
-def default():
+def default(shipped_default):
     return moejax.load("default")
+
+
+def test_moejax_default_model_names_what_default_stands_for(tmp_path, monkeypatch):
+    assert assets.resolve_model_path("default") == assets.DEFAULT_MODEL_DIR
+    small = os.path.join(os.path.dirname(__file__), "data", "cpu-default-model")
+    monkeypatch.setenv(assets.DEFAULT_MODEL_ENV, small)
+    assert assets.resolve_model_path("default") == small and moejax.load("default").cfg.n_experts == 32
+    monkeypatch.setenv(assets.DEFAULT_MODEL_ENV, str(tmp_path / "missing"))
+    with pytest.raises(checkpoint.CheckpointError, match="MOEJAX_DEFAULT_MODEL=.*is not a folder"):
+        moejax.load("default")
+    r = subprocess.run([sys.executable, "-m", "moejax.generate", "--max-new-tokens", "2"], capture_output=True,
+                       text=True, timeout=600, env=dict(os.environ, JAX_PLATFORMS="cpu"))
+    assert r.returncode != 0 and "MOEJAX_DEFAULT_MODEL" in r.stderr and "Traceback" not in r.stderr
 
 
 def test_default_model_is_granular_and_small(default):

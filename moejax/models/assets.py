@@ -9,9 +9,18 @@ from moejax.models.checkpoint import CheckpointError
 
 DEFAULT_MODEL_NAME = "default"
 DEFAULT_MODEL_DIR = os.path.join(paths.ASSETS_DIR, "default-model")
+# names the folder that "default" stands for instead of the embedded model, in every command of the
+# environment that sets it (the test suite points it at the embedded model's small CPU-trained predecessor)
+DEFAULT_MODEL_ENV = "MOEJAX_DEFAULT_MODEL"
 
 
 def default_model_path() -> str:
+    override = os.environ.get(DEFAULT_MODEL_ENV)
+    if override:
+        if not os.path.isdir(override):
+            raise CheckpointError(f"{DEFAULT_MODEL_ENV}={override} is not a folder: it names the checkpoint folder "
+                                  "that 'default' stands for (unset it for the embedded model)")
+        return override
     if not os.path.isdir(DEFAULT_MODEL_DIR):
         raise CheckpointError(
             "the embedded default model is not in this installation (moejax/assets/default-model); "
