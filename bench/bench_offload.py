@@ -195,7 +195,8 @@ def gpu_suite(args) -> dict:
                 run["ms_per_token"] = {
                     "step": 1e3 * o["step_s"] / n, "waiting_for_routing": 1e3 * o["sync_s"] / n,
                     "paging": 1e3 * o["page_s"] / n,
-                    "rest_on_host": 1e3 * (o["step_s"] - o["sync_s"] - o["page_s"]) / n}
+                    "rest_on_host": 1e3 * (o["step_s"] - o["sync_s"] - o["page_s"]) / n,
+                    "host_reads": o["host_reads"] / n}  # device round trips a token (one per MoE layer)
             print(paging, size, json.dumps(run, default=str)[:400], flush=True)
             if "ms_per_token" in run:
                 print("   ms per token:", json.dumps({k: round(v, 3) for k, v in run["ms_per_token"].items()}))

@@ -132,6 +132,10 @@ def test_offload_equals_simulation_with_prefetch_and_miss_handling(cc):
         assert off.stats["offload"]["bytes_moved"] == off.stats["cache"]["bytes_moved"]
     else:
         check_pages(m, cc, "cache-prior", off)
+    # the host waits for the device once per MoE layer step (its slot table carries over from the layer before),
+    # plus once where a step starts from a state the host has not read (after the batched prompt, or the first)
+    steps = NEW - 1 + (PROMPT.size if cc.miss == "cascade" else 0)
+    assert off.stats["offload"]["host_reads"] == steps * m.cfg.n_moe_layers + 1
 
 
 def test_slots_always_hold_what_the_cache_state_names():

@@ -186,6 +186,7 @@ class PagingStats:
     timed_bytes: int = 0  # bytes of those batches
     step_s: float = 0.0  # wall time in ``step``: every decode token (and prompt token, when fed one by one)
     sync_s: float = 0.0  # of it, waiting for the device's routing results the host pages by
+    host_reads: int = 0  # batches of device results the host waited for in ``step`` (one per MoE layer step)
     page_s: float = 0.0  # of it, paging: reading pages, issuing their copies, waiting for them, writing slots
 
 
@@ -248,6 +249,8 @@ class HostPager:
             one = self.store.get(0, 0, b)
             self.staging[b] = self.committed({name: jax.tree.map(lambda a: jnp.zeros((k, *a.shape), a.dtype), one[name])
                                               for name in EXPERT_KEYS})
+        self._slot_mirror = None  # (the slot table as a device array, its host copy): ``_slot_table``
+        self._moe_index = [jax.device_put(np.int32(j), self.device) for j in range(len(self.moe_ids))]
         self.split_stage_b = None  # True / False: every decode step's stage B split / one (the warm-up's steps)
         self._prefill_staging = None  # K buffers streamed experts pass through in a batched prefill (on first use)
         # one compiled stage per distinct layer structure (sliding window), not per layer
@@ -292,7 +295,7 @@ class HostPager:
             "overlap": self.offload.overlap, "overlapped_steps": s.overlapped_steps,
             "transfer_s": transfer_s, "compute_wait_s": link.wait_s,
             # where the steps' time goes: waiting for routing results, paging, the rest is host work
-            "step_s": s.step_s, "sync_s": s.sync_s, "page_s": s.page_s,
+            "step_s": s.step_s, "sync_s": s.sync_s, "page_s": s.page_s, "host_reads": s.host_reads,
             # emulated: bytes over link busy time; real: demand batches' bytes over their issue→ready time
             "achieved_gbps": ((s.bytes_moved if link.emulated else s.timed_bytes) / transfer_s / 1e9
                               if transfer_s > 0 else None),
@@ -301,12 +304,26 @@ class HostPager:
         }
 
     def _on_host(self, *arrays) -> tuple:
-        """Device results the host needs to page by, as numpy arrays: the wait (the device finishing what was
-        queued before them, and the copy) is counted in ``sync_s``."""
+        """Device results the host needs to page by, as numpy arrays, copied in one batch (every copy started
+        before the first is waited for: one round trip, not one per array): the wait (the device finishing
+        what was queued before them, and the copies) is counted in ``sync_s``."""
         t = time.perf_counter()
-        out = tuple(np.asarray(a) for a in arrays)
+        out = tuple(jax.device_get(arrays))
         self.stats.sync_s += time.perf_counter() - t
+        self.stats.host_reads += 1
         return out
+
+    def _slot_table(self) -> np.ndarray:
+        """The cache's slot table [moe_layers, N] on the host. A decode step's MoE layer starts from the table
+        the previous layer step left (stage B and dense layers do not change the cache state), which the host
+        read then: it is reused while the state holds that same array, so the host dispatches this layer's
+        stage A without waiting for the previous layer's experts to finish. Otherwise (a new state: the first
+        token, a prompt piece, a state set from outside) it is read now."""
+        slot = self.state["cache"].slot
+        if self._slot_mirror is not None and self._slot_mirror[0] is slot:
+            return self._slot_mirror[1]
+        table, = self._on_host(slot)
+        return table
 
     # ---- paging
     def reading(self, key, output) -> None:
@@ -401,7 +418,7 @@ class HostPager:
                 self.slots[moe_index] = write_slot(self.slots[moe_index], data, s, flip)
         self._paging_clock += time.perf_counter() - t_call
 
-    def _early(self, demand, experts, tier, slot_ids, shared: bool):
+    def _early(self, demand, experts: np.ndarray, tier: np.ndarray, slot_ids: np.ndarray, shared: bool):
         """Which of a decode step's K experts stage B computes before its misses are paged in (``[K]`` bool:
         resident at full precision, in a slot none of the ``demand`` pages writes), or None when the step
         runs as one stage B (``OffloadConfig.overlap`` off, no miss, or nothing to compute meanwhile)."""
@@ -409,7 +426,7 @@ class HostPager:
         if not self.offload.overlap or forced is False or (forced is None and not demand):
             return None
         written = [s for *_, s in demand]
-        early = (np.asarray(experts) >= 0) & (np.asarray(tier) == 0) & ~np.isin(np.asarray(slot_ids), written)
+        early = (experts >= 0) & (tier == 0) & ~np.isin(slot_ids, written)
         return early if forced or early.any() or shared else None
 
     # ---- batched prefill (``prefill_paging``)
@@ -497,8 +514,9 @@ class HostPager:
         [moe_layers, 1, ...] (``stack_records``)."""
         t_step, paging_before = time.perf_counter(), self._paging_clock
         cfg = self.cfg
+        pos = np.int32(pos)  # host values, not eager device ops: each of those is a dispatch of its own
         layer_records = []
-        x = prefill_paging.embed_tokens(self.params["embed"], jnp.asarray([token], jnp.int32))
+        x = prefill_paging.embed_tokens(self.params["embed"], np.asarray([token], np.int32))
         prediction = None
         pending = ([], 0.0, 0.0)  # prefetch batch for the next MoE layer: (issued, done, t_issue)
         moe_index = 0
@@ -508,28 +526,33 @@ class HostPager:
                 x, kv[i] = prefill_paging.dense_layer(lp, cfg, rep, x, pos, kv[i])
                 continue
             nxt = self.predicting_for(moe_index)
-            before, = self._on_host(self.state["cache"].slot)
+            before = self._slot_table()
             x, h, kv[i], self.state, prediction, routed = _stage_a(
-                lp, nxt, cfg, rep, jnp.int32(moe_index), x, pos, kv[i], self.state, prediction)
+                lp, nxt, cfg, rep, self._moe_index[moe_index], x, pos, kv[i], self.state, prediction)
             experts, weights, hits, tier, slot_ids, slot_mid, z = routed
-            layer_records.append((experts, weights, hits, z))
-            mid, after, tier_np = self._on_host(slot_mid, self.state["cache"].slot, tier)
+            # everything the host reads of this layer step, in one batch (the record's parts only if recorded)
+            mid, after, tier_np, experts_np, slot_ids_np, *recorded = self._on_host(
+                slot_mid, self.state["cache"].slot, tier, experts, slot_ids,
+                *((weights, hits, z) if record is not None else ()))
+            self._slot_mirror = (self.state["cache"].slot, after)
+            if record is not None:
+                layer_records.append((experts_np, *recorded))
             demand = slot_changes(before, mid)  # this layer's misses: needed before its experts run
             ahead = slot_changes(mid, after)  # the next layer's prefetch: overlaps this layer's compute
-            early = self._early(demand, experts, tier, slot_ids, "shared" in lp["moe"])
+            early = self._early(demand, experts_np, tier_np, slot_ids_np, "shared" in lp["moe"])
             if self.in_place or early is not None:  # prefetched pages still to be swapped in land first: a
                 self._complete(*pending, timed=False)  # demand page written in place may reuse one of their
                 pending = ([], 0.0, 0.0)  # slots (one pool); the early experts may be prefetched ones
             if early is not None:  # runs while the misses are read (their slots are none of these)
                 rows, shared = _stage_b_early(lp["moe"], cfg, h, self._buffers(moe_index),
-                                              jnp.where(early, slot_ids, -1))
+                                              np.where(early, slot_ids_np, -1).astype(np.int32))
                 self.stats.overlapped_steps += 1
             t_issue = time.perf_counter()
             issued, done = self._issue(demand, now=t_issue)
             self.stats.demand_loads += len(demand)
             low_issued = []
             if self.tiers and tier_np.any():
-                e_np = np.asarray(experts)
+                e_np = experts_np
                 for kpos in np.nonzero(tier_np)[0]:
                     b = int(tier_np[kpos])
                     data = jax.device_put(self.store.get(moe_index, int(e_np[kpos]), b), self.store.target)
@@ -551,7 +574,7 @@ class HostPager:
                              self.tiers)
             else:
                 x = _stage_b_late(lp["moe"], cfg, x, h, slots, self.staging, experts, weights, tier, slot_ids,
-                                  jnp.asarray(early), rows, shared, self.tiers)
+                                  early, rows, shared, self.tiers)
             self.reading(self._slot_key(moe_index), x)
             # prefetch transfers start now and overlap this layer's expert compute and the next attention
             # (in place, per-layer slots: the next layer's slots, which nothing running reads)
@@ -566,7 +589,7 @@ class HostPager:
         self.stats.step_s += time.perf_counter() - t_step
         self.stats.page_s += self._paging_clock - paging_before
         if record is not None and layer_records:
-            record.append({name: np.stack([np.asarray(r[j]) for r in layer_records])[:, None]
+            record.append({name: np.stack([r[j] for r in layer_records])[:, None]
                            for j, name in enumerate(RECORD_NAMES)})
         return nxt_token, logits, kv, key
 
@@ -588,7 +611,7 @@ def host_forward(params, cfg: ModelConfig, tokens, router_state: dict, offload: 
     else:
         logits = np.empty((tokens.size, cfg.vocab_size), np.float32)  # filled row by row, never held twice
         for pos, tok in enumerate(tokens.tolist()):
-            _, lg, kv, key = pager.step(tok, jnp.int32(pos), kv, key, decode.Sampling(), record=rec)
+            _, lg, kv, key = pager.step(tok, pos, kv, key, decode.Sampling(), record=rec)
             logits[pos] = np.asarray(lg)
     elapsed = time.perf_counter() - t0
     out = stack_records(rec)
@@ -663,12 +686,12 @@ def host_generate(params, cfg: ModelConfig, prompt_ids, router_state: dict, offl
         warm_key = jax.random.PRNGKey(0)
         for pos in range(2):
             pager.split_stage_b = pos == 0
-            _, _, warm_kv, warm_key = pager.step(int(prompt[0]), jnp.int32(pos), warm_kv, warm_key, sampling)
+            _, _, warm_kv, warm_key = pager.step(int(prompt[0]), pos, warm_kv, warm_key, sampling)
         if decode_policy is not router_state["policy"]:
             pager.state = {**pager.state, "policy": decode_policy}
             for pos in range(2, 4):
                 pager.split_stage_b = pos == 2
-                _, _, warm_kv, warm_key = pager.step(int(prompt[0]), jnp.int32(pos), warm_kv, warm_key, sampling)
+                _, _, warm_kv, warm_key = pager.step(int(prompt[0]), pos, warm_kv, warm_key, sampling)
         pager.split_stage_b = None
         del warm_kv  # a whole second KV cache: held to the end it cost 196 kB per position at Qwen1.5-MoE shapes
         jax.block_until_ready(pager.slots)
@@ -690,7 +713,7 @@ def host_generate(params, cfg: ModelConfig, prompt_ids, router_state: dict, offl
         report()
     else:
         for pos, tok in enumerate(prompt.tolist()):
-            nxt, logits, kv, key_after = pager.step(tok, jnp.int32(pos), kv, key, sampling, record=rec)
+            nxt, logits, kv, key_after = pager.step(tok, pos, kv, key, sampling, record=rec)
             report()
     # decode.prefill splits the key once for the first token
     key = key_after
@@ -709,7 +732,7 @@ def host_generate(params, cfg: ModelConfig, prompt_ids, router_state: dict, offl
     read_decode = storage_read_bytes()
     t_decode = time.perf_counter()
     while not finished and len(tokens) < max_new_tokens:
-        token_arr, _, kv, key = pager.step(token, jnp.int32(pos), kv, key, sampling, record=rec)
+        token_arr, _, kv, key = pager.step(token, pos, kv, key, sampling, record=rec)
         report()
         token = int(token_arr)
         pos += 1

@@ -119,7 +119,7 @@ def check_capacity(cfg: ModelConfig, cache_state: cache_lib.CacheState) -> None:
 # Counters and times of one call's summary that add up over calls; the per-call rates that cannot be
 # recombined from a summary (per decode token, achieved GB/s) are dropped, tokens/s and bytes/token recomputed.
 OFFLOAD_ADDITIVE = ("bytes_moved", "demand_loads", "prefetch_loads", "low_bit_loads", "transfer_s", "compute_wait_s",
-                    "step_s", "sync_s", "page_s", "prefill_pages", "pages_in_place", "overlapped_steps",
+                    "step_s", "sync_s", "page_s", "host_reads", "prefill_pages", "pages_in_place", "overlapped_steps",
                     "bytes_moved_prefill", "storage_read_bytes_prefill")
 OFFLOAD_PER_CALL_RATES = ("bytes_per_token", "achieved_gbps", "tokens_per_s", "bytes_per_decode_token",
                           "storage_read_per_decode_token")
