@@ -148,21 +148,70 @@ def real_size_model(layers: int, small: bool, dtype=jnp.bfloat16):
     return Model(params, cfg)
 
 
+def preset_model(preset: str, layers: int, small: bool, dtype=jnp.bfloat16):
+    """A model with a real model's config (``moejax/testing/presets/PRESET.json``, its first ``layers`` decoder
+    layers; ``small``: tiny dimensions), random weights made in memory, decisive routers."""
+    from moejax.training import recipe
+    from moejax.runtime.api import Model
+    from moejax.models.config import ModelConfig
+    from moejax.testing import random_checkpoint
+
+    with open(os.path.join(random_checkpoint.PRESETS_DIR, f"{preset}.json")) as f:
+        hf = json.load(f)
+    hf["num_hidden_layers"] = layers
+    if small:
+        hf.update(hidden_size=128, moe_intermediate_size=64, intermediate_size=128, vocab_size=512,
+                  num_attention_heads=4, num_key_value_heads=4, head_dim=32,
+                  **({"shared_expert_intermediate_size": 128} if "shared_expert_intermediate_size" in hf else {}))
+    cfg = ModelConfig.from_hf(hf)
+    params = recipe.init_params(cfg, jax.random.PRNGKey(0))
+    for lp in params["layers"]:
+        if "moe" in lp:
+            lp["moe"]["router"] = lp["moe"]["router"] * 50.0
+    return Model(jax.tree.map(lambda a: a.astype(dtype), params), cfg)
+
+
+# the GPU suite's models: OLMoE's expert shapes on a Qwen3-MoE decoder (the runs since 2026-11-26), and
+# Qwen1.5-MoE-A2.7B's own config (60 experts of F = 1408, top-4, a shared expert of 5632)
+SHAPES = {"olmoe": lambda layers, small: real_size_model(layers, small),
+          "qwen1.5": lambda layers, small: preset_model("qwen1.5-moe-a2.7b", layers, small)}
+# routing + cache variants of issue 14 part 3: (routing policy, lambda, prefetch overfetch factor)
+ROUTINGS = {"original": ("original", None, 0.0), "cache-prior": ("cache-prior", 0.5, 0.0),
+            "prefetch": ("cache-prior", 0.5, 1.0)}
+
+
 def gpu_suite(args) -> dict:
     small = args.small
-    model = real_size_model(args.layers, small)
+    shapes = [x for x in args.shapes.split(",") if x]
+    routings = [x for x in args.routings.split(",") if x]
+    for name, known in (("shape", SHAPES), ("routing", ROUTINGS)):
+        bad = [x for x in (shapes if name == "shape" else routings) if x not in known]
+        if bad:
+            raise SystemExit(f"error: unknown {name} {', '.join(bad)}: expected {', '.join(known)}")
+    result = {"machine": machine(), "models": {}}
+    for shape in shapes:
+        model = SHAPES[shape](args.layers, small)
+        cfg = model.cfg
+        d, f = cfg.hidden_size, cfg.moe_intermediate_size
+        one = [(d, f), (d, f), (f, d)]  # one expert's matrices: the peak is measured per model's expert shape
+        bw = measure_device_put({"one_expert": one, f"k{cfg.top_k}_experts": one * cfg.top_k,
+                                 "128MiB": [(64, 2**20)] if not small else [(4, 2**16)]}, np.dtype("bfloat16"))
+        result["models"][shape] = {"device_put": bw, **gpu_runs(args, model, routings, max(v["gbps"] for v in bw.values()))}
+        del model
+    return result
+
+
+def gpu_runs(args, model, routings: list[str], peak: float) -> dict:
+    """Offloaded decode of one model: every paging x cache size x routing, against the roofline (``peak``:
+    the measured host -> device GB/s)."""
     cfg = model.cfg
-    d, f = cfg.hidden_size, cfg.moe_intermediate_size
-    one = [(d, f), (d, f), (f, d)]
-    bw = measure_device_put({"one_expert": one, f"k{cfg.top_k}_experts": one * cfg.top_k,
-                             "128MiB": [(64, 2**20)] if not small else [(4, 2**16)]}, np.dtype("bfloat16"))
-    peak = max(v["gbps"] for v in bw.values())
     ids = np.arange(1, 17, dtype=np.int32) * 7 % cfg.vocab_size
     policy = routing.make_policy("original", cfg.top_k)
     new = args.new_tokens
-    result = {"machine": machine(), "model": {"hidden": d, "moe_ff": f, "experts": cfg.n_experts, "top_k": cfg.top_k,
-                                              "layers": cfg.num_layers, "expert_bytes": cfg.expert_params * 2},
-              "device_put": bw, "peak_gbps": peak, "runs": {}}
+    result = {"model": {"type": cfg.model_type, "hidden": cfg.hidden_size, "moe_ff": cfg.moe_intermediate_size,
+                        "experts": cfg.n_experts, "top_k": cfg.top_k, "layers": cfg.num_layers,
+                        "expert_bytes": cfg.expert_params * 2},
+              "peak_gbps": peak, "runs": {}}
     # compute time with every expert resident: a cache of N never misses after the first pass of each expert
     full = model.generate(ids, new, routing=policy, cache=CacheConfig(size=str(cfg.n_experts)), stop_at_eos=False,
                           offload=offload.OffloadConfig())
@@ -170,36 +219,38 @@ def gpu_suite(args) -> dict:
     t_compute = 1.0 / warm.stats["tokens_per_s"]
     result["runs"]["all_on_device"] = {"tokens_per_s": warm.stats["tokens_per_s"]}
     result["runs"]["offload_cache_N"] = {"tokens_per_s": full.stats["tokens_per_s"]}
-    for paging in ("host", "jit"):
-        for size in args.sizes.split(","):
-            cc = CacheConfig(size=size)
-            res = model.generate(ids, new, routing=policy, cache=cc, stop_at_eos=False,
-                                 offload=offload.OffloadConfig(paging=paging))
-            o, s = res.stats["offload"], res.stats
-            if "bytes_per_decode_token" in o:
-                bpt = o["bytes_per_decode_token"]
-            else:  # in-jit: the prompt's bytes from a 1-token run (same routing), subtracted
-                pre = model.generate(ids, 1, routing=policy, cache=cc, stop_at_eos=False,
-                                     offload=offload.OffloadConfig(paging=paging)).stats["offload"]["bytes_moved"]
-                bpt = (o["bytes_moved"] - pre) / max(s["generated_tokens"] - 1, 1)
-            roofline = 1.0 / (bpt / (peak * 1e9) + t_compute)
-            run = result["runs"][f"{paging}_C{size}"] = {
-                "tokens_per_s": s["tokens_per_s"], "ttft_s": s["time_to_first_token_s"],
-                "miss_rate": res.stats["cache"]["miss_rate"], "bytes_per_token": bpt,
-                "roofline_tokens_per_s": roofline, "fraction_of_roofline": s["tokens_per_s"] / roofline,
-                "achieved_gbps": o.get("achieved_gbps"),
-                "achieved_fraction_of_peak": (o["achieved_gbps"] / peak) if o.get("achieved_gbps") else None,
-                "device_memory": o.get("device_memory")}
-            if "step_s" in o:  # host paging: where a decode token's time goes (ms)
-                n = max(s["generated_tokens"], 1)
-                run["ms_per_token"] = {
-                    "step": 1e3 * o["step_s"] / n, "waiting_for_routing": 1e3 * o["sync_s"] / n,
-                    "paging": 1e3 * o["page_s"] / n,
-                    "rest_on_host": 1e3 * (o["step_s"] - o["sync_s"] - o["page_s"]) / n,
-                    "host_reads": o["host_reads"] / n}  # device round trips a token (one per MoE layer)
-            print(paging, size, json.dumps(run, default=str)[:400], flush=True)
-            if "ms_per_token" in run:
-                print("   ms per token:", json.dumps({k: round(v, 3) for k, v in run["ms_per_token"].items()}))
+    for paging, size, rname in ((p, s, r) for p in args.pagings.split(",") for s in args.sizes.split(",")
+                                for r in routings):
+        kind, lam, overfetch = ROUTINGS[rname]
+        policy = routing.make_policy(kind, cfg.top_k, **({} if lam is None else {"lam": lam}))
+        cc = CacheConfig(size=size, prefetch=overfetch)
+        res = model.generate(ids, new, routing=policy, cache=cc, stop_at_eos=False,
+                             offload=offload.OffloadConfig(paging=paging))
+        o, s = res.stats["offload"], res.stats
+        if "bytes_per_decode_token" in o:
+            bpt = o["bytes_per_decode_token"]
+        else:  # in-jit: the prompt's bytes from a 1-token run (same routing), subtracted
+            pre = model.generate(ids, 1, routing=policy, cache=cc, stop_at_eos=False,
+                                 offload=offload.OffloadConfig(paging=paging)).stats["offload"]["bytes_moved"]
+            bpt = (o["bytes_moved"] - pre) / max(s["generated_tokens"] - 1, 1)
+        roofline = 1.0 / (bpt / (peak * 1e9) + t_compute)
+        run = result["runs"][f"{paging}_C{size}_{rname}"] = {
+            "tokens_per_s": s["tokens_per_s"], "ttft_s": s["time_to_first_token_s"],
+            "miss_rate": res.stats["cache"]["miss_rate"], "bytes_per_token": bpt,
+            "roofline_tokens_per_s": roofline, "fraction_of_roofline": s["tokens_per_s"] / roofline,
+            "achieved_gbps": o.get("achieved_gbps"),
+            "achieved_fraction_of_peak": (o["achieved_gbps"] / peak) if o.get("achieved_gbps") else None,
+            "device_memory": o.get("device_memory")}
+        if "step_s" in o:  # host paging: where a decode token's time goes (ms)
+            n = max(s["generated_tokens"], 1)
+            run["ms_per_token"] = {
+                "step": 1e3 * o["step_s"] / n, "waiting_for_routing": 1e3 * o["sync_s"] / n,
+                "paging": 1e3 * o["page_s"] / n,
+                "rest_on_host": 1e3 * (o["step_s"] - o["sync_s"] - o["page_s"]) / n,
+                "host_reads": o["host_reads"] / n}  # device round trips a token (one per MoE layer)
+        print(cfg.model_type, paging, size, rname, json.dumps(run, default=str)[:400], flush=True)
+        if "ms_per_token" in run:
+            print("   ms per token:", json.dumps({k: round(v, 3) for k, v in run["ms_per_token"].items()}))
     return result
 
 
@@ -210,6 +261,10 @@ def main(argv=None) -> int:
                    "weights with OLMoE's expert shapes, --layers decoder layers)")
     p.add_argument("--bandwidths", default="2,25,0.25", help="emulated GB/s (cpu suite)")
     p.add_argument("--sizes", default="0.5,0.25", help="cache sizes (fractions of N)")
+    p.add_argument("--shapes", default="olmoe", help=f"gpu suite: models, of {', '.join(SHAPES)}")
+    p.add_argument("--routings", default="original", help=f"gpu suite: routing + cache variants, of {', '.join(ROUTINGS)} "
+                   "(cache-prior: lambda 0.5; prefetch: that + prefetch with overfetch 1)")
+    p.add_argument("--pagings", default="host,jit", help="gpu suite: host, jit or both")
     p.add_argument("--lams", default="0.1,0.3,0.5,0.7,0.9")
     p.add_argument("--new-tokens", type=int, default=64)
     p.add_argument("--repeat", type=int, default=2)

@@ -16,8 +16,12 @@
 # The device image runs Python 3.12 and jax 0.11.2 (this machine: 3.11, jax 0.10.2); the bench part also ran
 # here under Python 3.12.1 + jax 0.11.2 (SMALL=1). The tests need torch for their tiny checkpoints: the image has it.
 # Each step has its own time box so that one that hangs or fails still leaves the others' results; the
-# summary at the end names each step's exit status. Parts 3's other models (Qwen1.5-MoE, Mixtral beyond the
-# GPU's memory) and part 4 (the research loop vs transformers) are not in this call.
+# summary at the end names each step's exit status. Failures' tracebacks land in $OUT/failures.txt as they
+# happen (MOEJAX_TEST_FAILURE_LOG), so a suite cut off by its box still says why.
+# Part 3's grid: SHAPES (olmoe,qwen1.5), ROUTINGS (original,cache-prior,prefetch), SIZES (0.5,0.25,0.125), PAGINGS
+# (host,jit) pick it (defaults: olmoe, original, 0.5,0.25, host,jit: 81 s on the H200); every run compiles its own
+# programs (~15 s), so the whole grid (36 runs) needs a call of its own: TESTS=0 skips the tests. Mixtral beyond
+# the GPU's memory and part 4 (bench/gpu_research_loop.sh) are not in this call.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 : "${OUT:?OUT must name the folder to return files from}"
@@ -36,7 +40,9 @@ cat "$OUT/env.txt"
 # 1. the test suite, GPU visible (the offload equality tests first, then the rest; 8 workers, each without
 # preallocating the GPU's memory). On the H200 (2026-11-26) the offload ones passed but one, which TF32
 # matmuls broke (tests/conftest.py now asks for full float32 there): this checks that fix first.
-export XLA_PYTHON_CLIENT_PREALLOCATE=false
+export XLA_PYTHON_CLIENT_PREALLOCATE=false MOEJAX_TEST_FAILURE_LOG="$OUT/failures.txt"
+tests_rc=skipped
+if [[ "${TESTS:-1}" != 0 ]]; then
 timeout 120 python3 -m pytest -q -p no:cacheprovider -n 4 tests/test_offload.py tests/test_overlap.py \
     tests/test_page_writes.py -k "simulation or slots or bytes or compiles" > "$OUT/tests.txt" 2>&1
 tests_rc=$?
@@ -46,10 +52,12 @@ if [[ -z "${SMALL:-}" ]]; then
         > "$OUT/suite.txt" 2>&1; echo "whole suite exit $? (124 = its time box ran out)" | tee -a "$OUT/env.txt"
     grep -c " PASSED " "$OUT/suite.txt"; grep " FAILED \| ERROR " "$OUT/suite.txt" | head -40
 fi
-unset XLA_PYTHON_CLIENT_PREALLOCATE
+fi
+unset XLA_PYTHON_CLIENT_PREALLOCATE MOEJAX_TEST_FAILURE_LOG
 
 # 2-3. bandwidth and offloaded decode vs the roofline
 timeout "$bench_box" python3 bench/bench_offload.py --suite gpu --layers 4 "${small[@]}" --out "$OUT/offload_gpu.json" \
+    --shapes "${SHAPES:-olmoe}" --routings "${ROUTINGS:-original}" --sizes "${SIZES:-0.5,0.25}" --pagings "${PAGINGS:-host,jit}" \
     > "$OUT/bench.txt" 2>&1
 bench_rc=$?
 tail -8 "$OUT/bench.txt"
