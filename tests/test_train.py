@@ -3,6 +3,8 @@ resume = uninterrupted run, export loads in moejax and in transformers with matc
 
 from __future__ import annotations
 
+import dataclasses
+
 import json
 import os
 
@@ -272,6 +274,21 @@ def test_router_losses():
     assert float(recipe.router_offset_loss(centred)) < 1e-10
     bias = jnp.arange(8.0)
     np.testing.assert_allclose(float(recipe.router_offset_loss(centred + bias)), float(jnp.var(bias)), rtol=1e-5)
+
+
+def test_offset_penalty_fades_over_its_decay_steps():
+    """--offset-decay-steps: the full weight at step 0, linear to 0 at the end of the fade, 0 after; without it
+    the weight is constant. The training step reports the weight it used."""
+    const = recipe.StepConfig(lr=1e-3, warmup=0, offset_coef=2.0)
+    fade = dataclasses.replace(const, offset_decay_steps=100)
+    assert [float(recipe.offset_coef_at(s, const)) for s in (0, 50, 500)] == [2.0, 2.0, 2.0]
+    assert [float(recipe.offset_coef_at(s, fade)) for s in (0, 25, 100, 500)] == pytest.approx([2.0, 1.5, 0.0, 0.0])
+    cfg, p = micro_params()
+    train_step, _ = recipe.make_steps(cfg, recipe.make_optimizer(0.1, 1.0), dataclasses.replace(fade, offset_decay_steps=4))
+    batch = jax.random.randint(jax.random.key(7), (2, 9), 0, 64)
+    opt_state = recipe.make_optimizer(0.1, 1.0).init(p)
+    _, _, metrics = train_step(p, opt_state, batch, jnp.int32(1), jnp.int32(10))
+    assert float(metrics["offset_coef"]) == pytest.approx(1.5)
 
 
 def test_bf16_loss_keeps_routers_fp32_and_is_close():

@@ -151,7 +151,7 @@ def _log_jsonl(path: str, record: dict) -> None:
 RESUMED_ARGS = ("config", "batch", "seq_len", "lr", "seed", "steps", "warmup", "aux_coef", "weight_decay", "clip",
                 "capacity_factor", "data_dir", "corpus_dir", "vocab_size", "z_coef", "router_lr_scale",
                 "compute_dtype", "attention", "min_lr_ratio", "time_budget_min", "aux_coef_start",
-                "aux_decay_steps", "offset_coef")
+                "aux_decay_steps", "offset_coef", "offset_decay_steps")
 
 
 def read_run(path: str) -> dict:
@@ -360,7 +360,7 @@ def step_config(args: argparse.Namespace) -> recipe.StepConfig:
                              aux_decay_steps=args.aux_decay_steps, z_coef=args.z_coef, router_lr_scale=args.router_lr_scale,
                              capacity_factor=args.capacity_factor, eval_capacity_factor=args.eval_capacity_factor,
                              compute_dtype=args.compute_dtype, attention=args.attention, min_lr_ratio=args.min_lr_ratio,
-                             offset_coef=args.offset_coef)
+                             offset_coef=args.offset_coef, offset_decay_steps=args.offset_decay_steps)
 
 
 def hardware() -> dict:
@@ -468,6 +468,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--offset-coef", type=float, default=0.0,
                    help="penalty on the variance across experts of the batch-mean router logit: a common-mode "
                         "offset makes every token pick the same experts (the collapse seen on CPU runs)")
+    p.add_argument("--offset-decay-steps", type=int, default=0,
+                   help="fade the offset penalty linearly to 0 over this many first steps (0: constant); the "
+                        "collapse it prevents is an early one, and kept on it holds expert usage near uniform")
     p.add_argument("--router-lr-scale", type=float, default=1.0, help="router learning rate / the others'")
     p.add_argument("--compute-dtype", default="float32", choices=("float32", "bfloat16"),
                    help="forward/backward precision (float32 master weights and routers either way)")
@@ -513,7 +516,7 @@ def _steps_arg(text: str):
     return value
 
 
-_INTS = {"batch": 1, "seq_len": 1, "eval_seqs": 1, "vocab_size": 1, "warmup": 0, "aux_decay_steps": 0,
+_INTS = {"batch": 1, "seq_len": 1, "eval_seqs": 1, "vocab_size": 1, "warmup": 0, "aux_decay_steps": 0, "offset_decay_steps": 0,
          "eval_every": 0, "ckpt_every": 0}  # name -> smallest value
 _POSITIVE_FLOATS = ("lr", "clip", "time_budget_min")
 _NON_NEGATIVE_FLOATS = ("weight_decay", "min_lr_ratio", "aux_coef", "aux_coef_start", "z_coef", "offset_coef",
@@ -548,6 +551,8 @@ def check_schedule(args: argparse.Namespace) -> None:
     if (args.aux_coef_start is None) != (args.aux_decay_steps == 0):
         raise errors.UsageError("--aux-coef-start and --aux-decay-steps go together: the balancing weight decays "
                                 "from --aux-coef-start to --aux-coef over --aux-decay-steps steps")
+    if args.offset_decay_steps and not args.offset_coef:
+        raise errors.UsageError("--offset-decay-steps fades the offset penalty: it needs --offset-coef > 0")
 
 
 def main(argv: list[str] | None = None) -> int:
