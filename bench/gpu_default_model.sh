@@ -31,6 +31,7 @@
 # tree without the shipped model (a throw-away branch checked out for the call) leaves room for four shards.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+source bench/device_env.sh
 
 if [[ "${1:-}" == "--prepare" ]]; then
     src=${CORPUS_SRC:-../shared/data/corpus}
@@ -71,10 +72,7 @@ pack() {
     tr '\r' '\n' < "$log" | grep -v "it/s\]\|s/it\]" | tail -c 1000000 > "$OUT/log.txt" || true
 }
 {
-    date
-    nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>/dev/null || echo "no nvidia-smi"
-    python3 -m pip install -q --no-deps --no-build-isolation --no-index -e . 2>&1 | tail -2 || true
-    python3 -c "import jax; print('jax', jax.__version__, jax.devices())"
+    device_env
     rm -rf "$WORK/data" && mkdir -p "$WORK/data" && cp .corpus-tokenizer/* "$WORK/data/"
     # every training shard tokenized at once, in parallel, so that the training clock is spent training
     python3 - "$WORK/data" <<'EOF'

@@ -24,16 +24,12 @@
 # the GPU's memory and part 4 (bench/gpu_research_loop.sh) are not in this call.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-: "${OUT:?OUT must name the folder to return files from}"
-export PYTHONUNBUFFERED=1
-mkdir -p "$OUT"
+source bench/device_env.sh
+device_out
 small=(); tests_box=${TESTS_BOX:-300}; bench_box=${BENCH_BOX:-150}
 if [[ -n "${SMALL:-}" ]]; then small=(--small); fi
 {
-    date
-    nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>/dev/null || echo "no nvidia-smi"
-    python3 -m pip install -q --no-deps --no-build-isolation --no-index -e . 2>&1 | tail -2
-    python3 -c "import jax; print('jax', jax.__version__, jax.devices())"
+    device_env
 } > "$OUT/env.txt" 2>&1
 cat "$OUT/env.txt"
 

@@ -15,16 +15,12 @@
 # gpu_offload.sh). The device image has torch (the tests need it); torch runs on cuda when it sees the GPU.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-: "${OUT:?OUT must name the folder to return files from}"
-export PYTHONUNBUFFERED=1
-mkdir -p "$OUT"
+source bench/device_env.sh
+device_out
 work=${WORK:-/tmp/moejax-research-loop}
 mkdir -p "$work"
 {
-    date
-    nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>/dev/null || echo "no nvidia-smi"
-    python3 -m pip install -q --no-deps --no-build-isolation --no-index -e . 2>&1 | tail -2
-    python3 -c "import jax, torch; print('jax', jax.__version__, jax.devices(), 'torch', torch.__version__, torch.cuda.is_available())"
+    device_env torch
 } > "$OUT/env.txt" 2>&1
 cat "$OUT/env.txt"
 

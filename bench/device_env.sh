@@ -1,0 +1,18 @@
+# Sourced by the bench/gpu_*.sh device scripts: what a lent machine is (date, GPU, jax, torch when asked),
+# after installing this tree there without the network. Prints to stdout; callers redirect it.
+device_env() {
+    date
+    nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>/dev/null || echo "no nvidia-smi"
+    python3 -m pip install -q --no-deps --no-build-isolation --no-index -e . 2>&1 | tail -2 || true
+    python3 -c "import jax; print('jax', jax.__version__, jax.devices())"
+    if [[ "${1:-}" == torch ]]; then
+        python3 -c "import torch; print('torch', torch.__version__, 'cuda', torch.cuda.is_available())"
+    fi
+}
+
+# The folder whose files come back from the device machine ($OUT, required), and unbuffered Python output.
+device_out() {
+    : "${OUT:?OUT must name the folder to return files from}"
+    export PYTHONUNBUFFERED=1
+    mkdir -p "$OUT"
+}
