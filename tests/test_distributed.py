@@ -19,6 +19,7 @@ import subprocess
 import sys
 import time
 
+import jax
 import pytest
 
 from moejax.base import distributed
@@ -41,6 +42,19 @@ def _evaluate(args: list[str], env: dict) -> subprocess.Popen:
                             stderr=subprocess.PIPE, text=True)
 
 
+def _evaluate_on_the_cpu(args: list[str]) -> None:
+    """``moejax.evaluate`` on one CPU device, the platform the multi-device subprocesses run on: in this process
+    where that is what it has, else in a subprocess. A GPU-visible worker would compute the single-device
+    reference on the GPU, whose sums round differently from the CPU's (the H200's partial suite failed this
+    module's sweep comparisons)."""
+    if jax.default_backend() == "cpu":
+        assert evaluate.main(args) == 0
+        return
+    p = _evaluate(args, _env(1))
+    _, err = p.communicate(timeout=600)
+    assert p.returncode == 0, err[-2000:]
+
+
 def _records(path) -> list[dict]:
     with open(path) as f:
         return [json.loads(line) for line in f]
@@ -55,7 +69,7 @@ def _free_port() -> int:
 @pytest.fixture(scope="module")
 def single_device_records(tmp_path_factory):
     path = tmp_path_factory.mktemp("single") / "r.jsonl"
-    assert evaluate.main([*SWEEP, "--results", str(path)]) == 0
+    _evaluate_on_the_cpu([*SWEEP, "--results", str(path)])
     return _records(path)
 
 
@@ -114,7 +128,7 @@ def test_a_killed_worker_leaves_the_results_file_resumable(tmp_path, single_devi
             p.communicate()
     done = _records(path)
     assert 1 <= len(done) < 5
-    assert evaluate.main([*SWEEP, "--results", str(path)]) == 0  # one process, one device: resumes
+    _evaluate_on_the_cpu([*SWEEP, "--results", str(path)])  # one process, one device: resumes
     _assert_same(_records(path), single_device_records)
 
 
