@@ -129,46 +129,46 @@ def measure_device_put(shapes: dict[str, tuple], dtype, repeat: int = 20) -> dic
     return out
 
 
-def real_size_model(layers: int, small: bool, dtype=jnp.bfloat16):
-    """OLMoE expert shapes (D=2048, F=1024, N=64, K=8) on a Qwen3-MoE decoder, random weights."""
+def random_model(hf: dict, dtype=jnp.bfloat16):
+    """A model of config.json ``hf`` with random weights made in memory (``recipe.init_params``) and decisive
+    routers, as a trained router would give."""
     from moejax.training import recipe
     from moejax.runtime.api import Model
     from moejax.models.config import ModelConfig
 
-    d, f, n, k, heads = (2048, 1024, 64, 8, 16) if not small else (128, 64, 16, 4, 4)
-    hf = recipe.hf_config("small", vocab_size=50304 if not small else 512, max_len=4096)
-    hf.update(hidden_size=d, moe_intermediate_size=f, intermediate_size=4 * f, num_experts=n, num_experts_per_tok=k,
-              num_attention_heads=heads, num_key_value_heads=heads, head_dim=d // heads, num_hidden_layers=layers,
-              norm_topk_prob=False)
-    cfg = ModelConfig.from_hf(hf)
-    params = recipe.init_params(cfg, jax.random.PRNGKey(0))
-    for lp in params["layers"]:  # decisive routing, as a trained router would give
-        lp["moe"]["router"] = lp["moe"]["router"] * 50.0
-    params = jax.tree.map(lambda a: a.astype(dtype), params)
-    return Model(params, cfg)
-
-
-def preset_model(preset: str, layers: int, small: bool, dtype=jnp.bfloat16):
-    """A model with a real model's config (``moejax/testing/presets/PRESET.json``, its first ``layers`` decoder
-    layers; ``small``: tiny dimensions), random weights made in memory, decisive routers."""
-    from moejax.training import recipe
-    from moejax.runtime.api import Model
-    from moejax.models.config import ModelConfig
-    from moejax.testing import random_checkpoint
-
-    with open(os.path.join(random_checkpoint.PRESETS_DIR, f"{preset}.json")) as f:
-        hf = json.load(f)
-    hf["num_hidden_layers"] = layers
-    if small:
-        hf.update(hidden_size=128, moe_intermediate_size=64, intermediate_size=128, vocab_size=512,
-                  num_attention_heads=4, num_key_value_heads=4, head_dim=32,
-                  **({"shared_expert_intermediate_size": 128} if "shared_expert_intermediate_size" in hf else {}))
     cfg = ModelConfig.from_hf(hf)
     params = recipe.init_params(cfg, jax.random.PRNGKey(0))
     for lp in params["layers"]:
         if "moe" in lp:
             lp["moe"]["router"] = lp["moe"]["router"] * 50.0
     return Model(jax.tree.map(lambda a: a.astype(dtype), params), cfg)
+
+
+def real_size_model(layers: int, small: bool, dtype=jnp.bfloat16):
+    """OLMoE expert shapes (D=2048, F=1024, N=64, K=8) on a Qwen3-MoE decoder, random weights."""
+    from moejax.training import recipe
+
+    d, f, n, k, heads = (2048, 1024, 64, 8, 16) if not small else (128, 64, 16, 4, 4)
+    hf = recipe.hf_config("small", vocab_size=50304 if not small else 512, max_len=4096)
+    hf.update(hidden_size=d, moe_intermediate_size=f, intermediate_size=4 * f, num_experts=n, num_experts_per_tok=k,
+              num_attention_heads=heads, num_key_value_heads=heads, head_dim=d // heads, num_hidden_layers=layers,
+              norm_topk_prob=False)
+    return random_model(hf, dtype)
+
+
+def preset_model(preset: str, layers: int, small: bool, dtype=jnp.bfloat16):
+    """A model with a real model's config (``random_checkpoint``'s preset, cut to its first ``layers`` decoder
+    layers; ``small``: tiny dimensions), random weights made in memory."""
+    from moejax.testing import random_checkpoint
+
+    hf = random_checkpoint.preset_config(preset)
+    tiny = {}
+    if small:
+        tiny = dict(hidden_size=128, moe_intermediate_size=64, intermediate_size=128, vocab_size=512,
+                    num_attention_heads=4, num_key_value_heads=4, head_dim=32)
+        if "shared_expert_intermediate_size" in hf:
+            tiny["shared_expert_intermediate_size"] = 128
+    return random_model(random_checkpoint.with_overrides(hf, layers, tiny), dtype)
 
 
 # the GPU suite's models: OLMoE's expert shapes on a Qwen3-MoE decoder (the runs since 2026-11-26), and
@@ -184,8 +184,8 @@ def gpu_suite(args) -> dict:
     small = args.small
     shapes = [x for x in args.shapes.split(",") if x]
     routings = [x for x in args.routings.split(",") if x]
-    for name, known in (("shape", SHAPES), ("routing", ROUTINGS)):
-        bad = [x for x in (shapes if name == "shape" else routings) if x not in known]
+    for name, chosen, known in (("shape", shapes, SHAPES), ("routing", routings, ROUTINGS)):
+        bad = [x for x in chosen if x not in known]
         if bad:
             raise SystemExit(f"error: unknown {name} {', '.join(bad)}: expected {', '.join(known)}")
     result = {"machine": machine(), "models": {}}

@@ -4,7 +4,6 @@ resume = uninterrupted run, export loads in moejax and in transformers with matc
 from __future__ import annotations
 
 import dataclasses
-
 import json
 import os
 

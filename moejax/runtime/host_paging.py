@@ -186,8 +186,8 @@ class PagingStats:
     timed_bytes: int = 0  # bytes of those batches
     step_s: float = 0.0  # wall time in ``step``: every decode token (and prompt token, when fed one by one)
     sync_s: float = 0.0  # of it, waiting for the device's routing results the host pages by
-    host_reads: int = 0  # batches of device results the host waited for in ``step`` (one per MoE layer step)
     page_s: float = 0.0  # of it, paging: reading pages, issuing their copies, waiting for them, writing slots
+    host_reads: int = 0  # batches of device results the host waited for in ``step`` (one per MoE layer step)
 
 
 PAGE_MMAP_THRESHOLD = 1 << 20

@@ -242,8 +242,7 @@ def aux_coef_at(step, sc: StepConfig):
     spread, and the small standard weight takes over once experts have specialised."""
     if sc.aux_coef_start is None or sc.aux_decay_steps <= 0:
         return jnp.float32(sc.aux_coef)
-    frac = jnp.clip(jnp.asarray(step, jnp.float32) / sc.aux_decay_steps, 0.0, 1.0)
-    return jnp.float32(sc.aux_coef_start) + (sc.aux_coef - sc.aux_coef_start) * frac
+    return _linear(step, sc.aux_coef_start, sc.aux_coef, sc.aux_decay_steps)
 
 
 def offset_coef_at(step, sc: StepConfig):
@@ -253,8 +252,13 @@ def offset_coef_at(step, sc: StepConfig):
     uniform (the H200 run: 98.5-99.4 % of the maximum entropy, where real MoEs are less even)."""
     if sc.offset_decay_steps <= 0:
         return jnp.float32(sc.offset_coef)
-    frac = jnp.clip(jnp.asarray(step, jnp.float32) / sc.offset_decay_steps, 0.0, 1.0)
-    return jnp.float32(sc.offset_coef) * (1.0 - frac)
+    return _linear(step, sc.offset_coef, 0.0, sc.offset_decay_steps)
+
+
+def _linear(step, start: float, end: float, steps: int):
+    """``start`` at step 0, linear to ``end`` at ``steps``, ``end`` after (float32)."""
+    frac = jnp.clip(jnp.asarray(step, jnp.float32) / steps, 0.0, 1.0)
+    return jnp.float32(start) + (end - start) * frac
 
 
 def make_steps(cfg: ModelConfig, opt, sc: StepConfig):

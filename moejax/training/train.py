@@ -516,8 +516,8 @@ def _steps_arg(text: str):
     return value
 
 
-_INTS = {"batch": 1, "seq_len": 1, "eval_seqs": 1, "vocab_size": 1, "warmup": 0, "aux_decay_steps": 0, "offset_decay_steps": 0,
-         "eval_every": 0, "ckpt_every": 0}  # name -> smallest value
+_INTS = {"batch": 1, "seq_len": 1, "eval_seqs": 1, "vocab_size": 1, "warmup": 0, "aux_decay_steps": 0,
+         "offset_decay_steps": 0, "eval_every": 0, "ckpt_every": 0}  # name -> smallest value
 _POSITIVE_FLOATS = ("lr", "clip", "time_budget_min")
 _NON_NEGATIVE_FLOATS = ("weight_decay", "min_lr_ratio", "aux_coef", "aux_coef_start", "z_coef", "offset_coef",
                         "router_lr_scale", "capacity_factor", "eval_capacity_factor", "ckpt_minutes")
