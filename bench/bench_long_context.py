@@ -1,15 +1,16 @@
 """Decode speed against the length of what came before: where a long context's time goes.
 
     python bench/bench_long_context.py                              # attention-heavy random model, CPU
+    python bench/bench_long_context.py --bucketed --lengths 16,4200 # the server's power-of-two KV cache
     python bench/bench_long_context.py --model default --lengths 16,256,960
 
 Greedy decode of ``--new-tokens`` after prompts of each ``--lengths`` (best of ``--repeat``), reporting
-tokens/s, ms a token, the KV cache the step reads (``decode.kv_rows`` rows, as ``model.generate`` allocates) and
-the rate at which it would have to be read if attention's time were all reading it. The default model is a
-random bf16 decoder whose experts are tiny (d = 1024, 8 layers, 8 heads of 128, experts of F = 32), so that
-attention dominates. bench/RESULTS.md ("Long-context decode on the CPU") has the figures: on a 2-core CPU
-the step time grows ~8x from 16 to 7,000 tokens of context, far past what reading the cache costs, because
-XLA:CPU makes float32 copies of the bf16 cache every token.
+tokens/s, ms a token, the KV cache held (``decode.kv_rows`` rows, as ``model.generate`` allocates, or its
+``decode.kv_bucket`` with ``--bucketed``) and the rate at which it would have to be read if attention's time
+were all reading it. The default model is a random bf16 decoder whose experts are tiny (d = 1024, 8 layers,
+8 heads of 128, experts of F = 32), so that attention dominates. bench/RESULTS.md ("Long-context decode on
+the CPU") has the figures: before the cache was held as bit patterns and read in blocks, XLA:CPU rewrote
+each layer's whole bf16 cache to write one row and widened it whole to float32 to read it, every token.
 """
 
 from __future__ import annotations
@@ -51,15 +52,16 @@ def kv_bytes(model: Model, rows: int) -> int:
     return tree_nbytes(jax.eval_shape(lambda: init_kv(model.cfg, rows, model.params["embed"].dtype)))
 
 
-def measure(model: Model, lengths: list[int], new_tokens: int, repeat: int) -> list[dict]:
+def measure(model: Model, lengths: list[int], new_tokens: int, repeat: int, bucketed: bool = False) -> list[dict]:
     rows = []
     for n in lengths:
         ids = (np.arange(1, n + 1, dtype=np.int64) * 7 % model.cfg.vocab_size).astype(np.int32)
         best = 0.0
         for _ in range(repeat):
-            res = model.generate(ids, new_tokens, stop_at_eos=False)
+            res = model.generate(ids, new_tokens, stop_at_eos=False, bucketed=bucketed)
             best = max(best, res.stats["tokens_per_s"])
-        cache = kv_bytes(model, decode.kv_rows(n, new_tokens))
+        rows_held = decode.kv_rows(n, new_tokens)
+        cache = kv_bytes(model, decode.kv_bucket(rows_held) if bucketed else rows_held)
         rows.append({"prompt_tokens": n, "tokens_per_s": best, "ms_per_token": 1e3 / best, "kv_cache_bytes": cache,
                      "kv_read_gbps_if_all_time": cache * best / 1e9})
         print(f"{n:6d}  {best:8.1f} tok/s  {1e3 / best:7.2f} ms  KV {cache / 1e6:7.1f} MB  "
@@ -71,7 +73,10 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default=None, help="a model path or 'default' (default: the attention-heavy random model)")
     p.add_argument("--lengths", default="16,1024,4096,7000", help="prompt lengths, comma-separated")
-    p.add_argument("--new-tokens", type=int, default=24)
+    p.add_argument("--new-tokens", type=int, default=33,
+                   help="tokens to generate (default 33: the first from the prefill, then two whole decode chunks)")
+    p.add_argument("--bucketed", action="store_true",
+                   help="KV cache rounded up to a power of two, as the server allocates it")
     p.add_argument("--repeat", type=int, default=2)
     p.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results",
                                                  "long_context.json"))
@@ -83,10 +88,10 @@ def main(argv: list[str] | None = None) -> int:
     if not lengths or min(lengths) < 1 or args.new_tokens < 1 or args.repeat < 1:
         p.error("--lengths, --new-tokens and --repeat must be positive")
     model = moejax.load(args.model) if args.model else attention_heavy_model(max(8192, max(lengths) + args.new_tokens + 1))
-    rows = measure(model, lengths, args.new_tokens, args.repeat)
+    rows = measure(model, lengths, args.new_tokens, args.repeat, args.bucketed)
     atomic.write_json(args.out, {"machine": f"{platform.processor() or platform.machine()} ({os.cpu_count()} cpus)",
                                  "backend": jax.default_backend(), "model": args.model or "attention-heavy random",
-                                 "new_tokens": args.new_tokens, "rows": rows,
+                                 "new_tokens": args.new_tokens, "bucketed": args.bucketed, "rows": rows,
                                  "command": "python bench/bench_long_context.py " + " ".join(argv or sys.argv[1:])})
     print(f"wrote {args.out}")
     return 0

@@ -109,7 +109,15 @@ def _softmax_attend(scores: jax.Array, mask: jax.Array) -> jax.Array:
 
 
 def _write(cache: jax.Array, new: jax.Array, pos: jax.Array) -> jax.Array:
+    """``new`` rows into a KV cache at ``pos`` (a bfloat16 cache holds bit patterns: see ``init_kv``)."""
+    if cache.dtype == KV_BITS:
+        new = jax.lax.bitcast_convert_type(new.astype(jnp.bfloat16), KV_BITS)
     return jax.lax.dynamic_update_slice_in_dim(cache, new.astype(cache.dtype), pos, axis=0)
+
+
+def cache_values(stored: jax.Array) -> jax.Array:
+    """A KV cache's values as stored by ``init_kv`` / ``_write``: bfloat16 from bit patterns, else as is."""
+    return jax.lax.bitcast_convert_type(stored, jnp.bfloat16) if stored.dtype == KV_BITS else stored
 
 
 def gqa_qkv(p: dict, cfg: ModelConfig, x: jax.Array, cos, sin) -> tuple[jax.Array, jax.Array, jax.Array]:
@@ -147,6 +155,69 @@ def _attend_groups(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array, sc
     return out.reshape(Hk, r, T, -1).transpose(2, 0, 1, 3).reshape(T, -1)
 
 
+KV_BLOCK = 512  # cache rows per block of attention over a KV cache on the CPU (_attend_cache_blocks)
+
+
+def visible_key_blocks(cfg: ModelConfig, layer: int, positions: jax.Array, rows: int) -> list[tuple[int, int, jax.Array]]:
+    """The ``KV_BLOCK``-row blocks [a, b) of a KV cache of ``rows`` rows, each with a traced bool: can any of
+    the query ``positions`` see a key in it (causal, and within the layer's sliding window)?"""
+    last, first, window = jnp.max(positions), jnp.min(positions), cfg.sliding_windows[layer]
+    blocks = []
+    for a in range(0, rows, KV_BLOCK):
+        b = min(a + KV_BLOCK, rows)
+        seen = a <= last
+        if window:
+            seen &= b - 1 > first - window
+        blocks.append((a, b, seen))
+    return blocks
+
+
+def _blockwise(blocks, fn: Callable, empty: Callable, *operands) -> list:
+    """``fn(a, b, *operands)`` for each visible block, ``empty(b - a)`` for the others. The whole operands go
+    into each ``lax.cond`` and are sliced inside the taken branch: operands sliced outside would be copied
+    out, block by block, every step, visible or not. A cache of one block holds the query's own row, so
+    that block is computed without a ``cond``."""
+    if len(blocks) == 1:
+        a, b, _ = blocks[0]
+        return [fn(a, b, *operands)]
+    return [jax.lax.cond(seen, functools.partial(fn, a, b), lambda *_, n=b - a: empty(n), *operands)
+            for a, b, seen in blocks]
+
+
+def _attend_cache_blocks(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array, scale: float,
+                         blocks: list) -> jax.Array:
+    """``_attend_groups`` over a KV cache as ``init_kv`` stores it, one block of rows at a time, skipping
+    blocks no query sees.
+
+    XLA:CPU multiplies in float32: a bfloat16 cache was widened (and transposed) whole every step, 23 ms a
+    layer for 8,192 rows of 8 heads of 128 against 0.6 ms for the product itself (bench/RESULTS.md
+    "Long-context decode on the CPU"). Per block the widened rows stay in the processor's cache, and blocks
+    past the last position are not read at all (the cache is allocated to a power-of-two bucket). Scores,
+    softmax and the values' sum run in float32 and are rounded once, at the end."""
+    T, H, hd = q.shape
+    Hk = k.shape[1]
+    r = H // Hk
+    qf = q.astype(jnp.float32).reshape(T, Hk, r, hd)
+
+    def block_scores(a, b, k):
+        return jnp.einsum("tgrd,sgd->grts", qf, cache_values(k[a:b]).astype(jnp.float32)) * scale
+
+    def no_scores(n):
+        return jnp.zeros((Hk, r, T, n), jnp.float32)  # masked below
+
+    scores = jnp.concatenate(_blockwise(blocks, block_scores, no_scores, k), axis=-1)
+    probs = _softmax_attend(scores.reshape(H, T, -1), mask).reshape(Hk, r, T, -1)
+
+    def block_values(a, b, probs, v):
+        return jnp.einsum("grts,sgd->grtd", probs[..., a:b], cache_values(v[a:b]).astype(jnp.float32))
+
+    def no_values(n):
+        return jnp.zeros((Hk, r, T, hd), jnp.float32)
+
+    out = functools.reduce(jnp.add, _blockwise(blocks, block_values, no_values, probs, v))
+    return out.transpose(2, 0, 1, 3).reshape(T, H * hd).astype(q.dtype)
+
+
 def gqa_attention(p: dict, cfg: ModelConfig, layer: int, x: jax.Array, cos, sin, positions, kv, pos0):
     """Grouped-query attention with optional q/k norm, qkv clipping, sliding window and KV cache.
 
@@ -157,19 +228,49 @@ def gqa_attention(p: dict, cfg: ModelConfig, layer: int, x: jax.Array, cos, sin,
     q, k, v = gqa_qkv(p, cfg, x, cos, sin)
     if kv is not None:
         kv = {"k": _write(kv["k"], k, pos0), "v": _write(kv["v"], v, pos0)}
-        k, v = kv["k"], kv["v"]
-        k_pos = jnp.arange(k.shape[0])
-    else:
-        k_pos = positions
-    if kv is not None or T <= ATTENTION_BLOCK:
-        out = _attend_groups(q, k, v, attention_mask(cfg, layer, positions, k_pos), cfg.attn_scale)
+        k_pos = jnp.arange(kv["k"].shape[0])
+        mask, blocks = attention_mask(cfg, layer, positions, k_pos), visible_key_blocks(cfg, layer, positions, k_pos.size)
+        out = jax.lax.platform_dependent(
+            q, kv["k"], kv["v"], mask, cpu=lambda *a: _attend_cache_blocks(*a, cfg.attn_scale, blocks),
+            default=lambda q, k, v, mask: _attend_groups(q, cache_values(k), cache_values(v), mask, cfg.attn_scale))
+    elif T <= ATTENTION_BLOCK:
+        out = _attend_groups(q, k, v, attention_mask(cfg, layer, positions, positions), cfg.attn_scale)
     else:
         out = jnp.concatenate([
             _attend_groups(q[a:a + ATTENTION_BLOCK], k[:a + ATTENTION_BLOCK], v[:a + ATTENTION_BLOCK],
                            attention_mask(cfg, layer, positions[a:a + ATTENTION_BLOCK],
-                                          k_pos[:a + ATTENTION_BLOCK]), cfg.attn_scale)
+                                          positions[:a + ATTENTION_BLOCK]), cfg.attn_scale)
             for a in range(0, T, ATTENTION_BLOCK)])
     return linear(out, p["o"], p.get("o_bias")), kv
+
+
+def _attend_latent(q_latent, q_pe, latent, k_pe, mask, scale: float) -> jax.Array:
+    """MLA's absorbed attention: softmax(q_latent latentᵀ + q_pe k_peᵀ) latent, [T, H, r]."""
+    scores = jnp.einsum("thr,sr->hts", q_latent, latent) + jnp.einsum("thd,sd->hts", q_pe, k_pe)
+    probs = _softmax_attend(scores * scale, mask)
+    return jnp.einsum("hts,sr->thr", probs.astype(q_latent.dtype), latent)
+
+
+def _attend_latent_blocks(q_latent, q_pe, latent, k_pe, mask, scale: float, blocks: list) -> jax.Array:
+    """``_attend_latent`` over a cache as ``init_kv`` stores it, one block of rows at a time, skipping blocks
+    no query sees (as ``_attend_cache_blocks`` does for grouped-query attention; float32 throughout)."""
+    T, H, r = q_latent.shape
+    f32 = jnp.float32
+    ql, qp = q_latent.astype(f32), q_pe.astype(f32)
+
+    def block_scores(a, b, latent, k_pe):
+        return (jnp.einsum("thr,sr->hts", ql, cache_values(latent[a:b]).astype(f32))
+                + jnp.einsum("thd,sd->hts", qp, cache_values(k_pe[a:b]).astype(f32)))
+
+    scores = jnp.concatenate(_blockwise(blocks, block_scores, lambda n: jnp.zeros((H, T, n), f32), latent, k_pe),
+                             axis=-1)
+    probs = _softmax_attend(scores * scale, mask)
+
+    def block_latent(a, b, probs, latent):
+        return jnp.einsum("hts,sr->thr", probs[..., a:b], cache_values(latent[a:b]).astype(f32))
+
+    parts = _blockwise(blocks, block_latent, lambda n: jnp.zeros((T, H, r), f32), probs, latent)
+    return functools.reduce(jnp.add, parts).astype(q_latent.dtype)
 
 
 def mla_attention(p: dict, cfg: ModelConfig, layer: int, x: jax.Array, cos, sin, positions, kv, pos0):
@@ -189,16 +290,23 @@ def mla_attention(p: dict, cfg: ModelConfig, layer: int, x: jax.Array, cos, sin,
     q_pe, k_pe = apply_rope(q_pe, cos, sin, True), apply_rope(k_pe, cos, sin, True)[:, 0]
     if kv is not None:
         kv = {"latent": _write(kv["latent"], latent, pos0), "k_pe": _write(kv["k_pe"], k_pe, pos0)}
-        latent, k_pe = kv["latent"].astype(x.dtype), kv["k_pe"].astype(x.dtype)
-        k_pos = jnp.arange(latent.shape[0])
+        k_pos = jnp.arange(kv["latent"].shape[0])
     else:
         k_pos = positions
     w_kv = p["kv_b"].reshape(r, H, nope + vd)
     w_k, w_v = w_kv[..., :nope], w_kv[..., nope:]
     q_latent = jnp.einsum("thn,rhn->thr", q_nope, w_k)
-    scores = jnp.einsum("thr,sr->hts", q_latent, latent) + jnp.einsum("thd,sd->hts", q_pe, k_pe)
-    probs = _softmax_attend(scores * cfg.attn_scale, attention_mask(cfg, layer, positions, k_pos))
-    out_latent = jnp.einsum("hts,sr->thr", probs.astype(x.dtype), latent)
+    mask = attention_mask(cfg, layer, positions, k_pos)
+    if kv is None:
+        out_latent = _attend_latent(q_latent, q_pe, latent, k_pe, mask, cfg.attn_scale)
+    else:
+        blocks = visible_key_blocks(cfg, layer, positions, k_pos.size)
+        out_latent = jax.lax.platform_dependent(
+            q_latent, q_pe, kv["latent"], kv["k_pe"], mask,
+            cpu=lambda *a: _attend_latent_blocks(*a, cfg.attn_scale, blocks),
+            default=lambda q_latent, q_pe, latent, k_pe, mask: _attend_latent(
+                q_latent, q_pe, cache_values(latent).astype(x.dtype), cache_values(k_pe).astype(x.dtype), mask,
+                cfg.attn_scale))
     out = jnp.einsum("thr,rhv->thv", out_latent, w_v)
     return linear(out.reshape(T, H * vd), p["o"], p.get("o_bias")), kv
 
@@ -751,10 +859,19 @@ def forward_sequential(params: Params, cfg: ModelConfig, tokens: jax.Array, pos0
     return ForwardOutput(logits, swap(z), swap(e), swap(w), jax.tree.map(swap, rec), kv, state)
 
 
+KV_BITS = jnp.uint16  # how a bfloat16 KV cache is held (init_kv)
+
+
 def init_kv(cfg: ModelConfig, max_len: int, dtype=jnp.float32) -> list[dict]:
-    """An empty KV cache for ``max_len`` positions (MLA: compressed latent + shared rotary key)."""
+    """An empty KV cache for ``max_len`` positions (MLA: compressed latent + shared rotary key).
+
+    A bfloat16 cache is held as its bit patterns (``KV_BITS``, the same bytes; ``cache_values`` reads them):
+    XLA:CPU writes a row into a bfloat16 array by widening the whole array to float32 and back, so each
+    token rewrote every layer's whole cache (5.5 ms a write at 65,536 rows of 8 heads of 128), while an
+    integer row is written in place (0.1 ms)."""
     if cfg.mla:
         shape = {"latent": (max_len, cfg.kv_lora_rank), "k_pe": (max_len, cfg.qk_rope_head_dim)}
     else:
         shape = {"k": (max_len, cfg.num_kv_heads, cfg.head_dim), "v": (max_len, cfg.num_kv_heads, cfg.head_dim)}
-    return [{k: jnp.zeros(s, dtype) for k, s in shape.items()} for _ in range(cfg.num_layers)]
+    stored = KV_BITS if jnp.dtype(dtype) == jnp.bfloat16 else dtype
+    return [{k: jnp.zeros(s, stored) for k, s in shape.items()} for _ in range(cfg.num_layers)]

@@ -1,0 +1,132 @@
+"""Attention over a KV cache in blocks of rows (the CPU's decode path) equals attention over the whole cache.
+
+``model._attend_cache_blocks`` / ``_attend_latent_blocks`` run on the CPU whenever a KV cache is read; the
+whole-cache forms (``_attend_groups`` / ``_attend_latent``) run elsewhere and without a cache. Checked here:
+the same output (hypothesis over cache length, block size, queries, position and sliding window), the
+blocks skipped are exactly those no query sees (so rows past the last position are never read: NaN there
+changes nothing), and end to end, a model decoding token by token through many small blocks equals its full
+forward pass (tests/test_hf_parity.py's incremental test with ``KV_BLOCK`` = 2).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from moejax.models import model as M
+
+from conftest import get_moejax_model
+
+SETTINGS = settings(max_examples=25, deadline=None, derandomize=True, suppress_health_check=list(HealthCheck))
+
+
+@dataclasses.dataclass(frozen=True)
+class _Cfg:  # the two fields attention_mask / visible_key_blocks read
+    sliding_windows: tuple[int, ...]
+
+
+@st.composite
+def cases(draw):
+    """(cache rows, queries, last query position, sliding window, KV_BLOCK)."""
+    rows = draw(st.integers(1, 40))
+    T = draw(st.integers(1, min(rows, 5)))
+    last = draw(st.integers(T - 1, rows - 1))
+    window = draw(st.sampled_from([0, 1, 3, 7]))
+    block = draw(st.integers(1, 12))
+    return rows, T, last, window, block
+
+
+def _queries_and_mask(rows, T, last, window):
+    cfg = _Cfg((window,))
+    positions = jnp.arange(last - T + 1, last + 1)
+    mask = M.attention_mask(cfg, 0, positions, jnp.arange(rows))
+    return cfg, positions, mask
+
+
+@SETTINGS
+@given(case=cases(), dtype=st.sampled_from([jnp.float32, jnp.bfloat16]))
+def test_blocked_grouped_attention_equals_whole_cache(monkeypatch, case, dtype):
+    rows, T, last, window, block = case
+    monkeypatch.setattr(M, "KV_BLOCK", block)
+    cfg, positions, mask = _queries_and_mask(rows, T, last, window)
+    H, Hk, hd = 4, 2, 8
+    rng = np.random.default_rng(rows * 131 + T * 7 + block)
+    q, k, v = (jnp.asarray(rng.standard_normal(s), dtype) for s in ((T, H, hd), (rows, Hk, hd), (rows, Hk, hd)))
+    blocks = M.visible_key_blocks(cfg, 0, positions, rows)
+    got = np.asarray(M._attend_cache_blocks(q, k, v, mask, 0.3, blocks), np.float32)
+    want = np.asarray(M._attend_groups(q, k, v, mask, 0.3), np.float32)
+    tol = 1e-5 if dtype == jnp.float32 else 2e-2  # bf16: the blocked sum is rounded once, the whole one per dot
+    np.testing.assert_allclose(got, want, atol=tol, rtol=tol)
+
+
+@SETTINGS
+@given(case=cases())
+def test_blocked_latent_attention_equals_whole_cache(monkeypatch, case):
+    rows, T, last, window, block = case
+    monkeypatch.setattr(M, "KV_BLOCK", block)
+    cfg, positions, mask = _queries_and_mask(rows, T, last, window)
+    H, r, d = 3, 6, 4
+    rng = np.random.default_rng(rows * 17 + T + block)
+    q_latent, q_pe, latent, k_pe = (jnp.asarray(rng.standard_normal(s), jnp.float32)
+                                    for s in ((T, H, r), (T, H, d), (rows, r), (rows, d)))
+    blocks = M.visible_key_blocks(cfg, 0, positions, rows)
+    got = M._attend_latent_blocks(q_latent, q_pe, latent, k_pe, mask, 0.4, blocks)
+    want = M._attend_latent(q_latent, q_pe, latent, k_pe, mask, 0.4)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-5, rtol=1e-5)
+
+
+@SETTINGS
+@given(case=cases())
+def test_a_block_is_skipped_exactly_when_no_query_sees_a_key_in_it(monkeypatch, case):
+    rows, T, last, window, block = case
+    monkeypatch.setattr(M, "KV_BLOCK", block)
+    cfg, positions, mask = _queries_and_mask(rows, T, last, window)
+    blocks = M.visible_key_blocks(cfg, 0, positions, rows)
+    assert [(a, b) for a, b, _ in blocks] == [(a, min(a + block, rows)) for a in range(0, rows, block)]
+    mask = np.asarray(mask)
+    for a, b, seen in blocks:
+        assert bool(seen) == bool(mask[:, a:b].any()), (a, b)
+
+
+def test_rows_past_the_last_position_are_not_read(monkeypatch):
+    """Blocks past the last query position are skipped, not masked: NaN there (a cache row never written)
+    leaves the blocked result finite and equal to the whole-cache one on a clean cache, while the whole-cache
+    form, which multiplies every row by its zero weight, turns NaN."""
+    monkeypatch.setattr(M, "KV_BLOCK", 4)
+    rows, T, last = 16, 1, 5
+    cfg, positions, mask = _queries_and_mask(rows, T, last, 0)
+    rng = np.random.default_rng(0)
+    q, k, v = (jnp.asarray(rng.standard_normal(s), jnp.float32) for s in ((T, 2, 4), (rows, 1, 4), (rows, 1, 4)))
+    poison = lambda a: a.at[8:].set(jnp.nan)  # rows 8..15: blocks [8, 12) and [12, 16), past position 5
+    blocked = jax.jit(lambda q, k, v: M._attend_cache_blocks(q, k, v, mask, 0.5,
+                                                             M.visible_key_blocks(cfg, 0, positions, rows)))
+    got = np.asarray(blocked(q, poison(k), poison(v)))
+    assert np.isfinite(got).all()
+    np.testing.assert_allclose(got, np.asarray(M._attend_groups(q, k, v, mask, 0.5)), atol=1e-6)
+    assert np.isnan(np.asarray(M._attend_groups(q, poison(k), poison(v), mask, 0.5))).all()
+
+
+@pytest.mark.parametrize("name", ["mixtral_swa", "qwen2_moe_sparse_step", "deepseek_v2_group"])
+def test_decode_through_many_blocks_equals_full_forward(monkeypatch, name):
+    """Token by token through a 12-row cache in blocks of 2 (sliding windows of 4 and 5 skip blocks behind
+    the window too; DeepSeek-V2 reads MLA's latent cache) gives the full forward's logits and experts."""
+    monkeypatch.setattr(M, "KV_BLOCK", 2)
+    mj = get_moejax_model(name)
+    params, cfg, T, split = mj.params, mj.cfg, 12, 5
+    ids = jnp.asarray(np.random.default_rng(3).integers(3, cfg.vocab_size, size=T), jnp.int32)
+    step = jax.jit(lambda p, ids, pos, kv: M.forward(p, cfg, ids, pos, kv))  # traced here, with KV_BLOCK = 2
+    full = jax.jit(lambda p, ids: M.forward(p, cfg, ids))(params, ids)
+    out = step(params, ids[:split], jnp.int32(0), M.init_kv(cfg, T))
+    logits, experts, kv = [out.logits], [out.experts], out.kv
+    for pos in range(split, T):
+        out = step(params, ids[pos:pos + 1], jnp.int32(pos), kv)
+        logits.append(out.logits), experts.append(out.experts)
+        kv = out.kv
+    np.testing.assert_allclose(np.concatenate(logits), np.asarray(full.logits), atol=1e-4, rtol=0)
+    np.testing.assert_array_equal(np.concatenate(experts, axis=1), np.asarray(full.experts))
