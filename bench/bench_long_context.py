@@ -5,7 +5,7 @@
     python bench/bench_long_context.py --model default --lengths 16,256,960
 
 Greedy decode of ``--new-tokens`` after prompts of each ``--lengths`` (best of ``--repeat``), reporting
-tokens/s, ms a token, the KV cache held (``decode.kv_rows`` rows, as ``model.generate`` allocates, or its
+tokens/s, ms a token, the time to the first token (the prompt's prefill), the KV cache held (``decode.kv_rows`` rows, as ``model.generate`` allocates, or its
 ``decode.kv_bucket`` with ``--bucketed``) and the rate at which it would have to be read if attention's time
 were all reading it. The default model is a random bf16 decoder whose experts are tiny (d = 1024, 8 layers,
 8 heads of 128, experts of F = 32), so that attention dominates. bench/RESULTS.md ("Long-context decode on
@@ -56,16 +56,16 @@ def measure(model: Model, lengths: list[int], new_tokens: int, repeat: int, buck
     rows = []
     for n in lengths:
         ids = (np.arange(1, n + 1, dtype=np.int64) * 7 % model.cfg.vocab_size).astype(np.int32)
-        best = 0.0
+        best, ttft = 0.0, float("inf")
         for _ in range(repeat):
             res = model.generate(ids, new_tokens, stop_at_eos=False, bucketed=bucketed)
-            best = max(best, res.stats["tokens_per_s"])
+            best, ttft = max(best, res.stats["tokens_per_s"]), min(ttft, res.stats["time_to_first_token_s"])
         rows_held = decode.kv_rows(n, new_tokens)
         cache = kv_bytes(model, decode.kv_bucket(rows_held) if bucketed else rows_held)
         rows.append({"prompt_tokens": n, "tokens_per_s": best, "ms_per_token": 1e3 / best, "kv_cache_bytes": cache,
-                     "kv_read_gbps_if_all_time": cache * best / 1e9})
+                     "kv_read_gbps_if_all_time": cache * best / 1e9, "time_to_first_token_s": ttft})
         print(f"{n:6d}  {best:8.1f} tok/s  {1e3 / best:7.2f} ms  KV {cache / 1e6:7.1f} MB  "
-              f"{cache * best / 1e9:6.2f} GB/s", flush=True)
+              f"{cache * best / 1e9:6.2f} GB/s  first token {ttft:6.2f} s", flush=True)
     return rows
 
 

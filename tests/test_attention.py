@@ -4,8 +4,9 @@
 whole-cache forms (``_attend_groups`` / ``_attend_latent``) run elsewhere and without a cache. Checked here:
 the same output (hypothesis over cache length, block size, queries, position and sliding window), the
 blocks skipped are exactly those no query sees (so rows past the last position are never read: NaN there
-changes nothing), and end to end, a model decoding token by token through many small blocks equals its full
-forward pass (tests/test_hf_parity.py's incremental test with ``KV_BLOCK`` = 2).
+changes nothing), a long prompt at position 0 reads no cache row at all, and end to end, a model decoding
+through many small blocks equals its full forward pass (as tests/test_hf_parity.py's incremental test does
+with the real block sizes).
 """
 
 from __future__ import annotations
@@ -49,33 +50,39 @@ def _queries_and_mask(rows, T, last, window):
     return cfg, positions, mask
 
 
-@SETTINGS
-@given(case=cases(), dtype=st.sampled_from([jnp.float32, jnp.bfloat16]))
-def test_blocked_grouped_attention_equals_whole_cache(monkeypatch, case, dtype):
+def _blocked(monkeypatch, case):
+    """``KV_BLOCK`` set to the case's; (rows, T, block, mask [T, rows], the cache's blocks)."""
     rows, T, last, window, block = case
     monkeypatch.setattr(M, "KV_BLOCK", block)
     cfg, positions, mask = _queries_and_mask(rows, T, last, window)
+    return rows, T, block, mask, M.visible_key_blocks(cfg, 0, positions, rows)
+
+
+@SETTINGS
+@given(case=cases(), dtype=st.sampled_from([jnp.float32, jnp.bfloat16]))
+def test_blocked_grouped_attention_equals_whole_cache(monkeypatch, case, dtype):
+    rows, T, block, mask, blocks = _blocked(monkeypatch, case)
     H, Hk, hd = 4, 2, 8
     rng = np.random.default_rng(rows * 131 + T * 7 + block)
     q, k, v = (jnp.asarray(rng.standard_normal(s), dtype) for s in ((T, H, hd), (rows, Hk, hd), (rows, Hk, hd)))
-    blocks = M.visible_key_blocks(cfg, 0, positions, rows)
     got = np.asarray(M._attend_cache_blocks(q, k, v, mask, 0.3, blocks), np.float32)
     want = np.asarray(M._attend_groups(q, k, v, mask, 0.3), np.float32)
     tol = 1e-5 if dtype == jnp.float32 else 2e-2  # bf16: the blocked sum is rounded once, the whole one per dot
     np.testing.assert_allclose(got, want, atol=tol, rtol=tol)
+    if dtype == jnp.bfloat16:  # as init_kv holds a bf16 cache: its bit patterns, read back exactly
+        bits = [jax.lax.bitcast_convert_type(a, M.KV_BITS) for a in (k, v)]
+        stored = np.asarray(M._attend_cache_blocks(q, *bits, mask, 0.3, blocks), np.float32)
+        np.testing.assert_array_equal(stored, got)
 
 
 @SETTINGS
 @given(case=cases())
 def test_blocked_latent_attention_equals_whole_cache(monkeypatch, case):
-    rows, T, last, window, block = case
-    monkeypatch.setattr(M, "KV_BLOCK", block)
-    cfg, positions, mask = _queries_and_mask(rows, T, last, window)
+    rows, T, block, mask, blocks = _blocked(monkeypatch, case)
     H, r, d = 3, 6, 4
     rng = np.random.default_rng(rows * 17 + T + block)
     q_latent, q_pe, latent, k_pe = (jnp.asarray(rng.standard_normal(s), jnp.float32)
                                     for s in ((T, H, r), (T, H, d), (rows, r), (rows, d)))
-    blocks = M.visible_key_blocks(cfg, 0, positions, rows)
     got = M._attend_latent_blocks(q_latent, q_pe, latent, k_pe, mask, 0.4, blocks)
     want = M._attend_latent(q_latent, q_pe, latent, k_pe, mask, 0.4)
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-5, rtol=1e-5)
@@ -84,10 +91,7 @@ def test_blocked_latent_attention_equals_whole_cache(monkeypatch, case):
 @SETTINGS
 @given(case=cases())
 def test_a_block_is_skipped_exactly_when_no_query_sees_a_key_in_it(monkeypatch, case):
-    rows, T, last, window, block = case
-    monkeypatch.setattr(M, "KV_BLOCK", block)
-    cfg, positions, mask = _queries_and_mask(rows, T, last, window)
-    blocks = M.visible_key_blocks(cfg, 0, positions, rows)
+    rows, T, block, mask, blocks = _blocked(monkeypatch, case)
     assert [(a, b) for a, b, _ in blocks] == [(a, min(a + block, rows)) for a in range(0, rows, block)]
     mask = np.asarray(mask)
     for a, b, seen in blocks:
@@ -114,19 +118,36 @@ def test_rows_past_the_last_position_are_not_read(monkeypatch):
 
 @pytest.mark.parametrize("name", ["mixtral_swa", "qwen2_moe_sparse_step", "deepseek_v2_group"])
 def test_decode_through_many_blocks_equals_full_forward(monkeypatch, name):
-    """Token by token through a 12-row cache in blocks of 2 (sliding windows of 4 and 5 skip blocks behind
-    the window too; DeepSeek-V2 reads MLA's latent cache) gives the full forward's logits and experts."""
+    """A 12-row cache read in blocks of 2 (sliding windows of 4 and 5 skip blocks behind the window too;
+    DeepSeek-V2 reads MLA's latent cache), pieces of more than ``ATTENTION_BLOCK`` = 2 tokens (the first at
+    position 0 attends to itself alone, the second reads the cache), then token by token: the full forward's
+    logits and experts."""
     monkeypatch.setattr(M, "KV_BLOCK", 2)
+    monkeypatch.setattr(M, "ATTENTION_BLOCK", 2)
     mj = get_moejax_model(name)
-    params, cfg, T, split = mj.params, mj.cfg, 12, 5
+    params, cfg, T = mj.params, mj.cfg, 12
     ids = jnp.asarray(np.random.default_rng(3).integers(3, cfg.vocab_size, size=T), jnp.int32)
-    step = jax.jit(lambda p, ids, pos, kv: M.forward(p, cfg, ids, pos, kv))  # traced here, with KV_BLOCK = 2
+    step = jax.jit(lambda p, ids, pos, kv: M.forward(p, cfg, ids, pos, kv))  # traced here, with the blocks above
     full = jax.jit(lambda p, ids: M.forward(p, cfg, ids))(params, ids)
-    out = step(params, ids[:split], jnp.int32(0), M.init_kv(cfg, T))
-    logits, experts, kv = [out.logits], [out.experts], out.kv
-    for pos in range(split, T):
-        out = step(params, ids[pos:pos + 1], jnp.int32(pos), kv)
+    kv, logits, experts = M.init_kv(cfg, T), [], []
+    for a, b in [(0, 5), (5, 8)] + [(t, t + 1) for t in range(8, T)]:
+        out = step(params, ids[a:b], jnp.int32(a), kv)
         logits.append(out.logits), experts.append(out.experts)
         kv = out.kv
     np.testing.assert_allclose(np.concatenate(logits), np.asarray(full.logits), atol=1e-4, rtol=0)
     np.testing.assert_array_equal(np.concatenate(experts, axis=1), np.asarray(full.experts))
+
+
+def test_a_prompt_at_position_0_reads_no_cache_row(monkeypatch):
+    """A prompt longer than ``ATTENTION_BLOCK`` written at position 0 attends to its own keys only: NaN in
+    the cache's other rows changes nothing (the cached path would multiply them by zero weights: NaN)."""
+    monkeypatch.setattr(M, "ATTENTION_BLOCK", 2)
+    mj = get_moejax_model("qwen3_moe")
+    params, cfg = mj.params, mj.cfg
+    ids = jnp.asarray(np.random.default_rng(5).integers(3, cfg.vocab_size, size=6), jnp.int32)
+    step = jax.jit(lambda p, ids, pos, kv: M.forward(p, cfg, ids, pos, kv))
+    clean = step(params, ids, jnp.int32(0), M.init_kv(cfg, 10))
+    poisoned = step(params, ids, jnp.int32(0), [jax.tree.map(lambda a: a.at[6:].set(jnp.nan), layer)
+                                                for layer in M.init_kv(cfg, 10)])
+    assert np.isfinite(np.asarray(poisoned.logits)).all()
+    np.testing.assert_array_equal(np.asarray(poisoned.logits), np.asarray(clean.logits))

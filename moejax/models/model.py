@@ -219,29 +219,44 @@ def _attend_cache_blocks(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Arr
 
 
 def gqa_attention(p: dict, cfg: ModelConfig, layer: int, x: jax.Array, cos, sin, positions, kv, pos0):
-    """Grouped-query attention with optional q/k norm, qkv clipping, sliding window and KV cache.
-
-    A long pass without a KV cache runs in blocks of ``ATTENTION_BLOCK`` queries, each against the keys up
-    to its own last position only (positions increase, so later keys are masked anyway): exact, and it
-    skips about half of the score matrix."""
+    """Grouped-query attention with optional q/k norm, qkv clipping, sliding window and KV cache (on the CPU
+    read in blocks: ``_attend_cache_blocks``; a long prompt written at position 0 attends to itself alone:
+    ``_attend_new``)."""
     T = x.shape[0]
     q, k, v = gqa_qkv(p, cfg, x, cos, sin)
-    if kv is not None:
+    if kv is None:
+        out = _attend_new(cfg, layer, q, k, v, positions)
+    else:
         kv = {"k": _write(kv["k"], k, pos0), "v": _write(kv["v"], v, pos0)}
         k_pos = jnp.arange(kv["k"].shape[0])
         mask, blocks = attention_mask(cfg, layer, positions, k_pos), visible_key_blocks(cfg, layer, positions, k_pos.size)
-        out = jax.lax.platform_dependent(
-            q, kv["k"], kv["v"], mask, cpu=lambda *a: _attend_cache_blocks(*a, cfg.attn_scale, blocks),
-            default=lambda q, k, v, mask: _attend_groups(q, cache_values(k), cache_values(v), mask, cfg.attn_scale))
-    elif T <= ATTENTION_BLOCK:
-        out = _attend_groups(q, k, v, attention_mask(cfg, layer, positions, positions), cfg.attn_scale)
-    else:
-        out = jnp.concatenate([
-            _attend_groups(q[a:a + ATTENTION_BLOCK], k[:a + ATTENTION_BLOCK], v[:a + ATTENTION_BLOCK],
-                           attention_mask(cfg, layer, positions[a:a + ATTENTION_BLOCK],
-                                          positions[:a + ATTENTION_BLOCK]), cfg.attn_scale)
-            for a in range(0, T, ATTENTION_BLOCK)])
+
+        def cached(q, k, v, cache_k, cache_v, mask):
+            return jax.lax.platform_dependent(
+                q, cache_k, cache_v, mask, cpu=lambda *a: _attend_cache_blocks(*a, cfg.attn_scale, blocks),
+                default=lambda q, k, v, mask: _attend_groups(q, cache_values(k), cache_values(v), mask,
+                                                             cfg.attn_scale))
+
+        if T <= ATTENTION_BLOCK:
+            out = cached(q, k, v, kv["k"], kv["v"], mask)
+        else:  # a prompt at position 0 (generate's) sees only its own rows: the blocked pass, no cache read
+            out = jax.lax.cond(pos0 == 0, lambda q, k, v, *_: _attend_new(cfg, layer, q, k, v, positions), cached,
+                               q, k, v, kv["k"], kv["v"], mask)
     return linear(out, p["o"], p.get("o_bias")), kv
+
+
+def _attend_new(cfg: ModelConfig, layer: int, q: jax.Array, k: jax.Array, v: jax.Array, positions) -> jax.Array:
+    """Attention of T tokens to themselves (no earlier positions). A long pass runs in blocks of
+    ``ATTENTION_BLOCK`` queries, each against the keys up to its own last position only (positions increase,
+    so later keys are masked anyway): exact, and it skips about half of the score matrix."""
+    T = q.shape[0]
+    if T <= ATTENTION_BLOCK:
+        return _attend_groups(q, k, v, attention_mask(cfg, layer, positions, positions), cfg.attn_scale)
+    return jnp.concatenate([
+        _attend_groups(q[a:a + ATTENTION_BLOCK], k[:a + ATTENTION_BLOCK], v[:a + ATTENTION_BLOCK],
+                       attention_mask(cfg, layer, positions[a:a + ATTENTION_BLOCK], positions[:a + ATTENTION_BLOCK]),
+                       cfg.attn_scale)
+        for a in range(0, T, ATTENTION_BLOCK)])
 
 
 def _attend_latent(q_latent, q_pe, latent, k_pe, mask, scale: float) -> jax.Array:
