@@ -228,20 +228,22 @@ def gqa_attention(p: dict, cfg: ModelConfig, layer: int, x: jax.Array, cos, sin,
         out = _attend_new(cfg, layer, q, k, v, positions)
     else:
         kv = {"k": _write(kv["k"], k, pos0), "v": _write(kv["v"], v, pos0)}
-        k_pos = jnp.arange(kv["k"].shape[0])
-        mask, blocks = attention_mask(cfg, layer, positions, k_pos), visible_key_blocks(cfg, layer, positions, k_pos.size)
 
-        def cached(q, k, v, cache_k, cache_v, mask):
+        def cached(q, cache_k, cache_v):  # the mask [T, rows] is made only where the cache is read
+            rows = cache_k.shape[0]
+            mask, blocks = attention_mask(cfg, layer, positions, jnp.arange(rows)), visible_key_blocks(
+                cfg, layer, positions, rows)
             return jax.lax.platform_dependent(
                 q, cache_k, cache_v, mask, cpu=lambda *a: _attend_cache_blocks(*a, cfg.attn_scale, blocks),
                 default=lambda q, k, v, mask: _attend_groups(q, cache_values(k), cache_values(v), mask,
                                                              cfg.attn_scale))
 
         if T <= ATTENTION_BLOCK:
-            out = cached(q, k, v, kv["k"], kv["v"], mask)
+            out = cached(q, kv["k"], kv["v"])
         else:  # a prompt at position 0 (generate's) sees only its own rows: the blocked pass, no cache read
-            out = jax.lax.cond(pos0 == 0, lambda q, k, v, *_: _attend_new(cfg, layer, q, k, v, positions), cached,
-                               q, k, v, kv["k"], kv["v"], mask)
+            out = jax.lax.cond(pos0 == 0, lambda q, k, v, *_: _attend_new(cfg, layer, q, k, v, positions),
+                               lambda q, k, v, cache_k, cache_v: cached(q, cache_k, cache_v),
+                               q, k, v, kv["k"], kv["v"])
     return linear(out, p["o"], p.get("o_bias")), kv
 
 
