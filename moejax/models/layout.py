@@ -15,8 +15,9 @@ In the serving layout
 - every matrix that ``model.linear`` multiplies by is stored ``[out, in]`` (Hugging Face's own orientation)
   and wrapped in ``OutIn``: ``y = x · wᵀ`` contracts the minor axes of both operands, which XLA hands to
   its matmul library (YNNPACK) in the stored dtype; rows are padded to ``MIN_ROWS`` for 16-bit types (one
-  row would go to the f32 emitter). f32 weights keep one row: the f32 emitter is at the memory
-  bandwidth there.
+  row would go to the f32 emitter). One row on the CPU (batch-1 decode) is ``row_dot`` instead: XLA's
+  fused matrix-vector loop over ``w``'s rows, which converts each weight as it reads it and runs 2-3x
+  faster than the library with padded rows.
 - the routed experts of a MoE layer are an ``ExpertList``: one array per expert and matrix (gate and up
   fused, ``[2F, D]``; down ``[D, F]``), so ``lax.switch(e, ...)`` gives expert ``e``'s own buffer to its
   matmul, read in place (``model.switched_routed_experts``).
@@ -26,13 +27,14 @@ canonical form.
 
 **int8 weights** (``Quantization``; ``moejax.load(..., expert_dtype="int8")`` / ``weight_dtype="int8"``): any
 of those matrices may instead be a ``quant.QuantizedTensor`` of the ``[out, in]`` matrix, symmetric int8
-with one float32 scale per output row (``quant.quantize(w, 8, axis=-1)``). ``nt_dot`` then quantises each
-row of activations on the fly (one scale per row, absmax / 127) and multiplies int8 × int8 with int32
-accumulation in XLA's matmul library, which reads the int8 weights in place: half the bytes of bf16 and,
-on the CPUs measured, 1.3–1.5x the weights per second (bench/RESULTS.md). This is what XNNPACK calls
-"qd8" and close to llama.cpp's ``Q8_0`` (which scales blocks of 32 instead of whole rows). The error
-against the dequantised weights in float32 is the activation rounding alone, bounded per output by
-``s_x / 2 · Σ_i |deq(w)_i|`` (tested); the weights' own rounding is ``quant``'s bound. ``to_serving``/``to_canonical`` convert whole trees; ``arrange`` builds the serving tree
+with one float32 scale per output row (``quant.quantize(w, 8, axis=-1)``). For two or more rows ``nt_dot``
+quantises each row of activations on the fly (one scale per row, absmax / 127) and multiplies int8 × int8
+with int32 accumulation in XLA's matmul library, which reads the int8 weights in place: half the bytes of
+bf16. This is what XNNPACK calls "qd8" and close to llama.cpp's ``Q8_0`` (which scales blocks of 32
+instead of whole rows). The error against the dequantised weights in float32 is the activation rounding
+alone, bounded per output by ``s_x / 2 · Σ_i |deq(w)_i|`` (tested); the weights' own rounding is
+``quant``'s bound. One row on the CPU (decode) goes through ``row_dot`` in float32: no activation
+rounding, and about twice the int8 library's speed. ``to_serving``/``to_canonical`` convert whole trees; ``arrange`` builds the serving tree
 from any leaves through caller-given readers (``weights.place`` reads checkpoint files straight into it).
 """
 
@@ -50,7 +52,6 @@ from moejax.models import quant
 
 ARRANGEMENTS = ("canonical", "serving")
 MIN_ROWS = 4  # rows of a 16-bit matmul: YNNPACK takes >= 2 (one row goes to the f32 emitter); 4 read fastest
-INT8_MIN_ROWS = 2  # rows of an int8 matmul: 2 read fastest (1: 8.0, 2: 8.7, 4: 8.5, 8: 7.0 GB/s, AMD EPYC)
 WEIGHT_DTYPES = ("stored", "int8")
 TIED_INT8_HEAD = "tied_lm_head"  # a tied model's int8 copy of its embedding, multiplied as the LM head
 
@@ -210,19 +211,53 @@ def nt_dot(x: jax.Array, w) -> jax.Array:
     """``x @ w.T`` for ``x [..., in]``, ``w [out, in]`` (an array or an int8 ``quant.QuantizedTensor``),
     accumulated and returned in float32.
 
-    16-bit operands with fewer than ``MIN_ROWS`` rows are padded with zero rows so the product stays in
-    the matmul library (bf16 read in place) instead of XLA's f32 matrix-vector emitter."""
+    One row (batch-1 decode) on the CPU: ``row_dot``. Otherwise the matmul library reads the weights in
+    place; on the CPU 16-bit rows are padded to ``MIN_ROWS`` for it (one row would go to XLA's f32
+    matrix-vector emitter, which copies the whole matrix to f32 first)."""
     if isinstance(w, quant.QuantizedTensor):
         return int8_nt_dot(x, w)
     lead, k = x.shape[:-1], x.shape[-1]
     rows = x.reshape(-1, k)
-    n = rows.shape[0]
     if rows.dtype != w.dtype:
         rows = rows.astype(w.dtype)
+    return _one_row_on_cpu(rows, w, row_dot, _library_dot).reshape(*lead, w.shape[0])
+
+
+def _library_dot(rows: jax.Array, w: jax.Array) -> jax.Array:
+    n, k = rows.shape
     if w.dtype.itemsize < 4 and n < MIN_ROWS:
         rows = jnp.concatenate([rows, jnp.zeros((MIN_ROWS - n, k), rows.dtype)])
-    y = jax.lax.dot_general(rows, w, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
-    return y[:n].reshape(*lead, w.shape[0])
+    return jax.lax.dot_general(rows, w, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)[:n]
+
+
+def _one_row_on_cpu(rows: jax.Array, w, one_row: Callable, library: Callable) -> jax.Array:
+    """``one_row(rows, w)`` for a single row on the CPU, ``library(rows, w)`` otherwise."""
+    if rows.shape[0] != 1:
+        return library(rows, w)
+    return jax.lax.platform_dependent(rows, w, cpu=one_row, default=library)
+
+
+def row_dot(row: jax.Array, w: jax.Array) -> jax.Array:
+    """``row [1, in] @ w.T`` for ``w [out, in]`` of any dtype (int8 included), float32: the product of a
+    batch-1 decode step on the CPU.
+
+    Written as a product with the transposed matrix, XLA:CPU fuses the conversion of ``w`` to float32, the
+    transpose and the dot into one loop over ``w``'s rows, split over the threads, reading ``w`` in place
+    once: 2-3x the weights per second of the matmul library with padded rows, near the memory bandwidth
+    for large matrices (bench/RESULTS.md, "One row: the fused matrix-vector loop").
+
+    Two guards keep it that way. The row comes out of a ``lax.cond`` (whose branches return it unchanged;
+    ``+ 0`` only keeps XLA from merging them): the loop then reads a buffer of shape ``[1, in]``, where a row
+    that XLA sees as a reshape of another shape (attention's ``[1, heads, head_dim]``) makes it index every
+    element through that shape, 10x slower. The optimisation barrier ties ``w`` to the row: inside a decode
+    loop XLA would otherwise hoist the loop-invariant conversion out of the loop and keep a float32 copy of
+    every matrix."""
+    row = jax.lax.cond(row[0, 0] == row[0, 0], lambda r: r, lambda r: r + 0, row)
+    row, w = jax.lax.optimization_barrier((row, w))
+    if row.dtype != w.dtype:
+        common = jnp.float32 if w.dtype == jnp.int8 else w.dtype
+        row, w = row.astype(common), w.astype(common)
+    return jnp.dot(row, w.T, preferred_element_type=jnp.float32)
 
 
 def quantize_rows(x: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -235,19 +270,23 @@ def quantize_rows(x: jax.Array) -> tuple[jax.Array, jax.Array]:
 
 
 def int8_nt_dot(x: jax.Array, w: "quant.QuantizedTensor") -> jax.Array:
-    """``x @ deq(w).T`` with ``w`` int8 ``[out, in]`` (one scale per output row): the activation rows are
-    quantised per row, multiplied int8 x int8 -> int32 (weights read in place), then scaled; float32."""
+    """``x @ deq(w).T`` with ``w`` int8 ``[out, in]`` (one scale per output row), float32. The activation
+    rows are quantised per row, multiplied int8 x int8 -> int32 in the matmul library (weights read in
+    place), then scaled; one row on the CPU is multiplied in float32 by ``row_dot`` instead (faster, and
+    without the activation rounding)."""
     if w.bits != 8 or w.axis != -1 or w.scale.shape[-1] != 1:
         raise ValueError(f"int8_nt_dot needs int8 weights with one scale per output row, got {w.bits}-bit "
                          f"weights with scales {tuple(w.scale.shape)} along axis {w.axis}")
     lead, k = x.shape[:-1], x.shape[-1]
-    xq, xs = quantize_rows(x.reshape(-1, k))
-    n = xq.shape[0]
-    if n < INT8_MIN_ROWS:
-        xq = jnp.concatenate([xq, jnp.zeros((INT8_MIN_ROWS - n, k), jnp.int8)])
-    acc = jax.lax.dot_general(xq, w.q, (((1,), (1,)), ((), ())), preferred_element_type=jnp.int32)[:n]
-    y = acc.astype(jnp.float32) * xs * w.scale[:, 0].astype(jnp.float32)[None, :]
-    return y.reshape(*lead, w.q.shape[0])
+    scale = w.scale[:, 0].astype(jnp.float32)[None, :]
+    y = _one_row_on_cpu(x.reshape(-1, k), w.q, lambda row, q: row_dot(row.astype(jnp.float32), q),
+                        _int8_library_dot)
+    return (y * scale).reshape(*lead, w.q.shape[0])
+
+
+def _int8_library_dot(rows: jax.Array, q: jax.Array) -> jax.Array:
+    xq, xs = quantize_rows(rows)
+    return jax.lax.dot_general(xq, q, (((1,), (1,)), ((), ())), preferred_element_type=jnp.int32).astype(jnp.float32) * xs
 
 
 def matmul(x: jax.Array, w) -> jax.Array:
