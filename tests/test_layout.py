@@ -4,8 +4,10 @@ Checked here: the switched expert dispatch equals the dense reference (hypothesi
 slots, chunk sizes, activations; f32 exactly, bf16 within rounding), under ``vmap`` (lanes folded into the
 tokens) and ``jit``; every family's decode step, teacher-forced pass and greedy tokens equal the canonical
 layout's; lazy placement equals converting an eager tree; layouts round-trip and share one fingerprint and
-one checkpoint; and a bf16 decode step copies no weight matrix (no f32 upcast, no gathered expert: the
-compiled program's temporary memory is below one expert matrix).
+one checkpoint; a single row's product (decode's fused loop on the CPU) equals the same row's product
+among others (f32, bf16, int8); and a bf16 decode step copies no weight matrix (no f32 upcast, no gathered
+expert, no conversion hoisted out of the loop: the compiled program's temporary memory is below one expert
+matrix and nothing outside a fusion writes an array of a weight matrix's shape).
 """
 
 from __future__ import annotations
