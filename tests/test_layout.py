@@ -96,6 +96,15 @@ def test_one_row_product_equals_the_same_row_among_others(seed, shape, dtype):
     assert np.isnan(np.asarray(product(x_nan, w))).all()
 
 
+@pytest.mark.parametrize("k", [layout.ROW_DOT_MAX_IN, layout.ROW_DOT_MAX_IN + 1, 3 * layout.ROW_DOT_MAX_IN])
+def test_one_row_product_never_copies_the_matrix(k):
+    """A row longer than XLA:CPU fuses into its matrix-vector loop would make it write a transposed float32
+    copy of the matrix first (55 ms for DeepSeek-V2's dense down matrix): those rows go to the library."""
+    w = jnp.zeros((8, k), jnp.bfloat16)
+    program = jax.jit(layout.nt_dot).lower(jnp.zeros((1, k), jnp.bfloat16), w).compile()
+    assert not materialised_matrices(program, {"w": w})
+
+
 @pytest.mark.parametrize("T", [1, 6])
 def test_switched_under_vmap_equals_each_lane(T):
     """A sweep maps routing over lanes with shared weights: lanes fold into the tokens (one T = lanes·T

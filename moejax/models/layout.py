@@ -51,6 +51,10 @@ import numpy as np
 from moejax.models import quant
 
 ARRANGEMENTS = ("canonical", "serving")
+# the longest row XLA:CPU fuses into its matrix-vector loop: from 4,096 it writes a transposed f32 copy of w
+# first (55 ms for DeepSeek-V2's [2048, 10944] down matrix), and column slices of w defeat the loop
+# (1-2 GB/s), so longer rows go to the library
+ROW_DOT_MAX_IN = 4095
 MIN_ROWS = 4  # rows of a 16-bit matmul: YNNPACK takes >= 2 (one row goes to the f32 emitter); 4 read fastest
 WEIGHT_DTYPES = ("stored", "int8")
 TIED_INT8_HEAD = "tied_lm_head"  # a tied model's int8 copy of its embedding, multiplied as the LM head
@@ -231,15 +235,16 @@ def _library_dot(rows: jax.Array, w: jax.Array) -> jax.Array:
 
 
 def _one_row_on_cpu(rows: jax.Array, w, one_row: Callable, library: Callable) -> jax.Array:
-    """``one_row(rows, w)`` for a single row on the CPU, ``library(rows, w)`` otherwise."""
-    if rows.shape[0] != 1:
+    """``one_row(rows, w)`` for a single row of at most ``ROW_DOT_MAX_IN`` on the CPU, ``library(rows, w)``
+    otherwise."""
+    if rows.shape[0] != 1 or rows.shape[1] > ROW_DOT_MAX_IN:
         return library(rows, w)
     return jax.lax.platform_dependent(rows, w, cpu=one_row, default=library)
 
 
 def row_dot(row: jax.Array, w: jax.Array) -> jax.Array:
     """``row [1, in] @ w.T`` for ``w [out, in]`` of any dtype (int8 included), float32: the product of a
-    batch-1 decode step on the CPU.
+    batch-1 decode step on the CPU, for ``in`` up to ``ROW_DOT_MAX_IN``.
 
     Written as a product with the transposed matrix, XLA:CPU fuses the conversion of ``w`` to float32, the
     transpose and the dot into one loop over ``w``'s rows, split over the threads, reading ``w`` in place

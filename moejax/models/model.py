@@ -324,8 +324,27 @@ def mla_attention(p: dict, cfg: ModelConfig, layer: int, x: jax.Array, cos, sin,
             default=lambda q_latent, q_pe, latent, k_pe, mask: _attend_latent(
                 q_latent, q_pe, cache_values(latent).astype(x.dtype), cache_values(k_pe).astype(x.dtype), mask,
                 cfg.attn_scale))
-    out = jnp.einsum("thr,rhv->thv", out_latent, w_v)
+    out = _latent_values(out_latent, w_v)
     return linear(out.reshape(T, H * vd), p["o"], p.get("o_bias")), kv
+
+
+def _latent_values(out_latent: jax.Array, w_v: jax.Array) -> jax.Array:
+    """MLA's values from the attended latent: ``Σ_r out_latent[t, h, r] · w_v[r, h, v]`` -> [T, H, vd].
+
+    One token on the CPU is the elementwise product summed over r: XLA's batched product for it took 1.8 ms
+    a layer at DeepSeek-V2-Lite's shapes (16 heads, r = 512, 128 values), the sum 0.25 ms (bench/RESULTS.md,
+    "One row"). The barrier keeps a decode loop from hoisting ``w_v``'s conversion (an f32 copy) out."""
+    def summed(out_latent, w_v):
+        out_latent, w_v = jax.lax.optimization_barrier((out_latent, w_v))
+        terms = w_v.astype(jnp.float32) * out_latent[0].astype(jnp.float32).T[:, :, None]
+        return jnp.sum(terms, axis=0)[None].astype(out_latent.dtype)
+
+    def product(out_latent, w_v):
+        return jnp.einsum("thr,rhv->thv", out_latent, w_v)
+
+    if out_latent.shape[0] != 1:
+        return product(out_latent, w_v)
+    return jax.lax.platform_dependent(out_latent, w_v, cpu=summed, default=product)
 
 
 def dense_mlp(p: dict, cfg: ModelConfig, x: jax.Array) -> jax.Array:
