@@ -15,9 +15,9 @@ In the serving layout
 - every matrix that ``model.linear`` multiplies by is stored ``[out, in]`` (Hugging Face's own orientation)
   and wrapped in ``OutIn``: ``y = x · wᵀ`` contracts the minor axes of both operands, which XLA hands to
   its matmul library (YNNPACK) in the stored dtype; rows are padded to ``MIN_ROWS`` for 16-bit types (one
-  row would go to the f32 emitter). One row on the CPU (batch-1 decode) is ``row_dot`` instead: XLA's
-  fused matrix-vector loop over ``w``'s rows, which converts each weight as it reads it and runs 2-3x
-  faster than the library with padded rows.
+  row would go to the f32 emitter). One row on the CPU (batch-1 decode) of at most ``ROW_DOT_MAX_IN``
+  (4,095) is ``row_dot`` instead: XLA's fused matrix-vector loop over ``w``'s rows, which converts each
+  weight as it reads it and runs 2-3x faster than the library with padded rows.
 - the routed experts of a MoE layer are an ``ExpertList``: one array per expert and matrix (gate and up
   fused, ``[2F, D]``; down ``[D, F]``), so ``lax.switch(e, ...)`` gives expert ``e``'s own buffer to its
   matmul, read in place (``model.switched_routed_experts``).
