@@ -251,18 +251,30 @@ def row_dot(row: jax.Array, w: jax.Array) -> jax.Array:
     once: 2-3x the weights per second of the matmul library with padded rows, near the memory bandwidth
     for large matrices (bench/RESULTS.md, "One row: the fused matrix-vector loop").
 
-    Two guards keep it that way. The row comes out of a ``lax.cond`` (whose branches return it unchanged;
-    ``+ 0`` only keeps XLA from merging them): the loop then reads a buffer of shape ``[1, in]``, where a row
-    that XLA sees as a reshape of another shape (attention's ``[1, heads, head_dim]``) makes it index every
-    element through that shape, 10x slower. The optimisation barrier ties ``w`` to the row: inside a decode
-    loop XLA would otherwise hoist the loop-invariant conversion out of the loop and keep a float32 copy of
-    every matrix."""
-    row = jax.lax.cond(row[0, 0] == row[0, 0], lambda r: r, lambda r: r + 0, row)
+    The row must be a buffer of shape ``[1, in]``: one that XLA sees as a reshape of another shape
+    (attention's ``[1, heads, head_dim]``) makes the loop index every element through that shape, 10x
+    slower; such callers pass it through ``as_rows`` first. The optimisation barrier ties ``w`` to the row:
+    inside a decode loop XLA would otherwise hoist the loop-invariant conversion out of the loop and keep a
+    float32 copy of every matrix."""
     row, w = jax.lax.optimization_barrier((row, w))
     if row.dtype != w.dtype:
         common = jnp.float32 if w.dtype == jnp.int8 else w.dtype
         row, w = row.astype(common), w.astype(common)
     return jnp.dot(row, w.T, preferred_element_type=jnp.float32)
+
+
+def as_rows(x: jax.Array) -> jax.Array:
+    """``x.reshape(T, -1)`` held by XLA in that shape: for a reshaped row that goes to ``row_dot`` (see there).
+    One token on the CPU comes out of a ``lax.cond`` whose branches return it unchanged (``+ 0`` only keeps
+    XLA from merging them; a cond costs about half a microsecond); anything else is the reshape alone."""
+    rows = x.reshape(x.shape[0], -1)
+    if rows.shape[0] != 1:
+        return rows
+
+    def materialised(r):
+        return jax.lax.cond(r[0, 0] == r[0, 0], lambda r: r, lambda r: r + 0, r)
+
+    return jax.lax.platform_dependent(rows, cpu=materialised, default=lambda r: r)
 
 
 def quantize_rows(x: jax.Array) -> tuple[jax.Array, jax.Array]:

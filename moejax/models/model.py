@@ -244,7 +244,7 @@ def gqa_attention(p: dict, cfg: ModelConfig, layer: int, x: jax.Array, cos, sin,
             out = jax.lax.cond(pos0 == 0, lambda q, k, v, *_: _attend_new(cfg, layer, q, k, v, positions),
                                lambda q, k, v, cache_k, cache_v: cached(q, cache_k, cache_v),
                                q, k, v, kv["k"], kv["v"])
-    return linear(out, p["o"], p.get("o_bias")), kv
+    return linear(layout.as_rows(out), p["o"], p.get("o_bias")), kv
 
 
 def _attend_new(cfg: ModelConfig, layer: int, q: jax.Array, k: jax.Array, v: jax.Array, positions) -> jax.Array:
@@ -325,7 +325,7 @@ def mla_attention(p: dict, cfg: ModelConfig, layer: int, x: jax.Array, cos, sin,
                 q_latent, q_pe, cache_values(latent).astype(x.dtype), cache_values(k_pe).astype(x.dtype), mask,
                 cfg.attn_scale))
     out = _latent_values(out_latent, w_v)
-    return linear(out.reshape(T, H * vd), p["o"], p.get("o_bias")), kv
+    return linear(layout.as_rows(out), p["o"], p.get("o_bias")), kv
 
 
 def _latent_values(out_latent: jax.Array, w_v: jax.Array) -> jax.Array:
