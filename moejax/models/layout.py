@@ -34,8 +34,9 @@ bf16. This is what XNNPACK calls "qd8" and close to llama.cpp's ``Q8_0`` (which 
 instead of whole rows). The error against the dequantised weights in float32 is the activation rounding
 alone, bounded per output by ``s_x / 2 · Σ_i |deq(w)_i|`` (tested); the weights' own rounding is
 ``quant``'s bound. One row on the CPU (decode) goes through ``row_dot`` in float32: no activation
-rounding, and about twice the int8 library's speed. ``to_serving``/``to_canonical`` convert whole trees; ``arrange`` builds the serving tree
-from any leaves through caller-given readers (``weights.place`` reads checkpoint files straight into it).
+rounding, and about twice the int8 library's speed. ``to_serving``/``to_canonical`` convert whole trees;
+``arrange`` builds the serving tree from any leaves through caller-given readers (``weights.place`` reads
+checkpoint files straight into it).
 """
 
 from __future__ import annotations
@@ -224,7 +225,8 @@ def nt_dot(x: jax.Array, w) -> jax.Array:
     rows = x.reshape(-1, k)
     if rows.dtype != w.dtype:
         rows = rows.astype(w.dtype)
-    return _one_row_on_cpu(rows, w, row_dot, _library_dot).reshape(*lead, w.shape[0])
+    one_row = row_dot if k <= ROW_DOT_MAX_IN else _library_dot
+    return one_row_on_cpu(rows, one_row, _library_dot, w).reshape(*lead, w.shape[0])
 
 
 def _library_dot(rows: jax.Array, w: jax.Array) -> jax.Array:
@@ -234,17 +236,17 @@ def _library_dot(rows: jax.Array, w: jax.Array) -> jax.Array:
     return jax.lax.dot_general(rows, w, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)[:n]
 
 
-def _one_row_on_cpu(rows: jax.Array, w, one_row: Callable, library: Callable) -> jax.Array:
-    """``one_row(rows, w)`` for a single row of at most ``ROW_DOT_MAX_IN`` on the CPU, ``library(rows, w)``
-    otherwise."""
-    if rows.shape[0] != 1 or rows.shape[1] > ROW_DOT_MAX_IN:
-        return library(rows, w)
-    return jax.lax.platform_dependent(rows, w, cpu=one_row, default=library)
+def one_row_on_cpu(rows: jax.Array, cpu: Callable, default: Callable, *operands):
+    """``cpu(rows, *operands)`` for a single row (one token: batch-1 decode) on the CPU, ``default(rows,
+    *operands)`` for more rows or on other platforms: where decode takes a CPU-only path."""
+    if rows.shape[0] != 1:
+        return default(rows, *operands)
+    return jax.lax.platform_dependent(rows, *operands, cpu=cpu, default=default)
 
 
 def row_dot(row: jax.Array, w: jax.Array) -> jax.Array:
-    """``row [1, in] @ w.T`` for ``w [out, in]`` of any dtype (int8 included), float32: the product of a
-    batch-1 decode step on the CPU, for ``in`` up to ``ROW_DOT_MAX_IN``.
+    """``row [1, in] @ w.T`` for ``w [out, in]`` in the row's dtype or int8 (then multiplied in the row's
+    float32), float32: the product of a batch-1 decode step on the CPU, for ``in`` up to ``ROW_DOT_MAX_IN``.
 
     Written as a product with the transposed matrix, XLA:CPU fuses the conversion of ``w`` to float32, the
     transpose and the dot into one loop over ``w``'s rows, split over the threads, reading ``w`` in place
@@ -257,24 +259,17 @@ def row_dot(row: jax.Array, w: jax.Array) -> jax.Array:
     inside a decode loop XLA would otherwise hoist the loop-invariant conversion out of the loop and keep a
     float32 copy of every matrix."""
     row, w = jax.lax.optimization_barrier((row, w))
-    if row.dtype != w.dtype:
-        common = jnp.float32 if w.dtype == jnp.int8 else w.dtype
-        row, w = row.astype(common), w.astype(common)
-    return jnp.dot(row, w.T, preferred_element_type=jnp.float32)
+    return jnp.dot(row, w.astype(row.dtype).T, preferred_element_type=jnp.float32)
 
 
 def as_rows(x: jax.Array) -> jax.Array:
     """``x.reshape(T, -1)`` held by XLA in that shape: for a reshaped row that goes to ``row_dot`` (see there).
     One token on the CPU comes out of a ``lax.cond`` whose branches return it unchanged (``+ 0`` only keeps
     XLA from merging them; a cond costs about half a microsecond); anything else is the reshape alone."""
-    rows = x.reshape(x.shape[0], -1)
-    if rows.shape[0] != 1:
-        return rows
-
     def materialised(r):
         return jax.lax.cond(r[0, 0] == r[0, 0], lambda r: r, lambda r: r + 0, r)
 
-    return jax.lax.platform_dependent(rows, cpu=materialised, default=lambda r: r)
+    return one_row_on_cpu(x.reshape(x.shape[0], -1), materialised, lambda r: r)
 
 
 def quantize_rows(x: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -296,14 +291,15 @@ def int8_nt_dot(x: jax.Array, w: "quant.QuantizedTensor") -> jax.Array:
                          f"weights with scales {tuple(w.scale.shape)} along axis {w.axis}")
     lead, k = x.shape[:-1], x.shape[-1]
     scale = w.scale[:, 0].astype(jnp.float32)[None, :]
-    y = _one_row_on_cpu(x.reshape(-1, k), w.q, lambda row, q: row_dot(row.astype(jnp.float32), q),
-                        _int8_library_dot)
+    one_row = (lambda row, q: row_dot(row.astype(jnp.float32), q)) if k <= ROW_DOT_MAX_IN else _int8_library_dot
+    y = one_row_on_cpu(x.reshape(-1, k), one_row, _int8_library_dot, w.q)
     return (y * scale).reshape(*lead, w.q.shape[0])
 
 
 def _int8_library_dot(rows: jax.Array, q: jax.Array) -> jax.Array:
     xq, xs = quantize_rows(rows)
-    return jax.lax.dot_general(xq, q, (((1,), (1,)), ((), ())), preferred_element_type=jnp.int32).astype(jnp.float32) * xs
+    acc = jax.lax.dot_general(xq, q, (((1,), (1,)), ((), ())), preferred_element_type=jnp.int32)
+    return acc.astype(jnp.float32) * xs
 
 
 def matmul(x: jax.Array, w) -> jax.Array:

@@ -342,9 +342,7 @@ def _latent_values(out_latent: jax.Array, w_v: jax.Array) -> jax.Array:
     def product(out_latent, w_v):
         return jnp.einsum("thr,rhv->thv", out_latent, w_v)
 
-    if out_latent.shape[0] != 1:
-        return product(out_latent, w_v)
-    return jax.lax.platform_dependent(out_latent, w_v, cpu=summed, default=product)
+    return layout.one_row_on_cpu(out_latent, summed, product, w_v)
 
 
 def dense_mlp(p: dict, cfg: ModelConfig, x: jax.Array) -> jax.Array:
