@@ -85,10 +85,18 @@ with ProcessPoolExecutor(len(train)) as pool:
     sizes = list(pool.map(data.shard_bin, [sys.argv[1]] * len(train), train))
 print(f"tokenized {len(train)} shards: {sum(s.size for s in sizes) / 1e6:.1f}M tokens in {time.time() - t:.0f} s")
 EOF
-    # issue 14 part 1, beside the training: the offload equality tests with the GPU visible (tiny models)
-    XLA_PYTHON_CLIENT_PREALLOCATE=false timeout 240 python3 -m pytest -q -p no:cacheprovider tests/test_offload.py \
-        tests/test_overlap.py tests/test_page_writes.py -k "simulation or slots or bytes or compiles" \
-        > "$WORK/offload/tests.txt" 2>&1 &
+    # issue 14 part 1, beside the training: the offload equality tests with the GPU visible (tiny models), or
+    # with SUITE=1 the whole suite (SUITE_WORKERS processes, each failure's traceback written as it happens to
+    # failures.txt; the tree must hold tests/data: carry fewer shards, SHARDS="00 01" at --prepare)
+    if [[ "${SUITE:-0}" == 1 ]]; then
+        XLA_PYTHON_CLIENT_PREALLOCATE=false MOEJAX_TEST_FAILURE_LOG="$WORK/offload/failures.txt" \
+            timeout "${SUITE_BOX:-480}" python3 -m pytest -v -rfE -p no:cacheprovider -n "${SUITE_WORKERS:-6}" \
+            -m "not slow" --durations 15 > "$WORK/offload/tests.txt" 2>&1 &
+    else
+        XLA_PYTHON_CLIENT_PREALLOCATE=false timeout 240 python3 -m pytest -q -p no:cacheprovider tests/test_offload.py \
+            tests/test_overlap.py tests/test_page_writes.py -k "simulation or slots or bytes or compiles" \
+            > "$WORK/offload/tests.txt" 2>&1 &
+    fi
     tests_pid=$!
     # the recipe (bench/train_default.md, "The GPU run"): balancing 0.01 with the router remedies; no
     # checkpoint (orbax's first save took 72 s here, and the optimizer state cannot come back anyway): the
@@ -121,13 +129,15 @@ EOF
     hlo=$(ls -S "$WORK"/xla/*jit_train_step*after_optimizations.txt 2>/dev/null | head -1 || true)
     if [[ -n "$hlo" ]]; then gzip -c "$hlo" > "$WORK/offload/train_step_hlo.txt.gz"; fi
     pack
-    wait "$tests_pid"; echo "offload tests exit $? (124 = time box)"; tail -3 "$WORK/offload/tests.txt"
+    wait "$tests_pid"; echo "tests exit $? (124 = time box)"; tail -3 "$WORK/offload/tests.txt"
+    grep -c " PASSED " "$WORK/offload/tests.txt" || true; grep " FAILED \| ERROR " "$WORK/offload/tests.txt" | head -60 || true
     # issue 14 part 2-3 on the quiet GPU: pinned host -> device bandwidth, offloaded decode vs the roofline
     box=$(( DEADLINE_S - (SECONDS - t0) - 15 ))
     echo "bench_offload --suite gpu: ${box} s left for it"
     if (( box > 20 )); then
         timeout "$box" python3 bench/bench_offload.py --suite gpu --layers 4 "${small[@]}" \
-            --out "$WORK/offload/offload_gpu.json" > "$WORK/offload/bench.txt" 2>&1; echo "bench exit $? (124 = time box)"
+            --shapes "${SHAPES:-olmoe}" --routings "${ROUTINGS:-original}" --sizes "${SIZES:-0.5,0.25}" \
+            --pagings "${PAGINGS:-host,jit}" --out "$WORK/offload/offload_gpu.json" > "$WORK/offload/bench.txt" 2>&1; echo "bench exit $? (124 = time box)"
         tail -8 "$WORK/offload/bench.txt"
     fi
     date
