@@ -125,15 +125,27 @@ def mean_nll(logits: list[np.ndarray], chunks: list[np.ndarray]) -> float:
     return float(nll.mean())
 
 
-def timed(run, repeats: int) -> tuple[float, list[float], object]:
-    """Warm up with one run, then time ``repeats`` runs; (min seconds, all times, last run's result)."""
+_START = time.perf_counter()
+
+
+def timed(run, repeats: int, label: str = "") -> tuple[float, list[float], object]:
+    """Warm up with one run, then time ``repeats`` runs; (min seconds, all times, last run's result). Each
+    finished run is logged to stderr with the time since start (on the H200 a call cut off by its time box
+    said nothing of where its 190 s went)."""
+    t = time.perf_counter()
     result = run()
+    _log(f"{label}: warm-up run (compiles) {time.perf_counter() - t:.1f} s")
     times = []
     for _ in range(repeats):
         t = time.perf_counter()
         result = run()
         times.append(time.perf_counter() - t)
+        _log(f"{label}: {times[-1]:.2f} s")
     return min(times), times, result
+
+
+def _log(msg: str) -> None:
+    print(f"[{time.perf_counter() - _START:7.1f} s] {msg}", file=sys.stderr, flush=True)
 
 
 # ------------------------------------------------------------------------------------------ moejax
@@ -369,6 +381,7 @@ def main() -> int:
     torch.set_num_threads(args.threads)
     device = ("cuda" if torch.cuda.is_available() else "cpu") if args.torch_device == "auto" else args.torch_device
     model = moejax.load(args.model, dtype=args.dtype)
+    _log(f"loaded {args.model} on {jax.default_backend()}; torch on {device}")
     cfg = model.cfg
     try:
         chunks, tokens_from = wikitext_chunks(model, args.chunks, args.context), "WikiText-2 test"
@@ -388,6 +401,8 @@ def main() -> int:
             hf_dir = convert.convert("moejax-to-hf", args.model, os.path.join(tmp, "hf"), dtype=args.dtype)
             hf_model = load_transformers(hf_dir, args.hf_experts, args.dtype, device)
 
+    _log("transformers model ready")
+
     def figures(seconds, times, logits, extra=None):
         nll = mean_nll(logits, chunks)
         return {"seconds": seconds, "times_s": times, "tokens_per_s": n_tokens / seconds, "nll_per_token": nll,
@@ -396,9 +411,10 @@ def main() -> int:
     # 1. plain pass
     plain = None
     if not args.skip_plain:
-        t, ts, mj_logits = timed(lambda: moejax_plain(model, chunks), args.repeats)
+        t, ts, mj_logits = timed(lambda: moejax_plain(model, chunks), args.repeats, "moejax plain")
         mj_plain = figures(t, ts, mj_logits)
-        t, ts, hf_logits = timed(lambda: transformers_logits(hf_model, chunks), args.repeats)
+        t, ts, hf_logits = timed(lambda: transformers_logits(hf_model, chunks), args.repeats,
+                                  "transformers plain")
         hf_plain = figures(t, ts, hf_logits)
         plain = compare("plain", mj_plain, hf_plain, args.dtype)
         plain["max_abs_logit_diff"] = max(float(np.abs(a - b).max()) for a, b in zip(mj_logits, hf_logits))
@@ -406,12 +422,12 @@ def main() -> int:
 
     # 2. cache-prior + LRU pass
     t, ts, (mj_logits, mj_chosen, stats) = timed(lambda: moejax_cache(model, chunks, policy, cache_cfg),
-                                                 args.repeats)
+                                                 args.repeats, "moejax cache pass")
     mj_cache = figures(t, ts, mj_logits, {"miss_rate": stats["miss_rate"], "misses": stats["misses"],
                                           "accesses": stats["accesses"]})
     hooks = install_hooks(hf_model, capacity, args.lam, top_j)
     t, ts, (hf_logits, hf_chosen, hf_stats) = timed(lambda: transformers_cache(hf_model, hooks, chunks),
-                                                    args.repeats)
+                                                    args.repeats, "transformers + hook")
     hf_cache = figures(t, ts, hf_logits, hf_stats)
     cached = compare("cache-prior + LRU", mj_cache, hf_cache, args.dtype)
     cached["max_abs_logit_diff"] = max(float(np.abs(a - b).max()) for a, b in zip(mj_logits, hf_logits))
@@ -423,8 +439,10 @@ def main() -> int:
     if args.sweep_points:
         lams = np.linspace(0.0, 1.0, args.sweep_points).tolist()
         policies = [routing.make_policy("cache-prior", cfg.top_k, lam=lam, top_j=top_j) for lam in lams]
-        t_seq, ts_seq, seq = timed(lambda: sweep_sequential(model, chunks, policies, cache_cfg), args.repeats)
-        t_vm, ts_vm, vm = timed(lambda: sweep_vmapped(model, chunks, policies, cache_cfg), args.repeats)
+        t_seq, ts_seq, seq = timed(lambda: sweep_sequential(model, chunks, policies, cache_cfg), args.repeats,
+                                    "sweep, passes")
+        t_vm, ts_vm, vm = timed(lambda: sweep_vmapped(model, chunks, policies, cache_cfg), args.repeats,
+                                 "sweep, vmapped")
         ppl_diff = max(abs(math.exp(a[0]) - math.exp(b[0])) / math.exp(a[0]) for a, b in zip(seq, vm))
         miss_diff = max(abs(a[1] - b[1]) for a, b in zip(seq, vm))
         swept = {"points": args.sweep_points, "lams": lams, "sequential_s": t_seq, "sequential_times_s": ts_seq,

@@ -7,6 +7,7 @@ device_env() {
     python3 -c "import jax; print('jax', jax.__version__, jax.devices())"
     if [[ "${1:-}" == torch ]]; then
         python3 -c "import torch; print('torch', torch.__version__, 'cuda', torch.cuda.is_available())"
+        python3 -c "import transformers; print('transformers', transformers.__version__)"  # parity references
     fi
 }
 

@@ -72,7 +72,8 @@ pack() {
     tr '\r' '\n' < "$log" | grep -v "it/s\]\|s/it\]" | tail -c 1000000 > "$OUT/log.txt" || true
 }
 {
-    device_env
+    device_env torch
+    timeout 60 python3 bench/gpu_numerics_probe.py > "$WORK/offload/probe.txt" 2>&1; echo "int8 probe exit $?"
     rm -rf "$WORK/data" && mkdir -p "$WORK/data" && cp .corpus-tokenizer/* "$WORK/data/"
     # every training shard tokenized at once, in parallel, so that the training clock is spent training
     python3 - "$WORK/data" <<'EOF'

@@ -29,9 +29,11 @@ device_out
 small=(); tests_box=${TESTS_BOX:-300}; bench_box=${BENCH_BOX:-150}
 if [[ -n "${SMALL:-}" ]]; then small=(--small); fi
 {
-    device_env
+    device_env torch
 } > "$OUT/env.txt" 2>&1
 cat "$OUT/env.txt"
+# 0. the int8 product by row count (seconds): session 18's int8 decode failures (bench/gpu_numerics_probe.py)
+timeout 60 python3 bench/gpu_numerics_probe.py > "$OUT/probe.txt" 2>&1; echo "probe exit $?"; tail -1 "$OUT/probe.txt"
 
 # 1. the test suite, GPU visible (the offload equality tests first, then the rest; 8 workers, each without
 # preallocating the GPU's memory). On the H200 (2026-11-26) the offload ones passed but one, which TF32

@@ -82,11 +82,26 @@ def _offloaded(store="flash"):
     return moejax.load(get_hf_model("qwen2_moe").folder, offload=store)
 
 
+class _Host:
+    """The device ``memory_plan`` reads when it is the host (the CPU backend): its platform only."""
+
+    platform, device_kind = "cpu", "cpu"
+
+
+def _on_host(monkeypatch):
+    """The plan's device is the host, whatever the backend: these tests are about the host's memory (with a GPU
+    visible the plan reads the GPU's allocator instead; the H200's suite failed them on that)."""
+    monkeypatch.setattr(api.distributed, "local_device", lambda: _Host())
+
+
 def _free(monkeypatch, nbytes, where="the memory cgroup /x (limit 1.0 GiB)"):
+    """The host's free memory is ``nbytes`` (and the plan's device is the host)."""
+    _on_host(monkeypatch)
     monkeypatch.setattr(api.host_memory, "headroom", lambda: (nbytes, where))
 
 
 def test_auto_takes_the_most_slots_the_free_memory_holds(monkeypatch):
+    _on_host(monkeypatch)
     m = _offloaded()
     plan = m.memory_plan(CacheConfig(), None, 64)
     assert plan["fixed"] == plan["kv_cache"] + plan["staging"] + plan["reserve"] and plan["host_store"] == 0
@@ -112,6 +127,7 @@ def test_auto_takes_the_most_slots_the_free_memory_holds(monkeypatch):
 
 
 def test_a_size_that_cannot_fit_is_refused_and_the_default_shrinks(monkeypatch, capsys):
+    _on_host(monkeypatch)
     m = _offloaded()
     plan = m.memory_plan(CacheConfig(), None, 64)
     base = plan["reserve"] - plan["prompt_reserve"]  # the runtime's margin: auto and a default size keep it
@@ -168,7 +184,7 @@ def test_on_an_accelerator_the_free_memory_is_the_allocators(monkeypatch):
     used = 3 * gib
     free = plan_cpu["kv_cache"] + plan_cpu["staging"] + plan_cpu["reserve"] + 5 * plan_cpu["slot_set"] + 7
     device = _FakeAccelerator({"bytes_limit": used + free, "bytes_in_use": used})
-    monkeypatch.setattr(api.jax, "local_devices", lambda *a, **k: [device])
+    monkeypatch.setattr(api.distributed, "local_device", lambda: device)
     plan = m.memory_plan(CacheConfig(), None, 64)
     assert plan["headroom"] == free and plan["host_store"] == 0
     assert plan["where"].startswith("NVIDIA H100 80GB HBM3 memory (") and plan["slot_set"] == plan_cpu["slot_set"]
@@ -184,6 +200,7 @@ def test_on_an_accelerator_the_free_memory_is_the_allocators(monkeypatch):
 
 
 def test_the_host_store_counts_its_copy_of_every_expert(monkeypatch):
+    _on_host(monkeypatch)
     m = _offloaded("host")
     plan = m.memory_plan(CacheConfig(), None, 64)
     every = m.cfg.n_moe_layers * m.cfg.n_experts * m.cached_expert_bytes()
@@ -194,6 +211,7 @@ def test_the_host_store_counts_its_copy_of_every_expert(monkeypatch):
 
 
 def test_generate_command_takes_auto(monkeypatch, capsys):
+    _on_host(monkeypatch)
     base = ["--prompt-ids", "5,17", "--max-new-tokens", "2", "--json"]
     assert generate.main(base + ["--offload", "--expert-store", "flash", "--cache-size", "auto"]) == 0
     cache = json.loads(capsys.readouterr().out)["stats"]["cache"]
@@ -268,6 +286,7 @@ def test_a_teacher_forced_pass_counts_the_logits_it_returns(monkeypatch):
     """An offloaded forward returns float32 logits [T, V] (filled piece by piece: one piece's on top); a
     1,024-token pass under 8 GiB with auto was OOM-killed at Qwen1.5-MoE shapes (1.2 GB of logits held
     twice, not counted). Now they are in the plan and the pass fits (bench/RESULTS.md, "the reserve")."""
+    _on_host(monkeypatch)
     m = _offloaded()
     bare = m.memory_plan(CacheConfig(), None, 64)
     plan = m.memory_plan(CacheConfig(), None, 64, logits_rows=64)

@@ -9,6 +9,7 @@ import shutil
 import subprocess
 import sys
 
+import jax
 import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
@@ -117,9 +118,12 @@ def test_perplexity_matches_a_direct_computation(lm):
         total += perplexity.token_nll(out.logits, chunk).sum()
         count += len(chunk) - 1
     assert res["predicted_tokens"] == count == len(ids)
-    assert math.isclose(res["ppl"], math.exp(total / count), rel_tol=1e-9)
-    assert math.isclose(res["ppl_word"], math.exp(total / len(TEXT.split())), rel_tol=1e-9)
-    assert math.isclose(res["bits_per_byte"], total / math.log(2) / len(TEXT.encode()), rel_tol=1e-9)
+    # the same sums on the CPU; on a GPU the batched pass and the chunk-by-chunk one are different programs,
+    # whose products round differently (5.5e-9 apart on the H200, session 18)
+    tol = 1e-9 if jax.default_backend() == "cpu" else 1e-6
+    assert math.isclose(res["ppl"], math.exp(total / count), rel_tol=tol)
+    assert math.isclose(res["ppl_word"], math.exp(total / len(TEXT.split())), rel_tol=tol)
+    assert math.isclose(res["bits_per_byte"], total / math.log(2) / len(TEXT.encode()), rel_tol=tol)
 
 
 def test_lambda_zero_equals_plain_perplexity_and_policies_report_misses(lm):

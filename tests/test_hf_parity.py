@@ -61,9 +61,12 @@ class HFOut:
 
 
 def hf_forward(model, ids) -> HFOut:
-    """HF forward with output_router_logits, plus each router's own (weights, indices) via forward hooks."""
+    """HF forward with output_router_logits, plus each router's own (logits, weights, indices) via forward hooks.
+    The router logits come from the output where the model returns them, else from the hooks: the device image's
+    transformers returns no ``router_logits`` for DeepSeek-V2 (its H200 suite failed every DeepSeek parity test
+    on that AttributeError, not on a number)."""
     captured = []
-    hooks = [r.register_forward_hook(lambda m, i, o: captured.append((o[1].detach(), o[2].detach())))
+    hooks = [r.register_forward_hook(lambda m, i, o: captured.append((o[1].detach(), o[2].detach(), o[0].detach())))
              for r in router_modules(model)]
     try:
         with torch.no_grad():
@@ -72,7 +75,10 @@ def hf_forward(model, ids) -> HFOut:
     finally:
         for h in hooks:
             h.remove()
-    router = np.stack([r.float().numpy() for r in out.router_logits]) if out.router_logits else None
+    returned = getattr(out, "router_logits", None)
+    router = np.stack([c[2].float().numpy() for c in captured]) if captured else None
+    if returned:  # where both exist they are the same tensors (checked for every family with transformers 5.24)
+        np.testing.assert_array_equal(np.stack([r.float().numpy() for r in returned]), router)
     return HFOut(out.logits[0].float().numpy(), router,
                  np.stack([c[1].numpy() for c in captured]), np.stack([c[0].float().numpy() for c in captured]))
 

@@ -86,9 +86,13 @@ def test_one_row_product_equals_the_same_row_among_others(seed, shape, dtype):
     if dtype == "int8":  # the library rounds the row's activations to int8 first: compare with float64
         deq = np.asarray(quant.dequantize(w), np.float64)
         exact = np.asarray(x[:1], np.float64) @ deq.T
-        np.testing.assert_allclose(alone, exact, rtol=1e-5, atol=1e-5 * np.abs(exact).max())
         s_x = np.abs(np.asarray(x[:1])).max() / 127.0
-        assert np.all(np.abs(among - exact) <= s_x / 2 * np.abs(deq).sum(axis=1) + 1e-5 * np.abs(exact) + 1e-30)
+        rounding = s_x / 2 * np.abs(deq).sum(axis=1) + 1e-5 * np.abs(exact) + 1e-30
+        assert np.all(np.abs(among - exact) <= rounding)
+        if jax.default_backend() == "cpu":  # row_dot: no activation rounding
+            np.testing.assert_allclose(alone, exact, rtol=1e-5, atol=1e-5 * np.abs(exact).max())
+        else:  # elsewhere one row takes the library too (the H200 failed the exact check, session 18)
+            assert np.all(np.abs(alone - exact) <= rounding)
     else:
         scale = np.abs(np.asarray(x[:1], np.float64)) @ np.abs(np.asarray(w, np.float64)).T
         assert np.all(np.abs(alone - among) <= 1e-6 * in_dim * scale + 1e-30)

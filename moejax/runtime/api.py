@@ -235,7 +235,7 @@ class Model:
         ``prompt_reserve``, the prompt's alone), ``slot`` (one slot) and ``slot_set`` (one slot in every layer,
         or one in a global pool). None when the device does not say its free memory."""
         offload = self._offload(offload)
-        device = jax.local_devices()[0]
+        device = distributed.local_device()
         if device.platform == "cpu":
             free = host_memory.headroom()
             if free is None:
