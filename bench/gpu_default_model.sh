@@ -73,6 +73,7 @@ pack() {
 }
 {
     device_env torch
+    shared_data
     timeout 60 python3 bench/gpu_numerics_probe.py > "$WORK/offload/probe.txt" 2>&1; echo "int8 probe exit $?"
     rm -rf "$WORK/data" && mkdir -p "$WORK/data" && cp .corpus-tokenizer/* "$WORK/data/"
     # every training shard tokenized at once, in parallel, so that the training clock is spent training
