@@ -18,6 +18,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from hypothesis import given, settings, strategies as st
 
 import moejax
 from conftest import get_hf_model, get_moejax_model
@@ -25,7 +26,7 @@ from conftest import get_hf_model, get_moejax_model
 from moejax.models import layout, weights
 from moejax.models.gating import SoftmaxTopK
 from moejax.experts import cache as cache_lib, router
-from moejax.runtime import decode, expert_store, host_paging, offload, simulate
+from moejax.runtime import decode, expert_store, host_paging, jit_paging, offload, simulate
 from moejax.runtime.simulate import CacheConfig
 
 PROMPT = np.array([5, 17, 33, 8, 61, 2, 44, 90], np.int32)
@@ -110,6 +111,28 @@ def test_in_jit_paging_generates_the_simulation_tokens_and_bytes():
         assert off.stats["offload"]["bytes_moved"] == (
             (off.stats["cache"]["loads"] + off.stats["cache"]["prefetch_loads"]) * off.stats["offload"]["expert_bytes"])
         assert off.stats["cache"]["misses"] == ref.stats["cache"]["misses"]
+
+
+@settings(max_examples=25, deadline=None)
+@given(seed=st.integers(0, 2**31 - 1), need=st.booleans(), slot=st.integers(-1, 3), expert=st.integers(0, 5),
+       dtype=st.sampled_from(["float32", "bfloat16"]))
+def test_paging_one_expert_writes_the_slots_the_conditional_write_does(seed, need, slot, expert, dtype):
+    """The in-jit pager's two slot writes (``page_in_condition`` on the CPU, ``page_one_expert`` elsewhere: one
+    expert through the condition, written in place every time) leave the same slots, bit for bit, for a miss
+    and a hit, and for the -1 slot of an unused pending entry (nothing may change then)."""
+    rng = np.random.default_rng(seed)
+    shapes = {"gate": (6, 3, 5), "up": (6, 3, 5), "down": (6, 5, 3)}
+    host = {k: jnp.asarray(rng.normal(size=v), jnp.float32) for k, v in shapes.items()}
+    slots = {k: jnp.asarray(rng.normal(size=(4,) + v[1:]), dtype) for k, v in shapes.items()}
+    args = (slots, host, jnp.bool_(need), jnp.int32(expert), jnp.int32(slot))
+    a = jax.jit(jit_paging.page_in_condition)(*args)
+    b = jax.jit(jit_paging.page_one_expert)(*args)
+    for k in shapes:
+        np.testing.assert_array_equal(np.asarray(a[k]).view(np.uint8), np.asarray(b[k]).view(np.uint8))
+        if not need:
+            np.testing.assert_array_equal(np.asarray(b[k]), np.asarray(slots[k]))
+    if need and slot >= 0:
+        np.testing.assert_array_equal(np.asarray(b["gate"][slot]), np.asarray(host["gate"][expert].astype(dtype)))
 
 
 @pytest.mark.parametrize("cc", [

@@ -104,18 +104,13 @@ class JitPager:
         pending = state["pending"]
         global_scope = state["cache"].scope == "global"
         slots = state["slots"] if global_scope else state["slots"][moe_index]
+        host = {k: p[k] for k in EXPERT_KEYS}
         for j in range(self.max_changes):
             row, expert, s = pending["row"][j], pending["expert"][j], pending["slot"][j]
             # in global scope only rows of this layer can be paged from this layer's host stacks
             need = pending["valid"][j] & (row == moe_index)
-
-            def load(buf, expert=expert, s=s):
-                data = {k: _to_device(jax.lax.dynamic_index_in_dim(p[k], expert, 0, keepdims=False))
-                        for k in EXPERT_KEYS}
-                return {k: jax.lax.dynamic_update_index_in_dim(buf[k], data[k].astype(buf[k].dtype), s, 0)
-                        for k in EXPERT_KEYS}
-
-            slots = jax.lax.cond(need, load, lambda buf: buf, slots)
+            slots = jax.lax.platform_dependent(slots, host, need, expert, s, cpu=page_in_condition,
+                                               default=page_one_expert)
         slot_ids = state["cache"].slot[moe_index, jnp.maximum(experts, 0)]
         y = model_lib.routed_experts(slots, cfg, h, jnp.where(experts >= 0, slot_ids, -1), weights)
         if global_scope:
@@ -125,6 +120,35 @@ class JitPager:
             new[moe_index] = slots
             state = {**state, "slots": new}
         return y, state
+
+
+def _fetch(host: dict, expert, like: dict) -> dict:
+    """One expert's matrices from the host stacks, on the device, in the slots' dtypes."""
+    return {k: _to_device(jax.lax.dynamic_index_in_dim(host[k], expert, 0, keepdims=False)).astype(like[k].dtype)
+            for k in EXPERT_KEYS}
+
+
+def page_in_condition(slots: dict, host: dict, need, expert, s) -> dict:
+    """The slot write inside the condition (the CPU's form): a hit writes nothing. Its pass-through branch
+    copies the layer's slot stacks, but on XLA:CPU every bf16 slot write costs a float32 pass over the whole
+    stack anyway, and this form was the fastest of four measured there (bench/RESULTS.md, "On the H200")."""
+    def load(buf):
+        data = _fetch(host, expert, buf)
+        return {k: jax.lax.dynamic_update_index_in_dim(buf[k], data[k], s, 0) for k in EXPERT_KEYS}
+
+    return jax.lax.cond(need, load, lambda buf: buf, slots)
+
+
+def page_one_expert(slots: dict, host: dict, need, expert, s) -> dict:
+    """Only one expert's matrices pass through the condition (the host's on a miss, the slot's own on a hit),
+    and the slot is written in place every time. Where a slot write is in place (GPU), this moves one expert
+    (12.6 MB at OLMoE shapes) instead of copying the layer's whole slot stacks through the condition's
+    pass-through branch (403 MB at C = 32: 32 such copies a token would be ~2.7 ms of an H200's bandwidth,
+    about what in-jit paging lost there against its roofline, session 13). Same slots as
+    ``page_in_condition``: a hit rewrites the slot with its own content."""
+    current = {k: jax.lax.dynamic_index_in_dim(slots[k], s, 0, keepdims=False) for k in EXPERT_KEYS}
+    data = jax.lax.cond(need, lambda cur: _fetch(host, expert, cur), lambda cur: cur, current)
+    return {k: jax.lax.dynamic_update_index_in_dim(slots[k], data[k], s, 0) for k in EXPERT_KEYS}
 
 
 def jit_router_state(params, cfg: ModelConfig, router_state: dict) -> dict:
