@@ -49,6 +49,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from moejax.base import xla
 from moejax.models import quant
 
 ARRANGEMENTS = ("canonical", "serving")
@@ -266,10 +267,7 @@ def as_rows(x: jax.Array) -> jax.Array:
     """``x.reshape(T, -1)`` held by XLA in that shape: for a reshaped row that goes to ``row_dot`` (see there).
     One token on the CPU comes out of a ``lax.cond`` whose branches return it unchanged (``+ 0`` only keeps
     XLA from merging them; a cond costs about half a microsecond); anything else is the reshape alone."""
-    def materialised(r):
-        return jax.lax.cond(r[0, 0] == r[0, 0], lambda r: r, lambda r: r + 0, r)
-
-    return one_row_on_cpu(x.reshape(x.shape[0], -1), materialised, lambda r: r)
+    return one_row_on_cpu(x.reshape(x.shape[0], -1), xla.materialised, lambda r: r)
 
 
 def quantize_rows(x: jax.Array) -> tuple[jax.Array, jax.Array]:
