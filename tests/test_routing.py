@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from moejax.models.gating import GroupLimited, SoftmaxTopK, SparseMixer
+from moejax.models.gating import GroupLimited, SoftmaxTopK, SparseMixer, descending_order
 from moejax.experts import cache, router, routing
 
 N = 16
@@ -266,6 +266,12 @@ def test_descending_order_is_a_permutation_even_with_nan(values):
     assert order.tolist() == ref
 
 
+@jax.jit
+def _cache_prior_ranking(z, mask, lam, delta):
+    """cache-prior's ranking of one token, as one program (compiled once per N, not per example)."""
+    return descending_order(routing.cache_prior_logits(z, descending_order(z), mask, lam, delta, 2))
+
+
 @pytest.mark.numerics  # at XLA's default optimisation level, as users compile: the main pass's level 0 hid it
 @settings(max_examples=30, deadline=None)
 @given(seed=st.integers(0, 2**31 - 1), n=st.sampled_from([8, 32, 64, 128]))
@@ -274,16 +280,12 @@ def test_the_cache_prior_ranking_fused_into_one_program_is_a_permutation(seed, n
     each pair and the two could round apart: at N = 64 half of random steps ranked an expert ahead of itself,
     the ranking summed two ids into one that does not exist, and decode read NaN (session 18). Only the
     ranking leaves the program (returning z' too would materialise it and hide the bug)."""
-    from moejax.models.gating import descending_order
-
-    rank = jax.jit(lambda z, m, lam, d: descending_order(routing.cache_prior_logits(
-        z, descending_order(z), m, lam, d, 2)))
     rng = np.random.default_rng(seed)
     for _ in range(8):
         z = rng.normal(size=n).astype(np.float32) * np.float32(rng.uniform(0.5, 5.0))
         mask = rng.random(n) < 0.5
         lam, delta = np.float32(rng.uniform(0.05, 1.0)), np.float32(rng.uniform(0.5, 20.0))
-        order = np.asarray(rank(jnp.asarray(z), jnp.asarray(mask), lam, delta))
+        order = np.asarray(_cache_prior_ranking(jnp.asarray(z), jnp.asarray(mask), lam, delta))
         assert sorted(order.tolist()) == list(range(n)), order.tolist()
         boosted = mask.copy()
         boosted[np.argsort(-z, kind="stable")[:2]] = True

@@ -265,8 +265,7 @@ def row_dot(row: jax.Array, w: jax.Array) -> jax.Array:
 
 def as_rows(x: jax.Array) -> jax.Array:
     """``x.reshape(T, -1)`` held by XLA in that shape: for a reshaped row that goes to ``row_dot`` (see there).
-    One token on the CPU comes out of a ``lax.cond`` whose branches return it unchanged (``+ 0`` only keeps
-    XLA from merging them; a cond costs about half a microsecond); anything else is the reshape alone."""
+    One token on the CPU is ``xla.materialised``; anything else is the reshape alone."""
     return one_row_on_cpu(x.reshape(x.shape[0], -1), xla.materialised, lambda r: r)
 
 
