@@ -218,6 +218,21 @@ def column_block_widths(k: int) -> tuple[int, ...]:
     return tuple(len(part) for part in np.array_split(np.arange(k), nb))
 
 
+def placed(host, put: Reader = jnp.asarray, quantize: Callable | None = None):
+    """``put(host)``, quantised by ``quantize`` if given, as ``ColumnBlocks`` where ``in_column_blocks`` makes
+    them. A wide host (numpy) matrix that stays in its dtype is cut into blocks on the host and each block
+    put: one copy, as putting it whole (cutting a placed array reads it back off the device first, which
+    doubled the load time of Mixtral's shapes)."""
+    if isinstance(host, np.ndarray) and host.ndim == 2 and quantize is None and jax.default_backend() == "cpu":
+        widths = column_block_widths(host.shape[1])
+        if len(widths) > 1:
+            starts = np.cumsum((0,) + widths)
+            put_block = jax.device_put if put is jnp.asarray else put  # device_put keeps the host copy, asarray copies it again
+            return ColumnBlocks(put_block(np.ascontiguousarray(host[:, a:b])) for a, b in zip(starts[:-1], starts[1:]))
+    w = put(host)
+    return in_column_blocks(quantize(w) if quantize is not None else w)
+
+
 def _on_cpu(a) -> bool:
     return isinstance(a, jax.Array) and all(d.platform == "cpu" for d in a.devices())
 
@@ -230,12 +245,14 @@ def in_column_blocks(w):
     widths = column_block_widths(int(values.shape[-1])) if getattr(values, "ndim", 0) == 2 else (0,)
     if len(widths) == 1 or not _on_cpu(values):
         return w
+    if isinstance(w, quant.QuantizedTensor) and (w.bits != 8 or w.scale.shape != (values.shape[0], 1)):
+        return w
     starts = np.cumsum((0,) + widths)
+    host = np.asarray(values)  # the CPU array's own memory: blocks are copied out by numpy, no XLA program each
+    blocks = [jax.device_put(np.ascontiguousarray(host[:, a:b]), values.sharding) for a, b in zip(starts[:-1], starts[1:])]
     if isinstance(w, quant.QuantizedTensor):
-        if w.bits != 8 or w.scale.shape != (values.shape[0], 1):
-            return w
-        return ColumnBlocks(w.replace(q=values[:, a:b]) for a, b in zip(starts[:-1], starts[1:]))
-    return ColumnBlocks(values[:, a:b] for a, b in zip(starts[:-1], starts[1:]))
+        return ColumnBlocks(w.replace(q=b) for b in blocks)
+    return ColumnBlocks(blocks)
 
 
 @jax.tree_util.register_pytree_node_class
@@ -447,7 +464,7 @@ def arrange(params: dict, out_in: Reader, experts: Callable[[dict], Any], put: R
     q = quantization or Quantization()
 
     def mat(w):
-        return OutIn(in_column_blocks(q.matrix(jnp.asarray(out_in(w)))))
+        return OutIn(placed(out_in(w), quantize=quantize_matrix if q.matrices else None))
 
     def mlp(p):
         return {k: (mat(v) if k in MLP_MATRICES else put(v)) for k, v in p.items()}
@@ -485,8 +502,8 @@ def expert_list(n: int, read: Callable[[int], tuple], put: Reader = jnp.asarray,
     gate_up, down = [], []
     for e in range(n):
         gu, d = read(e)
-        gate_up.append(in_column_blocks(q.expert(put(gu))))
-        down.append(in_column_blocks(q.expert(put(d))))
+        gate_up.append(placed(gu, put, quantize_matrix if q.experts else None))
+        down.append(placed(d, put, quantize_matrix if q.experts else None))
     return ExpertList(tuple(gate_up), tuple(down))
 
 
