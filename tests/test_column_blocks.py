@@ -26,6 +26,7 @@ from moejax.runtime import decode, offload
 from moejax.runtime.simulate import CacheConfig
 from moejax.testing import random_checkpoint
 
+import test_page_writes as page_writes
 from test_layout import _decode_program, materialised_matrices
 
 LIMIT = layout.ROW_DOT_MAX_IN
@@ -245,3 +246,41 @@ def test_a_nan_row_quantises_to_a_nan_scale(k):
     x = jnp.ones((2, k), jnp.float32).at[0, k - 1].set(jnp.nan)
     _, scale = jax.jit(layout.quantize_rows)(x)
     assert np.isnan(np.asarray(scale)[0, 0]) and np.isfinite(np.asarray(scale)[1, 0])
+
+
+def _has_blocked_slots(pager) -> bool:
+    slots = pager.slots if pager.global_scope else pager.slots[0]
+    return any(isinstance(m, layout.ColumnBlocks) for m in slots.gate_up + slots.down)
+
+
+@pytest.mark.parametrize("which", sorted(WIDE))
+def test_wide_models_page_into_blocked_slots_in_place_as_by_copy(which, tmp_path_factory):
+    """Pages from the files into column-blocked slots: read into the slots' own memory (cut into the blocks on
+    the host) equals device_put + a program that cuts them, and both give the tokens of the model in memory."""
+    folder = _wide_folder(which, tmp_path_factory)
+    cache = CacheConfig(size="2", prefetch=1.0)
+    prompt = np.arange(3, 20, dtype=np.int32)
+    copied, in_place = (page_writes._generate(folder, pw, cache, prompt=prompt, new=5) for pw in ("copy", "auto"))
+    assert in_place[1].in_place and _has_blocked_slots(in_place[1]) and _has_blocked_slots(copied[1])
+    page_writes._assert_same(copied, in_place)
+    ref = moejax.load(folder).generate(prompt, 5, routing="cache-prior", cache=cache, stop_at_eos=False)
+    assert ref.token_ids == in_place[0].token_ids
+
+
+def test_wide_int8_slots_equal_the_int8_model_in_memory(tmp_path_factory):
+    """int8 slots in column blocks: pages quantised on the device (a float folder) and pages of an int8 folder
+    read in place give the tokens of the same model loaded whole with int8 experts."""
+    folder = _wide_folder("hidden", tmp_path_factory)
+    cache = CacheConfig(size="2")
+    prompt = np.arange(3, 20, dtype=np.int32)
+    ref = moejax.load(folder, expert_dtype="int8").generate(prompt, 5, routing="cache-prior", cache=cache,
+                                                            stop_at_eos=False)
+    m = moejax.load(folder, offload=offload.OffloadConfig(store="flash", slot_dtype="int8"))
+    assert m.generate(prompt, 5, routing="cache-prior", cache=cache, stop_at_eos=False).token_ids == ref.token_ids
+    dst = str(tmp_path_factory.mktemp("int8") / "mj")
+    checkpoint.convert_to_moejax(folder, dst, expert_dtype="int8")
+    copied, in_place = (page_writes._generate(dst, pw, cache, prompt=prompt, new=5) for pw in ("copy", "auto"))
+    assert in_place[1].in_place and _has_blocked_slots(in_place[1])
+    assert layout.is_int8(in_place[1].slots[0].gate_up[0])
+    page_writes._assert_same(copied, in_place)
+    assert in_place[0].token_ids == ref.token_ids

@@ -234,7 +234,34 @@ def placed(host, put: Reader = jnp.asarray, quantize: Callable | None = None):
 
 
 def _on_cpu(a) -> bool:
-    return isinstance(a, jax.Array) and all(d.platform == "cpu" for d in a.devices())
+    return (isinstance(a, jax.Array) and not isinstance(a, jax.core.Tracer)
+            and all(d.platform == "cpu" for d in a.devices()))
+
+
+def blocked_like(template, w):
+    """``w`` (an ``[out, in]`` array or int8 ``quant.QuantizedTensor``, or already blocks) cut into the column
+    blocks of ``template`` when ``template`` is ``ColumnBlocks`` (a page written into blocked slots); else
+    ``w`` as it is. Traceable: the cut is a slice of the placed matrix."""
+    if not isinstance(template, ColumnBlocks) or isinstance(w, ColumnBlocks):
+        return w
+    starts = np.cumsum([0] + [int(b.shape[1]) for b in template.blocks])
+    if isinstance(w, quant.QuantizedTensor):
+        return ColumnBlocks(w.replace(q=w.q[:, a:b]) for a, b in zip(starts[:-1], starts[1:]))
+    return ColumnBlocks(w[:, a:b] for a, b in zip(starts[:-1], starts[1:]))
+
+
+def copy_into_blocks(dst: ColumnBlocks, src) -> None:
+    """Copy the host matrix ``src`` (an array or int8 ``quant.QuantizedTensor`` of numpy arrays) into the
+    writable host views ``dst`` of column blocks (a page read for blocked slots, ``expert_store.slot_views``)."""
+    start = 0
+    for block in dst.blocks:
+        width = int(block.shape[1])
+        if isinstance(block, quant.QuantizedTensor):
+            np.copyto(block.q, src.q[:, start:start + width])
+            np.copyto(block.scale, src.scale)
+        else:
+            np.copyto(block, src[:, start:start + width])
+        start += width
 
 
 def in_column_blocks(w):
@@ -250,8 +277,8 @@ def in_column_blocks(w):
     starts = np.cumsum((0,) + widths)
     host = np.asarray(values)  # the CPU array's own memory: blocks are copied out by numpy, no XLA program each
     blocks = [jax.device_put(np.ascontiguousarray(host[:, a:b]), values.sharding) for a, b in zip(starts[:-1], starts[1:])]
-    if isinstance(w, quant.QuantizedTensor):
-        return ColumnBlocks(w.replace(q=b) for b in blocks)
+    if isinstance(w, quant.QuantizedTensor):  # each block its own copy of the scales: a buffer per leaf
+        return ColumnBlocks(w.replace(q=b, scale=jnp.array(w.scale, copy=True)) for b in blocks)
     return ColumnBlocks(blocks)
 
 

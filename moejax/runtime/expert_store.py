@@ -173,8 +173,7 @@ class ExpertStore:
                 data = ahead.result()
             else:  # read in the background into buffers of its own: copied into ``out``
                 data = out
-                for dst, src in zip(jax.tree.leaves(out), jax.tree.leaves(ahead.result())):
-                    np.copyto(dst, src)
+                _copy_page(out, ahead.result())
             self._read_ahead()
             return data
         if out is not None:
@@ -197,6 +196,9 @@ class ExpertStore:
             return {k: stacks[k].read_stored(expert) for k in EXPERT_KEYS}
         if not self.reads_serving:
             raise ValueError("this store's files do not hold the experts in the serving layout")
+        if out is not None and any(isinstance(m, layout.ColumnBlocks) for m in out):  # blocked slots: cut here
+            _copy_page(out, self._read(moe_index, expert, serving))
+            return out
         gate_up, down = self.serving_buffers() if out is None else out
         f = self.cfg.moe_intermediate_size
         stacks["gate"].read_stored(expert, _rows(gate_up, 0, f))
@@ -225,6 +227,16 @@ class ExpertStore:
 
     def nbytes_of(self, bits: int) -> int:
         return self.expert_bytes if bits == 0 else self.low_bytes[bits]
+
+
+def _copy_page(out: tuple, page: tuple) -> None:
+    """Copy a page read into buffers of its own (serving layout, host) into the slot views ``out``."""
+    for dst, src in zip(out, page):
+        if isinstance(dst, layout.ColumnBlocks):
+            layout.copy_into_blocks(dst, src)
+        else:
+            for d, s in zip(jax.tree.leaves(dst), jax.tree.leaves(src)):
+                np.copyto(d, s)
 
 
 def _rows(matrix, start: int, stop: int):
@@ -316,13 +328,12 @@ def _zero_int8(rows: int, cols: int, dtype) -> quant.QuantizedTensor:
 
 def expert_list(cfg: ModelConfig, n: int, dtype, int8: bool = False) -> layout.ExpertList:
     """``n`` zeroed serving-layout expert buffers (``gate_up`` [2F, D], ``down`` [D, F]; ``int8``: each an int8
-    ``quant.QuantizedTensor``)."""
+    ``quant.QuantizedTensor``), in column blocks where the loaded model's experts would be
+    (``layout.in_column_blocks``: decode's one-row loop on the CPU)."""
     d, f = cfg.hidden_size, cfg.moe_intermediate_size
-    if int8:
-        return layout.ExpertList(tuple(_zero_int8(2 * f, d, dtype) for _ in range(n)),
-                                 tuple(_zero_int8(d, f, dtype) for _ in range(n)))
-    return layout.ExpertList(tuple(jnp.zeros((2 * f, d), dtype) for _ in range(n)),
-                             tuple(jnp.zeros((d, f), dtype) for _ in range(n)))
+    zero = (lambda r, c: _zero_int8(r, c, dtype)) if int8 else (lambda r, c: jnp.zeros((r, c), dtype))  # noqa: E731
+    return layout.ExpertList(tuple(layout.in_column_blocks(zero(2 * f, d)) for _ in range(n)),
+                             tuple(layout.in_column_blocks(zero(d, f)) for _ in range(n)))
 
 
 def slot_nbytes(cfg: ModelConfig, dtype, int8: bool = False) -> int:
@@ -368,14 +379,14 @@ def write_slot(buf, data, s: int, flip: tuple[str, ...] = ()):
     if isinstance(data, tuple):  # already the serving layout (``ExpertStore.get(..., serving=True)``): swap it in
         if not isinstance(buf, layout.ExpertList) or layout.is_int8(buf.gate_up[0]) != layout.is_int8(data[0]):
             raise ValueError("a serving-layout page goes into serving-layout slots of its own dtype (int8 or not)")
-        return buf.replace(s, *data)
+        return buf.replace(s, *_like_slot(buf.expert(s), tuple(data)))
     stored_int8 = all(layout.is_int8(data[k]) for k in EXPERT_KEYS)  # paged from an int8 folder: [out, in]
     if isinstance(buf, layout.ExpertList):
         old = buf.expert(s)
         if layout.is_int8(old[0]) and stored_int8:
-            gate_up, down = _stack_rows(data["gate"], data["up"]), data["down"]
+            gate_up, down = _like_slot(old, (_stack_rows(data["gate"], data["up"]), data["down"]))
         elif layout.is_int8(old[0]):
-            gate_up, down = _int8_expert(data, flip, np.dtype(old[0].dtype))
+            gate_up, down = _like_slot(old, _int8_expert(data, flip, np.dtype(old[0].dtype)))
         elif stored_int8:
             gate_up, down = _serving_expert_into(*old, _dequantized(data), EXPERT_KEYS)
         else:
@@ -397,7 +408,20 @@ def _serving_expert_into(gate_up, down, data: dict, flip: tuple[str, ...]):
     """One paged expert in the serving layout, ``(gate_up [2F, D], down [D, F])``, written into the slot's
     own buffers (donated: a page allocates nothing that lasts, so paging does not grow the heap)."""
     out_in = {k: (data[k] if k in flip else data[k].T).astype(gate_up.dtype) for k in EXPERT_KEYS}
-    return jnp.concatenate([out_in["gate"], out_in["up"]]), out_in["down"]
+    new = jnp.concatenate([out_in["gate"], out_in["up"]]), out_in["down"]
+    return tuple(layout.blocked_like(old, m) for old, m in zip((gate_up, down), new))
+
+
+@jax.jit
+def _blocked_page(template: tuple, page: tuple) -> tuple:
+    return tuple(layout.blocked_like(t, m) for t, m in zip(template, page))
+
+
+def _like_slot(old: tuple, page: tuple) -> tuple:
+    """A page ``(gate_up, down)`` in the slot's form: cut into its column blocks where the slot has them."""
+    if not any(isinstance(m, layout.ColumnBlocks) for m in old):
+        return page
+    return _blocked_page(old, page)
 
 
 def _int8_expert(data: dict, flip: tuple[str, ...], dtype):
