@@ -80,6 +80,7 @@ class ExpertStore:
         self.dtype = params["embed"].dtype
         self._tmp = None
         self._stacks = None  # the checkpoint's expert stacks, when pages come straight from its files
+        self._scratch = None  # a page's serving buffers, for pages cut into blocked slots (main thread only)
         self.flip: tuple[str, ...] = ()  # matrices stored transposed (HF [out, in]): flipped on the device
         self.reads_serving = False  # get(..., serving=True) works: pages from the files in the serving layout
         self.int8 = False  # the experts are stored int8 (values + row scales): they page into int8 slots
@@ -197,7 +198,9 @@ class ExpertStore:
         if not self.reads_serving:
             raise ValueError("this store's files do not hold the experts in the serving layout")
         if out is not None and any(isinstance(m, layout.ColumnBlocks) for m in out):  # blocked slots: cut here
-            _copy_page(out, self._read(moe_index, expert, serving))
+            if self._scratch is None:  # one buffer kept for it (a new one page-faults in: ms per MB)
+                self._scratch = self.serving_buffers()
+            _copy_page(out, self._read(moe_index, expert, serving, out=self._scratch))
             return out
         gate_up, down = self.serving_buffers() if out is None else out
         f = self.cfg.moe_intermediate_size
