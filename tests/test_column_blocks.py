@@ -26,6 +26,8 @@ from moejax.runtime import decode, offload
 from moejax.runtime.simulate import CacheConfig
 from moejax.testing import random_checkpoint
 
+from conftest import get_hf_model
+
 import test_page_writes as page_writes
 from test_layout import _decode_program, materialised_matrices
 
@@ -284,3 +286,17 @@ def test_wide_int8_slots_equal_the_int8_model_in_memory(tmp_path_factory):
     assert layout.is_int8(in_place[1].slots[0].gate_up[0])
     page_writes._assert_same(copied, in_place)
     assert in_place[0].token_ids == ref.token_ids
+
+
+def test_the_memory_plan_counts_the_page_buffer_of_blocked_slots(monkeypatch, tmp_path_factory):
+    """Pages read in place into blocked slots pass through one page buffer the store keeps: a flash-store plan
+    for a wide model counts it in ``fixed`` (one slot's bytes); a narrow model's plan has none."""
+    from test_cache_memory import _on_host
+
+    _on_host(monkeypatch)
+    wide = moejax.load(_wide_folder("hidden", tmp_path_factory), offload="flash")
+    plan = wide.memory_plan(CacheConfig(), None, 64)
+    assert plan["page_scratch"] == wide.cached_expert_bytes() > 0
+    assert plan["fixed"] == plan["kv_cache"] + plan["staging"] + plan["page_scratch"] + plan["reserve"]
+    narrow = moejax.load(get_hf_model("qwen3_moe").folder, offload="flash")
+    assert narrow.memory_plan(CacheConfig(), None, 64)["page_scratch"] == 0

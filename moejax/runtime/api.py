@@ -258,9 +258,12 @@ class Model:
         if (device.platform == "cpu" and offload.store == "host" and weights.has_lazy_experts(self.params)
                 and not self._stores):  # the host store will read every expert into this memory
             store = self.cfg.n_moe_layers * self.cfg.n_experts * simulate.expert_bytes(self.params, self.cfg)
+        # pages read in place into column-blocked slots pass through one page buffer the store keeps
+        scratch = slot if (device.platform == "cpu" and offload.store == "flash"
+                           and expert_store.blocked_slots(self.cfg)) else 0
         return {"headroom": headroom, "where": where, "kv_cache": kv, "staging": staging, "host_store": store,
-                "logits": logits, "reserve": reserve, "prompt_reserve": prompt_reserve,
-                "fixed": kv + staging + store + logits + reserve,
+                "page_scratch": scratch, "logits": logits, "reserve": reserve, "prompt_reserve": prompt_reserve,
+                "fixed": kv + staging + store + scratch + logits + reserve,
                 "slot": slot, "slot_set": cache_lib.slot_sets(self.cfg.n_moe_layers, cache.scope) * slot}
 
     def _fit_slots(self, cache, offload, tokens, mode: str, logits_rows: int = 0):

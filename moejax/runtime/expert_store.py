@@ -339,6 +339,12 @@ def expert_list(cfg: ModelConfig, n: int, dtype, int8: bool = False) -> layout.E
                              tuple(layout.in_column_blocks(zero(d, f)) for _ in range(n)))
 
 
+def blocked_slots(cfg: ModelConfig) -> bool:
+    """Whether slots on the CPU are cut into column blocks (``expert_list``): an expert matrix's input row is
+    longer than ``layout.ROW_DOT_MAX_IN``."""
+    return max(cfg.hidden_size, cfg.moe_intermediate_size) > layout.ROW_DOT_MAX_IN
+
+
 def slot_nbytes(cfg: ModelConfig, dtype, int8: bool = False) -> int:
     """Device bytes of one slot of ``init_slots`` (an int8 slot counts its row scales): the unit a cache
     size given in bytes is divided by."""
