@@ -22,7 +22,7 @@ from hypothesis import strategies as st
 
 import moejax
 from moejax.models import checkpoint, layout, model as M, quant
-from moejax.runtime import decode, offload
+from moejax.runtime import decode, host_paging, offload
 from moejax.runtime.simulate import CacheConfig
 from moejax.testing import random_checkpoint
 
@@ -184,17 +184,28 @@ def test_wide_models_compute_what_their_canonical_layout_computes(which, tmp_pat
     assert open(f"{saved[0]}/params.safetensors", "rb").read() == open(f"{saved[1]}/params.safetensors", "rb").read()
 
 
-@pytest.mark.parametrize("which", sorted(WIDE))
-def test_wide_models_offload_generates_the_simulation_tokens(which, tmp_path_factory):
-    """Offloaded decoding reads the experts through the blocked serving tree (host and in-jit paging)."""
+def _has_blocked_slots(pager) -> bool:
+    """Every slot of every layer still holds column blocks where the layout has them (a page written whole
+    would compute the same, and make the decode step's program a new one)."""
+    layers = [pager.slots] if pager.global_scope else pager.slots
+    return all(isinstance(m, layout.ColumnBlocks) for slots in layers
+               for m in (slots.gate_up if slots.gate_up[0].shape[1] > LIMIT else slots.down))
+
+
+@pytest.mark.parametrize("which,paging", [("hidden", "jit"), ("experts", "host")])
+def test_wide_models_offload_from_memory_generates_the_simulation_tokens(which, paging, tmp_path_factory):
+    """Offload from a model loaded whole (the host store reads the blocked experts back whole): in-jit paging
+    into its stacked slots, host paging into blocked slots (pages cut by the program that writes them; pages
+    from the files: the page-writes test below)."""
     mj = moejax.load(_wide_folder(which, tmp_path_factory))
     cc = CacheConfig(size="2")
     prompt = np.array([5, 17, 33, 8, 61], np.int32)
     ref = mj.generate(prompt, 5, routing="cache-prior", cache=cc, stop_at_eos=False)
-    for paging in ("host", "jit"):
-        off = mj.generate(prompt, 5, routing="cache-prior", cache=cc, stop_at_eos=False,
-                          offload=offload.OffloadConfig(paging=paging))
-        assert off.token_ids == ref.token_ids, paging
+    off = mj.generate(prompt, 5, routing="cache-prior", cache=cc, stop_at_eos=False,
+                      offload=offload.OffloadConfig(paging=paging), keep_slots=True)
+    assert off.token_ids == ref.token_ids
+    if paging == "host":
+        assert _has_blocked_slots(mj._stores[host_paging.KEPT_PAGER])
 
 
 def test_wide_int8_model_blocks_its_int8_matrices(tmp_path_factory):
@@ -248,11 +259,6 @@ def test_a_nan_row_quantises_to_a_nan_scale(k):
     x = jnp.ones((2, k), jnp.float32).at[0, k - 1].set(jnp.nan)
     _, scale = jax.jit(layout.quantize_rows)(x)
     assert np.isnan(np.asarray(scale)[0, 0]) and np.isfinite(np.asarray(scale)[1, 0])
-
-
-def _has_blocked_slots(pager) -> bool:
-    slots = pager.slots if pager.global_scope else pager.slots[0]
-    return any(isinstance(m, layout.ColumnBlocks) for m in slots.gate_up + slots.down)
 
 
 @pytest.mark.parametrize("which", sorted(WIDE))
