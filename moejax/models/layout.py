@@ -274,12 +274,16 @@ def in_column_blocks(w):
         return w
     if isinstance(w, quant.QuantizedTensor) and (w.bits != 8 or w.scale.shape != (values.shape[0], 1)):
         return w
-    starts = np.cumsum((0,) + widths)
-    host = np.asarray(values)  # the CPU array's own memory: blocks are copied out by numpy, no XLA program each
-    blocks = [jax.device_put(np.ascontiguousarray(host[:, a:b]), values.sharding) for a, b in zip(starts[:-1], starts[1:])]
+    blocks = _cut_columns(values, widths)
     if isinstance(w, quant.QuantizedTensor):  # each block its own copy of the scales: a buffer per leaf
         return ColumnBlocks(w.replace(q=b, scale=jnp.array(w.scale, copy=True)) for b in blocks)
     return ColumnBlocks(blocks)
+
+
+@functools.partial(jax.jit, static_argnums=1)
+def _cut_columns(values: jax.Array, widths: tuple[int, ...]) -> tuple:
+    starts = np.cumsum((0,) + widths)
+    return tuple(values[:, a:b] for a, b in zip(starts[:-1], starts[1:]))
 
 
 @jax.tree_util.register_pytree_node_class
