@@ -342,3 +342,11 @@ def test_default_model_experts_within_bounds():
         for (bits, group), (wb, ob) in bounds.items():
             werr, oerr = _errors(x, p["gate"], p["up"], p["down"], bits, group)
             assert float(werr) < wb and float(jnp.max(oerr)) < ob, (li, bits, group, float(werr), float(jnp.max(oerr)))
+
+
+@pytest.mark.parametrize("k", [100, 2048, 4096])
+def test_a_nan_weight_gives_its_row_a_nan_scale(k):
+    """XLA:CPU's max-reduction drops NaN from rows of 2,048 and more (the scale came out -inf)."""
+    w = jnp.ones((2, k), jnp.float32).at[0, k - 1].set(jnp.nan)
+    q = Q.quantize(w, 8, axis=-1, scale_dtype=jnp.float32)
+    assert np.isnan(np.asarray(q.scale)[0]).all() and np.isfinite(np.asarray(q.scale)[1]).all()

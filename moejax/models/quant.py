@@ -213,6 +213,8 @@ def _quantize(w: jax.Array, bits: int, g: int, ax: int, sname: str) -> tuple[jax
     gshape = shape[:ax] + (shape[ax] // g, g) + shape[ax + 1:]
     wg = w.astype(jnp.float32).reshape(gshape)
     amax = jnp.max(jnp.abs(wg), axis=ax + 1)
+    # XLA:CPU's max-reduction drops NaN from rows of 2,048 and more (-inf or a finite value): found separately
+    amax = jnp.where(jnp.isnan(wg).any(axis=ax + 1), jnp.nan, amax)
     scale = _ceil_scale(amax / m, sname)
     s = scale.astype(jnp.float32)
     safe = jnp.expand_dims(jnp.where(s > 0, s, 1.0), ax + 1)
