@@ -261,7 +261,8 @@ def run_llamacpp(hf_dir: str, args) -> dict:
     tg = llamacpp.bench(conv["path"], threads=args.threads, n_gen=args.new_tokens, reps=args.repeats,
                         drop_caches=False, timeout=args.timeout)
     out = {"gguf_type": args.gguf_type, "gguf": conv["path"], "gguf_bytes": conv["bytes"], "tg_tokens_per_s": tg["tg_tokens_per_s"],
-           "peak_rss_bytes": tg["peak_rss_bytes"], "cmd": tg["cmd_str"], "pp_tokens_per_s": {}}
+           "peak_rss_bytes": tg["peak_rss_bytes"], "cmd": tg["cmd_str"], "pp_tokens_per_s": {},
+           "returncode": tg.get("returncode"), "stderr_tail": tg.get("stderr_tail")}
     for n in args.prefill:
         pp = llamacpp.bench(conv["path"], threads=args.threads, n_gen=0, n_prompt=n, reps=args.repeats,
                             drop_caches=False, timeout=args.timeout)
@@ -288,9 +289,13 @@ def report(name: str, mj: dict, lc: dict, bw: dict) -> list[str]:
         for n, s in mj["ttft_s"].items():
             lines.append(f"TTFT {n:>5s}  moejax {s:.3f} s")
         return lines
-    lc_dec = lc["tg_tokens_per_s"] or 0.0
-    lines.append(f"decode  moejax {dec:.2f} tok/s  llama.cpp {lc_dec:.2f} tok/s  ratio {dec / lc_dec:.2f}x   "
-                 f"(llama.cpp peak RSS {lc['peak_rss_bytes'] / GiB:.2f} GiB)")
+    lc_dec = lc.get("tg_tokens_per_s") or 0.0
+    if lc_dec > 0:
+        lines.append(f"decode  moejax {dec:.2f} tok/s  llama.cpp {lc_dec:.2f} tok/s  ratio {dec / lc_dec:.2f}x   "
+                     f"(llama.cpp peak RSS {lc['peak_rss_bytes'] / GiB:.2f} GiB)")
+    else:  # llama-bench failed or printed no rate: say so (its JSON keeps the stderr tail)
+        lines.append(f"decode  moejax {dec:.2f} tok/s  llama.cpp gave no decode rate (returncode "
+                     f"{lc.get('returncode')}; see its stderr_tail in the JSON)")
     for n, s in mj["ttft_s"].items():
         pp = lc["pp_tokens_per_s"].get(n)
         lc_s = int(n) / pp if pp else float("nan")
