@@ -17,7 +17,9 @@ In the serving layout
   its matmul library (YNNPACK) in the stored dtype; rows are padded to ``MIN_ROWS`` for 16-bit types (one
   row would go to the f32 emitter). One row on the CPU (batch-1 decode) of at most ``ROW_DOT_MAX_IN``
   (4,095) is ``row_dot`` instead: XLA's fused matrix-vector loop over ``w``'s rows, which converts each
-  weight as it reads it and runs 2-3x faster than the library with padded rows.
+  weight as it reads it and runs 2-3x faster than the library with padded rows. On the CPU a matrix whose
+  ``in`` is longer is held as ``ColumnBlocks`` (contiguous column blocks of at most ``ROW_DOT_MAX_IN``, each
+  a buffer of its own) so that one row still runs that loop, a block at a time.
 - the routed experts of a MoE layer are an ``ExpertList``: one array per expert and matrix (gate and up
   fused, ``[2F, D]``; down ``[D, F]``), so ``lax.switch(e, ...)`` gives expert ``e``'s own buffer to its
   matmul, read in place (``model.switched_routed_experts``).
@@ -267,7 +269,7 @@ def copy_into_blocks(dst: ColumnBlocks, src) -> None:
 def in_column_blocks(w):
     """``w`` (an ``[out, in]`` array or int8 ``quant.QuantizedTensor`` with one scale per row) as
     ``ColumnBlocks`` when one-row products with it would otherwise leave XLA:CPU's fused loop: a CPU array
-    whose ``in`` is past ``ROW_DOT_MAX_IN``. Anything else as it is. Copies ``w`` once, a block at a time."""
+    whose ``in`` is past ``ROW_DOT_MAX_IN``. Anything else as it is. Copies ``w`` once (one program per shape)."""
     values = w.q if isinstance(w, quant.QuantizedTensor) else w
     widths = column_block_widths(int(values.shape[-1])) if getattr(values, "ndim", 0) == 2 else (0,)
     if len(widths) == 1 or not _on_cpu(values):
@@ -336,7 +338,7 @@ def nt_dot(x: jax.Array, w) -> jax.Array:
 
     One row (batch-1 decode) on the CPU: ``row_dot``. Otherwise the matmul library reads the weights in
     place; on the CPU 16-bit rows are padded to ``MIN_ROWS`` for it (one row would go to XLA's f32
-    matrix-vector emitter, which copies the whole matrix to f32 first)."""
+    matrix-vector emitter, which copies the whole matrix to f32 first). ``ColumnBlocks``: ``blocked_nt_dot``."""
     if isinstance(w, ColumnBlocks):
         return blocked_nt_dot(x, w)
     if isinstance(w, quant.QuantizedTensor):
