@@ -29,7 +29,7 @@ from moejax.testing import random_checkpoint
 from conftest import get_hf_model
 
 import test_page_writes as page_writes
-from test_layout import _decode_program, materialised_matrices
+from test_layout import _decode_program, assert_serving_equals_canonical, materialised_matrices
 
 LIMIT = layout.ROW_DOT_MAX_IN
 
@@ -162,22 +162,9 @@ def _expected_blocks(which) -> set[str]:
 def test_wide_models_compute_what_their_canonical_layout_computes(which, tmp_path_factory):
     folder = _wide_folder(which, tmp_path_factory)
     mj = moejax.load(folder)
-    serving, canonical = mj.params, layout.to_canonical(mj.params)
+    serving, cfg = mj.params, mj.cfg
     assert _blocked_matrices(serving) == _expected_blocks(which)
-    cfg = mj.cfg
-    ids = jnp.asarray(np.random.default_rng(5).integers(3, cfg.vocab_size, size=21), jnp.int32)
-    fwd = jax.jit(lambda p, t: M.forward(p, cfg, t).logits)
-    np.testing.assert_allclose(np.asarray(fwd(serving, ids)), np.asarray(fwd(canonical, ids)), atol=2e-5, rtol=2e-5)
-
-    def step(p):
-        out = M.forward(p, cfg, ids[:5], 0, M.init_kv(cfg, 32))
-        return M.forward(p, cfg, ids[5:6], 5, out.kv).logits
-
-    np.testing.assert_allclose(np.asarray(jax.jit(step)(serving)), np.asarray(jax.jit(step)(canonical)),
-                               atol=2e-5, rtol=2e-5)
-    a = decode.generate(serving, cfg, [3, 5, 7], max_new_tokens=10, stop_at_eos=False).token_ids
-    b = decode.generate(canonical, cfg, [3, 5, 7], max_new_tokens=10, stop_at_eos=False).token_ids
-    assert a == b
+    canonical = assert_serving_equals_canonical(serving, cfg, new_tokens=10)
     assert checkpoint.params_fingerprint(serving) == checkpoint.params_fingerprint(canonical)
     saved = [checkpoint.save_moejax(p, cfg, str(tmp_path_factory.mktemp("save") / name))
              for name, p in (("serving", serving), ("canonical", canonical))]

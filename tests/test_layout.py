@@ -145,9 +145,14 @@ def _avx2_pass_too(names):
 def test_every_family_serving_equals_canonical(name):
     """Same model, two layouts: teacher-forced logits, a decode step with a KV cache, and greedy tokens."""
     mj = get_moejax_model(name)
-    serving, canonical = mj.params, layout.to_canonical(mj.params)
+    assert_serving_equals_canonical(mj.params, mj.cfg)
+
+
+def assert_serving_equals_canonical(serving, cfg, new_tokens: int = 12) -> dict:
+    """Teacher-forced logits, a decode step with a KV cache and greedy tokens of a serving-layout tree equal
+    its canonical layout's; returns the canonical tree."""
+    canonical = layout.to_canonical(serving)
     assert layout.is_serving(serving) and not layout.is_serving(canonical)
-    cfg = mj.cfg
     ids = jnp.asarray(np.random.default_rng(5).integers(3, cfg.vocab_size, size=21), jnp.int32)
     fwd = jax.jit(lambda p, t: M.forward(p, cfg, t).logits)
     np.testing.assert_allclose(np.asarray(fwd(serving, ids)), np.asarray(fwd(canonical, ids)), atol=2e-5, rtol=2e-5)
@@ -159,9 +164,10 @@ def test_every_family_serving_equals_canonical(name):
 
     np.testing.assert_allclose(np.asarray(jax.jit(step)(serving)), np.asarray(jax.jit(step)(canonical)),
                                atol=2e-5, rtol=2e-5)
-    a = decode.generate(serving, cfg, [3, 5, 7], max_new_tokens=12, stop_at_eos=False).token_ids
-    b = decode.generate(canonical, cfg, [3, 5, 7], max_new_tokens=12, stop_at_eos=False).token_ids
+    a = decode.generate(serving, cfg, [3, 5, 7], max_new_tokens=new_tokens, stop_at_eos=False).token_ids
+    b = decode.generate(canonical, cfg, [3, 5, 7], max_new_tokens=new_tokens, stop_at_eos=False).token_ids
     assert a == b
+    return canonical
 
 
 def _bf16_errors(folder, arrangement, ids):
