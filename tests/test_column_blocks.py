@@ -33,6 +33,10 @@ from test_layout import _decode_program, assert_serving_equals_canonical, materi
 
 LIMIT = layout.ROW_DOT_MAX_IN
 
+# blocks are made on the CPU only: elsewhere one row goes to the matmul library, whole
+pytestmark = pytest.mark.skipif(jax.default_backend() != "cpu",
+                                reason="column blocks are the CPU's layout (XLA:CPU's one-row loop)")
+
 
 @pytest.mark.parametrize("k,widths", [(LIMIT, (LIMIT,)), (LIMIT + 1, (2048, 2048)), (4096, (2048, 2048)),
                                       (14336, (3584,) * 4), (10944, (3648,) * 3), (9001, (3001, 3000, 3000))])
@@ -237,15 +241,6 @@ def test_wide_bf16_decode_copies_no_weight_matrix(tmp_path_factory):
     blocks = [layout.dense(b) for w in jax.tree.leaves(mj.params, is_leaf=lambda x: isinstance(x, layout.ColumnBlocks))
               if isinstance(w, layout.ColumnBlocks) for b in w.blocks]
     assert blocks and not materialised_matrices(program, {"params": layout.to_canonical(mj.params), "b": blocks})
-
-
-@pytest.mark.parametrize("k", [100, 2048, 4095, 4096, 14336])
-def test_a_nan_row_quantises_to_a_nan_scale(k):
-    """XLA:CPU's max-reduction drops NaN from rows of 2,048 and more (-inf, or the largest finite value):
-    without the separate check a NaN activation came out of an int8 product as ±inf or a number."""
-    x = jnp.ones((2, k), jnp.float32).at[0, k - 1].set(jnp.nan)
-    _, scale = jax.jit(layout.quantize_rows)(x)
-    assert np.isnan(np.asarray(scale)[0, 0]) and np.isfinite(np.asarray(scale)[1, 0])
 
 
 @pytest.mark.parametrize("which", sorted(WIDE))

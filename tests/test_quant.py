@@ -12,7 +12,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from moejax.models import quant as Q
+from moejax.models import layout, quant as Q
 
 SLACK = 1 + 1e-6  # float32 rounding of w / s in the element-wise bound
 
@@ -350,3 +350,12 @@ def test_a_nan_weight_gives_its_row_a_nan_scale(k):
     w = jnp.ones((2, k), jnp.float32).at[0, k - 1].set(jnp.nan)
     q = Q.quantize(w, 8, axis=-1, scale_dtype=jnp.float32)
     assert np.isnan(np.asarray(q.scale)[0]).all() and np.isfinite(np.asarray(q.scale)[1]).all()
+
+
+@pytest.mark.parametrize("k", [100, 2048, 4095, 4096, 14336])
+def test_a_nan_row_quantises_to_a_nan_scale(k):
+    """XLA:CPU's max-reduction drops NaN from rows of 2,048 and more (-inf, or the largest finite value):
+    without the separate check a NaN activation came out of an int8 product as ±inf or a number."""
+    x = jnp.ones((2, k), jnp.float32).at[0, k - 1].set(jnp.nan)
+    _, scale = jax.jit(layout.quantize_rows)(x)
+    assert np.isnan(np.asarray(scale)[0, 0]) and np.isfinite(np.asarray(scale)[1, 0])
