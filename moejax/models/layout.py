@@ -117,11 +117,15 @@ class ColumnBlocks:
 
     @property
     def shape(self) -> tuple[int, int]:
-        return int(self.blocks[0].shape[0]), sum(int(b.shape[1]) for b in self.blocks)
+        return int(self.blocks[0].shape[0]), sum(self.widths)
 
     @property
     def dtype(self):
         return self.blocks[0].dtype
+
+    @property
+    def widths(self) -> tuple[int, ...]:
+        return tuple(int(b.shape[1]) for b in self.blocks)
 
     @property
     def ndim(self) -> int:
@@ -220,6 +224,13 @@ def column_block_widths(k: int) -> tuple[int, ...]:
     return tuple(len(part) for part in np.array_split(np.arange(k), nb))
 
 
+def column_pieces(x, widths: tuple[int, ...]) -> list:
+    """``x [rows, Σ widths]`` (numpy, a jax array, or traced) cut into consecutive column pieces of ``widths``:
+    the one cut behind ``ColumnBlocks`` (blocks from a matrix, row pieces for the blocks, pages for slots)."""
+    starts = np.cumsum((0,) + tuple(widths))
+    return [x[:, a:b] for a, b in zip(starts[:-1], starts[1:])]
+
+
 def placed(host, put: Reader = jnp.asarray, quantize: Callable | None = None):
     """``put(host)``, quantised by ``quantize`` if given, as ``ColumnBlocks`` where ``in_column_blocks`` makes
     them. A wide host (numpy) matrix that stays in its dtype is cut into blocks on the host and each block
@@ -228,9 +239,8 @@ def placed(host, put: Reader = jnp.asarray, quantize: Callable | None = None):
     if isinstance(host, np.ndarray) and host.ndim == 2 and quantize is None and jax.default_backend() == "cpu":
         widths = column_block_widths(host.shape[1])
         if len(widths) > 1:
-            starts = np.cumsum((0,) + widths)
             put_block = jax.device_put if put is jnp.asarray else put  # device_put keeps the host copy, asarray copies it again
-            return ColumnBlocks(put_block(np.ascontiguousarray(host[:, a:b])) for a, b in zip(starts[:-1], starts[1:]))
+            return ColumnBlocks(put_block(np.ascontiguousarray(piece)) for piece in column_pieces(host, widths))
     w = put(host)
     return in_column_blocks(quantize(w) if quantize is not None else w)
 
@@ -246,24 +256,21 @@ def blocked_like(template, w):
     ``w`` as it is. Traceable: the cut is a slice of the placed matrix."""
     if not isinstance(template, ColumnBlocks) or isinstance(w, ColumnBlocks):
         return w
-    starts = np.cumsum([0] + [int(b.shape[1]) for b in template.blocks])
     if isinstance(w, quant.QuantizedTensor):
-        return ColumnBlocks(w.replace(q=w.q[:, a:b]) for a, b in zip(starts[:-1], starts[1:]))
-    return ColumnBlocks(w[:, a:b] for a, b in zip(starts[:-1], starts[1:]))
+        return ColumnBlocks(w.replace(q=q) for q in column_pieces(w.q, template.widths))
+    return ColumnBlocks(column_pieces(w, template.widths))
 
 
 def copy_into_blocks(dst: ColumnBlocks, src) -> None:
     """Copy the host matrix ``src`` (an array or int8 ``quant.QuantizedTensor`` of numpy arrays) into the
     writable host views ``dst`` of column blocks (a page read for blocked slots, ``expert_store.slot_views``)."""
-    start = 0
-    for block in dst.blocks:
-        width = int(block.shape[1])
-        if isinstance(block, quant.QuantizedTensor):
-            np.copyto(block.q, src.q[:, start:start + width])
+    int8 = isinstance(src, quant.QuantizedTensor)
+    for block, piece in zip(dst.blocks, column_pieces(src.q if int8 else src, dst.widths)):
+        if int8:
+            np.copyto(block.q, piece)
             np.copyto(block.scale, src.scale)
         else:
-            np.copyto(block, src[:, start:start + width])
-        start += width
+            np.copyto(block, piece)
 
 
 def in_column_blocks(w):
@@ -282,10 +289,7 @@ def in_column_blocks(w):
     return ColumnBlocks(blocks)
 
 
-@functools.partial(jax.jit, static_argnums=1)
-def _cut_columns(values: jax.Array, widths: tuple[int, ...]) -> tuple:
-    starts = np.cumsum((0,) + widths)
-    return tuple(values[:, a:b] for a, b in zip(starts[:-1], starts[1:]))
+_cut_columns = jax.jit(column_pieces, static_argnums=1)  # one program per shape, no host round trip
 
 
 @jax.tree_util.register_pytree_node_class
@@ -417,9 +421,13 @@ def int8_nt_dot(x: jax.Array, w: "quant.QuantizedTensor") -> jax.Array:
     return (y * scale).reshape(*lead, w.q.shape[0])
 
 
-def _int8_library_dot(rows: jax.Array, q: jax.Array) -> jax.Array:
+def _int8_library_dot(rows: jax.Array, *qs: jax.Array) -> jax.Array:
+    """Rows quantised whole, multiplied int8 x int8 by ``q [out, in]`` or its column blocks ``qs`` (the int32
+    partial sums add up to the whole product), then scaled."""
     xq, xs = quantize_rows(rows)
-    return _int8_product(xq, q).astype(jnp.float32) * xs
+    pieces = column_pieces(xq, tuple(q.shape[1] for q in qs)) if len(qs) > 1 else [xq]
+    acc = functools.reduce(jnp.add, [_int8_product(piece, q) for piece, q in zip(pieces, qs)])
+    return acc.astype(jnp.float32) * xs
 
 
 def _int8_product(xq: jax.Array, q: jax.Array) -> jax.Array:
@@ -440,7 +448,7 @@ def blocked_nt_dot(x: jax.Array, w: ColumnBlocks) -> jax.Array:
     values = tuple(b.q for b in w.blocks) if int8 else w.blocks
     lead, (out, k) = x.shape[:-1], w.shape
     rows = x.reshape(-1, k).astype(jnp.float32 if int8 else values[0].dtype)
-    library = _blocked_int8_library_dot if int8 else _blocked_library_dot
+    library = _int8_library_dot if int8 else _blocked_library_dot
     y = one_row_on_cpu(rows, _blocked_row_dot, library, *values)
     if int8:
         y = y * w.blocks[0].scale[:, 0].astype(jnp.float32)[None, :]
@@ -448,8 +456,7 @@ def blocked_nt_dot(x: jax.Array, w: ColumnBlocks) -> jax.Array:
 
 
 def _row_pieces(rows: jax.Array, blocks: tuple) -> list[jax.Array]:
-    starts = np.cumsum([0] + [b.shape[1] for b in blocks])
-    return [rows[:, a:b] for a, b in zip(starts[:-1], starts[1:])]
+    return column_pieces(rows, tuple(b.shape[1] for b in blocks))
 
 
 def _blocked_row_dot(row: jax.Array, *blocks: jax.Array) -> jax.Array:
@@ -459,12 +466,6 @@ def _blocked_row_dot(row: jax.Array, *blocks: jax.Array) -> jax.Array:
 
 def _blocked_library_dot(rows: jax.Array, *blocks: jax.Array) -> jax.Array:
     return functools.reduce(jnp.add, [_library_dot(piece, b) for piece, b in zip(_row_pieces(rows, blocks), blocks)])
-
-
-def _blocked_int8_library_dot(rows: jax.Array, *blocks: jax.Array) -> jax.Array:
-    xq, xs = quantize_rows(rows)
-    acc = functools.reduce(jnp.add, [_int8_product(piece, b) for piece, b in zip(_row_pieces(xq, blocks), blocks)])
-    return acc.astype(jnp.float32) * xs
 
 
 def matmul(x: jax.Array, w) -> jax.Array:

@@ -340,9 +340,9 @@ def expert_list(cfg: ModelConfig, n: int, dtype, int8: bool = False) -> layout.E
 
 
 def blocked_slots(cfg: ModelConfig) -> bool:
-    """Whether slots on the CPU are cut into column blocks (``expert_list``): an expert matrix's input row is
-    longer than ``layout.ROW_DOT_MAX_IN``."""
-    return max(cfg.hidden_size, cfg.moe_intermediate_size) > layout.ROW_DOT_MAX_IN
+    """Whether slots on the CPU are cut into column blocks (``expert_list``): an expert matrix's input row
+    (D for gate_up, F for down) needs more than one block."""
+    return any(len(layout.column_block_widths(k)) > 1 for k in (cfg.hidden_size, cfg.moe_intermediate_size))
 
 
 def slot_nbytes(cfg: ModelConfig, dtype, int8: bool = False) -> int:
