@@ -196,19 +196,23 @@ def gpu_suite(args) -> dict:
         one = [(d, f), (d, f), (f, d)]  # one expert's matrices: the peak is measured per model's expert shape
         bw = measure_device_put({"one_expert": one, f"k{cfg.top_k}_experts": one * cfg.top_k,
                                  "128MiB": [(64, 2**20)] if not small else [(4, 2**16)]}, np.dtype("bfloat16"))
-        result["models"][shape] = {"device_put": bw, **gpu_runs(args, model, routings, max(v["gbps"] for v in bw.values()))}
+        result["models"][shape] = {"device_put": bw}
+        gpu_runs(args, model, routings, max(v["gbps"] for v in bw.values()), result["models"][shape],
+                 lambda: atomic.write_json(args.out, result, indent=1, sort_keys=False, make_parents=True))
         del model
     return result
 
 
-def gpu_runs(args, model, routings: list[str], peak: float) -> dict:
+def gpu_runs(args, model, routings: list[str], peak: float, result: dict, save) -> None:
     """Offloaded decode of one model: every paging x cache size x routing, against the roofline (``peak``:
-    the measured host -> device GB/s)."""
+    the measured host -> device GB/s), into ``result``; ``save()`` after each run, so that a run cut off by
+    its time box (a device call) keeps the runs before it. A run the configuration refuses (a cache smaller
+    than top-k) is recorded with its error and the grid goes on."""
     cfg = model.cfg
     ids = np.arange(1, 17, dtype=np.int32) * 7 % cfg.vocab_size
     policy = routing.make_policy("original", cfg.top_k)
     new = args.new_tokens
-    result = {"model": {"type": cfg.model_type, "hidden": cfg.hidden_size, "moe_ff": cfg.moe_intermediate_size,
+    result |= {"model": {"type": cfg.model_type, "hidden": cfg.hidden_size, "moe_ff": cfg.moe_intermediate_size,
                         "experts": cfg.n_experts, "top_k": cfg.top_k, "layers": cfg.num_layers,
                         "expert_bytes": cfg.expert_params * 2},
               "peak_gbps": peak, "runs": {}}
@@ -224,8 +228,13 @@ def gpu_runs(args, model, routings: list[str], peak: float) -> dict:
         kind, lam, overfetch = ROUTINGS[rname]
         policy = routing.make_policy(kind, cfg.top_k, **({} if lam is None else {"lam": lam}))
         cc = CacheConfig(size=size, prefetch=overfetch)
-        res = model.generate(ids, new, routing=policy, cache=cc, stop_at_eos=False,
-                             offload=offload.OffloadConfig(paging=paging))
+        try:
+            res = model.generate(ids, new, routing=policy, cache=cc, stop_at_eos=False,
+                                 offload=offload.OffloadConfig(paging=paging))
+        except ValueError as e:  # e.g. a cache smaller than top-k on the small shapes
+            result["runs"][f"{paging}_C{size}_{rname}"] = {"error": str(e)}
+            print(cfg.model_type, paging, size, rname, "refused:", e, flush=True)
+            continue
         o, s = res.stats["offload"], res.stats
         if "bytes_per_decode_token" in o:
             bpt = o["bytes_per_decode_token"]
@@ -251,7 +260,7 @@ def gpu_runs(args, model, routings: list[str], peak: float) -> dict:
         print(cfg.model_type, paging, size, rname, json.dumps(run, default=str)[:400], flush=True)
         if "ms_per_token" in run:
             print("   ms per token:", json.dumps({k: round(v, 3) for k, v in run["ms_per_token"].items()}))
-    return result
+        save()
 
 
 def main(argv=None) -> int:
@@ -272,12 +281,13 @@ def main(argv=None) -> int:
     p.add_argument("--small", action="store_true", help="gpu suite on tiny shapes (smoke test anywhere)")
     p.add_argument("--out", default=None, help="results JSON path (default bench/results/offload_<suite>.json)")
     args = p.parse_args(argv)
+    args.out = args.out or os.path.join(os.path.dirname(os.path.abspath(__file__)), "results",
+                                        f"offload_{args.suite}{'_small' if args.small else ''}.json")
     t0 = time.perf_counter()
     res = cpu_suite(args) if args.suite == "cpu" else gpu_suite(args)
     res["wall_s"] = time.perf_counter() - t0
     res["command"] = " ".join(["python bench/bench_offload.py", *(argv if argv is not None else sys.argv[1:])])
-    out = args.out or os.path.join(os.path.dirname(os.path.abspath(__file__)), "results",
-                                   f"offload_{args.suite}{'_small' if args.small else ''}.json")
+    out = args.out
     atomic.write_json(out, res, indent=1, sort_keys=False, make_parents=True)
     print(f"wrote {out} ({res['wall_s']:.0f} s)")
     return 0
