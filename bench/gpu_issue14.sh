@@ -88,7 +88,7 @@ if want loop; then
     if [[ -f "$work/written" ]]; then
         XLA_PYTHON_CLIENT_MEM_FRACTION=${MEM_FRACTION:-0.6} timeout "$(box "${LOOP_BOX:-240}")" \
             python3 bench/bench_teacher_forced.py --model "$work/olmoe" --dtype bfloat16 --lam 0.5 --cache-size 0.5 \
-            --sweep-points 16 "${run[@]}" --out "$OUT/teacher_forced_gpu.json" > "$OUT/teacher_forced.txt" 2>&1
+            --sweep-points 16 "${run[@]}" ${LOOP_ARGS:-} --out "$OUT/teacher_forced_gpu.json" > "$OUT/teacher_forced.txt" 2>&1
         stamp "research loop exit $? (124 = its box ran out; 1 = the engines disagree)"
         grep -v "Warning\|warner" "$OUT/teacher_forced.txt" | tail -14
     fi

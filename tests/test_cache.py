@@ -17,6 +17,7 @@ from hypothesis import strategies as st
 
 from moejax.experts import cache, trace
 from reference_cache import simulate
+from scatter_bounds import out_of_range_scatters
 
 T, L, K, N = 24, 3, 3, 8
 ONLINE = ("lru", "lfu", "fld", "score", "least-stale")
@@ -180,6 +181,23 @@ def test_summarize_lifetimes():
 
 
 # ------------------------------------------------------------------------------------------ properties
+
+
+@pytest.mark.parametrize("eviction", ["lru", "lfu", "belady", "score", "least-stale"])
+def test_vmapped_cache_updates_keep_every_scatter_index_in_range(eviction):
+    """The per-layer replay is a vmap over layers; on an H200 with --xla_gpu_deterministic_ops its scatters'
+    dropped (out-of-range) columns landed in the next layer and the last layer's miss count came out wrong.
+    Every index stays in range instead (a scratch column), for access and prefetch alike."""
+    tr = random_trace(3)
+    state = cache.init_cache(L, N, 2, "layer", eviction)
+    offline = eviction in cache.OFFLINE_EVICTIONS
+    nu = trace.next_use_indices(tr.experts, "layer") if offline else np.zeros(tr.shape, np.int32)
+    assert out_of_range_scatters(trace._replay_layers, state, tr.experts, tr.weights, nu) == []
+    split = cache.split_layers(state)
+    step = int(np.argmax((tr.experts < 0).any(axis=(1, 2))))
+    wanted = jnp.asarray(tr.experts[step])  # [L, K] with a -1 (none) entry
+    assert (wanted < 0).any()
+    assert out_of_range_scatters(jax.vmap(lambda s, e: cache.prefetch(s, 0, e)), split, wanted) == []
 
 
 @pytest.mark.parametrize("scope", ["layer", "global"])

@@ -7,8 +7,10 @@ import math
 import time
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
+from scatter_bounds import out_of_range_scatters
 from test_evaluate import TEXT, make_word_model
 
 from moejax.models import checkpoint
@@ -198,6 +200,17 @@ def test_vmapped_batch_equals_the_loop(lm, data):
         ref = perplexity.wikitext_perplexity(lm, text, CONTEXT, MAX_TOKENS, p.policy, p.cache)
         assert rec["ppl"] == pytest.approx(ref["ppl"], rel=1e-5)
         assert rec["miss_rate"] == ref["miss_rate"] and rec["collision_misses"] == ref["cache"]["collision_misses"]
+
+
+def test_the_vmapped_pass_keeps_every_scatter_index_in_range(lm):
+    """The sweep vmaps the cache and router state over points; XLA:GPU's deterministic scatter lands a
+    dropped out-of-range index in the next point (tests/scatter_bounds.py), so none may occur."""
+    ids = jnp.asarray(np.arange(1, 13, dtype=np.int32) % lm.cfg.vocab_size)
+    cc = simulate.CacheConfig("0.5", "layer", "lru")
+    states = [simulate.init_router_state(lm.cfg, routing.make_policy("cache-prior", lm.cfg.top_k, lam=lam), cc)
+              for lam in (0.0, 0.5)]
+    stacked = jax.tree.map(lambda *xs: jnp.stack(xs), *states)
+    assert out_of_range_scatters(lambda s: sweep.batched_pass(lm.params, lm.cfg, ids, s), stacked) == []
 
 
 def test_resume_after_interruption(lm, data, tmp_path, monkeypatch):

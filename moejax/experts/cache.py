@@ -446,6 +446,22 @@ def _victims(keys: tuple[jax.Array, ...], candidates: jax.Array, n_evict, max_ev
     return taken
 
 
+def put_columns(a: jax.Array, row, cols: jax.Array, values, add: bool = False) -> jax.Array:
+    """``a[row, cols] = values`` (``+=`` with ``add``) where a column equal to ``a.shape[1]`` means *none*.
+
+    The none-column is written into a scratch column that is cut off again rather than left out of range
+    for the scatter to drop: XLA:GPU's deterministic scatter (``--xla_gpu_deterministic_ops``, which
+    reproducible GPU runs set) flattens a vmapped scatter's indices, and an out-of-range column of one batch
+    element then lands in the next one's column 0 (openxla/xla#34870 fixed a sibling of it). On the H200 the
+    per-layer replay (a vmap over layers) counted one miss too many in its last layer that way.
+    """
+    n_cols = a.shape[1]
+    line = jnp.concatenate([lax.dynamic_index_in_dim(a, row, keepdims=False), jnp.zeros((1,), a.dtype)])
+    at = line.at[cols]
+    line = at.add(values, mode="promise_in_bounds") if add else at.set(values, mode="promise_in_bounds")
+    return lax.dynamic_update_index_in_dim(a, line[:n_cols], row, axis=0)
+
+
 def _assign_slots(slot: jax.Array, row, cols: jax.Array, place: jax.Array, capacity) -> jax.Array:
     """Give each entry (row, cols[j]) with place[j] (their slot is -1) the lowest free slot in
     [0, capacity), in j order. Unrolled over the few j (a repeated masked minimum), because nonzero/cumsum
@@ -461,7 +477,7 @@ def _assign_slots(slot: jax.Array, row, cols: jax.Array, place: jax.Array, capac
         lowest = jnp.min(jnp.where(free, iota, n_slots))
         new.append(jnp.where(place[j], lowest, -1))
         free = free & ~((iota == lowest) & place[j])
-    return slot.at[row, jnp.where(place, cols, n_experts)].set(jnp.stack(new), mode="drop")
+    return put_columns(slot, row, jnp.where(place, cols, n_experts), jnp.stack(new))
 
 
 def _evict_and_place(st: CacheState, row, now: jax.Array, cols: jax.Array, loaded: jax.Array, pass_now):
@@ -512,7 +528,7 @@ def _pool_access(st: CacheState, row, experts, weights, valid, next_use, tier):
     miss_col = jnp.where(loaded, experts, n_experts)
 
     def put(a, v, c=drop):
-        return a.at[row, c].set(v, mode="drop")
+        return put_columns(a, row, c, v)
 
     now = put(jnp.zeros_like(st.resident), True)
     stats = st.stats
@@ -529,8 +545,8 @@ def _pool_access(st: CacheState, row, experts, weights, valid, next_use, tier):
     st = st.replace(
         resident=st.resident | now,
         last_touch=put(st.last_touch, ticks),
-        freq=st.freq.at[row, counted].add(1, mode="drop"),
-        score=st.score.at[row, counted].add(weights.astype(jnp.float32), mode="drop"),
+        freq=put_columns(st.freq, row, counted, 1, add=True),
+        score=put_columns(st.score, row, counted, weights.astype(jnp.float32), add=True),
         touch_pass=put(st.touch_pass, pass_now),
         load_pass=put(st.load_pass, pass_now, miss_col),
         seen=put(st.seen, True, miss_col),
@@ -584,7 +600,7 @@ def _pool_prefetch(st: CacheState, row, experts, valid):
     tick0 = st.clock.max()
 
     def put(a, v, c=drop):
-        return a.at[row, c].set(v, mode="drop")
+        return put_columns(a, row, c, v)
 
     now = put(jnp.zeros_like(st.resident), True)
     st = st.replace(
