@@ -61,6 +61,26 @@ def test_sorted_equals_dense(seed, shape, drop, act):
         assert not np.asarray(got).any()
 
 
+@settings(max_examples=8, deadline=None)
+@given(seed=st.integers(0, 2**31 - 1), T=st.integers(2, 70), chunk=st.sampled_from([1, 8, 16, 64]))
+def test_dense_in_chunks_equals_dense(seed, T, chunk):
+    """Off the CPU long inputs run the dense path in chunks of tokens (padded): the same rows (up to float32
+    rounding: a product's blocking depends on its row count)."""
+    p, x, e, w = _problem(seed, T, 3, 8, drop=0.3)
+    want = _dense(p, _Act(), x, e, w)
+    got = jax.jit(M.dense_routed_experts, static_argnums=(1, 5))(p, _Act(), x, e, w, chunk)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=2e-5, atol=2e-5)
+
+
+def test_dense_chunks_bound_the_intermediate():
+    assert M.dense_chunk_rows(64, 1024) == 1024  # OLMoE: [1024, 64, 1024] float32 = 256 MiB
+    assert M.dense_chunk_rows(8, 14336) == 512  # Mixtral
+    assert M.dense_chunk_rows(160, 1536) == 256 and M.dense_chunk_rows(4, 8) == 4096 and M.dense_chunk_rows(
+        2048, 8192) == 64
+    for n, f in ((64, 1024), (128, 768), (8, 14336), (160, 1536)):
+        assert M.dense_chunk_rows(n, f) * n * f * 4 <= 1 << 28
+
+
 def test_sorted_equals_dense_bf16_within_rounding():
     p, x, e, w = _problem(1, 40, 4, 16, dtype=jnp.bfloat16)
     want = _dense(p, _Act(), x, e, w).astype(jnp.float32)

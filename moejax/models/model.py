@@ -357,11 +357,14 @@ def routed_experts(p: dict, cfg: ModelConfig, x: jax.Array, experts: jax.Array, 
     """Σ_k weights[t,k] · E_{experts[t,k]}(x_t) over T tokens. Invalid slots (id < 0) must carry weight 0.
 
     Picks the exact path by shape (all give the same result; measured in bench/RESULTS.md): one token
-    gathers the K chosen experts' weights; from ``SORTED_MIN_TOKENS`` tokens on, when N > 2K, the T·K
-    assignments are sorted by expert and each expert runs on its own tokens only
-    (``sorted_routed_experts``: on the default model 2.1x faster than dense at T = 128, 2.8x at 1024);
-    otherwise every expert runs on every token in one einsum (``dense_routed_experts``: at most twice the
-    needed work when N ≤ 2K, and for a few tokens it costs little and compiles faster)."""
+    gathers the K chosen experts' weights; from ``SORTED_MIN_TOKENS`` tokens on, when N > 2K, the CPU sorts
+    the T·K assignments by expert and runs each expert on its own tokens only (``sorted_routed_experts``: on
+    the default model 2.1x faster than dense at T = 128, 2.8x at 1024); otherwise every expert runs on every
+    token (``dense_routed_experts``: at most twice the needed work when N ≤ 2K, and for a few tokens it costs
+    little and compiles faster). Off the CPU many tokens also take the dense path, in chunks of tokens
+    (``dense_chunk_rows``): the sorted path's loop of ~T·K/64 sequential small products per layer ran the
+    H200's teacher-forced pass at 0.40x transformers' grouped GEMM (session 20), where N/K times the work in
+    one large product costs a GPU less than the loop."""
     if isinstance(p.get("experts"), layout.ExpertShards):  # spread over devices: each computes its own
         return sharded_routed_experts(p["experts"], cfg, x, experts, weights)
     if "experts" in p:  # serving layout (layout.ExpertList): every path reads the experts in place
@@ -371,8 +374,18 @@ def routed_experts(p: dict, cfg: ModelConfig, x: jax.Array, experts: jax.Array, 
     if T == 1:
         return gathered_routed_experts(p, cfg, x, experts, weights)
     if T >= SORTED_MIN_TOKENS and n > 2 * K:
-        return sorted_routed_experts(p, cfg, x, experts, weights)
+        chunk = dense_chunk_rows(n, p["gate"].shape[-1])
+        return jax.lax.platform_dependent(
+            x, experts, weights, cpu=lambda *a: sorted_routed_experts(p, cfg, *a),
+            default=lambda *a: dense_routed_experts(p, cfg, *a, chunk_rows=chunk))
     return dense_routed_experts(p, cfg, x, experts, weights)
+
+
+def dense_chunk_rows(n_experts: int, ff: int, budget_bytes: int = 1 << 28) -> int:
+    """Tokens per chunk of the dense path off the CPU: the [rows, N, F] float32 intermediate within
+    ``budget_bytes`` (256 MiB), a power of two in [64, 4096]."""
+    rows = max(1, budget_bytes // (n_experts * ff * 4))
+    return int(min(4096, max(64, 1 << (rows.bit_length() - 1))))
 
 
 def _expert_mlp_act(act: str, x: jax.Array, g: jax.Array, u: jax.Array, d: jax.Array) -> jax.Array:
@@ -389,10 +402,23 @@ def gathered_routed_experts(p: dict, cfg: ModelConfig, x, experts, weights):
     return jnp.einsum("tkd,tk->td", y, weights.astype(y.dtype))
 
 
-def dense_routed_experts(p: dict, cfg: ModelConfig, x, experts, weights):
+def dense_routed_experts(p: dict, cfg: ModelConfig, x, experts, weights, chunk_rows: int | None = None):
     """Every expert on every token, combined with a [T, N] matrix: N/K times the work, but one big
-    einsum: the reference the sparse path is tested against, and the fastest for a few tokens."""
+    einsum: the reference the sparse path is tested against, and the fastest for a few tokens.
+    ``chunk_rows``: more tokens than that run as a sequence of chunks (padded), bounding the [rows, N, F]
+    intermediate."""
     T, n = x.shape[0], p["gate"].shape[0]
+    if chunk_rows is not None and T > chunk_rows:
+        nc = -(-T // chunk_rows)
+        pad = nc * chunk_rows - T
+
+        def chunks(a, fill):
+            a = jnp.concatenate([a, jnp.full((pad, *a.shape[1:]), fill, a.dtype)]) if pad else a
+            return a.reshape(nc, chunk_rows, *a.shape[1:])
+
+        y = jax.lax.map(lambda c: dense_routed_experts(p, cfg, *c),
+                        (chunks(x, 0), chunks(experts, -1), chunks(weights, 0)))
+        return y.reshape(nc * chunk_rows, -1)[:T]
     ids = jnp.maximum(experts, 0)
     combine = jnp.zeros((T, n), weights.dtype)
     combine = combine.at[jnp.arange(T)[:, None], ids].add(jnp.where(experts >= 0, weights, 0))
