@@ -11,6 +11,7 @@ from __future__ import annotations
 import gc
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -111,6 +112,30 @@ def test_in_jit_paging_generates_the_simulation_tokens_and_bytes():
         assert off.stats["offload"]["bytes_moved"] == (
             (off.stats["cache"]["loads"] + off.stats["cache"]["prefetch_loads"]) * off.stats["offload"]["expert_bytes"])
         assert off.stats["cache"]["misses"] == ref.stats["cache"]["misses"]
+
+
+def test_in_jit_decode_never_copies_a_slot_stack(tmp_path):
+    """The decode program writes the slot stacks in place: no ``copy`` or ``select`` of a whole stack per
+    step. Session 20's H200 run found both (the step's roll-back of the router state after EOS kept the old
+    stacks alive: 69 tokens/s at C = N/2 against 863 with every weight on the device); ``decode.keep_when_done``
+    now leaves the pager's slots out of the roll-back. Read from XLA's optimized HLO, in a subprocess."""
+    m = _model()
+    cfg = m.cfg
+    dump = tmp_path / "hlo"
+    code = ("import numpy as np, moejax; from moejax.runtime import offload; "
+            "from moejax.runtime.simulate import CacheConfig; "
+            f"m = moejax.load({m.path!r}); "
+            "m.generate(np.arange(1, 5, dtype=np.int32), 4, routing='original', cache=CacheConfig(size='5'), "
+            "offload=offload.OffloadConfig(paging='jit'), stop_at_eos=False)")
+    env = {**os.environ, "XLA_FLAGS": f"{os.environ.get('XLA_FLAGS', '')} --xla_dump_to={dump} --xla_dump_hlo_as_text"}
+    subprocess.run([sys.executable, "-c", code], env=env, check=True, timeout=300)
+    texts = [f.read_text() for f in dump.glob("*decode_chunk*after_optimizations.txt")]
+    assert texts, sorted(os.listdir(dump))[:10]
+    d, f = cfg.hidden_size, cfg.moe_intermediate_size
+    stacks = {f"[5,{d},{f}]", f"[5,{f},{d}]"}
+    ops = re.findall(r"= \w+(\[[0-9,]+\])\{[^}]*\} (copy|select)\(", "\n".join(texts))
+    assert not [op for op in ops if op[0] in stacks], ops
+    assert any(f"[5,{d},{f}]" in t and "dynamic-update-slice" in t for t in texts)  # the stacks are there
 
 
 @settings(max_examples=25, deadline=None)

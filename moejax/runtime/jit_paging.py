@@ -57,6 +57,9 @@ class JitPager:
 
     gating: Any
     max_changes: int  # static bound on slot changes per router step (K + prefetch candidates)
+    # the slot stacks are written in place every step; decode does not roll them back after EOS (see
+    # decode.keep_when_done): they are rebuilt from the cache state at the next generate call
+    no_rollback: tuple[str, ...] = ("slots",)
 
     @staticmethod
     def token_sequential(state: dict) -> bool:
