@@ -156,12 +156,13 @@ def moejax_plain(model, chunks):
     return [model.forward(c).logits for c in chunks]
 
 
-def moejax_cache(model, chunks, policy, cache_cfg):
-    """Cache-aware teacher-forced pass; the router state (cache + running Δ) carries across chunks."""
+def moejax_cache(model, chunks, policy, cache_cfg, route_on_host=None):
+    """Cache-aware teacher-forced pass; the router state (cache + running Δ) carries across chunks.
+    ``route_on_host``: None lets moejax choose (the host CPU when the model is on an accelerator)."""
     state = model.router_state(policy, cache_cfg)
     logits, experts = [], []
     for c in chunks:
-        out = model.forward(c, state=state)
+        out = model.forward(c, state=state, route_on_host=route_on_host)
         state = out.state
         logits.append(out.logits)
         experts.append(out.experts)  # [L, T, K]
@@ -359,6 +360,9 @@ def main() -> int:
     ap.add_argument("--cache-size", default="0.5", help="per-layer LRU capacity: fraction of N ('0.5') or count")
     ap.add_argument("--sweep-points", type=int, default=0, help="also time an N-point λ sweep, vmapped vs N passes")
     ap.add_argument("--skip-plain", action="store_true", help="skip pass 1 (plain) and its transformers run")
+    ap.add_argument("--route-on", choices=("auto", "host", "device"), default="auto",
+                    help="where moejax's cache pass runs each layer's routing scan (auto: the host CPU when the "
+                         "model is on an accelerator)")
     ap.add_argument("--threads", type=int, default=2, help="torch intra-op threads and CPUs the process may use")
     ap.add_argument("--hf-experts", choices=("eager", "grouped_mm", "batched_mm"), default=None,
                     help="transformers experts implementation (default: transformers' own, grouped_mm)")
@@ -421,7 +425,8 @@ def main() -> int:
         del mj_logits, hf_logits
 
     # 2. cache-prior + LRU pass
-    t, ts, (mj_logits, mj_chosen, stats) = timed(lambda: moejax_cache(model, chunks, policy, cache_cfg),
+    route_on_host = {"auto": None, "host": True, "device": False}[args.route_on]
+    t, ts, (mj_logits, mj_chosen, stats) = timed(lambda: moejax_cache(model, chunks, policy, cache_cfg, route_on_host),
                                                  args.repeats, "moejax cache pass")
     mj_cache = figures(t, ts, mj_logits, {"miss_rate": stats["miss_rate"], "misses": stats["misses"],
                                           "accesses": stats["accesses"]})
@@ -462,7 +467,7 @@ def main() -> int:
                      f"experts, top-{cfg.top_k}), {args.dtype}, {tokens_from} chunks",
         "model": args.model, "dtype": args.dtype, "tokens_from": tokens_from,
         "chunks": args.chunks, "context": args.context, "tokens": n_tokens, "repeats": args.repeats,
-        "routing": {"kind": "cache-prior", "lam": args.lam, "top_j": top_j},
+        "routing": {"kind": "cache-prior", "lam": args.lam, "top_j": top_j, "route_on": args.route_on},
         "cache": {"size": str(args.cache_size), "capacity_per_layer": capacity, "scope": "layer", "eviction": "lru",
                   "carried_across_chunks": True},
         "plain": plain, "cache_prior_lru": cached, "lambda_sweep": swept,

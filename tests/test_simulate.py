@@ -157,6 +157,28 @@ def test_cache_carried_over_between_sequences():
     assert not fresh.hits[:, 0].any()  # an empty cache hits nothing
 
 
+@pytest.mark.parametrize("family", ["deepseek_v2_group", "qwen2_moe"])  # a dense first layer; shared experts
+def test_routing_on_the_host_is_the_one_program_pass(family):
+    """``route_on_host`` (the accelerators' default: the routing scan on the host CPU, a layer at a time)
+    gives the one-program pass's routing, hits, statistics and state, carried across two sequences, with
+    prefetch and with cascade miss handling; logits up to the rounding of differently fused programs."""
+    m = get_moejax_model(family)
+    a, b = _tokens(20, 1), _tokens(20, 2)
+    for cache in (simulate.CacheConfig("0.5", prefetch=1.0), simulate.CacheConfig("3", miss="cascade")):
+        pol = routing.make_policy("cache-prior", m.cfg.top_k, lam=0.5)
+        one = m.forward(a, routing=pol, cache=cache, route_on_host=False)
+        host = m.forward(a, routing=pol, cache=cache, route_on_host=True)
+        one, host = m.forward(b, state=one.state, route_on_host=False), m.forward(b, state=host.state, route_on_host=True)
+        np.testing.assert_array_equal(host.experts, one.experts)
+        np.testing.assert_array_equal(host.hits, one.hits)
+        np.testing.assert_array_equal(host.router_logits, one.router_logits)
+        np.testing.assert_allclose(host.logits, one.logits, rtol=1e-6, atol=1e-6)
+        assert host.stats == one.stats and host.stats["accesses"] == 2 * 20 * m.cfg.top_k * m.cfg.n_moe_layers
+        chex.assert_trees_all_equal(host.state, one.state)
+    with pytest.raises(ValueError, match="layer-parallel"):
+        m.forward(a, cache=simulate.CacheConfig("0.5"), sequential=True, route_on_host=True)
+
+
 def _cli(*args: str) -> subprocess.CompletedProcess:
     env = dict(os.environ, JAX_PLATFORMS="cpu")
     return subprocess.run([sys.executable, "-m", *args], capture_output=True, text=True, env=env, timeout=300)

@@ -337,7 +337,7 @@ class Model:
         return state if routing is None else {**state, "policy": self._policy(routing)}
 
     def forward(self, token_ids, *, routing=None, cache=None, state: dict | None = None,
-                sequential: bool | None = None, offload=None) -> Output:
+                sequential: bool | None = None, offload=None, route_on_host: bool | None = None) -> Output:
         """Teacher-forced pass over ``token_ids`` (1-D).
 
         With no ``routing``/``cache``/``state``: the architecture's own routing, no cache. Otherwise the
@@ -346,6 +346,9 @@ class Model:
         ``previous_output.state``: the cache carried over from the previous sequence, statistics
         accumulating). Per-layer caches take the layer-parallel path, global ones the token-sequential
         path (``sequential=True`` forces it; both give the same result for per-layer caches).
+        ``route_on_host`` (default: when the model is on an accelerator) runs each layer's routing scan on the
+        host CPU between the accelerator's layer programs (``simulate.forward_routed_on_host``): the same
+        routing and statistics; on a GPU the scan's per-token steps cost far less there.
 
         ``offload`` (``offload.OffloadConfig``): the experts live in host memory and each token's misses are
         paged into device slots for real (token by token, host-driven); ``stats["offload"]`` has the
@@ -367,7 +370,7 @@ class Model:
                           np.asarray(out.weights))
 
         state = self._resolve_state(routing, cache, state, offload)
-        out = simulate.forward_with_cache(self.params, self.cfg, tokens, state, sequential)
+        out = simulate.forward_with_cache(self.params, self.cfg, tokens, state, sequential, route_on_host)
         check_output(self.cfg, out.router_logits, out.logits)
         return Output(np.asarray(out.logits), np.asarray(out.router_logits), np.asarray(out.experts),
                       np.asarray(out.weights), np.asarray(out.records["hits"]),

@@ -254,8 +254,7 @@ class HostPager:
         self.split_stage_b = None  # True / False: every decode step's stage B split / one (the warm-up's steps)
         self._prefill_staging = None  # K buffers streamed experts pass through in a batched prefill (on first use)
         # one compiled stage per distinct layer structure (sliding window), not per layer
-        self._rep = {i: min(j for j in range(cfg.num_layers) if cfg.sliding_windows[j] == cfg.sliding_windows[i]
-                            and cfg.moe_layers[j] == cfg.moe_layers[i]) for i in range(cfg.num_layers)}
+        self._rep = prefill_paging.layer_programs(cfg)
 
     def committed(self, tree):
         """``tree``'s arrays committed to the pager's device. Pages arrive committed (``device_put``), and jit

@@ -120,6 +120,13 @@ def round_ids(experts: np.ndarray, in_slots: dict, streamed: tuple, capacity: in
 # ------------------------------------------------------------------------------------------ stages
 
 
+def layer_programs(cfg: ModelConfig) -> dict[int, int]:
+    """Layer i -> the first layer of the same structure (sliding window, MoE or not): the layer whose
+    compiled stages it shares, so a layer-at-a-time pass compiles one program per structure, not per layer."""
+    return {i: min(j for j in range(cfg.num_layers) if cfg.sliding_windows[j] == cfg.sliding_windows[i]
+                   and cfg.moe_layers[j] == cfg.moe_layers[i]) for i in range(cfg.num_layers)}
+
+
 def _rope(cfg: ModelConfig, pos0, n: int):
     """(positions, cos, sin) of ``n`` tokens from position ``pos0``."""
     positions = jnp.asarray(pos0, jnp.int32) + jnp.arange(n, dtype=jnp.int32)
