@@ -179,6 +179,37 @@ def test_routing_on_the_host_is_the_one_program_pass(family):
         m.forward(a, cache=simulate.CacheConfig("0.5"), sequential=True, route_on_host=True)
 
 
+def test_routing_on_the_host_moves_between_two_devices():
+    """With the model on one device and the host another (two CPU devices stand in for an accelerator and its
+    host), the pass routes there and back: the one-program pass's experts and logits; the state comes back
+    on the model's device and a second chunk continues from it."""
+    code = """if True:
+        import sys; sys.path.insert(0, "tests")
+        import numpy as np, jax, jax.numpy as jnp
+        from conftest import get_moejax_model
+        from moejax.experts import routing
+        from moejax.runtime import simulate
+        m = get_moejax_model("qwen3_moe"); cfg = m.cfg
+        acc, host = jax.devices()[1], jax.devices()[0]
+        ids = jnp.asarray(np.arange(1, 30, dtype=np.int32) * 7 % cfg.vocab_size)
+        st = simulate.init_router_state(cfg, routing.make_policy("cache-prior", cfg.top_k, lam=0.5),
+                                        simulate.CacheConfig("3", prefetch=1.0))
+        one = simulate.forward_with_cache(m.params, cfg, ids, st, route_on_host=False)
+        one = simulate.forward_with_cache(m.params, cfg, ids, one.router_state, route_on_host=False)
+        params = jax.device_put(m.params, acc)
+        out = simulate.forward_routed_on_host(params, cfg, ids, jax.device_put(st, acc), host=host)
+        assert out.router_state["cache"].resident.devices() == {acc} and out.logits.devices() == {acc}
+        out = simulate.forward_routed_on_host(params, cfg, ids, out.router_state, host=host)
+        np.testing.assert_array_equal(np.asarray(out.experts), np.asarray(one.experts))
+        np.testing.assert_allclose(np.asarray(out.logits), np.asarray(one.logits), rtol=1e-6, atol=1e-6)
+        print("ok")
+    """
+    env = dict(os.environ, XLA_FLAGS=f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count=2",
+               JAX_PLATFORMS="cpu")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
+    assert r.returncode == 0 and r.stdout.strip().endswith("ok"), r.stderr[-3000:]
+
+
 def _cli(*args: str) -> subprocess.CompletedProcess:
     env = dict(os.environ, JAX_PLATFORMS="cpu")
     return subprocess.run([sys.executable, "-m", *args], capture_output=True, text=True, env=env, timeout=300)

@@ -263,7 +263,8 @@ def forward_routed_on_host(params, cfg: ModelConfig, tokens, router_state: dict,
     Here the accelerator runs attention, router logits and experts; each layer's logits [T, N] go to the
     host, the cache and router state stay there, the chosen experts and weights come back. Same routing,
     statistics and state as the one-program pass (the scan is the same function); logits agree up to the
-    rounding of differently fused programs. Returns the router state on ``host``."""
+    rounding of differently fused programs. The router state comes back on the model's device (a few KB),
+    where the one-program pass leaves it, so decoding or another pass can continue from it."""
     host = host or jax.devices("cpu")[0]
     device = _params_device(params)
     state = jax.device_put(router_state, host)
@@ -297,7 +298,7 @@ def forward_routed_on_host(params, cfg: ModelConfig, tokens, router_state: dict,
         router_logits=jnp.stack([jax.device_put(z, host) for z in zs]) if zs else jnp.zeros((0, len(tokens), cfg.n_experts)),
         experts=jnp.stack(es) if es else jnp.zeros((0, len(tokens), cfg.top_k), jnp.int32),
         weights=jnp.stack(ws) if ws else jnp.zeros((0, len(tokens), cfg.top_k)),
-        records=records, kv=None, router_state=state)
+        records=records, kv=None, router_state=jax.device_put(state, device))
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "sequential"))
