@@ -157,8 +157,8 @@ def test_cache_carried_over_between_sequences():
     assert not fresh.hits[:, 0].any()  # an empty cache hits nothing
 
 
-@pytest.mark.parametrize("family", ["deepseek_v2_group", "qwen2_moe"])  # a dense first layer; shared experts
-def test_routing_on_the_host_is_the_one_program_pass(family):
+@pytest.mark.parametrize("family", ["deepseek_v2_group", pytest.param("qwen2_moe", marks=pytest.mark.slow)])
+def test_routing_on_the_host_is_the_one_program_pass(family):  # DeepSeek: a dense first layer, shared experts
     """``route_on_host`` (the accelerators' default: the routing scan on the host CPU, a layer at a time)
     gives the one-program pass's routing, hits, statistics and state, carried across two sequences, with
     prefetch and with cascade miss handling; logits up to the rounding of differently fused programs."""
