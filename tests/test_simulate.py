@@ -182,7 +182,7 @@ def test_routing_on_the_host_is_the_one_program_pass(family):  # DeepSeek: a den
 def test_routing_on_the_host_moves_between_two_devices():
     """With the model on one device and the host another (two CPU devices stand in for an accelerator and its
     host), the pass routes there and back: the one-program pass's experts and logits; the state comes back
-    on the model's device and a second chunk continues from it."""
+    on the model's device and a second chunk continues from it. Weights on several devices are refused."""
     code = """if True:
         import sys; sys.path.insert(0, "tests")
         import numpy as np, jax, jax.numpy as jnp
@@ -202,6 +202,13 @@ def test_routing_on_the_host_moves_between_two_devices():
         out = simulate.forward_routed_on_host(params, cfg, ids, out.router_state, host=host)
         np.testing.assert_array_equal(np.asarray(out.experts), np.asarray(one.experts))
         np.testing.assert_allclose(np.asarray(out.logits), np.asarray(one.logits), rtol=1e-6, atol=1e-6)
+        both = jax.sharding.NamedSharding(jax.sharding.Mesh(np.array(jax.devices()), ("d",)), jax.sharding.PartitionSpec())
+        try:  # weights spread over several devices take the one-program pass; asking for this one is refused
+            simulate.forward_routed_on_host(jax.device_put(m.params, both), cfg, ids, st, host=host)
+        except ValueError as e:
+            assert "one device" in str(e)
+        else:
+            raise AssertionError("not refused")
         print("ok")
     """
     env = dict(os.environ, XLA_FLAGS=f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count=2",

@@ -19,10 +19,10 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from moejax.models import layout, quant, weights
+from moejax.base import distributed
+from moejax.models import layout, model as model_lib, quant, weights
 from moejax.models.config import ModelConfig
 from moejax.models.gating import Gating
-from moejax.models import model as model_lib
 from moejax.models.model import ForwardOutput, forward, forward_sequential, init_kv, routed_experts
 from moejax.experts import cache as cache_lib, routing as routing_lib
 from moejax.experts.router import route_tokens, router_step
@@ -142,10 +142,15 @@ class CacheRouter:
 
     @staticmethod
     def compute(moe_index, p, cfg, h, experts, weights, record, state):
-        miss = state["cache"].miss
-        if miss.mode != "cascade":
-            return routed_experts(p, cfg, h, experts, weights), state
-        return compute_tiers(p, cfg, h, experts, weights, record["tier"], miss), state
+        return expert_output(p, cfg, h, experts, weights, record.get("tier"), state["cache"].miss), state
+
+
+def expert_output(p: dict, cfg: ModelConfig, h, experts, weights, tier, miss: cache_lib.MissConfig):
+    """The routed experts' output under ``miss`` handling: cascade serves the ``tier`` misses from low-bit
+    copies (``compute_tiers``); every other mode computes the chosen experts as they are."""
+    if miss.mode != "cascade":
+        return routed_experts(p, cfg, h, experts, weights)
+    return compute_tiers(p, cfg, h, experts, weights, tier, miss)
 
 
 def init_router_state(cfg: ModelConfig, policy: routing_lib.RoutingPolicy, cache: CacheConfig) -> dict:
@@ -195,7 +200,8 @@ def forward_with_cache(params, cfg: ModelConfig, tokens, router_state: dict, seq
     if not sequential and router_state["cache"].scope == "global":
         raise ValueError("a global cache couples layers: it needs the token-sequential path")
     if route_on_host is None:
-        route_on_host = not sequential and _params_device(params).platform != "cpu"
+        device = _single_device(params)
+        route_on_host = not sequential and device is not None and device.platform != "cpu"
     if route_on_host:
         if sequential:
             raise ValueError("routing on the host is the layer-parallel path (per-layer caches)")
@@ -207,10 +213,12 @@ def forward_with_cache(params, cfg: ModelConfig, tokens, router_state: dict, seq
 # ------------------------------------------------------------------------------ routing on the host CPU
 
 
-def _params_device(params) -> jax.Device:
-    leaf = params["embed"]
-    devices = getattr(leaf, "devices", lambda: set())()
-    return next(iter(devices)) if devices else jax.devices()[0]
+def _single_device(params) -> jax.Device | None:
+    """The one device the model's weights are on (this process's first if not placed yet); None when they
+    are spread over several (expert parallelism: the one-program pass, whose programs span the mesh)."""
+    embed = params["embed"]
+    devices = embed.devices() if isinstance(embed, jax.Array) else {distributed.local_device()}
+    return next(iter(devices)) if len(devices) == 1 else None
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "layer"))
@@ -225,18 +233,15 @@ def _attend_and_route_logits(lp, next_lp, cfg: ModelConfig, layer: int, x):
     return x, h, model_lib.router_logits(lp["moe"], h), z_next
 
 
-@functools.partial(jax.jit, static_argnames=("gating",))
-def _route_layer(z, moe_index, state: dict, z_pred, gating: Gating):
-    cs, rs = state["cache"], state["routing"]
-    e, w, h, tier, cs, rs = route_tokens(z, moe_index, cs, rs, state["policy"], gating, z_pred=z_pred,
-                                         with_tier=True)
-    return e, w, h, tier, {**state, "cache": cs, "routing": rs}
+@functools.partial(jax.jit, static_argnames=("router",))
+def _route_layer(router: CacheRouter, moe_index, z, state: dict, z_pred):
+    """The one-program pass's router hook, alone (on the host): (experts, weights, state, record)."""
+    return router(moe_index, z, state, z_pred=z_pred)
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "cascade"))
-def _experts_and_residual(p, cfg: ModelConfig, x, h, experts, weights, tier, cascade):
-    y = routed_experts(p, cfg, h, experts, weights) if cascade is None else compute_tiers(
-        p, cfg, h, experts, weights, tier, cascade)
+@functools.partial(jax.jit, static_argnames=("cfg", "miss"))
+def _experts_and_residual(p, cfg: ModelConfig, x, h, experts, weights, tier, miss):
+    y = expert_output(p, cfg, h, experts, weights, tier, miss)
     if "shared" in p:
         y = y + model_lib.shared_experts(p, cfg, h)
     return x + y
@@ -266,14 +271,16 @@ def forward_routed_on_host(params, cfg: ModelConfig, tokens, router_state: dict,
     rounding of differently fused programs. The router state comes back on the model's device (a few KB),
     where the one-program pass leaves it, so decoding or another pass can continue from it."""
     host = host or jax.devices("cpu")[0]
-    device = _params_device(params)
+    device = _single_device(params)
+    if device is None:
+        raise ValueError("routing on the host needs the model on one device (its experts are spread over several)")
     state = jax.device_put(router_state, host)
-    cascade = state["cache"].miss if state["cache"].miss.mode == "cascade" else None
+    router, miss = CacheRouter(cfg.gating), state["cache"].miss
     predict = bool(state["cache"].prefetcher.enabled)
     programs = prefill_paging.layer_programs(cfg)
     moe_ids = [i for i in range(cfg.num_layers) if cfg.moe_layers[i]]
     x = _embed(params["embed"], jax.device_put(jnp.asarray(tokens, jnp.int32), device))
-    zs, es, ws, hits, tiers = [], [], [], [], []
+    zs, es, ws, recs = [], [], [], []
     z_pred, moe_index = None, 0
     for i, lp in enumerate(params["layers"]):
         if not cfg.moe_layers[i]:
@@ -281,24 +288,22 @@ def forward_routed_on_host(params, cfg: ModelConfig, tokens, router_state: dict,
             continue
         nxt = params["layers"][moe_ids[moe_index + 1]] if predict and moe_index + 1 < len(moe_ids) else None
         x, h, z, z_next = _attend_and_route_logits(lp, nxt, cfg, programs[i], x)
-        e, w, hit, tier, state = _route_layer(jax.device_put(z, host), jax.device_put(jnp.int32(moe_index), host),
-                                              state, z_pred, cfg.gating)
-        e_dev, w_dev, tier_dev = jax.device_put((e, w, tier), device)
-        x = _experts_and_residual(lp["moe"], cfg, x, h, e_dev, w_dev, tier_dev, cascade)
+        e, w, state, record = _route_layer(router, jax.device_put(jnp.int32(moe_index), host),
+                                           jax.device_put(z, host), state, z_pred)
+        e_dev, w_dev, tier_dev = jax.device_put((e, w, record.get("tier")), device)
+        x = _experts_and_residual(lp["moe"], cfg, x, h, e_dev, w_dev, tier_dev, miss)
         z_pred = None if z_next is None else jax.device_put(z_next, host)
-        zs.append(z), es.append(e), ws.append(w), hits.append(hit), tiers.append(tier)
+        zs.append(z), es.append(e), ws.append(w), recs.append(record)
         moe_index += 1
     head = {k: params[k] for k in ("final_norm", "lm_head", "lm_head_bias", "embed", layout.TIED_INT8_HEAD)
             if k in params}
-    records = {"hits": jnp.stack(hits)} if hits else {}
-    if cascade is not None and tiers:
-        records["tier"] = jnp.stack(tiers)
     return ForwardOutput(
         logits=_logits(head, cfg, x),
-        router_logits=jnp.stack([jax.device_put(z, host) for z in zs]) if zs else jnp.zeros((0, len(tokens), cfg.n_experts)),
+        router_logits=jnp.stack(zs) if zs else jnp.zeros((0, len(tokens), cfg.n_experts)),
         experts=jnp.stack(es) if es else jnp.zeros((0, len(tokens), cfg.top_k), jnp.int32),
         weights=jnp.stack(ws) if ws else jnp.zeros((0, len(tokens), cfg.top_k)),
-        records=records, kv=None, router_state=jax.device_put(state, device))
+        records=jax.tree.map(lambda *r: jnp.stack(r), *recs) if recs else {}, kv=None,
+        router_state=jax.device_put(state, device))
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "sequential"))
