@@ -287,9 +287,8 @@ def main(argv=None) -> int:
     res = cpu_suite(args) if args.suite == "cpu" else gpu_suite(args)
     res["wall_s"] = time.perf_counter() - t0
     res["command"] = " ".join(["python bench/bench_offload.py", *(argv if argv is not None else sys.argv[1:])])
-    out = args.out
-    atomic.write_json(out, res, indent=1, sort_keys=False, make_parents=True)
-    print(f"wrote {out} ({res['wall_s']:.0f} s)")
+    atomic.write_json(args.out, res, indent=1, sort_keys=False, make_parents=True)
+    print(f"wrote {args.out} ({res['wall_s']:.0f} s)")
     return 0
 
 
