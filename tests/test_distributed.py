@@ -33,7 +33,12 @@ COMPARED = ("key", "ppl", "miss_rate", "lifetime", "lifetime_std", "bytes_per_to
 
 def _env(devices: int, **extra) -> dict:
     env = {k: v for k, v in os.environ.items() if not k.startswith("JAX_") or k == "JAX_COMPILATION_CACHE_DIR"}
-    env.update(XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}", JAX_PLATFORMS="cpu", **extra)
+    # the caller's XLA flags carry over (the main pass's quick-compile flags: these subprocesses compiled at
+    # XLA's defaults and were the suite's slowest tests), with this run's device count
+    flags = " ".join(f for f in os.environ.get("XLA_FLAGS", "").split()
+                     if not f.startswith("--xla_force_host_platform_device_count"))
+    env.update(XLA_FLAGS=f"{flags} --xla_force_host_platform_device_count={devices}".strip(), JAX_PLATFORMS="cpu",
+               **extra)
     return env
 
 
