@@ -56,6 +56,32 @@ def test_switched_equals_dense(seed, shape, drop, act):
         assert not np.asarray(got).any()
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "int8"])
+def test_copied_small_experts_equal_the_per_expert_branches(monkeypatch, dtype):
+    """The grouped loop runs experts up to ``COPY_EXPERT_MAX_BYTES`` on a copy with one shared computation
+    (compiled once, not once per expert): the same bits as the per-expert ``lax.switch`` branches, and the
+    compiled program holds 2 products where the branches hold 2 per expert."""
+    assert not M.copies_experts(layout.ExpertList(  # an OLMoE-1B-7B expert (12.6 MB in bf16) keeps its branches
+        (jax.ShapeDtypeStruct((2048, 2048), jnp.bfloat16),), (jax.ShapeDtypeStruct((2048, 1024), jnp.bfloat16),)))
+    N = 16
+    p, x, e, w = _problem(5, 40, 4, N, D=24, F=8, drop=0.2)
+    el = _as_list(p)
+    if dtype == "int8":
+        el = jax.tree.map(layout.quantize_matrix, el, is_leaf=lambda a: isinstance(a, jax.Array))
+    elif dtype == "bfloat16":
+        el, x = jax.tree.map(lambda a: a.astype(jnp.bfloat16), el), x.astype(jnp.bfloat16)
+    runs = {}
+    for limit in (0, 1 << 30):
+        monkeypatch.setattr(M, "COPY_EXPERT_MAX_BYTES", limit)
+        assert M.copies_experts(el) == bool(limit)
+        fn = jax.jit(lambda el, x, e, w: M.switched_routed_experts(el, _Act(), x, e, w))  # a fresh trace each
+        runs[limit] = (np.asarray(fn(el, x, e, w).astype(jnp.float32)),
+                       fn.lower(el, x, e, w).compile().as_text().count(" dot("))
+    (branched, branch_dots), (copied, copy_dots) = runs[0], runs[1 << 30]
+    np.testing.assert_array_equal(copied.view(np.uint32), branched.view(np.uint32))
+    assert (copy_dots, branch_dots) == (2, 2 * N)
+
+
 @pytest.mark.numerics
 @pytest.mark.parametrize("T", [1, 40])
 def test_switched_bf16_is_within_rounding_of_f32(T):

@@ -614,6 +614,27 @@ def _expert_branches(act: str, n: int) -> list:
     return [one(e) for e in range(n)] + [none]
 
 
+#: one expert's bytes up to which the grouped (many-token) loop copies the expert out of its list and runs one
+#: shared computation on the copy, instead of computing inside a ``lax.switch`` branch per expert. XLA compiles
+#: every branch separately: the default model's prompt program held 8 x 64 expert computations and took 4.7 s
+#: of the first ``generate``'s 17.6 s to compile; with the copy the loop body is compiled once per layer, and
+#: at this size the copy (once per chunk of rows) costs nothing measurable (bench/RESULTS.md, session 21).
+#: Larger experts (every real model's: OLMoE 12.6 MB, Mixtral 352 MB) keep the in-place branches. Decode
+#: (one row) keeps its branches at every size: a copy per expert and token slowed the default model's decode.
+COPY_EXPERT_MAX_BYTES = 1 << 20
+
+
+def copies_experts(el: layout.ExpertList) -> bool:
+    """Whether the grouped loop runs ``el``'s experts on a copy (``COPY_EXPERT_MAX_BYTES``)."""
+    return layout.matrix_nbytes(el.gate_up[0]) + layout.matrix_nbytes(el.down[0]) <= COPY_EXPERT_MAX_BYTES
+
+
+def _expert_copy(el: layout.ExpertList, e):
+    """Expert ``e``'s ``(gate_up, down)`` (traced ``e`` in [0, N)): a ``lax.switch`` whose branches only hand
+    out a buffer, so XLA copies it instead of compiling a computation per expert."""
+    return jax.lax.switch(e, [functools.partial(lambda i, el: el.expert(i), i) for i in range(el.n_experts)], el)
+
+
 def _one_expert(branches: list, el: layout.ExpertList, x, e):
     """Expert ``e``'s output on one token's row (``_expert_branches``; zeros for ``e`` < 0): the one computation
     ``one_token_expert_sum`` and ``one_token_expert_rows`` share, so their rows are the same bits."""
@@ -662,7 +683,14 @@ def _switched_sorted_rows(act: str, el: layout.ExpertList, x, experts, B: int):
     starts = jnp.cumsum(counts) - counts
     tok = order // K
     xs = jnp.concatenate([x[tok], jnp.zeros((B, D), x.dtype)])  # a chunk may read past the last row
-    branches = _expert_branches(act, n)[:n]
+    if copies_experts(el):
+        def expert_on(e, rows):
+            return _expert_rows(act, rows, *_expert_copy(el, e))
+    else:
+        branches = _expert_branches(act, n)[:n]
+
+        def expert_on(e, rows):
+            return jax.lax.switch(e, branches, rows, el)
 
     def per_expert(e, y):
         start_e, end_e = starts[e], starts[e] + counts[e]
@@ -670,7 +698,7 @@ def _switched_sorted_rows(act: str, el: layout.ExpertList, x, experts, B: int):
         def chunk(j, y):
             start = start_e + j * B
             rows = jax.lax.dynamic_slice_in_dim(xs, start, B)
-            out = jax.lax.switch(e, branches, rows, el)
+            out = expert_on(e, rows)
             keep = (start + jnp.arange(B) < end_e)[:, None]  # rows past this expert's run are the next's
             return jax.lax.dynamic_update_slice_in_dim(
                 y, jnp.where(keep, out, jax.lax.dynamic_slice_in_dim(y, start, B)), start, 0)
