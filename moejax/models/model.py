@@ -616,8 +616,8 @@ def _expert_branches(act: str, n: int) -> list:
 
 #: one expert's bytes up to which the grouped (many-token) loop copies the expert out of its list and runs one
 #: shared computation on the copy, instead of computing inside a ``lax.switch`` branch per expert. XLA compiles
-#: every branch separately: the default model's prompt program held 8 x 64 expert computations and took 4.7 s
-#: of the first ``generate``'s 17.6 s to compile; with the copy the loop body is compiled once per layer, and
+#: every branch separately: the default model's prompt program held 8 x 64 expert computations and took ~5 s
+#: of the first ``generate``'s ~17 s to compile; with the copy the loop body is compiled once per layer, and
 #: at this size the copy (once per chunk of rows) costs nothing measurable (bench/RESULTS.md, session 21).
 #: Larger experts (every real model's: OLMoE 12.6 MB, Mixtral 352 MB) keep the in-place branches. Decode
 #: (one row) keeps its branches at every size: a copy per expert and token slowed the default model's decode.
