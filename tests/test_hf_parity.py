@@ -22,9 +22,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
+import transformers
 from absl.testing import parameterized
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from packaging.version import Version
 
 import moejax
 from moejax.models.gating import GroupLimited, SoftmaxTopK
@@ -211,8 +213,21 @@ def _informative_prompt(model, n_new: int = 20) -> tuple[list[int], list[int]]:
     raise AssertionError("every prompt tried gives a degenerate greedy continuation")
 
 
+def _skip_where_hf_generate_is_wrong(name: str) -> None:
+    """transformers 5.17-5.19 ignored PhiMoE's own cache invalidation when a generation first crosses
+    ``original_max_position_embeddings`` (its ``prepare_inputs_for_generation`` drops the KV cache so that the
+    whole sequence is recomputed with the long rope factors, but kept ``next_sequence_length``, fixed in
+    5.20): its greedy tokens then part from moejax's (and from transformers >= 5.20's) right at that step.
+    The H200 machine's transformers 5.17.0 failed this test so (sessions 18 and 20); reproduced on the CPU
+    with 5.17, 5.18 and 5.19 installed, 5.20 and later pass (session 21)."""
+    if "longrope" in name and Version(transformers.__version__) < Version("5.20"):
+        pytest.skip(f"transformers {transformers.__version__} < 5.20 drops PhiMoE's KV-cache reset at the "
+                    "long-rope switch in generate (the reference is wrong there)")
+
+
 @pytest.mark.parametrize("name", DECODE)
 def test_greedy_20_tokens_match_hf_generate(name):
+    _skip_where_hf_generate_is_wrong(name)
     hm, mj = get_hf_model(name), get_moejax_model(name)
     prompt, ref = _informative_prompt(hm.model)
     assert len(ref) == 20
