@@ -283,6 +283,9 @@ def test_parse_capacity_of_a_memory_size():
     assert cache.parse_capacity("1TB", 64, 16, "global", eb) == 1024
     assert cache.parse_byte_size("6GiB") == 6 * 2**30 and cache.parse_byte_size("6") is None
     assert cache.parse_byte_size("5%") is None and cache.parse_byte_size("0.5") is None
+    huge = "9" * 400 + "GB"  # past a float: exact, and more than every expert (a float overflowed, a traceback)
+    assert cache.parse_byte_size(huge) == int("9" * 400) * 10**9 and cache.parse_byte_size("1.5 kB") == 1500
+    assert cache.parse_capacity(huge, 64, 16, "layer", eb) == 64
     for bad, match in [("15MB", r"less than one expert per MoE layer \(16 × 1.0 MB\): give at least 16.0 MB"),
                        ("0GB", "less than"), ("6 XB", "unknown unit 'XB'"), ("6e", "unknown unit")]:
         with pytest.raises(ValueError, match=match):

@@ -16,6 +16,7 @@ from hypothesis import given, settings, strategies as st
 from conftest import VOCAB, get_hf_model
 
 import moejax
+from moejax.models import gating
 from moejax.experts import routing
 from moejax.runtime import offload, simulate
 from moejax.evaluation import evaluate, perplexity, sweep
@@ -268,3 +269,14 @@ def test_perplexity_of_nothing_is_refused_not_perfect():
             wikitext_perplexity(m, "The city was built .", **{"context": 16, **kw})
     with pytest.raises(ValueError, match="nothing to predict"):
         wikitext_perplexity(m, "", context=16)
+
+
+def test_a_perplexity_past_the_largest_float_is_an_error_naming_it():
+    """A model whose mean NLL passes ~709 nats (random weights at a large std) made `math.exp` raise a bare
+    OverflowError: a traceback from `evaluate`. It is a non-finite result: `NonFiniteError`, exit status 1."""
+    counts = np.ones((1, 4))
+    ok = perplexity.perplexity_result("a b c d", np.arange(8), 8, 1, 8 * 2.0, 8, counts)
+    assert ok["ppl"] == pytest.approx(math.exp(2.0)) and ok["ppl_word"] == pytest.approx(math.exp(4.0))
+    for nll_sum, per in ((8 * 800.0, "token"), (8 * 400.0, "word")):  # 4 words of 8 tokens: twice the NLL
+        with pytest.raises(gating.NonFiniteError, match=f"perplexity per {per} overflows"):
+            perplexity.perplexity_result("a b c d", np.arange(8), 8, 1, nll_sum, 8, counts)

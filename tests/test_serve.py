@@ -151,6 +151,11 @@ def test_seed_makes_sampling_reproducible(server):
     ({"prompt": PROMPT, "max_completion_tokens": 40}, 400, "max_completion_tokens"),
     (b'{"prompt": "a", "max_tokens": ' + b"2" * 5000 + b"}", 400, "not valid JSON"),
     ({"prompt": PROMPT, "logprobs": 3}, 400, "logprobs"),
+    ({"prompt": PROMPT, "top_k": 1}, 400, "'top_k' must be -1 or 0"),  # other servers' extensions: not ignored
+    ({"prompt": PROMPT, "min_tokens": 5}, 400, "min_tokens"),
+    ({"prompt": PROMPT, "ignore_eos": True}, 400, "ignore_eos"),
+    ({"prompt": PROMPT, "skip_special_tokens": 1}, 400, "skip_special_tokens"),
+    ({"prompt": PROMPT, "guided_json": {"type": "object"}}, 400, "guided_json"),
     ({"prompt": PROMPT, "stop": [""]}, 400, "stop"),
     ({"prompt": PROMPT, "stop": 5}, 400, "stop"),
     ({"prompt": PROMPT, "moejax": {"routing": "telepathy"}}, 400, "moejax.routing"),
@@ -172,6 +177,14 @@ def test_every_bad_request_gets_an_openai_error_object(server, body, status, wor
     code, reply = _post(base + "/v1/completions", body)
     assert code == status and words in reply["error"]["message"], reply
     assert set(reply["error"]) == {"message", "type", "param", "code"}
+
+
+def test_neutral_values_of_other_servers_sampling_fields_are_accepted(server):
+    base, _ = server
+    body = {"prompt": PROMPT, "max_tokens": 2, "top_k": -1, "min_p": 0.0, "min_tokens": 0, "ignore_eos": False,
+            "stop_token_ids": [], "skip_special_tokens": True, "n": 1, "logprobs": None}
+    code, reply = _post(base + "/v1/completions", body)
+    assert code == 200 and reply["usage"]["completion_tokens"] == 2, reply
 
 
 def test_chat_and_routes_errors(server):

@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 from test_evaluate import TEXT, _FakeTasks, make_word_model
 
+from moejax.base import errors
 from moejax.models import gating
 from moejax.experts import routing
 from moejax.runtime import simulate
@@ -261,3 +262,21 @@ def test_the_paper_protocol_fills_the_unset_flags_and_explicit_flags_win():
     assert studies.main(["--cache-sizes", "3,x", "--out", "/nonexistent/never"]) == 2
     a = studies.build_parser().parse_args(["--evictions", "lfu,lru,lfu", "--only", "eviction"])
     assert studies.check_args(a)[1] == ("lfu", "lru")  # a policy given twice runs once, as a size does
+
+
+def test_the_manifest_reader_takes_the_shipped_manifests_and_refuses_others(tmp_path):
+    """The studies merge their settings into ``--out/manifest.json``: the ones this repository ships (and an older
+    layout's keys) are read; a damaged or foreign file is a ``Failure`` naming it, never rewritten."""
+    root = os.path.join(os.path.dirname(__file__), "..", "results")
+    for name in ("studies", "studies-quick-default"):
+        assert "studies" in studies.read_manifest(os.path.join(root, name, "manifest.json"))
+    assert studies.read_manifest(str(tmp_path / "none.json")) == {}
+    for i, text in enumerate(['{"points": 11, "seconds": 3}', '{not json', '[1, 2]', '{"owner": "alice"}',
+                              '{"studies": [1]}', '{"studies": {"pareto": 3}}']):
+        path = tmp_path / f"m{i}.json"
+        path.write_text(text)
+        if i == 0:
+            assert studies.read_manifest(str(path)) == {"points": 11, "seconds": 3}
+            continue
+        with pytest.raises(errors.Failure, match=str(path)):
+            studies.read_manifest(str(path))

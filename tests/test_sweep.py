@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import time
@@ -262,12 +263,37 @@ def test_resume_recomputes_when_the_weights_at_the_path_changed(lm, data, tmp_pa
     runner = _runner(changed, results)
     recs = runner.run(_points(changed, data, [0.5]))
     assert runner.computed == 1 and recs[0]["ppl"] != first[0]["ppl"]
-    small = api.Model(jax.tree.map(lambda x: x.at[(0,) * x.ndim].add(1.0), lm.params), lm.cfg, path=lm.path)
+    small = api.Model(jax.tree.map(lambda x: x.at[(0,) * x.ndim].add(1.0), lm.params), lm.cfg, lm.tokenizer,
+                      lm.path, lm.generation_config)
     assert small.fingerprint != lm.fingerprint  # one changed element of a small leaf is seen
     big = np.zeros(3 << 20, np.float32)  # a large leaf is sampled (strided, and both ends in full)
     ends = big.copy()
     ends[-1] = 1.0
     assert checkpoint.params_fingerprint({"w": ends}) != checkpoint.params_fingerprint({"w": big})
+
+
+def test_keys_follow_the_configuration_tokenizer_and_prior_at_a_path(lm, data, tmp_path):
+    """The same weights at the same path with an edited config.json, tokenizer or generation settings, or a
+    learned prior retrained at the same path, are other points (they were served the old records)."""
+    same = api.Model(lm.params, lm.cfg, lm.tokenizer, lm.path, lm.generation_config)
+    assert same.fingerprint == lm.fingerprint and lm.tokenizer is not None
+    edited = [api.Model(lm.params, dataclasses.replace(lm.cfg, rope_scale=2.0), lm.tokenizer, lm.path,
+                        lm.generation_config),
+              api.Model(lm.params, lm.cfg, None, lm.path, lm.generation_config),
+              api.Model(lm.params, lm.cfg, lm.tokenizer, lm.path, {**lm.generation_config, "eos_token_id": 7})]
+    assert len({m.fingerprint for m in [lm, *edited]}) == 4
+    prior = tmp_path / "w1"
+    prior.mkdir()
+    (prior / "prior.json").write_text("{}")
+
+    def key():
+        rec = sweep_points.routing_record("learned-prior", lm.cfg.top_k, prior=str(prior))
+        return sweep_points.make_point(lm, lm.path, data=data, context=CONTEXT, max_tokens=MAX_TOKENS, routing=rec).key
+
+    first = key()
+    assert key() == first
+    (prior / "prior.json").write_text('{"retrained": 1}')
+    assert key() != first
 
 
 def test_batches_write_every_point_and_keys_identify_points(lm, data, tmp_path):

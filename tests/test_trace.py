@@ -7,10 +7,11 @@ import os
 import subprocess
 import sys
 
+import jax
 import numpy as np
 import pytest
 
-from moejax.experts import routing, trace
+from moejax.experts import prior as prior_lib, routing, trace
 from reference_cache import simulate
 
 T, L, K, N = 24, 3, 3, 8
@@ -145,3 +146,24 @@ def test_synth_names_the_file_it_wrote(tmp_path, capsys):
                        "--top-k", "2"]) == 0
     assert capsys.readouterr().out.startswith(f"wrote {tmp_path / 's.txt.npz'}:")
     assert os.listdir(tmp_path) == ["s.txt.npz"]
+
+
+def test_replay_reroutes_with_a_learned_prior(tmp_path, capsys):
+    """``replay --routing learned-prior --prior PATH`` (listed in --help, and without --prior it could never
+    run): a prior at its initialisation adds zero to the logits, so it routes exactly as original routing."""
+    path = str(tmp_path / "t.npz")
+    assert trace.main(["synth", path, "--tokens", "30", "--layers", "2", "--experts", "8", "--top-k", "2",
+                       "--logits"]) == 0
+    prior = str(tmp_path / "p")
+    prior_lib.save_prior(prior, prior_lib.init_params(jax.random.key(0), 2, 8, 4), {"top_k": 2})
+    capsys.readouterr()
+
+    def replay(*extra):
+        assert trace.main(["replay", path, "--cache-size", "4", "--json", *extra]) == 0
+        return {k: v for k, v in json.loads(capsys.readouterr().out).items() if k not in ("seconds", "routing")}
+
+    assert replay("--routing", "learned-prior", "--prior", prior) == replay("--routing", "original")
+    assert trace.main(["replay", path, "--cache-size", "4", "--routing", "learned-prior"]) == 2
+    assert "--prior" in capsys.readouterr().err
+    assert trace.main(["replay", path, "--cache-size", "4", "--prior", prior]) == 2
+    assert "--prior only applies" in capsys.readouterr().err

@@ -33,12 +33,11 @@ def atomic_file(path: str | os.PathLike, mode: str = "wb", make_parents: bool = 
         raise ValueError(f"atomic_file writes a whole file: mode 'wb' or 'w', not {mode!r}")
     path = os.path.abspath(os.fspath(path))
     parent, name = os.path.split(path)
-    if make_parents:
-        os.makedirs(parent, exist_ok=True)
+    made = _make_parents(parent) if make_parents else []
     prefix = f".{name}.tmp-"
-    tempfiles.remove_stale(prefix, parent)
     tmp = None
     try:
+        tempfiles.remove_stale(prefix, parent)
         with interrupts.deferred():  # a signal between creating the file and owning it would leave it behind
             fd, tmp = tempfile.mkstemp(prefix=f"{prefix}{os.getpid()}-", dir=parent)
         with os.fdopen(fd, mode, **({} if mode == "wb" else {"encoding": "utf-8"})) as f:
@@ -49,7 +48,33 @@ def atomic_file(path: str | os.PathLike, mode: str = "wb", make_parents: bool = 
         if tmp is not None:
             with contextlib.suppress(OSError):
                 os.unlink(tmp)
+        remove_empty_folders(made)
         raise
+
+
+def missing_folders(path: str) -> list[str]:
+    """``path`` and the folders above it that do not exist yet, innermost first: what a run that makes them and
+    then fails must remove again (``remove_empty_folders``)."""
+    made, p = [], os.path.abspath(os.path.expanduser(os.fspath(path)))
+    while p and not os.path.lexists(p) and os.path.dirname(p) != p:
+        made.append(p)
+        p = os.path.dirname(p)
+    return made
+
+
+def remove_empty_folders(folders: list[str]) -> None:
+    """Remove ``folders`` (innermost first) where they are empty: a folder that holds anything now stays."""
+    for d in folders:
+        with contextlib.suppress(OSError):
+            os.rmdir(d)
+
+
+def _make_parents(folder: str) -> list[str]:
+    """``os.makedirs(folder)``; the folders it made, innermost first, so that a write that fails removes them
+    again (a failed conversion to ``new/a/b/out`` left ``new/a/b`` behind)."""
+    made = missing_folders(folder)
+    os.makedirs(folder, exist_ok=True)
+    return made
 
 
 def _umask() -> int:
@@ -68,7 +93,7 @@ def atomic_dir(target: str) -> Iterator[str]:
     decision. Folders of killed writers are removed by the next ``atomic_dir`` of the same target."""
     target = os.path.abspath(target)
     parent, name = os.path.split(target)
-    os.makedirs(parent, exist_ok=True)
+    made = _make_parents(parent)
     tmp = None
     try:
         with interrupts.deferred():  # a signal between making the folder and owning it would leave it behind
@@ -86,6 +111,7 @@ def atomic_dir(target: str) -> Iterator[str]:
     except BaseException:
         if tmp is not None:
             shutil.rmtree(tmp, ignore_errors=True)
+        remove_empty_folders(made)
         raise
 
 

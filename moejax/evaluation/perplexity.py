@@ -18,6 +18,7 @@ from typing import Any
 import numpy as np
 
 from moejax.base import errors, paths
+from moejax.models import gating
 from moejax.runtime import api, simulate
 from moejax.runtime import offload as offload_lib
 
@@ -115,6 +116,16 @@ def expert_usage(counts: np.ndarray, reuse: np.ndarray | None = None) -> dict:
     return usage
 
 
+def _perplexity(mean_nll: float, per: str) -> float:
+    """e^mean_nll; a ``gating.NonFiniteError`` where that is past the largest float (a mean NLL over ~709 nats:
+    random or broken weights), instead of Python's bare OverflowError or an infinite result."""
+    if not mean_nll < math.log(sys.float_info.max):
+        raise gating.NonFiniteError(f"the perplexity per {per} overflows: the mean negative log-likelihood is "
+                                    f"{mean_nll:.4g} nats per {per} (e^{mean_nll:.4g} is past the largest float); "
+                                    "the model's predictions are far off (random or damaged weights?)")
+    return math.exp(mean_nll)
+
+
 def perplexity_result(text: str, ids: np.ndarray, context: int, n_chunks: int, nll_sum: float, n_pred: int,
                       counts: np.ndarray, reuse: np.ndarray | None = None) -> dict[str, Any]:
     """Perplexity per token / word and bits per byte from the summed NLL of the ``n_pred`` predicted tokens
@@ -129,8 +140,8 @@ def perplexity_result(text: str, ids: np.ndarray, context: int, n_chunks: int, n
         "task": "wikitext", "context": context, "chunks": n_chunks, "tokens": n_text_tokens,
         "predicted_tokens": n_pred, "words": words, "bytes": n_bytes,
         "nll_per_token": nll_sum / max(n_pred, 1),
-        "ppl": math.exp(nll_sum / max(n_pred, 1)),
-        "ppl_word": math.exp(total_nll / max(words, 1)),
+        "ppl": _perplexity(nll_sum / max(n_pred, 1), "token"),
+        "ppl_word": _perplexity(total_nll / max(words, 1), "word"),
         "bits_per_byte": total_nll / math.log(2) / max(n_bytes, 1),
         "expert_usage": expert_usage(counts, reuse),
     }

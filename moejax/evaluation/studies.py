@@ -612,6 +612,7 @@ def main(argv: list[str] | None = None) -> int:
         model = api.load(args.model, dtype=getattr(jnp, args.dtype))
         if model.tokenizer is None:  # every study scores text: say so before the first one, not in each
             raise errors.Failure(f"{args.model} has no tokenizer.json: the studies score WikiText and task text")
+        read_manifest(manifest_path(args.out))  # one the run cannot merge into is refused before computing
     except errors.HANDLED as e:
         return errors.report(e)
     label = sweep_points.model_label(args.model) + ("" if args.dtype == "bfloat16" else f"@{args.dtype}")
@@ -627,7 +628,10 @@ def main(argv: list[str] | None = None) -> int:
     existed = os.path.isdir(args.out)
     timings, status = run_studies(ctx, [s for s in STUDIES if s in chosen])
     if distributed.is_leader() and (timings or (not existed and os.path.isdir(args.out))):  # something computed
-        _write_manifest(args, ctx, timings)
+        try:
+            _write_manifest(args, ctx, timings)
+        except errors.HANDLED as e:  # changed while the studies ran, or not writable: the records are kept
+            status = max(status, errors.report(e))
     return status
 
 
@@ -649,16 +653,45 @@ def run_studies(ctx: Context, names: list[str]) -> tuple[dict, int]:
     return timings, status
 
 
+_MANIFEST_KEYS = {"model", "dtype", "context", "evictions", "n_experts", "top_k", "moe_layers", "cache_size_lams",
+                  "ppl_bounds", "global_sizes", "studies",
+                  "max_tokens", "points", "batch_size", "mmlu_limit", "gsm8k_limit", "seconds"}  # (older ones)
+
+
+def manifest_path(out: str) -> str:
+    return os.path.join(out, "manifest.json")
+
+
+def read_manifest(path: str) -> dict:
+    """The studies manifest at ``path`` ({} when there is none), or a ``Failure`` naming it when it cannot be
+    read or is not one: the studies merge into it, so a damaged or foreign file was either a traceback after
+    hours of computing or silently rewritten."""
+    if not os.path.lexists(path):
+        return {}
+    try:
+        with open(path, encoding="utf-8") as f:
+            manifest = json.load(f)
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise errors.Failure(f"cannot read the studies manifest {path}: {e}; move it away (the studies merge "
+                             "their settings into it) or choose another --out") from None
+    foreign = sorted(set(manifest) - _MANIFEST_KEYS) if isinstance(manifest, dict) else None
+    studies = manifest.get("studies", {}) if isinstance(manifest, dict) else None
+    if foreign is None or foreign or not isinstance(studies, dict) or \
+            not all(isinstance(v, dict) for v in studies.values()):
+        what = f"keys {', '.join(foreign[:5])}" if foreign else f"a JSON {type(manifest).__name__}" \
+            if not isinstance(manifest, dict) else "a 'studies' entry that is not an object of objects"
+        raise errors.Failure(f"{path} is not a studies manifest ({what}): the studies would rewrite it; move it "
+                             "away or choose another --out")
+    return manifest
+
+
 def _write_manifest(args, ctx: Context, timings: dict) -> None:
     """What the files in ``--out`` were computed with: the model and settings shared by all studies at the
     top, and per study (under "studies") the tokens, grid, batch and wall time of its last run — merged over
     runs, so studies run separately with different budgets each keep their own."""
-    path = os.path.join(args.out, "manifest.json")
+    path = manifest_path(args.out)
     os.makedirs(args.out, exist_ok=True)
-    manifest = {}
-    if os.path.exists(path):
-        with open(path) as f:
-            manifest = json.load(f)
+    manifest = read_manifest(path)
     for stale in ("max_tokens", "points", "batch_size", "mmlu_limit", "gsm8k_limit", "seconds"):
         manifest.pop(stale, None)  # older manifests kept these once for all studies
     manifest.update(model=ctx.label, dtype=args.dtype, context=args.context, evictions=list(ctx.evictions),

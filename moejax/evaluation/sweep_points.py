@@ -14,8 +14,9 @@ kind is the one the swept parameter belongs to.
 
 Record::
 
-    {"key": sha1 of the canonical JSON of everything that defines the point (task, model, weights
-            fingerprint, data, limit, max_tokens, context, shots, max_new_tokens, routing, cache without its
+    {"key": sha1 of the canonical JSON of everything that defines the point (task, model, its fingerprint
+            (weights, configuration, tokenizer: ``Model.fingerprint``), data and its digest, limit, max_tokens,
+            context, shots, max_new_tokens, routing (a learned prior: its path and digest), cache without its
             size string, method),
      "study": str | null, "task": str, "model": str,
      "routing": {"kind", "lam", "top_j", "max_rank", "cumsum_p", "prune_h", "delta", (+ "drop_rank",
@@ -320,6 +321,8 @@ def make_point(model, model_name: str, *, task: str = "wikitext", study: str | N
                 "method": method}
     if data_id is not None:  # the data's contents, not only its path: edited data is evaluated again
         identity["data_digest"] = data_digest(data_id)
+    if routing.get("prior"):  # a learned prior's files too: one retrained at the same path is evaluated again
+        identity["prior_digest"] = data_digest(routing["prior"])
     record = {"study": study, "task": task, "model": model_name, "routing": routing, "cache": crec,
               "sweep": dict(sweep or {}), "method": method}
     if offload is not None:  # real paging: in the identity (and the record) only when on

@@ -45,6 +45,7 @@ last token when asked to.
 from __future__ import annotations
 
 import dataclasses
+import fractions
 import math
 import re
 
@@ -224,7 +225,7 @@ def parse_byte_size(spec) -> int | None:
     if unit not in BYTE_UNITS:
         raise ValueError(f"cache size {spec!r}: unknown unit {m.group(2)!r}; a memory size takes one of "
                          "B, kB, MB, GB, TB, KiB, MiB, GiB, TiB")
-    return int(float(m.group(1)) * BYTE_UNITS[unit])
+    return int(fractions.Fraction(m.group(1)) * BYTE_UNITS[unit])  # exact: a float overflowed for 400 digits
 
 
 def slot_sets(n_layers: int, scope: str) -> int:

@@ -147,15 +147,17 @@ def split_layers(params: dict) -> dict:
 
 
 def save_prior(path: str, params: dict, meta: dict | None = None, overwrite: bool = True) -> str:
-    """Write a checkpoint folder atomically (``atomic.atomic_dir``: orbax params + sidecar, then renamed).
+    """Write a checkpoint folder atomically (``atomic.atomic_dir``: orbax params + sidecar, then renamed);
+    ``overwrite`` replaces a learned-prior folder only (``check_replaceable``).
 
     ``meta`` goes into the sidecar beside the architecture (N, L, H, activation) derived from ``params``."""
     import orbax.checkpoint as ocp
 
     n_layers, n_experts, hidden = shape_of(params)
     path = os.path.abspath(os.path.expanduser(path))
-    if os.path.exists(path) and not overwrite:
+    if os.path.lexists(path) and not overwrite:
         raise PriorError(f"{path} already exists")
+    check_replaceable(path)
     with atomic.atomic_dir(path) as tmp:
         ckpt = ocp.StandardCheckpointer()
         try:
@@ -170,6 +172,24 @@ def save_prior(path: str, params: dict, meta: dict | None = None, overwrite: boo
                    **(meta or {})}
         atomic.write_json(os.path.join(tmp, SIDECAR), sidecar)
     return path
+
+
+def check_replaceable(path: str) -> None:
+    """``PriorError`` unless writing a prior at ``path`` loses nothing: nothing there, an empty folder, or a
+    learned-prior folder holding only its own ``prior.json`` and ``params/`` (a folder of the user's that
+    happened to have the name, e.g. ``PRIORS/w1``, was replaced whole)."""
+    if not os.path.lexists(path):
+        return
+    if not os.path.isdir(path) or os.path.islink(path):
+        raise PriorError(f"{path} exists and is not a folder: refusing to replace it with a learned prior")
+    names = sorted(os.listdir(path))
+    if not names:
+        return
+    others = [n for n in names if n not in (SIDECAR, PARAMS_DIR)]
+    if others or SIDECAR not in names:
+        shown = ", ".join((others or names)[:5]) + (f" and {len(others) - 5} more" if len(others) > 5 else "")
+        raise PriorError(f"{path} holds files that are not a learned prior ({shown}): writing the prior there "
+                         "would delete them; move them out or choose another --out")
 
 
 def read_sidecar(path: str) -> dict:

@@ -42,7 +42,7 @@ from moejax.base import atomic, errors, interrupts
 from moejax.base.errors import Failure
 from moejax.models import gating as gating_lib
 from moejax.models.config import MAX_EXPERTS
-from moejax.experts import cache as cache_lib, router as router_lib, routing as routing_lib
+from moejax.experts import cache as cache_lib, prior as prior_lib, router as router_lib, routing as routing_lib
 
 TRACE_KEYS = ("experts", "weights", "logits", "n_experts", "gating")
 
@@ -415,6 +415,11 @@ def _check_replay_args(args) -> None:
                          f"{'--routing ' + args.routing if args.routing else 'no --routing'})")
     if args.seed != 0 and args.cache_init != "random":
         raise ValueError("--seed only applies with --cache-init random")
+    if args.routing == "learned-prior" and not args.prior:
+        raise ValueError("--routing learned-prior needs --prior PATH (a checkpoint folder written by "
+                         "`python -m moejax.train_prior`)")
+    if args.prior and args.routing != "learned-prior":
+        raise ValueError("--prior only applies to --routing learned-prior")
     for name, kinds in (("n_group", ("group-limited",)), ("topk_group", ("group-limited",)),
                         ("jitter_eps", ("sparsemixer",))):
         if getattr(args, name) is not None and args.gating not in kinds:
@@ -485,9 +490,11 @@ def _replay(args, trace: Trace) -> dict:
     policy = None
     if args.routing is not None:
         k = gating.top_k if gating is not None else int((trace.gating or {}).get("top_k", trace.shape[2]))
+        prior = None if not args.prior else prior_lib.load_prior(args.prior, n_layers=trace.shape[1],
+                                                                  n_experts=trace.n_experts, top_k=k)
         policy = routing_lib.make_policy(args.routing, k, lam=args.lam, top_j=args.top_j,
                                          max_rank=args.max_rank, cumsum_p=args.cumsum_p,
-                                         prune_h=args.prune_h, delta=args.delta)
+                                         prune_h=args.prune_h, delta=args.delta, prior=prior)
     start = time.perf_counter()
     stats = replay(trace, args.cache_size, args.scope, args.eviction, policy=policy, gating=gating,
                    init=args.cache_init, seed=args.seed, expert_bytes=args.expert_bytes)
@@ -517,6 +524,8 @@ def main(argv: list[str] | None = None) -> int:
     rp.add_argument("--cumsum-p", type=float, default=d["cumsum_p"], help="cumsum threshold p (default 0.9)")
     rp.add_argument("--prune-h", type=int, default=d["prune_h"])
     rp.add_argument("--delta", type=float, default=d["delta"], help="fixed Δ for cache-prior (default: running mean)")
+    rp.add_argument("--prior", default=None, metavar="PATH",
+                    help="learned-prior: checkpoint folder written by `python -m moejax.train_prior`")
     rp.add_argument("--gating", choices=("softmax", "group-limited", "sparsemixer"), default=None,
                     help="gating for re-routing (default: the trace's stored 'gating')")
     rp.add_argument("--top-k", type=int, default=None)

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import hashlib
+import json
 import os
 import sys
 from typing import Any
@@ -65,6 +67,14 @@ class Tokenizer:
             except UnicodeDecodeError as e:
                 raise checkpoint.CheckpointError(f"{jinja} is not UTF-8 text: {e}") from None
             self.chat_template_path = jinja
+
+    @functools.cached_property
+    def digest(self) -> str:
+        """sha1 of the vocabulary, normalisation and merges, and of the chat template and configuration."""
+        h = hashlib.sha1(self._tok.to_str().encode())
+        h.update(json.dumps(self.config, sort_keys=True, default=str).encode())
+        h.update((self.chat_template or "").encode())
+        return h.hexdigest()
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         try:
@@ -143,11 +153,17 @@ class Model:
 
     @property
     def fingerprint(self) -> str:
-        """``checkpoint.params_fingerprint`` of the weights (cached per params object): keys results."""
+        """What keys results: ``checkpoint.params_fingerprint`` of the weights (cached per params object) with
+        the configuration, generation settings and tokenizer, so that a sweep resumed after any of them changed
+        at the same path (an edited ``config.json``: another rope, gating or top-k) recomputes its points."""
         cached = getattr(self, "_fingerprint", None)
         if cached is None or cached[0] is not self.params:
             cached = self._fingerprint = (self.params, checkpoint.params_fingerprint(self.params))
-        return cached[1]
+        h = hashlib.sha1(cached[1].encode())
+        h.update(repr(self.cfg).encode())  # every field that defines the computation (not the verbatim HF dict)
+        h.update(json.dumps(self.generation_config, sort_keys=True, default=str).encode())
+        h.update((self.tokenizer.digest if self.tokenizer is not None else "no tokenizer").encode())
+        return h.hexdigest()
 
     def __repr__(self) -> str:
         c = self.cfg

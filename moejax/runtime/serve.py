@@ -74,20 +74,42 @@ def _stop_strings(body: dict) -> tuple[str, ...]:
     return tuple(stop)
 
 
-#: request fields the engine takes only at their neutral value: field -> (value, why)
-NEUTRAL_ONLY = {"n": (1, "the engine runs one sequence per request"),
-                "best_of": (1, "the engine runs one sequence per request"),
-                "frequency_penalty": (0, "moejax.serve applies no penalty"),
-                "presence_penalty": (0, "moejax.serve applies no penalty"),
-                "repetition_penalty": (1, "moejax.serve applies no penalty")}
+#: request fields the engine takes only at a neutral value: field -> (neutral values, why); the sampling
+#: extensions other servers (vLLM, llama.cpp) accept are here too: a client that sends them expects an effect
+_ONE_SEQUENCE = "the engine runs one sequence per request"
+_NO_PENALTY = "moejax.serve applies no penalty"
+_SAMPLING = "moejax.serve samples with 'temperature', 'top_p' and 'seed' only"
+NEUTRAL_ONLY = {"n": ((1,), _ONE_SEQUENCE), "best_of": ((1,), _ONE_SEQUENCE),
+                "use_beam_search": ((False,), _ONE_SEQUENCE), "length_penalty": ((1,), _ONE_SEQUENCE),
+                "frequency_penalty": ((0,), _NO_PENALTY), "presence_penalty": ((0,), _NO_PENALTY),
+                "repetition_penalty": ((1,), _NO_PENALTY), "dry_multiplier": ((0,), _NO_PENALTY),
+                "top_k": ((-1, 0), _SAMPLING), "min_p": ((0,), _SAMPLING), "typical_p": ((1,), _SAMPLING),
+                "tfs_z": ((1,), _SAMPLING), "mirostat": ((0,), _SAMPLING), "mirostat_mode": ((0,), _SAMPLING),
+                "xtc_probability": ((0,), _SAMPLING),
+                "min_tokens": ((0,), "generation ends at the end-of-sequence token, 'stop' or 'max_tokens'"),
+                "ignore_eos": ((False,), "generation ends at the model's end-of-sequence token"),
+                "stop_token_ids": (([],), "give stop strings ('stop')"),
+                "include_stop_str_in_output": ((False,), "the text ends before a stop string"),
+                "skip_special_tokens": ((True,), "special tokens are left out of the text")}
+
+#: fields that change the output and that the engine does not do at all (refused unless empty or false)
+UNSUPPORTED = ("logprobs", "top_logprobs", "echo", "suffix", "tools", "functions", "logit_bias", "prompt_logprobs",
+               "n_probs", "guided_json", "guided_regex", "guided_choice", "guided_grammar", "grammar", "json_schema",
+               "logits_processors")
+
+
+def _is_neutral(value, neutrals: tuple) -> bool:
+    """``value`` is one of ``neutrals``, a bool only where a bool is meant (``True == 1`` in Python)."""
+    return any((isinstance(value, bool) == isinstance(n, bool)) and value == n for n in neutrals)
 
 
 def _unsupported(body: dict) -> None:
     """Refuse what the engine does not do rather than silently ignore it."""
-    for key, (neutral, why) in NEUTRAL_ONLY.items():
-        if body.get(key) is not None and (isinstance(body[key], bool) or body[key] != neutral):  # true == 1
-            raise RequestError(f"'{key}' must be {neutral} or absent: {why}", param=key)
-    for key in ("logprobs", "top_logprobs", "echo", "suffix", "tools", "functions", "logit_bias"):
+    for key, (neutrals, why) in NEUTRAL_ONLY.items():
+        if body.get(key) is not None and not _is_neutral(body[key], neutrals):
+            shown = " or ".join(json.dumps(n) for n in neutrals)
+            raise RequestError(f"'{key}' must be {shown} or absent: {why}", param=key)
+    for key in UNSUPPORTED:
         if body.get(key):
             raise RequestError(f"'{key}' is not supported by moejax.serve", param=key)
     fmt = body.get("response_format")

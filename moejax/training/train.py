@@ -143,6 +143,26 @@ def load_trained_params(out: str) -> tuple[dict, ModelConfig, dict]:
 
 
 # ------------------------------------------------------------------------------------------ train
+def _keep_metrics_until(path: str, step: int) -> None:
+    """Cut ``metrics.jsonl`` back to the steps up to ``step`` (the checkpoint a run resumes from; 0: none):
+    the steps an interrupted run logged past its last checkpoint are run again, and were logged twice."""
+    if not os.path.exists(path):
+        return
+    if step == 0:
+        os.remove(path)
+        return
+    kept = []
+    with open(path, encoding="utf-8", errors="replace") as f:
+        for line in f:
+            try:
+                rec = json.loads(line)
+            except json.JSONDecodeError:  # a line torn by the interruption
+                continue
+            if isinstance(rec, dict) and isinstance(rec.get("step"), int) and rec["step"] <= step:
+                kept.append(line if line.endswith("\n") else line + "\n")
+    atomic.write_text(path, "".join(kept))
+
+
 def _log_jsonl(path: str, record: dict) -> None:
     with open(path, "a") as f:
         f.write(json.dumps(record) + "\n")
@@ -218,8 +238,7 @@ def train(args: argparse.Namespace) -> dict:
         else:
             params, opt_state, step, data_pos, rng = restore_state(path, params, opt_state, rng)
             log(f"resumed from {path} (step {step}, data position {data_pos})")
-    if step == 0 and os.path.exists(metrics_path):
-        os.remove(metrics_path)
+    _keep_metrics_until(metrics_path, step)
     n_params = recipe.count_params(params)
     run = {"args": {k: v for k, v in vars(args).items() if k not in ("export", "export_at_end", "resume", "overwrite")}, "hf_config": hf,
            "params": n_params, "hardware": hardware(), "planned_steps": total_steps or None}

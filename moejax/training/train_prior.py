@@ -336,6 +336,8 @@ def run(args: argparse.Namespace, log=print) -> dict:
     cfg = model.cfg
     cache = model.resolve_cache(simulate.CacheConfig(str(args.cache_size), "layer", args.eviction), False)
     capacity = cache.capacity(cfg)
+    for weight in weights:  # before the recording: a folder in the way is refused, not found after an hour
+        prior_lib.check_replaceable(os.path.join(args.out, weight_name(weight)))
     os.makedirs(args.out, exist_ok=True)
 
     rkey = _record_key(args, model, shard_paths, capacity)
@@ -442,36 +444,16 @@ def main(argv: list[str] | None = None) -> int:
 
     args = build_parser().parse_args(argv)
     log = (lambda *a: print(*a, file=sys.stderr)) if args.json else print
-    made = _missing_folders(args.out)
+    made = atomic.missing_folders(args.out)
     try:
         res = run(args, log=log)
     except errors.HANDLED as e:
-        _remove_empty(made)
+        atomic.remove_empty_folders(made)
         return errors.report(e)
     except BaseException:
-        _remove_empty(made)
+        atomic.remove_empty_folders(made)
         raise
     return errors.print_result(json.dumps(json_safe(res))) if args.json else 0
-
-
-def _missing_folders(path: str) -> list[str]:
-    """``path`` and its ancestors that do not exist yet, deepest first (what a failing run must not leave)."""
-    out, path = [], os.path.abspath(os.path.expanduser(path))
-    while path and not os.path.lexists(path):
-        out.append(path)
-        parent = os.path.dirname(path)
-        if parent == path:
-            break
-        path = parent
-    return out
-
-
-def _remove_empty(folders: list[str]) -> None:
-    for folder in folders:  # deepest first; a folder that holds anything now stays, and so do its parents
-        try:
-            os.rmdir(folder)
-        except OSError:
-            return
 
 
 if __name__ == "__main__":
