@@ -385,6 +385,22 @@ CASES = [
     Case("generate-cumsum-p-above-one", "generate", G("--routing", "cumsum", "--cumsum-p", "1.5"), USAGE,
          ("--cumsum-p", "cumsum")),
     Case("generate-lam-without-cache-prior", "generate", G("--lam", "0.3"), USAGE, ("--lam",)),
+    Case("generate-offload-below-k-before-the-prompt-is-printed", "generate",
+         ("--model", "default", "--prompt", "The city", "--max-new-tokens", "1", "--offload", "--cache-size", "1"),
+         USAGE, ("K=",), tripwires=False),  # sizing the cache reads the KV cache's shapes (init_kv)
+    Case("generate-prompt-past-the-context-without-a-note", "generate",
+         G()[:3] + (",".join(["5"] * 70),) + G()[4:], USAGE, ("70 tokens",)),
+    # flags given at their default values: compared with the default, they were silently ignored
+    Case("generate-default-lam-without-cache-prior", "generate", G("--lam", "0.5"), USAGE, ("--lam",)),
+    Case("generate-default-lam-with-original", "generate", G("--routing", "original", "--lam", "0.5"), USAGE,
+         ("--lam",)),
+    Case("generate-default-paging-without-offload", "generate", G("--paging", "host"), USAGE, ("--paging",)),
+    Case("generate-default-cascade-bits-without-cascade", "generate", G("--cascade-bits", "8"), USAGE,
+         ("--cascade-bits",)),
+    Case("generate-store-dir-on-the-command-line", "generate", G("--offload", "--store-dir", "{tmp}/s"), USAGE,
+         ("--store-dir",)),
+    Case("trace-replay-default-lam-without-routing", "trace", ("replay", "{tmp}/t.npz", "--cache-size", "2", "--lam",
+                                                               "0.5"), USAGE, ("--lam",), _trace()),
     Case("generate-max-rank-with-cache-prior", "generate", G("--routing", "cache-prior", "--max-rank", "1"), USAGE,
          ("--max-rank",)),
     Case("generate-paging-without-offload", "generate", G("--paging", "jit"), USAGE, ("--paging",)),
@@ -827,6 +843,10 @@ def check(case: Case, tmp: Path, tiny: str, monkeypatch) -> list[str]:
         problems.append(f"exit status {rc}, expected {case.status}")
     if "Traceback" in err:
         problems.append("traceback on stderr")
+    if rc in (USAGE, FAILURE) and out.strip():
+        problems.append(f"printed to stdout before the error: {out.strip()[:80]!r}")
+    if rc in (USAGE, FAILURE) and any(ln.startswith("note:") for ln in err.splitlines()):
+        problems.append(f"a note before the error: {err.strip()[:160]!r}")  # about a run that does not happen
     lines = [ln for ln in err.splitlines() if ln.strip()]
     errors = [ln for ln in lines if "error:" in ln]
     if rc not in ("ran", "hang", 0):

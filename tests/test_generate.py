@@ -76,9 +76,13 @@ def test_chat_template_is_applied(capsys, tokenized_model):
 
     tok = Tokenizer(tokenized_model)
     assert res["prompt_ids"] == tok.encode("user : The game assistant : ", add_special_tokens=False)
-    no_template = get_hf_model("mixtral").folder
-    rc, _, err = _run(capsys, "--model", no_template, "--prompt", "hi", "--chat")
+    no_tokenizer = get_hf_model("mixtral").folder
+    rc, _, err = _run(capsys, "--model", no_tokenizer, "--prompt", "hi", "--chat")
     assert rc == 2 and "tokenizer" in err
+    # a tokenizer without a chat template (the default model): the plain template the server uses too
+    rc, out, err = _run(capsys, "--prompt", "hi", "--chat", "--max-new-tokens", "1", "--json")
+    assert rc == 0, err
+    assert json.loads(out)["prompt_ids"] == moejax.load("default").encode("user: hi\nassistant:")
 
 
 def test_sampling_is_seeded_and_top_p_tiny_is_greedy(capsys):
@@ -215,7 +219,7 @@ def test_context_cap_is_said_and_bad_options_fail_before_any_output(capsys, tmp_
     assert "at most 253 new tokens (not 300)" in err
     rc, out, _ = _run(capsys, "--model", folder, "--prompt-ids", "1,2,3", "--max-new-tokens", "2", "--json")
     assert json.loads(out)["stopped"] in ("max_new_tokens", "eos")
-    for argv, message in [(["--cache-size", "0"], "between 1"), (["--cache-size", "2.0"], "(0, 1]"),
+    for argv, message in [(["--cache-size", "0"], "must be positive"), (["--cache-size", "2.0"], "(0, 1]"),
                           (["--trace-out", str(tmp_path / "missing" / "t.npz")], "does not exist"),
                           (["--trace-out", str(tmp_path)], "is a folder")]:
         rc, out, err = _run(capsys, "--model", tokenized_model, "--prompt", TEXT.split()[0], "--max-new-tokens", "2",
@@ -349,7 +353,9 @@ def test_a_vanishing_temperature_samples_the_greedy_token(temperature):
 def test_a_cache_flag_alone_turns_the_cache_on(capsys):
     """--eviction, --cache-scope, ... given alone used to run without a cache (exit 0, no statistics)."""
     for flags, key, value in ((["--eviction", "lfu"], "eviction", "lfu"), (["--cache-scope", "global"], "scope", "global"),
-                              (["--cache-init", "random"], "cache_init", "random")):
+                              (["--cache-init", "random"], "cache_init", "random"),
+                              (["--eviction", "lru"], "eviction", "lru"),  # its default value: given all the same
+                              (["--miss", "fetch"], "miss", "fetch")):
         assert generate.main(["--model", get_hf_model("qwen3_moe").folder, "--prompt-ids", "5,17",
                               "--max-new-tokens", "2", "--json", *flags]) == 0
         cache = json.loads(capsys.readouterr().out)["stats"]["cache"]

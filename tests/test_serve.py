@@ -392,3 +392,56 @@ def test_warm_up_compiles_every_program_the_requests_within_its_bounds_need():
         assert engine.cache_view()["summary"]["tokens"] > 0
     finally:
         engine.close()
+
+
+def test_routing_parameters_alone_adjust_the_served_policy():
+    """``"moejax": {"top_j": 1}`` on a cache-prior server was refused as if the server routed 'original'; it
+    adjusts the served policy, keeping the parameters the server was started with."""
+    from conftest import get_moejax_model
+
+    m = get_moejax_model("qwen3_moe")
+    served = routing.make_policy("cache-prior", m.cfg.top_k, lam=0.8, delta=2.0)
+    engine = serve_engine.Engine(m, served, simulate.CacheConfig(), routing_params={"lam": 0.8, "delta": 2.0})
+    try:
+        over = serve._routing_override({"moejax": {"top_j": 1}}, engine.policy.kind)
+        assert over == {"routing": "cache-prior", "top_j": 1}
+        p = engine.policy_for(over)
+        assert p.kind == "cache-prior" and float(p.lam) == pytest.approx(0.8) and float(p.delta_fixed) == 2.0
+        assert int(p.top_j) == 1
+        other = engine.policy_for(serve._routing_override({"moejax": {"routing": "cumsum"}}, engine.policy.kind))
+        assert other.kind == "cumsum" and float(other.cumsum_p) == pytest.approx(0.9)  # another kind: its defaults
+        assert serve._routing_override({"moejax": {}}, "learned-prior") is None  # nothing to override
+        with pytest.raises(serve_engine.RequestError, match="only applies to routing cache-prior"):
+            serve._routing_override({"moejax": {"lam": 0.3}}, "original")
+    finally:
+        engine.close()
+
+
+def test_shutdown_answers_a_generation_that_cannot_stop_and_waits_for_it(monkeypatch):
+    """Ctrl-C while a request's program compiled (tens of seconds cold) cut its stream off, and the interpreter
+    then exited under the still-compiling worker (status 134). Now the request is answered 503 after
+    ``ABANDON_AFTER_S`` and ``close`` waits for the worker (``serve._close_engine``: with a note)."""
+    from conftest import get_moejax_model
+
+    monkeypatch.setattr(serve_engine, "ABANDON_AFTER_S", 0.2)
+    m = get_moejax_model("qwen3_moe")
+    engine = serve_engine.Engine(m, routing.make_policy("original", m.cfg.top_k), simulate.CacheConfig())
+    started, release = threading.Event(), threading.Event()
+
+    def uninterruptible(job):  # like an XLA compile: deaf to cancellation until done
+        started.set()
+        release.wait(10)
+        return {"token_ids": []}
+
+    engine.run = uninterruptible
+    events, waiting = [], []
+    engine.submit(serve_engine.Job([3, 4], 2, emit=lambda kind, payload: events.append((kind, payload))))
+    engine.submit(serve_engine.Job([3, 4], 2, emit=lambda kind, payload: waiting.append((kind, payload))))
+    assert started.wait(10)
+    engine.cancel_all()
+    assert waiting[0][0] == "error" and waiting[0][1].status == 503  # queued: answered at once
+    time.sleep(0.5)
+    assert events and events[0][0] == "error" and events[0][1].status == 503  # running: after ABANDON_AFTER_S
+    assert engine.close(timeout=0.2) is False  # still "compiling"
+    release.set()
+    assert engine.close(timeout=None) is True and engine.close(timeout=0) is True

@@ -258,18 +258,7 @@ def parse_capacity(spec, n_experts: int, n_layers: int = 1, scope: str = "layer"
     budget = parse_byte_size(spec)
     if budget is not None:
         return _capacity_of_bytes(spec, budget, limit, slot_sets(n_layers, scope), expert_bytes)
-    text = str(spec).strip()
-    try:
-        if text.endswith("%"):
-            frac = float(text[:-1]) / 100.0
-            count = None
-        elif "." in text or "e" in text.lower():
-            frac, count = float(text), None
-        else:
-            frac, count = None, int(text)
-    except ValueError:
-        raise ValueError(f"cache size {spec!r} is not a count ('6'), a fraction ('0.5'), a percentage ('5%') "
-                         "or a memory size ('6GiB')") from None
+    frac, count = _count_or_fraction(spec)
     if count is None:
         if not (math.isfinite(frac) and 0.0 < frac <= 1.0):
             raise ValueError(f"cache size fraction {spec!r} must be in (0, 1] of {what}={limit}")
@@ -279,6 +268,32 @@ def parse_capacity(spec, n_experts: int, n_layers: int = 1, scope: str = "layer"
     if not 1 <= count <= limit:
         raise ValueError(f"cache size {spec!r} must be between 1 and {what}={limit} experts")
     return count
+
+
+def _count_or_fraction(spec) -> tuple[float | None, int | None]:
+    """A size that is not a memory size: (fraction, None) for '0.5' / '5%', (None, count) for '6'."""
+    text = str(spec).strip()
+    try:
+        if text.endswith("%"):
+            return float(text[:-1]) / 100.0, None
+        if "." in text or "e" in text.lower():
+            return float(text), None
+        return None, int(text)
+    except ValueError:
+        raise ValueError(f"cache size {spec!r} is not a count ('6'), a fraction ('0.5'), a percentage ('5%') "
+                         "or a memory size ('6GiB')") from None
+
+
+def check_size(spec) -> None:
+    """What of a cache size can be checked before a model is known: its form, and that it is positive
+    (``parse_capacity`` then checks it against N, and a memory size against the experts' bytes)."""
+    if str(spec).strip().lower() == "auto":
+        return
+    budget = parse_byte_size(spec)
+    frac, count = (None, budget) if budget is not None else _count_or_fraction(spec)
+    if not (count is not None and count > 0 or frac is not None and math.isfinite(frac) and frac > 0):
+        raise ValueError(f"cache size {spec!r} must be positive: a count ('6'), a fraction of N ('0.5'), a "
+                         "percentage ('5%') or a memory size ('6GiB')")
 
 
 def _capacity_of_bytes(spec, budget: int, limit: int, sets: int, expert_bytes: int | None) -> int:

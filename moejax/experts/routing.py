@@ -31,12 +31,12 @@ PARAM_KINDS = {"lam": ("cache-prior",), "delta": ("cache-prior",), "top_j": ("ca
 PARAM_DEFAULTS = {"lam": 0.5, "delta": None, "top_j": None, "max_rank": None, "cumsum_p": 0.9, "prune_h": None}
 
 
-def unread_param(kind: str | None, values: dict) -> tuple[str, tuple[str, ...]] | None:
-    """The first parameter of ``values`` (name -> value) set away from its ``PARAM_DEFAULTS`` that ``kind``
-    (None: original routing) does not read, with the kinds that do; None when there is none. Such a value
-    would change nothing, so the commands refuse it."""
+def unread_param(kind: str | None, values: dict, given: tuple = ()) -> tuple[str, tuple[str, ...]] | None:
+    """The first parameter of ``values`` (name -> value) set away from its ``PARAM_DEFAULTS``, or named in
+    ``given`` (a flag given at its default value), that ``kind`` (None: original routing) does not read, with
+    the kinds that do; None when there is none. Such a value would change nothing, so the commands refuse it."""
     for name, default in PARAM_DEFAULTS.items():
-        if values.get(name, default) != default and (kind or "original") not in PARAM_KINDS[name]:
+        if (name in given or values.get(name, default) != default) and (kind or "original") not in PARAM_KINDS[name]:
             return name, PARAM_KINDS[name]
     return None
 

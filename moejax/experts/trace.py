@@ -38,7 +38,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from moejax.base import atomic, errors, interrupts
+from moejax.base import atomic, errors, flags, interrupts
 from moejax.base.errors import Failure
 from moejax.models import gating as gating_lib
 from moejax.models.config import MAX_EXPERTS
@@ -408,7 +408,8 @@ def _check_replay_args(args) -> None:
                          "(softmax, group-limited or sparsemixer)")
     if args.gating is not None and args.routing is None:
         raise ValueError("--gating only applies to re-routing: pass --routing too")
-    unread = routing_lib.unread_param(args.routing, {name: getattr(args, name) for name in routing_lib.PARAM_DEFAULTS})
+    unread = routing_lib.unread_param(args.routing, {name: getattr(args, name) for name in routing_lib.PARAM_DEFAULTS},
+                                      getattr(args, flags.NOTE, ()))
     if unread:  # a parameter the kind does not read would change nothing
         name, kinds = unread
         raise ValueError(f"{_flag(name)} only applies to --routing {' / '.join(kinds)} (got "
@@ -518,12 +519,15 @@ def main(argv: list[str] | None = None) -> int:
     rp.add_argument("--routing", choices=routing_lib.KINDS, default=None,
                     help="re-route from the trace's logits with this policy (default: replay recorded experts)")
     d = routing_lib.PARAM_DEFAULTS  # as in generate and evaluate: replay used λ = 0 and p = 0 (original routing)
-    rp.add_argument("--lam", type=float, default=d["lam"], help="cache-prior strength λ (default 0.5)")
-    rp.add_argument("--top-j", type=int, default=d["top_j"])
-    rp.add_argument("--max-rank", type=int, default=d["max_rank"])
-    rp.add_argument("--cumsum-p", type=float, default=d["cumsum_p"], help="cumsum threshold p (default 0.9)")
-    rp.add_argument("--prune-h", type=int, default=d["prune_h"])
-    rp.add_argument("--delta", type=float, default=d["delta"], help="fixed Δ for cache-prior (default: running mean)")
+    rp.add_argument("--lam", action=flags.Given, type=float, default=d["lam"],
+                    help="cache-prior strength λ (default 0.5)")
+    rp.add_argument("--top-j", action=flags.Given, type=int, default=d["top_j"])
+    rp.add_argument("--max-rank", action=flags.Given, type=int, default=d["max_rank"])
+    rp.add_argument("--cumsum-p", action=flags.Given, type=float, default=d["cumsum_p"],
+                    help="cumsum threshold p (default 0.9)")
+    rp.add_argument("--prune-h", action=flags.Given, type=int, default=d["prune_h"])
+    rp.add_argument("--delta", action=flags.Given, type=float, default=d["delta"],
+                    help="fixed Δ for cache-prior (default: running mean)")
     rp.add_argument("--prior", default=None, metavar="PATH",
                     help="learned-prior: checkpoint folder written by `python -m moejax.train_prior`")
     rp.add_argument("--gating", choices=("softmax", "group-limited", "sparsemixer"), default=None,

@@ -128,6 +128,10 @@ def check_output(cfg: ModelConfig, router_logits, logits=None) -> None:
         gating.check_finite(np.asarray(logits)[None], "output logits", layer_names=["the LM head"])
 
 
+#: what a checkpoint without a chat template gets (``Model.chat_ids``)
+PLAIN_CHAT = "role: content lines, then 'assistant:'"
+
+
 class Model:
     """A loaded MoE model: parameters, configuration and (when the folder has one) a tokenizer."""
 
@@ -401,6 +405,17 @@ class Model:
         if self.tokenizer is None:
             return " ".join(str(i) for i in ids)
         return self.tokenizer.decode(ids)
+
+    def chat_ids(self, messages: list[dict]) -> list[int]:
+        """The token ids of ``messages`` ([{"role", "content"}], text contents) for the model to answer: its
+        chat template, or, for a checkpoint without one (the default model), ``PLAIN_CHAT``: one
+        "role: content" line per message, then "assistant:" (what the server and ``generate --chat`` share)."""
+        if self.tokenizer is None:
+            raise ValueError(f"{self.path} has no tokenizer.json, so there is no text to template: pass token ids")
+        if self.tokenizer.chat_template:
+            text = self.tokenizer.apply_chat_template(messages)
+            return self.tokenizer.encode(text, add_special_tokens=False)
+        return self.encode("".join(f"{m['role']}: {m['content']}\n" for m in messages) + "assistant:")
 
     def text(self, ids) -> str:
         """``ids`` as text for a reader: decoded, with WikiText spacing undone for wikitext-style models."""

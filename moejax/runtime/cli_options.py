@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from moejax.base import distributed, errors
+from moejax.base import distributed, errors, flags
 from moejax.experts import cache as cache_lib, prior as prior_lib, routing as routing_lib
 from moejax.runtime.offload import PREFILLS, OffloadConfig
 from moejax.runtime.simulate import CacheConfig
@@ -18,23 +18,24 @@ CACHE_DEFAULTS = {"cache_scope": "layer", "eviction": "lru", "cache_init": "empt
 ROUTING_PARAMS = {name: (default, routing_lib.PARAM_KINDS[name])
                   for name, default in routing_lib.PARAM_DEFAULTS.items()}
 #: the offload flags that only mean something with --offload, and their defaults (``add_offload_args``)
-OFFLOAD_DEFAULTS = {"paging": "host", "expert_store": "host", "store_dir": None}
+OFFLOAD_DEFAULTS = {"paging": "host", "expert_store": "host"}
 
 
 def add_routing_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("routing policy (DESIGN §2)")
     g.add_argument("--routing", choices=routing_lib.KINDS, default=None,
                    help="expert ranking policy (default: original); any routing option turns the cache on")
-    g.add_argument("--lam", type=float, default=ROUTING_PARAMS["lam"][0],
+    g.add_argument("--lam", action=flags.Given, type=float, default=ROUTING_PARAMS["lam"][0],
                    help="cache-prior strength λ (default 0.5)")
-    g.add_argument("--top-j", type=int, default=ROUTING_PARAMS["top_j"][0],
+    g.add_argument("--top-j", action=flags.Given, type=int, default=ROUTING_PARAMS["top_j"][0],
                    help="always keep the top-J (default 1 if K=2 else 2)")
-    g.add_argument("--max-rank", type=int, default=ROUTING_PARAMS["max_rank"][0], help="max-rank M (default K)")
-    g.add_argument("--cumsum-p", type=float, default=ROUTING_PARAMS["cumsum_p"][0],
+    g.add_argument("--max-rank", action=flags.Given, type=int, default=ROUTING_PARAMS["max_rank"][0],
+                   help="max-rank M (default K)")
+    g.add_argument("--cumsum-p", action=flags.Given, type=float, default=ROUTING_PARAMS["cumsum_p"][0],
                    help="cumsum probability threshold p (default 0.9)")
-    g.add_argument("--prune-h", type=int, default=ROUTING_PARAMS["prune_h"][0],
+    g.add_argument("--prune-h", action=flags.Given, type=int, default=ROUTING_PARAMS["prune_h"][0],
                    help="pruning: keep ranks 1..h-1 (default K)")
-    g.add_argument("--delta", type=float, default=ROUTING_PARAMS["delta"][0],
+    g.add_argument("--delta", action=flags.Given, type=float, default=ROUTING_PARAMS["delta"][0],
                    help="cache-prior: fixed calibrated Δ instead of the running mean of max(z)-min(z)")
     g.add_argument("--prior", default=None, metavar="PATH",
                    help="learned-prior: checkpoint folder written by `python -m moejax.train_prior`")
@@ -44,22 +45,25 @@ def add_routing_args(p: argparse.ArgumentParser) -> None:
                         "of all L·N experts (default 0.5 when a cache is on); or the memory the cached experts "
                         "may take in all ('6GiB', '800MB': with --offload, of device slots); with --offload also "
                         "'auto': the most slots the free memory holds (the default 0.5 shrinks to that if it must)")
-    c.add_argument("--cache-scope", choices=cache_lib.SCOPES, default=CACHE_DEFAULTS["cache_scope"])
-    c.add_argument("--eviction", choices=cache_lib.ONLINE_EVICTIONS, default=CACHE_DEFAULTS["eviction"],
+    c.add_argument("--cache-scope", action=flags.Given, choices=cache_lib.SCOPES,
+                   default=CACHE_DEFAULTS["cache_scope"])
+    c.add_argument("--eviction", action=flags.Given, choices=cache_lib.ONLINE_EVICTIONS,
+                   default=CACHE_DEFAULTS["eviction"],
                    help="eviction policy (Belady is an offline oracle: use `moejax.trace replay`)")
-    c.add_argument("--cache-init", choices=cache_lib.INITS, default=CACHE_DEFAULTS["cache_init"])
-    c.add_argument("--cache-seed", type=errors.seed_arg, default=CACHE_DEFAULTS["cache_seed"],
+    c.add_argument("--cache-init", action=flags.Given, choices=cache_lib.INITS,
+                   default=CACHE_DEFAULTS["cache_init"])
+    c.add_argument("--cache-seed", action=flags.Given, type=errors.seed_arg, default=CACHE_DEFAULTS["cache_seed"],
                    help="seed of --cache-init random")
-    c.add_argument("--miss", choices=cache_lib.MISS_MODES, default="fetch",
+    c.add_argument("--miss", action=flags.Given, choices=cache_lib.MISS_MODES, default="fetch",
                    help="miss handling: fetch (lossless), drop / substitute / cascade a low-importance miss")
-    c.add_argument("--miss-rank", default=CACHE_DEFAULTS["miss_rank"],
+    c.add_argument("--miss-rank", action=flags.Given, default=CACHE_DEFAULTS["miss_rank"],
                    help="0-based position (by weight) from which a miss is low-importance; cascade: one per "
                         "tier, e.g. '1,3' with --cascade-bits 8,4 (default 1)")
-    c.add_argument("--cascade-bits", default=CACHE_DEFAULTS["cascade_bits"],
+    c.add_argument("--cascade-bits", action=flags.Given, default=CACHE_DEFAULTS["cascade_bits"],
                    help="cascade: bit width per tier, 8 and/or 4 (default 8)")
-    c.add_argument("--quant-group", type=int, default=CACHE_DEFAULTS["quant_group"],
+    c.add_argument("--quant-group", action=flags.Given, type=int, default=CACHE_DEFAULTS["quant_group"],
                    help="cascade: quantisation group size along the input axis (default: per channel)")
-    c.add_argument("--prefetch", type=float, default=0.0, metavar="F",
+    c.add_argument("--prefetch", action=flags.Given, type=float, default=0.0, metavar="F",
                    help="speculative next-layer prefetch of the top round(K·F) predicted experts (0 = off)")
     c.add_argument("--prefetch-percentile", type=float, default=None, metavar="Q",
                    help="prefetch every expert whose predicted probability is above the Q-th percentile")
@@ -153,15 +157,13 @@ def add_offload_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("expert offloading (experts in host memory, device slots = the cache)")
     g.add_argument("--offload", action="store_true",
                    help="page experts from host memory into device slots for real (turns the cache on)")
-    g.add_argument("--paging", choices=("host", "jit"), default=OFFLOAD_DEFAULTS["paging"],
+    g.add_argument("--paging", action=flags.Given, choices=("host", "jit"), default=OFFLOAD_DEFAULTS["paging"],
                    help="host: host-driven between jitted stages (everywhere, bandwidth emulation); "
                         "jit: inside the scanned decode loop from host-memory arrays")
-    g.add_argument("--expert-store", choices=("host", "flash"), default=OFFLOAD_DEFAULTS["expert_store"],
+    g.add_argument("--expert-store", action=flags.Given, choices=("host", "flash"),
+                   default=OFFLOAD_DEFAULTS["expert_store"],
                    help="host: host memory (pinned_host where the backend has it), read once from the checkpoint; "
                         "flash: paged straight from the checkpoint's own files through their memory map")
-    g.add_argument("--store-dir", default=OFFLOAD_DEFAULTS["store_dir"],
-                   help="API only: where a model loaded whole writes its flash-tier file (default: a temporary "
-                        "folder); the command-line --offload pages from the checkpoint and writes nothing")
     g.add_argument("--bandwidth-gbps", type=float, default=None,
                    help="emulate a host→device link of this bandwidth (GB/s), e.g. 2 (flash), 25 (PCIe)")
     g.add_argument("--latency-us", type=float, default=0.0, help="emulated per-transfer latency (µs)")
@@ -184,7 +186,7 @@ def offload_from_args(args: argparse.Namespace):
         if getattr(args, "overlap", None) is not None:
             raise ValueError("--overlap says how an offloaded decode step waits for its pages: it needs --offload")
         for name, default in OFFLOAD_DEFAULTS.items():
-            if _given(args, name, default):
+            if flags.given(args, name, default):
                 raise ValueError(f"--{name.replace('_', '-')} says where and how experts are offloaded: it needs "
                                  "--offload")
         return None
@@ -196,12 +198,8 @@ def offload_from_args(args: argparse.Namespace):
                          "inside its scan (drop --prefill, or use --paging host)")
 
     return OffloadConfig(paging=args.paging, store=args.expert_store, bandwidth_gbps=args.bandwidth_gbps,
-                         latency_us=args.latency_us, store_dir=args.store_dir, prefill=args.prefill or "batched",
+                         latency_us=args.latency_us, prefill=args.prefill or "batched",
                          overlap=args.overlap != "off")
-
-
-def _given(args: argparse.Namespace, name: str, default) -> bool:
-    return getattr(args, name, default) != default
 
 
 def cache_requested(args: argparse.Namespace) -> bool:
@@ -209,10 +207,10 @@ def cache_requested(args: argparse.Namespace) -> bool:
     parameter its kind does not use, or a --prior without --routing, is then refused by ``policy_from_args``
     (never silently ignored)."""
     return (args.routing is not None or args.cache_size is not None or getattr(args, "prior", None) is not None
-            or getattr(args, "offload", False) or args.miss != "fetch" or bool(args.prefetch)
-            or args.prefetch_percentile is not None
-            or any(_given(args, k, d) for k, d in CACHE_DEFAULTS.items())
-            or any(_given(args, k, d) for k, (d, _) in ROUTING_PARAMS.items()))
+            or getattr(args, "offload", False) or flags.given(args, "miss", "fetch")
+            or flags.given(args, "prefetch", 0.0) or args.prefetch_percentile is not None
+            or any(flags.given(args, k, d) for k, d in CACHE_DEFAULTS.items())
+            or any(flags.given(args, k, d) for k, (d, _) in ROUTING_PARAMS.items()))
 
 
 def policy_from_args(args: argparse.Namespace, top_k: int) -> routing_lib.RoutingPolicy:
@@ -227,7 +225,8 @@ def policy_from_args(args: argparse.Namespace, top_k: int) -> routing_lib.Routin
     elif prior_path:
         raise ValueError("--prior only applies to --routing learned-prior "
                          f"(got --routing {args.routing or 'original'})")
-    unread = routing_lib.unread_param(args.routing, {name: getattr(args, name, None) for name in ROUTING_PARAMS})
+    unread = routing_lib.unread_param(args.routing, {name: getattr(args, name, None) for name in ROUTING_PARAMS},
+                                      getattr(args, flags.NOTE, ()))
     if unread:
         name, kinds = unread
         raise ValueError(f"--{name.replace('_', '-')} only applies to --routing {' / '.join(kinds)} (got --routing "
@@ -255,7 +254,7 @@ def cache_from_args(args: argparse.Namespace, model=None, offload=None, tokens: 
                                   ("miss_rank", "--miss-rank", "--miss drop / substitute / cascade",
                                    args.miss != "fetch"),
                                   ("cache_seed", "--cache-seed", "--cache-init random", args.cache_init == "random")):
-        if _given(args, name, CACHE_DEFAULTS[name]) and not ok:  # it would change nothing: say so
+        if flags.given(args, name, CACHE_DEFAULTS[name]) and not ok:  # it would change nothing: say so
             raise ValueError(f"{flag} only applies with {needs}")
     if model is None:
         return cfg

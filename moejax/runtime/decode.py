@@ -246,6 +246,21 @@ class Stop:
 NO_STOP = Stop()
 
 
+def check_prompt(prompt_ids, cfg: ModelConfig, context: int | None = None) -> np.ndarray:
+    """The prompt as int32 ids, or a ``ValueError`` naming what is wrong (empty, longer than ``context``, an id
+    outside the vocabulary): what ``generate`` refuses, for callers that check before printing anything."""
+    prompt = np.asarray(prompt_ids, dtype=np.int32)
+    context = context or cfg.max_position_embeddings
+    if prompt.ndim != 1 or prompt.size == 0:
+        raise ValueError("the prompt is empty: give at least one token")
+    if prompt.size > context:
+        raise ValueError(f"the prompt has {prompt.size} tokens, longer than the context of {context}")
+    if np.any(prompt < 0) or np.any(prompt >= cfg.vocab_size):
+        bad = prompt[(prompt < 0) | (prompt >= cfg.vocab_size)][0]
+        raise ValueError(f"token id {bad} is outside the vocabulary (0..{cfg.vocab_size - 1})")
+    return prompt
+
+
 def generate(params, cfg: ModelConfig, prompt_ids, *, max_new_tokens: int, sampling: Sampling = Sampling(),
              seed: int = 0, router=None, router_state=None, stop_at_eos: bool = True, chunk: int = CHUNK,
              on_tokens: Callable[[list[int]], None] | None = None, context: int | None = None,
@@ -262,15 +277,8 @@ def generate(params, cfg: ModelConfig, prompt_ids, *, max_new_tokens: int, sampl
     experts, hits)``: with an expert cache, called after the prompt and after every chunk with the cache state
     and the new tokens' experts and hit flags ([t, moe_layers, K] numpy), e.g. to show the cache live; it
     must copy what it keeps (the state is donated to the next chunk)."""
-    prompt = np.asarray(prompt_ids, dtype=np.int32)
     context = context or cfg.max_position_embeddings
-    if prompt.ndim != 1 or prompt.size == 0:
-        raise ValueError("the prompt is empty: give at least one token")
-    if prompt.size > context:
-        raise ValueError(f"the prompt has {prompt.size} tokens, longer than the context of {context}")
-    if np.any(prompt < 0) or np.any(prompt >= cfg.vocab_size):
-        bad = prompt[(prompt < 0) | (prompt >= cfg.vocab_size)][0]
-        raise ValueError(f"token id {bad} is outside the vocabulary (0..{cfg.vocab_size - 1})")
+    prompt = check_prompt(prompt_ids, cfg, context)
     requested, max_new_tokens = max_new_tokens, generation_budget(prompt.size, max_new_tokens, context)
     eos = tuple(cfg.eos_token_ids) if stop_at_eos else ()
     n_chunks = max(0, -(-(max_new_tokens - 1) // chunk))

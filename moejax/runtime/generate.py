@@ -19,7 +19,7 @@ import time
 from moejax.base import compile_cache, errors, interrupts, textproc
 from moejax.models import gating
 from moejax.experts import trace as trace_lib
-from moejax.runtime import api, cli_options, decode
+from moejax.runtime import api, cli_options, decode, offload as offload_lib
 
 DEFAULT_PROMPT = "The history of the"
 
@@ -82,8 +82,7 @@ def prompt_token_ids(model: api.Model, args: argparse.Namespace) -> list[int]:
     if args.chat:
         if model.tokenizer is None:
             raise ValueError(f"{model.path} has no tokenizer.json, so --chat cannot apply a chat template")
-        templated = model.tokenizer.apply_chat_template([{"role": "user", "content": text}])
-        return model.tokenizer.encode(templated, add_special_tokens=False)
+        return model.chat_ids([{"role": "user", "content": text}])
     return model.encode(text)
 
 
@@ -131,6 +130,7 @@ def run(args: argparse.Namespace) -> dict:
     dtype = None if args.dtype is None else {"float32": "float32", "bfloat16": "bfloat16",
                                              "float16": "float16"}[args.dtype]
     offload = cli_options.offload_from_args(args)  # with --offload the routed experts never reach the device
+    decode.Sampling(args.temperature, 1.0 if args.top_p is None else args.top_p)  # NaN, < 0: refused before loading
     if args.devices is not None and args.shard is None:
         raise ValueError("--devices goes with --shard experts (the devices the experts are split over)")
     if args.max_new_tokens < 0:
@@ -146,15 +146,19 @@ def run(args: argparse.Namespace) -> dict:
                      **cli_options.shard_kwargs(args))
     load_time = time.perf_counter() - t_load
     ids = prompt_token_ids(model, args)
-    ignored = [flag for flag, value in (("--top-p", args.top_p), ("--seed", args.seed)) if value is not None]
-    if args.temperature == 0 and ignored:  # a note, not a refusal: scripts pass a seed to every run
-        sys.stderr.write(f"note: {' and '.join(ignored)} only act when sampling (--temperature > 0); "
-                         "this run decodes greedily\n")
     routing = cache = None
     if cli_options.cache_requested(args):  # every option is validated before anything is printed
         routing = cli_options.policy_from_args(args, model.cfg.top_k)
         cache = cli_options.cache_from_args(args, model, offload, len(ids) + args.max_new_tokens)
     positions = model.cfg.max_position_embeddings
+    decode.check_prompt(ids, model.cfg)  # a prompt past the context: one error line, before the note below
+    if offload is not None:
+        offload_lib.check_cache(model.cfg, cache.capacity(model.cfg), cache.eviction)
+    ignored = [flag for flag, value in (("--top-p", args.top_p), ("--seed", args.seed)) if value is not None]
+    if args.temperature == 0 and ignored:  # a note, not a refusal: scripts pass a seed to every run
+        act = "act" if len(ignored) > 1 else "acts"
+        sys.stderr.write(f"note: {' and '.join(ignored)} only {act} when sampling (--temperature > 0); "
+                         "this run decodes greedily\n")
     budget = decode.generation_budget(len(ids), args.max_new_tokens, positions)
     if budget < args.max_new_tokens:
         sys.stderr.write(f"note: the context holds {positions} positions and the prompt takes {len(ids)}: "

@@ -107,13 +107,17 @@ def slots_that_fit(headroom: int, fixed: int, slot_set_bytes: int, limit: int) -
 
 def check_capacity(cfg: ModelConfig, cache_state: cache_lib.CacheState) -> None:
     """The device must hold the K experts of one token to compute it."""
-    cap = int(cache_state.capacity)
-    if cap < cfg.top_k:
+    check_cache(cfg, int(cache_state.capacity), cache_state.eviction)
+
+
+def check_cache(cfg: ModelConfig, capacity: int, eviction: str) -> None:
+    """``check_capacity`` from a cache's capacity and eviction, before any state is made (the command line
+    checks before it prints the prompt)."""
+    if capacity < cfg.top_k:
         raise ValueError(f"offload needs a cache of at least K={cfg.top_k} experts (one token's experts must "
-                         f"all be on the device), got capacity {cap}")
-    if cache_state.eviction in cache_lib.OFFLINE_EVICTIONS:
-        raise ValueError(f"{cache_state.eviction} is an offline oracle over a recorded trace; "
-                         "it cannot drive real offloading")
+                         f"all be on the device), got capacity {capacity}")
+    if eviction in cache_lib.OFFLINE_EVICTIONS:
+        raise ValueError(f"{eviction} is an offline oracle over a recorded trace; it cannot drive real offloading")
 
 
 # Counters and times of one call's summary that add up over calls; the per-call rates that cannot be

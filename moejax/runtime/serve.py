@@ -36,6 +36,7 @@ a new prompt length costs no compilation once its pieces have been seen.
 import argparse
 import asyncio
 import json
+import os
 import signal
 import socket
 import sys
@@ -47,7 +48,6 @@ from moejax.experts import routing as routing_lib, trace as trace_lib
 from moejax.runtime import api, cli_options, decode
 from moejax.runtime.serve_engine import ROUTING_OVERRIDE_KEYS, Engine, Job, RequestError
 
-FALLBACK_CHAT_TEMPLATE = "role: content lines, then 'assistant:'"  # what /v1/models reports when it is used
 
 
 # ------------------------------------------------------------------------------------------------ requests
@@ -126,7 +126,7 @@ OVERRIDE_RANGES = {"lam": (-1e6, 1e6, False), "top_j": (0, 1024, True), "max_ran
                    "cumsum_p": (0.0, 1.0, False), "prune_h": (0, 1024, True), "delta": (0.0, 1e6, False)}
 
 
-def _routing_override(body: dict) -> dict | None:
+def _routing_override(body: dict, served_kind: str = "original") -> dict | None:
     extra = body.get("moejax")
     if extra is None:
         return None
@@ -137,8 +137,10 @@ def _routing_override(body: dict) -> dict | None:
     if unknown:
         raise RequestError(f"'moejax' has unknown keys {unknown}; allowed: {list(ROUTING_OVERRIDE_KEYS)}",
                            param="moejax")
-    kind = extra.get("routing", "original")
-    if kind not in routing_lib.KINDS or kind == "learned-prior":
+    if all(v is None for v in extra.values()):  # {}: the server's own policy
+        return None
+    kind = extra.get("routing") or served_kind  # parameters alone adjust the server's own policy
+    if extra.get("routing") is not None and (kind not in routing_lib.KINDS or kind == "learned-prior"):
         raise RequestError(f"'moejax.routing' must be one of {[k for k in routing_lib.KINDS if k != 'learned-prior']}"
                            f", got {kind!r}", param="moejax.routing")
     out = {"routing": kind}
@@ -226,7 +228,7 @@ class Server:
         return {"object": "list", "data": [{
             "id": self.engine.name, "object": "model", "created": self.created, "owned_by": "moejax",
             "context_length": self.context, "n_experts": self.model.cfg.n_experts, "top_k": self.model.cfg.top_k,
-            "chat_template": "checkpoint" if tok is not None and tok.chat_template else FALLBACK_CHAT_TEMPLATE}]}
+            "chat_template": "checkpoint" if tok is not None and tok.chat_template else api.PLAIN_CHAT}]}
 
     def chat_prompt(self, messages) -> list[int]:
         if not isinstance(messages, list) or not messages:
@@ -244,17 +246,12 @@ class Server:
             if not isinstance(content, str):
                 raise RequestError(f"messages[{i}].content must be a string", param="messages")
             clean.append({"role": m["role"], "content": content})
-        tok = self.model.tokenizer
-        if tok is None:
+        if self.model.tokenizer is None:
             raise RequestError(f"{self.engine.name} has no tokenizer: use /v1/completions with token ids")
-        if tok.chat_template:
-            try:
-                text = tok.apply_chat_template(clean)
-            except ValueError as e:
-                raise RequestError(str(e), param="messages") from None
-            return tok.encode(text, add_special_tokens=False)
-        text = "".join(f"{m['role']}: {m['content']}\n" for m in clean) + "assistant:"
-        return self.model.encode(text)
+        try:
+            return self.model.chat_ids(clean)
+        except ValueError as e:  # the template refused the messages
+            raise RequestError(str(e), param="messages") from None
 
     def completion_prompt(self, prompt) -> list[int]:
         if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
@@ -302,7 +299,7 @@ class Server:
                    temperature=_number(body, "temperature", 0.0, 0.0, 2.0),
                    top_p=_number(body, "top_p", 1.0, 1e-6, 1.0),
                    seed=_number(body, "seed", 0, seeds.SEED_MIN, seeds.SEED_MAX, integer=True),  # all 64 bits count
-                   stop=self.stop_strings(body), routing=_routing_override(body))
+                   stop=self.stop_strings(body), routing=_routing_override(body, self.engine.policy.kind))
 
     def stop_strings(self, body: dict) -> tuple[str, ...]:
         stop = _stop_strings(body)
@@ -590,7 +587,8 @@ def build_engine(args: argparse.Namespace) -> Engine:
     model = api.load(args.model, offload=offload, dtype=args.dtype, **cli_options.weight_kwargs(args))
     policy = cli_options.policy_from_args(args, model.cfg.top_k)
     cache = cli_options.cache_from_args(args, model, offload)  # a bad --cache-size fails here, before the start
-    return Engine(model, policy, cache, offload, args.max_queue, args.served_name or args.model)
+    served = {k: getattr(args, k) for k in ROUTING_OVERRIDE_KEYS[1:] if getattr(args, k, None) is not None}
+    return Engine(model, policy, cache, offload, args.max_queue, args.served_name or args.model, served)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -617,7 +615,7 @@ def main(argv: list[str] | None = None) -> int:
             sock.close()
         return errors.report(e)
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
-                            timeout_graceful_shutdown=5, lifespan="off")
+                            timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S, lifespan="off")
     server = _server_class()(config, engine)
     host = f"[{args.host}]" if ":" in args.host else args.host
     print(f"moejax.serve: {engine.name} on http://{host}:{sock.getsockname()[1]} (Ctrl-C stops)", file=sys.stderr,
@@ -634,9 +632,29 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: could not listen on {args.host}:{args.port}", file=sys.stderr)
         return errors.FAILURE
     finally:
-        engine.close()
         sock.close()
+        _close_engine(engine)
     return 0
+
+
+#: seconds uvicorn waits for open requests after Ctrl-C / SIGTERM (a running generation is answered 503 after
+#: ``serve_engine.ABANDON_AFTER_S`` if it has not ended by then)
+GRACEFUL_SHUTDOWN_S = 5
+
+
+def _close_engine(engine: Engine) -> None:
+    """Let the engine's worker end before the interpreter does: a thread still inside an XLA compilation when
+    Python exits aborts the process (status 134, "terminate called ..."). A compilation cannot be interrupted,
+    so the server says it waits; a second Ctrl-C exits at once, without the interpreter's teardown."""
+    if engine.close(timeout=2.0):
+        return
+    print("moejax.serve: waiting for the compilation in progress to finish (Ctrl-C again exits now) ...",
+          file=sys.stderr, flush=True)
+    try:
+        engine.close(timeout=None)
+    except _Stopped as e:
+        sys.stderr.flush()
+        os._exit(128 + e.args[0])
 
 
 def _server_class():

@@ -18,6 +18,9 @@ import numpy as np
 from moejax.experts import routing as routing_lib, trace as trace_lib
 from moejax.runtime import api, cli_options, decode, simulate
 
+#: seconds a cancelled generation has to end before its request is answered 503 (shutdown; under uvicorn's
+#: graceful-shutdown wait, ``serve.GRACEFUL_SHUTDOWN_S``)
+ABANDON_AFTER_S = 3.0
 ROUTING_OVERRIDE_KEYS = ("routing", "lam", "top_j", "max_rank", "cumsum_p", "prune_h", "delta")
 TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 TPS_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000)
@@ -109,14 +112,16 @@ class Engine:
     arrival order. Thread-safe: ``submit`` from any thread; everything else runs on the worker."""
 
     def __init__(self, model: api.Model, policy, cache: simulate.CacheConfig, offload=None, max_queue: int = 16,
-                 name: str = "default"):
+                 name: str = "default", routing_params: dict | None = None):
         self.model, self.policy, self.cache_config, self.offload, self.name = model, policy, cache, offload, name
+        self.routing_params = dict(routing_params or {})  # the served policy's parameters as given (lam, ...)
         self.state = model.router_state(policy, cache)
         self.telemetry = Telemetry(model.cfg.n_moe_layers, model.cfg.n_experts)
         self._queue: queue.Queue = queue.Queue()
         self._slots = threading.BoundedSemaphore(max_queue + 1)  # waiting + the one running
         self._busy = False
         self._closing = False
+        self._ended = False  # close() has queued the worker's end-of-work mark
         self._current: Job | None = None
         self._live_at = 0.0
         self._thread = threading.Thread(target=self._work, name="moejax-engine", daemon=True)
@@ -138,29 +143,43 @@ class Engine:
     def busy(self) -> bool:
         return self._busy
 
-    def close(self) -> None:
-        """Stop taking work, cancel what runs and waits, and let the worker end."""
+    def close(self, timeout: float | None = 30.0) -> bool:
+        """Stop taking work, cancel what runs and waits, and let the worker end; whether it has ended within
+        ``timeout`` seconds (None: wait until it has — a compilation in progress cannot be interrupted)."""
         self.cancel_all()
-        self._queue.put(None)
-        self._thread.join(timeout=30)
+        if not self._ended:
+            self._ended = True
+            self._queue.put(None)
+        self._thread.join(timeout=timeout)
+        return not self._thread.is_alive()
 
     def cancel_all(self) -> None:
         """Stop taking work and cancel what runs and waits, without waiting: the running generation ends at its
-        next chunk (its stream gets its last chunk and [DONE]), the waiting ones get a 503."""
+        next chunk (its stream gets its last chunk and [DONE]), the waiting ones get a 503. A running one that
+        has not ended ``ABANDON_AFTER_S`` later (it is compiling: a cold start takes tens of seconds) gets the
+        503 then, so that its stream ends within the server's graceful-shutdown wait instead of being cut off."""
         self._closing = True
         current = self._current
-        if current is not None:
+        if current is not None and not current.cancelled.is_set():
             current.cancelled.set()
+            timer = threading.Timer(ABANDON_AFTER_S, self._abandon, args=(current,))
+            timer.daemon = True
+            timer.start()
         while True:
             try:
                 job = self._queue.get_nowait()
             except queue.Empty:
                 break
+            if job is None:  # close()'s end-of-work mark: keep it for the worker
+                self._queue.put(None)
+                break
             job.cancelled.set()
-            if job is None:
-                continue
             job.emit("error", RequestError("the server is shutting down", status=503, code="shutting_down"))
             self._slots.release()
+
+    def _abandon(self, job: Job) -> None:
+        if self._current is job:  # still running: its client hears now; what it emits later goes nowhere
+            job.emit("error", RequestError("the server is shutting down", status=503, code="shutting_down"))
 
     # -- the worker thread
     def _work(self) -> None:
@@ -214,6 +233,9 @@ class Engine:
         if override is None:
             return self.policy
         kw = {k: override[k] for k in ROUTING_OVERRIDE_KEYS[1:] if override.get(k) is not None}
+        if override["routing"] == self.policy.kind:  # the served policy adjusted: what it was given stays
+            for key, value in self.routing_params.items():
+                kw.setdefault(key, value)
         for key, (default, _) in cli_options.ROUTING_PARAMS.items():  # the command line's defaults (λ = 0.5, p = 0.9)
             if default is not None:
                 kw.setdefault(key, default)

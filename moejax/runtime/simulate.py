@@ -56,7 +56,7 @@ class CacheConfig:
     fit_checked: bool = False
 
     def __post_init__(self):
-        """Refuse what no model could run, when the config is made (the size is checked per model)."""
+        """Refuse what no model could run, when the config is made (the size's form here, its value per model)."""
         for name, value, allowed in (("scope", self.scope, cache_lib.SCOPES),
                                      ("eviction", self.eviction, cache_lib.EVICTIONS),
                                      ("init", self.init, cache_lib.INITS)):
@@ -65,6 +65,7 @@ class CacheConfig:
         if isinstance(self.size, bool) or not isinstance(self.size, (str, int, float)):
             raise TypeError(f"CacheConfig size must be a count, a fraction of N or a memory size (a string such "
                             f"as '4', '0.5' or '6GiB'), got {type(self.size).__name__} {self.size!r}")
+        cache_lib.check_size(self.size)
         self.miss_config(), self.prefetch_config()  # their own checks (miss ranks, bit widths, percentile)
 
     def capacity(self, cfg: ModelConfig, expert_bytes: int | None = None) -> int:
