@@ -16,7 +16,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from moejax.experts import cache, trace
-from moejax.runtime import simulate
+from moejax.runtime.simulate import CacheConfig
 from reference_cache import simulate
 from scatter_bounds import out_of_range_scatters
 
@@ -315,8 +315,8 @@ def test_a_memory_size_gets_the_most_slots_it_holds(budget, n, layers, eb, scope
 def test_a_cache_config_refuses_a_size_no_model_could_take_when_it_is_made():
     """``CacheConfig(size="abc")`` or ``"-3"`` used to be accepted and fail only at the first model call."""
     for good in ("4", "0.5", "5%", "6GiB", "auto", "1e-3", 4, 0.25):
-        simulate.CacheConfig(size=good)
+        CacheConfig(size=good)
     for bad, match in (("abc", "is not a count"), ("-3", "positive"), ("0", "positive"), ("-0.5", "positive"),
                        ("0GB", "positive"), ("nan", "is not a count"), ("6 XB", "unknown unit")):
         with pytest.raises(ValueError, match=match):
-            simulate.CacheConfig(size=bad)
+            CacheConfig(size=bad)
