@@ -49,7 +49,6 @@ from moejax.runtime import api, cli_options, decode
 from moejax.runtime.serve_engine import ROUTING_OVERRIDE_KEYS, Engine, Job, RequestError
 
 
-
 # ------------------------------------------------------------------------------------------------ requests
 
 
