@@ -517,6 +517,12 @@ CASES = [
          ("--prompt", "UTF-8"), process=True),
     # ----------------------------------------------------------------------------- evaluate
     Case("evaluate-data-empty-file", "evaluate", E(), FAILURE, ("{tmp}/text.txt",), _write("text.txt", "")),
+    Case("evaluate-flag-and-sweep-of-one-parameter", "evaluate", E("--lam", "0.5", "--sweep", "lam=0.9"), USAGE,
+         ("--lam",), TEXT),
+    Case("evaluate-truthfulqa-choices-not-a-list", "evaluate",
+         ("--task", "truthfulqa", "--data", "{tmp}/tq.json", "--no-progress"), FAILURE, ("{tmp}/tq.json",),
+         _write("tq.json", '[{"question": "Is it?", "mc1_targets": {"choices": 5, "labels": [1]}, '
+                           '"mc2_targets": {"yes": 1, "no": 0}}]')),
     Case("evaluate-data-whitespace-only", "evaluate", E(), FAILURE, ("{tmp}/text.txt",),
          _write("text.txt", " \n\n \t\n")),
     Case("evaluate-data-not-utf8", "evaluate", E(), FAILURE, ("{tmp}/text.txt",),

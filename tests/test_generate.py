@@ -464,3 +464,38 @@ def test_a_huge_temperature_samples_uniformly_without_overflow_warnings(temperat
         warnings.simplefilter("error")
         got = [int(decode.sample(logits, jax.random.PRNGKey(s), decode.Sampling(temperature))) for s in range(200)]
     assert set(got) == {0, 1, 2, 3}  # every token, the least likely too
+
+
+def test_api_arguments_that_failed_deep_inside_or_were_ignored_are_named():
+    """The API probe of session 22: each of these ran silently wrong, or failed far from the argument."""
+    from moejax import offload, simulate
+
+    m = moejax.load(get_hf_model("qwen3_moe").folder)
+    d = moejax.load("default")  # other layers and N
+    cc = simulate.CacheConfig("4")
+    cases = [
+        (lambda: moejax.load(None), TypeError, "path"),
+        (lambda: moejax.load(m.path, dtype="float64"), ValueError, "float64"),  # loaded float32 without a word
+        (lambda: moejax.load(m.path, shard="experts", devices=1.5), TypeError, "devices"),
+        (lambda: m.forward([1, 2, 3], state=d.router_state("cache-prior", simulate.CacheConfig("2"))),
+         ValueError, "another model's"),  # broadcast error 17 frames deep
+        (lambda: m.forward([1, 2], state={"cache": 1, "routing": 2, "policy": 3}), TypeError, "state"),
+        (lambda: m.forward([1, 2, 3], sequential="yes"), TypeError, "sequential"),
+        (lambda: m.forward([1, 2, 3], cache=cc, offload=offload.OffloadConfig(paging="jit")), ValueError,
+         "paging='jit'"),  # ran host paging and said so in its stats
+        (lambda: m.generate([1, 2], 2, chunk=4, cache=cc, offload=offload.OffloadConfig()), ValueError, "chunk"),
+        (lambda: m.memory_plan(cc, None), TypeError, "memory_plan"),
+        (lambda: m.memory_plan(None, True), TypeError, "memory_plan"),
+        (lambda: simulate.CacheConfig(init="random", seed=float("nan")), TypeError, "seed"),
+        (lambda: simulate.CacheConfig(seed=1.5), TypeError, "seed"),  # ran as seed 1
+        (lambda: simulate.CacheConfig(miss="drop", miss_rank=1), TypeError, "miss_rank"),
+        (lambda: simulate.CacheConfig(miss="cascade", quant_group=0), ValueError, "quant_group"),
+        (lambda: moejax.load(m.path, expert_dtype="int8").forward([1, 2, 3], cache=cc, offload=offload.OffloadConfig()),
+         ValueError, "int8"),  # paged dequantised copies: bytes moved ≠ loads × the cache's expert bytes
+    ]
+    for call, kind, words in cases:
+        with pytest.raises(kind, match=words):
+            call()
+    for messages in ("hello", [{"role": "user"}], [], [{"role": "user", "content": 5}]):
+        with pytest.raises(TypeError, match="messages"):
+            d.chat_ids(messages)

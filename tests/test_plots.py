@@ -540,3 +540,15 @@ def test_report_default_paths_and_trace_section(tmp_path, capsys):
     assert "## Routing trace heat map (paper figure 7)" in text and "](figures/heatmap_layer0.png)" in text
     assert (tmp_path / "figures" / "heatmap_layer0.svg").exists()
     assert "wrote" in capsys.readouterr().out
+
+
+def test_the_ppl_change_column_compares_each_model_with_its_own_original_routing():
+    """A results file holding two models' records made each λ = 0 row read ±33 % (one shared baseline)."""
+    def record(model, lam, ppl):
+        return {"model": model, "task": "wikitext", "ppl": ppl, "method": "forward",
+                "routing": {"kind": "cache-prior", "lam": lam}, "cache": {"capacity": 4, "size": "4"}}
+
+    records = [record("a", 0.0, 10.0), record("a", 0.5, 11.0), record("b", 0.0, 20.0), record("b", 0.5, 22.0)]
+    dppl = report._extra_columns(records)["Δppl"][0]
+    assert dppl(records[0]) == dppl(records[2]) and dppl(records[1]) == dppl(records[3])
+    assert dppl(records[0]) != dppl(records[1])

@@ -296,6 +296,27 @@ def test_keys_follow_the_configuration_tokenizer_and_prior_at_a_path(lm, data, t
     assert key() != first
 
 
+def test_keys_follow_a_task_files_shots_and_the_default_wikitext(lm, tmp_path, monkeypatch):
+    """gsm8k's train.jsonl beside a --data file, and the text $MOEJAX_WIKITEXT names when no --data is given,
+    are read: a rerun after either changed was served the old record."""
+    (tmp_path / "test.jsonl").write_text('{"question": "1+1?", "answer": "#### 2"}\n')
+    (tmp_path / "train.jsonl").write_text('{"question": "2+2?", "answer": "#### 4"}\n')
+
+    def key(task="gsm8k", data=str(tmp_path / "test.jsonl")):
+        return sweep_points.make_point(lm, lm.path, task=task, data=data, limit=1, shots=1,
+                                       max_new_tokens=2, method="task").key
+
+    first = key()
+    (tmp_path / "train.jsonl").write_text('{"question": "3+3?", "answer": "#### 6"}\n')
+    assert key() != first
+    (tmp_path / "a.txt").write_text("one text")
+    (tmp_path / "b.txt").write_text("another text")
+    monkeypatch.setenv("MOEJAX_WIKITEXT", str(tmp_path / "a.txt"))
+    plain = key("wikitext", None)
+    monkeypatch.setenv("MOEJAX_WIKITEXT", str(tmp_path / "b.txt"))
+    assert key("wikitext", None) != plain
+
+
 def test_batches_write_every_point_and_keys_identify_points(lm, data, tmp_path):
     results = str(tmp_path / "b.jsonl")
     pts = _points(lm, data, [0.0, 0.5, 1.0])

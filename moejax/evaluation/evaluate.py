@@ -28,7 +28,7 @@ from typing import Any
 
 import jax.numpy as jnp
 
-from moejax.base import compile_cache, distributed, errors, interrupts
+from moejax.base import compile_cache, distributed, errors, flags, interrupts
 from moejax.experts.trace import json_safe
 from moejax.runtime import api, cli_options
 from moejax.evaluation import perplexity, sweep, sweep_points, tasks
@@ -84,6 +84,10 @@ TASK_OPTIONS = {
 }
 
 
+#: tasks scored by teacher-forced passes (``Model.forward``), not by generating
+FORWARD_TASKS = ("wikitext", "mmlu", "truthfulqa")
+
+
 def _check_args(args: argparse.Namespace) -> None:
     for name in ("max_tokens", "limit", "shots", "max_new_tokens", "batch_size"):
         value = getattr(args, name)
@@ -91,6 +95,10 @@ def _check_args(args: argparse.Namespace) -> None:
             raise ValueError(f"--{name.replace('_', '-')} must be >= {0 if name == 'shots' else 1}, got {value}")
     if args.context is not None and args.context < 2:
         raise ValueError(f"--context must be at least 2 tokens, got {args.context}")
+    offload = offload_from_args(args)
+    if offload is not None and offload.paging == "jit" and args.task in FORWARD_TASKS:
+        raise ValueError(f"--paging jit pages generate's decode loop; --task {args.task} scores teacher-forced "
+                         "passes, which page on the host (drop --paging, or use --paging host)")
     for name in ("context", "max_tokens", "limit", "shots", "max_new_tokens"):
         if getattr(args, name) is not None and name not in TASK_OPTIONS[args.task]:
             reads = ", ".join("--" + n.replace("_", "-") for n in TASK_OPTIONS[args.task])
@@ -118,6 +126,12 @@ def build_points(args: argparse.Namespace, model: api.Model) -> list[sweep_point
     """The evaluation points of a command line: one, or the grid of its ``--sweep`` flags. Every point's
     policy and cache are built (and checked against the model) before anything is computed."""
     axes = [sweep_points.parse_sweep(spec) for spec in args.sweep]
+    for axis in axes:  # the sweep sets the value of every point: the flag's own value would change nothing
+        flag = "--" + axis.name.replace("_", "-")
+        default = cli_options.ROUTING_PARAMS.get(axis.name, (None,))[0]
+        if flags.given(args, axis.name, default):
+            raise ValueError(f"{flag} and --sweep {axis.name}=... both set {axis.name}: the sweep's values win, "
+                             f"so drop {flag}")
     grid = sweep_points.expand_grid(axes)
     kind = sweep_points.infer_kind(args.routing, [a.name for a in axes])
     with_cache = cli_options.cache_requested(args) or bool(axes)

@@ -27,7 +27,7 @@ WIKITEXT_TEST = paths.WIKITEXT2_TEST
 
 def load_wikitext(path: str | None = None) -> str:
     """WikiText-2 raw test text from ``path``, the repository's ``../shared/data`` copy, or HF datasets."""
-    path = path or os.environ.get("MOEJAX_WIKITEXT") or WIKITEXT_TEST
+    path = path or paths.wikitext_test()
     if os.path.isfile(path):
         try:
             with open(path, encoding="utf-8") as f:

@@ -356,11 +356,17 @@ def slug(name: str) -> str:
 
 
 def _extra_columns(records: Sequence[dict]) -> dict:
-    ref = rec.reference_ppl(records)
-    by_cap = {c: rec.reference_ppl(records, c) for c in {capacity_of(r) for r in records}}
+    def source(r):  # a record is compared with its own model's and task's original routing, never another's
+        return r.get("model"), r.get("task")
+
+    groups: dict = {}
+    for r in records:
+        groups.setdefault(source(r), []).append(r)
+    ref = {s: rec.reference_ppl(rs) for s, rs in groups.items()}
+    by_cap = {(s, c): rec.reference_ppl(rs, c) for s, rs in groups.items() for c in {capacity_of(r) for r in rs}}
 
     def dppl(r):
-        base = by_cap.get(capacity_of(r)) or ref
+        base = by_cap.get((source(r), capacity_of(r))) or ref.get(source(r))
         return _rel(r.get("ppl"), base) if base else "–"
 
     varying = rec.varying_cache_options(records)

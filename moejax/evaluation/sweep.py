@@ -325,11 +325,12 @@ class Runner:
         """(trace, plain-pass result) of original routing over ``point``'s WikiText input."""
 
         ident = point.identity
-        k = (ident["model"], ident["data"], ident["context"], ident["max_tokens"], ident["weights"])
+        k = (ident["model"], ident["data"], ident["context"], ident["max_tokens"], ident["weights"],
+             ident.get("data_digest"))
         if k in self._traces:
             return self._traces[k]
         name = point_key({"trace": "original", "model": k[0], "data": k[1], "context": k[2], "max_tokens": k[3],
-                          "weights": k[4]})
+                          "weights": k[4], "data_digest": k[5]})  # edited data: a new trace, not the old one
         path = os.path.join(self.trace_dir, f"trace-{name[:16]}.npz") if self.trace_dir else None
         if path and not distributed.is_leader():  # process 0 writes the trace files; the others recompute
             path = None

@@ -42,9 +42,10 @@ from typing import Any, Iterable
 
 import numpy as np
 
+from moejax.base import paths
 from moejax.models.assets import DEFAULT_MODEL_NAME
 from moejax.experts import cache as cache_lib, routing as routing_lib
-from moejax.evaluation import results as results_file
+from moejax.evaluation import results as results_file, tasks
 
 
 # ---------------------------------------------------------------------------------------- sweep specs
@@ -321,6 +322,11 @@ def make_point(model, model_name: str, *, task: str = "wikitext", study: str | N
                 "method": method}
     if data_id is not None:  # the data's contents, not only its path: edited data is evaluated again
         identity["data_digest"] = data_digest(data_id)
+        shots = [f for f in tasks.shot_files(task, data_id) if os.path.isfile(f)] if task in tasks.TASKS else []
+        if shots:  # where a task file's shots come from (gsm8k's train.jsonl beside it, MMLU's dev csv)
+            identity["shot_digests"] = [data_digest(f) for f in shots]
+    elif task == "wikitext":  # the default text (``$MOEJAX_WIKITEXT`` or the shared copy) is data too
+        identity["data_digest"] = data_digest(paths.wikitext_test())
     if routing.get("prior"):  # a learned prior's files too: one retrained at the same path is evaluated again
         identity["prior_digest"] = data_digest(routing["prior"])
     record = {"study": study, "task": task, "model": model_name, "routing": routing, "cache": crec,

@@ -147,6 +147,11 @@ class Model:
         """The offload settings of a call: its own (``False``: none), else the model's; refuses to simulate
         a model whose experts were left in the files (that would read them all onto the device)."""
         offload = None if offload is False else offload_config(offload) if offload is not None else self.offload
+        if offload is not None and self.offload is None and _int8_experts_in_memory(self.params):
+            raise ValueError("this model holds its routed experts as int8 in memory (expert_dtype='int8'), and "
+                             "offloading it per call would page dequantised copies (3-4x the bytes its cache "
+                             "statistics count): load it for offload instead, moejax.load(path, "
+                             "expert_dtype='int8', offload=...)")
         if offload is not None and self.offload is not None and self.offload.slot_dtype != offload.slot_dtype:
             offload = dataclasses.replace(offload, slot_dtype=self.offload.slot_dtype)  # as loaded (int8 experts)
         if offload is None and weights.has_lazy_experts(self.params):
@@ -255,6 +260,9 @@ class Model:
         ``prompt_reserve``, the prompt's alone), ``slot`` (one slot) and ``slot_set`` (one slot in every layer,
         or one in a global pool). None when the device does not say its free memory."""
         offload = self._offload(offload)
+        if offload is None or not isinstance(cache, simulate.CacheConfig):
+            raise TypeError("memory_plan(cache, offload) plans an offloaded run: cache must be a simulate.CacheConfig "
+                            f"and offload an offload.OffloadConfig (or True), got cache={cache!r}, offload={offload!r}")
         device = distributed.local_device()
         if device.platform == "cpu":
             free = host_memory.headroom()
@@ -348,10 +356,16 @@ class Model:
         """``state`` carried over (with ``routing``'s policy swapped in, if given), or a fresh one."""
         if state is None:
             return self.router_state(routing, cache, False if offload is None else offload, tokens, logits_rows)
-        if not (isinstance(state, dict) and set(state) >= ROUTER_STATE_KEYS):
+        if not (isinstance(state, dict) and set(state) >= ROUTER_STATE_KEYS
+                and isinstance(state["cache"], cache_lib.CacheState)):
             raise TypeError("state must be a router state that this library made (an Output's .state, a "
                             "GenerateResult's .router_state, Model.router_state(...)), got "
                             + (f"a dict with keys {sorted(state)}" if isinstance(state, dict) else type(state).__name__))
+        cs = state["cache"]
+        if cs.resident.shape != (self.cfg.n_moe_layers, self.cfg.n_experts):
+            raise ValueError(f"state is another model's: its cache has {cs.resident.shape[0]} MoE layers of "
+                             f"{cs.resident.shape[1]} experts, this model {self.cfg.n_moe_layers} of "
+                             f"{self.cfg.n_experts}")
         if cache is not None:
             raise ValueError("give cache= or state=, not both: a carried-over state has its cache already")
         return state if routing is None else {**state, "policy": self._policy(routing)}
@@ -374,8 +388,15 @@ class Model:
         paged into device slots for real (token by token, host-driven); ``stats["offload"]`` has the
         bytes moved, transfer time and device memory."""
         tokens = self._tokens(token_ids)
+        for name, flag in (("sequential", sequential), ("route_on_host", route_on_host)):
+            if flag is not None and not isinstance(flag, bool):
+                raise TypeError(f"{name} must be True, False or None, got {flag!r}")
         offload = self._offload(offload)
         if offload is not None:
+            if offload.paging != "host":
+                raise ValueError("forward pages a teacher-forced pass on the host (OffloadConfig(paging='host'), "
+                                 "batched a layer at a time or prefill='token'); paging='jit' pages generate's "
+                                 "decode loop")
             state = self._resolve_state(routing, cache, state, offload, len(tokens), logits_rows=len(tokens))
             out = host_paging.host_forward(self.params, self.cfg, np.asarray(tokens), state, offload, self._stores)
             check_output(self.cfg, out["router_logits"], out["logits"])
@@ -412,6 +433,10 @@ class Model:
         "role: content" line per message, then "assistant:" (what the server and ``generate --chat`` share)."""
         if self.tokenizer is None:
             raise ValueError(f"{self.path} has no tokenizer.json, so there is no text to template: pass token ids")
+        if not isinstance(messages, (list, tuple)) or not messages or not all(
+                isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+                for m in messages):
+            raise TypeError(f"messages must be a non-empty list of {{'role': str, 'content': str}}, got {messages!r}")
         if self.tokenizer.chat_template:
             text = self.tokenizer.apply_chat_template(messages)
             return self.tokenizer.encode(text, add_special_tokens=False)
@@ -452,6 +477,10 @@ class Model:
         router = None
         offload = self._offload(offload)
         if offload is not None:
+            if chunk != DECODE_CHUNK:
+                raise ValueError(f"chunk= sets the steps per program of the simulated decode loop; offloaded "
+                                 f"generation pages token by token (host) or in chunks of {DECODE_CHUNK} (jit): "
+                                 "leave chunk at its default with offload")
             state = self._resolve_state(routing, cache, state, offload, len(prompt_ids) + max_new_tokens)
             prefill_policy = None if prefill_routing is None else self._policy(prefill_routing)
             paged_generate = host_paging.host_generate if offload.paging == "host" else jit_paging.jit_generate
@@ -476,6 +505,15 @@ class Model:
         if router is not None:
             result.stats["cache"] = simulate.summarize(result.router_state, self.params, self.cfg)
         return result
+
+
+def _int8_experts_in_memory(params: dict) -> bool:
+    """Whether the routed experts are int8 ``ExpertList`` buffers on the device (not left in the files)."""
+    for lp in params["layers"]:
+        experts = lp.get("moe", {}).get("experts")
+        if isinstance(experts, layout_lib.ExpertList):
+            return layout_lib.is_int8(experts.gate_up[0])
+    return False
 
 
 def _check_generate_args(max_new_tokens, temperature, top_p, seed, chunk, callbacks: dict) -> None:
@@ -542,9 +580,13 @@ def load(path: str, dtype=None, offload=None, layout: str = "serving", weight_dt
             kind = jnp.dtype(dtype)
         except TypeError:
             raise ValueError(f"dtype {dtype!r} is not a data type (float32, bfloat16 or float16)") from None
-        if not jnp.issubdtype(kind, jnp.floating):
-            raise ValueError(f"dtype {dtype!r} must be a floating type (float32, bfloat16, float16); int8 weights "
-                             "are weight_dtype='int8'")
+        if kind not in (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
+            raise ValueError(f"dtype {dtype!r} must be a floating type JAX computes in: float32, bfloat16 or float16 "
+                             "(float64 loaded float32 without a word); int8 weights are weight_dtype='int8'")
+    if not isinstance(path, (str, os.PathLike)):
+        raise TypeError(f"path must be a checkpoint folder, a Hugging Face folder or 'default', got {path!r}")
+    if devices is not None and (isinstance(devices, bool) or not isinstance(devices, (int, np.integer))):
+        raise TypeError(f"devices must be an integer, got {devices!r}")
     path = resolve_model_path(path)
     offload = offload_config(offload)
     mesh = None

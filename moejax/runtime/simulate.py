@@ -18,8 +18,9 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
-from moejax.base import distributed
+from moejax.base import distributed, seeds
 from moejax.models import layout, model as model_lib, quant, weights
 from moejax.models.config import ModelConfig
 from moejax.models.gating import Gating
@@ -66,6 +67,18 @@ class CacheConfig:
             raise TypeError(f"CacheConfig size must be a count, a fraction of N or a memory size (a string such "
                             f"as '4', '0.5' or '6GiB'), got {type(self.size).__name__} {self.size!r}")
         cache_lib.check_size(self.size)
+        if isinstance(self.seed, bool) or not isinstance(self.seed, (int, np.integer)):
+            raise TypeError(f"CacheConfig seed must be an integer, got {self.seed!r}")
+        seeds.check_seed(int(self.seed))
+        for name in ("miss_rank", "cascade_bits"):
+            value = getattr(self, name)
+            if not isinstance(value, (tuple, list)) or not all(
+                    isinstance(v, (int, np.integer)) and not isinstance(v, bool) for v in value):
+                raise TypeError(f"CacheConfig {name} must be a tuple of integers, got {value!r}")
+        if self.quant_group is not None and (isinstance(self.quant_group, bool) or not isinstance(
+                self.quant_group, (int, np.integer)) or self.quant_group < 1):
+            raise ValueError(f"CacheConfig quant_group (--quant-group) must be a positive integer or None, got "
+                             f"{self.quant_group!r}")
         self.miss_config(), self.prefetch_config()  # their own checks (miss ranks, bit widths, percentile)
 
     def capacity(self, cfg: ModelConfig, expert_bytes: int | None = None) -> int:

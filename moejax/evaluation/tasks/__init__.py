@@ -78,8 +78,8 @@ from moejax.runtime import offload as offload_lib
 from moejax.runtime import simulate as sim
 from moejax.evaluation.tasks.common import Encoder, Request, Stream, TaskData, _file_in, _progress, read_jsonl
 from moejax.evaluation.tasks.gsm8k import _math_problem, gsm8k_requests, run_gsm8k
-from moejax.evaluation.tasks.mmlu import (_multiple_choice, interleave_subjects, load_mmlu_files, mmlu_requests,
-                                          run_mmlu)
+from moejax.evaluation.tasks.mmlu import (_multiple_choice, _subject_of, interleave_subjects, load_mmlu_files,
+                                          mmlu_requests, run_mmlu)
 from moejax.evaluation.tasks.nq_open import _open_question, nq_open_requests, run_nq_open
 from moejax.evaluation.tasks.truthfulqa import _truthful_question, read_truthfulqa, run_truthfulqa, truthfulqa_requests
 
@@ -96,6 +96,20 @@ DEFAULT_SHOTS = {"mmlu": 5, "gsm8k": 8, "truthfulqa": 0, "nq_open": 0}
 
 
 DEFAULT_MAX_NEW_TOKENS = {"gsm8k": 256, "nq_open": 16}
+
+
+def shot_files(task: str, path: str) -> list[str]:
+    """The files besides a task's data file ``path`` that ``load_task_files`` reads the shots from (gsm8k's
+    ``train.jsonl`` beside it, MMLU's ``../dev/{subject}_dev.csv``): results are keyed by their contents too.
+    A folder: none (its digest covers everything in it)."""
+    if os.path.isdir(path):
+        return []
+    if task == "gsm8k":
+        return [os.path.join(os.path.dirname(os.path.abspath(path)), "train.jsonl")]
+    if task == "mmlu":
+        folder = os.path.dirname(os.path.dirname(os.path.abspath(path)))
+        return [os.path.join(folder, "dev", f"{_subject_of(path, '_test.csv')}_dev.csv")]
+    return []
 
 
 def load_task_files(task: str, path: str, shots: int) -> TaskData:

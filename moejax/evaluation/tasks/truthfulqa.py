@@ -29,6 +29,9 @@ def _mc_targets(obj: dict, field: str, where: str) -> tuple[tuple[str, ...], tup
         raise errors.Failure(f"{where}: missing field {field!r}")
     t = obj[field]
     if isinstance(t, dict) and set(t) == {"choices", "labels"}:
+        if not (isinstance(t["choices"], list) and isinstance(t["labels"], list)):
+            raise errors.Failure(f"{where}: {field} choices and labels must be lists, got "
+                                 f"{type(t['choices']).__name__} and {type(t['labels']).__name__}")
         if len(t["choices"]) != len(t["labels"]):
             raise errors.Failure(f"{where}: {field} has {len(t['choices'])} choices but {len(t['labels'])} labels")
         pairs = list(zip(t["choices"], t["labels"]))
