@@ -552,3 +552,14 @@ def test_the_ppl_change_column_compares_each_model_with_its_own_original_routing
     dppl = report._extra_columns(records)["Δppl"][0]
     assert dppl(records[0]) == dppl(records[2]) and dppl(records[1]) == dppl(records[3])
     assert dppl(records[0]) != dppl(records[1])
+
+
+def test_records_of_different_token_budgets_in_one_study_are_noted():
+    """A quick run and a longer one into one --out were averaged into one panel without a word."""
+    def record(tokens, key):
+        return {"study": "cache_size", "key": key, "model": "m", "task": "wikitext", "ppl": 10.0,
+                "metrics": {"predicted_tokens": tokens}}
+
+    assert report.mixed_budgets([record(63, "a"), record(63, "b")]) == []
+    notes = report.mixed_budgets([record(63, "a"), record(159, "b")])
+    assert len(notes) == 1 and "63, 159" in notes[0] and "cache_size / m" in notes[0]

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import moejax
-from moejax.models.config import from_hf
+from moejax.models.config import UnsupportedModelError, from_hf
 from moejax.testing import random_checkpoint as rc
 
 TINY_COMMON = {"vocab_size": 256, "max_position_embeddings": 4096}
@@ -114,3 +114,12 @@ def test_streaming_writer_holds_no_tensor_whole(monkeypatch, tmp_path):
     config = rc.with_overrides(rc.preset_config("olmoe-1b-7b"), 1, {**TINY_COMMON, **TINY["olmoe-1b-7b"]})
     rc.write_checkpoint(config, str(tmp_path / "m"))
     assert max(sizes) == 1000 and sum(sizes) == sum(int(np.prod(s)) for _, s, _ in rc.tensor_plan(config))
+
+
+def test_longrope_factors_of_another_rotary_size_are_named():
+    """phi-3.5-moe shrunk with --set head_dim=8 kept its 64 long/short factors: a numpy broadcast error."""
+    with open(os.path.join(os.path.dirname(rc.__file__), "presets", "phi-3.5-moe.json")) as f:
+        hf = json.load(f)
+    from_hf(hf)
+    with pytest.raises(UnsupportedModelError, match="short_factor has 64 values; the rotary dimension 8 needs 4"):
+        from_hf({**hf, "head_dim": 8})

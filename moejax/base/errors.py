@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import warnings
 
 from moejax.base import seeds
 
@@ -45,6 +46,12 @@ def seed_arg(text: str) -> int:
         return seeds.check_seed(value)
     except ValueError as e:
         raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def plain_warnings() -> None:
+    """A command's warnings as one ``warning: ...`` line each on stderr (Python's format adds the category and
+    the source line that raised it, which a user of the command line has no use for)."""
+    warnings.formatwarning = lambda message, category, filename, lineno, line=None: f"warning: {message}\n"
 
 
 def print_result(text: str) -> int:

@@ -206,6 +206,7 @@ def _print_single(res: dict[str, Any]) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     interrupts.exit_cleanly_on_signals()
+    errors.plain_warnings()
 
     args = build_parser().parse_args(argv)
     compile_cache.enable()
@@ -230,11 +231,11 @@ def main(argv: list[str] | None = None) -> int:
                 status = errors.print_result("\n".join(json.dumps(rec) for rec in records)) if records else 0
             else:
                 status = errors.print_result(sweep.format_table(records))
-                if args.results:
-                    others = f", {runner.by_other_runs} by another run sharing it" if runner.by_other_runs else ""
-                    print(f"{runner.computed} point(s) computed{others}, "
-                          f"{len(records) - runner.computed - runner.by_other_runs} already in {args.results}",
-                          file=sys.stderr)
+            if args.results:  # on stderr with --json too: stdout stays one record per line
+                others = f", {runner.by_other_runs} by another run sharing it" if runner.by_other_runs else ""
+                print(f"{runner.computed} point(s) computed{others}, "
+                      f"{len(records) - runner.computed - runner.by_other_runs} already in {args.results}",
+                      file=sys.stderr)
             return status
         routing = cache = None
         if cli_options.cache_requested(args):

@@ -147,7 +147,23 @@ def load_records(paths: Sequence, notes: list[str] | None = None, counts: dict |
     if dup:
         msg = f"{dup} duplicate record(s) (same study and key) replaced by the later one"
         notes.append(msg) if notes is not None else warnings.warn(msg, stacklevel=2)
+    for msg in mixed_budgets(list(out.values())):
+        notes.append(msg) if notes is not None else warnings.warn(msg, stacklevel=2)
     return list(out.values())
+
+
+def mixed_budgets(records: Sequence[dict]) -> list[str]:
+    """Notes for WikiText records of one study, model and task scored over different numbers of tokens (a
+    quick run and a longer one into the same ``--out``): the panels average and compare them as one run."""
+    budgets: dict = {}
+    for r in records:
+        metrics = r.get("metrics") if isinstance(r.get("metrics"), dict) else {}
+        n = metrics.get("predicted_tokens")
+        if r.get("task") == "wikitext" and isinstance(n, int):
+            budgets.setdefault((r.get("study"), r.get("model"), r.get("task")), set()).add(n)
+    return [f"{study or 'sweep'} / {model}: records scored over different token counts "
+            f"({', '.join(map(str, sorted(ns)))}) are averaged and compared as one run; keep each budget in its "
+            "own results file" for (study, model, _), ns in sorted(budgets.items(), key=str) if len(ns) > 1]
 
 
 def group_name(r: dict) -> str:
@@ -560,6 +576,7 @@ def check_report_target(out: Path, inputs: Sequence[str]) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     interrupts.exit_cleanly_on_signals()
+    errors.plain_warnings()
     p = argparse.ArgumentParser(prog="python -m moejax.report", description=__doc__.split("\n")[0])
     p.add_argument("results", nargs="+", metavar="RESULTS.jsonl")
     p.add_argument("--out", default=None, help="report path (default: REPORT.md beside the first results file)")

@@ -604,6 +604,7 @@ def check_args(args: argparse.Namespace) -> tuple[list[str], tuple[str, ...]]:
 
 def main(argv: list[str] | None = None) -> int:
     interrupts.exit_cleanly_on_signals()
+    errors.plain_warnings()
     args = build_parser().parse_args(argv)
     compile_cache.enable()
     try:

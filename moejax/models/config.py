@@ -159,6 +159,10 @@ def _rope_frequencies(rp: dict[str, Any], dim: int, max_pos: int) -> tuple[np.nd
         attention_factor = rp.get("attention_factor")
         if attention_factor is None:
             attention_factor = 1.0 if factor <= 1 else math.sqrt(1 + math.log(factor) / math.log(original))
+        for name in ("short_factor", "long_factor"):  # one factor per rotated pair (a shrunk head_dim kept them)
+            if name in rp and np.shape(rp[name]) != (dim // 2,):
+                raise UnsupportedModelError(f"config.json: rope_scaling {name} has {np.size(rp[name])} values; "
+                                            f"the rotary dimension {dim} needs {dim // 2} (one per rotated pair)")
         short = np.asarray(rp["short_factor"], np.float32)
         return 1.0 / (short * base**exponents), float(attention_factor)
     if kind == "yarn":
