@@ -52,6 +52,7 @@ import re
 import flax.struct
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
 from moejax.base import seeds
@@ -88,6 +89,14 @@ class MissConfig:
     def __post_init__(self):
         if self.mode not in MISS_MODES:
             raise ValueError(f"unknown miss handling {self.mode!r}; expected one of {MISS_MODES}")
+        for name, value in (("miss_rank", self.rank), ("cascade_bits", self.bits)):  # int() truncated 1.5 to 1
+            if not isinstance(value, (tuple, list)) or not all(
+                    isinstance(v, (int, np.integer)) and not isinstance(v, bool) for v in value):
+                raise TypeError(f"CacheConfig {name} must be a tuple of integers, got {value!r}")
+        if self.group_size is not None and (isinstance(self.group_size, bool) or not isinstance(
+                self.group_size, (int, np.integer)) or self.group_size < 1):
+            raise ValueError(f"CacheConfig quant_group (--quant-group) must be a positive integer or None, got "
+                             f"{self.group_size!r}")
         rank = tuple(int(r) for r in self.rank)
         if not rank or any(r < 0 for r in rank) or list(rank) != sorted(set(rank)):
             raise ValueError(f"miss rank must be increasing non-negative positions, got {self.rank}")

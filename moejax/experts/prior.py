@@ -174,6 +174,15 @@ def save_prior(path: str, params: dict, meta: dict | None = None, overwrite: boo
     return path
 
 
+def check_prior_flag(routing: str | None, path: str | None) -> None:
+    """``--prior PATH`` goes with ``--routing learned-prior`` and that routing needs it (every command's check)."""
+    if routing == "learned-prior" and not path:
+        raise ValueError("--routing learned-prior needs --prior PATH (a checkpoint folder written by "
+                         "`python -m moejax.train_prior`)")
+    if path and routing != "learned-prior":
+        raise ValueError(f"--prior only applies to --routing learned-prior (got --routing {routing or 'original'})")
+
+
 def check_replaceable(path: str) -> None:
     """``PriorError`` unless writing a prior at ``path`` loses nothing: nothing there, an empty folder, or a
     learned-prior folder holding only its own ``prior.json`` and ``params/`` (a folder of the user's that

@@ -416,11 +416,7 @@ def _check_replay_args(args) -> None:
                          f"{'--routing ' + args.routing if args.routing else 'no --routing'})")
     if args.seed != 0 and args.cache_init != "random":
         raise ValueError("--seed only applies with --cache-init random")
-    if args.routing == "learned-prior" and not args.prior:
-        raise ValueError("--routing learned-prior needs --prior PATH (a checkpoint folder written by "
-                         "`python -m moejax.train_prior`)")
-    if args.prior and args.routing != "learned-prior":
-        raise ValueError("--prior only applies to --routing learned-prior")
+    prior_lib.check_prior_flag(args.routing, args.prior)
     for name, kinds in (("n_group", ("group-limited",)), ("topk_group", ("group-limited",)),
                         ("jitter_eps", ("sparsemixer",))):
         if getattr(args, name) is not None and args.gating not in kinds:

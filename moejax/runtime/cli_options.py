@@ -11,8 +11,8 @@ from moejax.runtime.simulate import CacheConfig
 
 
 #: the cache flags' defaults (``add_routing_args`` uses them): any other value turns the cache on
-CACHE_DEFAULTS = {"cache_scope": "layer", "eviction": "lru", "cache_init": "empty", "cache_seed": 0, "miss_rank": "1",
-                  "cascade_bits": "8", "quant_group": None}
+CACHE_DEFAULTS = {"cache_scope": "layer", "eviction": "lru", "cache_init": "empty", "cache_seed": 0, "miss": "fetch",
+                  "miss_rank": "1", "cascade_bits": "8", "quant_group": None, "prefetch": 0.0}
 #: routing parameters, their defaults (``add_routing_args`` uses them) and the routing kinds that use them
 #: (any other kind refuses them)
 ROUTING_PARAMS = {name: (default, routing_lib.PARAM_KINDS[name])
@@ -54,7 +54,7 @@ def add_routing_args(p: argparse.ArgumentParser) -> None:
                    default=CACHE_DEFAULTS["cache_init"])
     c.add_argument("--cache-seed", action=flags.Given, type=errors.seed_arg, default=CACHE_DEFAULTS["cache_seed"],
                    help="seed of --cache-init random")
-    c.add_argument("--miss", action=flags.Given, choices=cache_lib.MISS_MODES, default="fetch",
+    c.add_argument("--miss", action=flags.Given, choices=cache_lib.MISS_MODES, default=CACHE_DEFAULTS["miss"],
                    help="miss handling: fetch (lossless), drop / substitute / cascade a low-importance miss")
     c.add_argument("--miss-rank", action=flags.Given, default=CACHE_DEFAULTS["miss_rank"],
                    help="0-based position (by weight) from which a miss is low-importance; cascade: one per "
@@ -63,7 +63,7 @@ def add_routing_args(p: argparse.ArgumentParser) -> None:
                    help="cascade: bit width per tier, 8 and/or 4 (default 8)")
     c.add_argument("--quant-group", action=flags.Given, type=int, default=CACHE_DEFAULTS["quant_group"],
                    help="cascade: quantisation group size along the input axis (default: per channel)")
-    c.add_argument("--prefetch", action=flags.Given, type=float, default=0.0, metavar="F",
+    c.add_argument("--prefetch", action=flags.Given, type=float, default=CACHE_DEFAULTS["prefetch"], metavar="F",
                    help="speculative next-layer prefetch of the top round(K·F) predicted experts (0 = off)")
     c.add_argument("--prefetch-percentile", type=float, default=None, metavar="Q",
                    help="prefetch every expert whose predicted probability is above the Q-th percentile")
@@ -207,24 +207,17 @@ def cache_requested(args: argparse.Namespace) -> bool:
     parameter its kind does not use, or a --prior without --routing, is then refused by ``policy_from_args``
     (never silently ignored)."""
     return (args.routing is not None or args.cache_size is not None or getattr(args, "prior", None) is not None
-            or getattr(args, "offload", False) or flags.given(args, "miss", "fetch")
-            or flags.given(args, "prefetch", 0.0) or args.prefetch_percentile is not None
+            or getattr(args, "offload", False) or args.prefetch_percentile is not None
             or any(flags.given(args, k, d) for k, d in CACHE_DEFAULTS.items())
             or any(flags.given(args, k, d) for k, (d, _) in ROUTING_PARAMS.items()))
 
 
 def policy_from_args(args: argparse.Namespace, top_k: int) -> routing_lib.RoutingPolicy:
     prior_path = getattr(args, "prior", None)
+    prior_lib.check_prior_flag(args.routing, prior_path)
     params = None
-    if args.routing == "learned-prior":
-        if not prior_path:
-            raise ValueError("--routing learned-prior needs --prior PATH (a checkpoint folder written by "
-                             "`python -m moejax.train_prior`)")
-
+    if prior_path:
         params = prior_lib.load_prior(prior_path, top_k=top_k)  # N and layers are checked against the model
-    elif prior_path:
-        raise ValueError("--prior only applies to --routing learned-prior "
-                         f"(got --routing {args.routing or 'original'})")
     unread = routing_lib.unread_param(args.routing, {name: getattr(args, name, None) for name in ROUTING_PARAMS},
                                       getattr(args, flags.NOTE, ()))
     if unread:

@@ -70,16 +70,7 @@ class CacheConfig:
         if isinstance(self.seed, bool) or not isinstance(self.seed, (int, np.integer)):
             raise TypeError(f"CacheConfig seed must be an integer, got {self.seed!r}")
         seeds.check_seed(int(self.seed))
-        for name in ("miss_rank", "cascade_bits"):
-            value = getattr(self, name)
-            if not isinstance(value, (tuple, list)) or not all(
-                    isinstance(v, (int, np.integer)) and not isinstance(v, bool) for v in value):
-                raise TypeError(f"CacheConfig {name} must be a tuple of integers, got {value!r}")
-        if self.quant_group is not None and (isinstance(self.quant_group, bool) or not isinstance(
-                self.quant_group, (int, np.integer)) or self.quant_group < 1):
-            raise ValueError(f"CacheConfig quant_group (--quant-group) must be a positive integer or None, got "
-                             f"{self.quant_group!r}")
-        self.miss_config(), self.prefetch_config()  # their own checks (miss ranks, bit widths, percentile)
+        self.miss_config(), self.prefetch_config()  # their own checks (miss ranks, bit widths, group, percentile)
 
     def capacity(self, cfg: ModelConfig, expert_bytes: int | None = None) -> int:
         """Slots per layer (per pool in global scope); a memory size needs ``expert_bytes``, one expert's.
@@ -90,7 +81,7 @@ class CacheConfig:
         return cache_lib.parse_capacity(self.size, cfg.n_experts, cfg.n_moe_layers, self.scope, expert_bytes)
 
     def miss_config(self) -> cache_lib.MissConfig:
-        return cache_lib.MissConfig(self.miss, tuple(self.miss_rank), tuple(self.cascade_bits), self.quant_group)
+        return cache_lib.MissConfig(self.miss, self.miss_rank, self.cascade_bits, self.quant_group)
 
     def prefetch_config(self) -> cache_lib.PrefetchConfig:
         return cache_lib.PrefetchConfig(float(self.prefetch), self.prefetch_percentile)
