@@ -24,6 +24,11 @@ from typing import Any, Callable
 import pytest
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# no test reaches the Hugging Face hub or the user's hub cache: a hub id resolves offline, from a cache of the
+# run's own (tests/test_hub.py serves the hub's answers from local files itself)
+os.environ["HF_HUB_OFFLINE"] = "1"
+os.environ["HF_HUB_CACHE"] = tempfile.mkdtemp(prefix="moejax-tests-hub-cache-")
+atexit.register(shutil.rmtree, os.environ["HF_HUB_CACHE"], True)
 
 
 def _share_compiled_programs() -> None:

@@ -43,6 +43,7 @@ from typing import Any, Iterable
 import numpy as np
 
 from moejax.base import paths
+from moejax.models import hub
 from moejax.models.assets import DEFAULT_MODEL_NAME
 from moejax.experts import cache as cache_lib, routing as routing_lib
 from moejax.evaluation import results as results_file, tasks
@@ -193,9 +194,11 @@ def infer_kind(kind: str | None, names: Iterable[str]) -> str | None:
 
 
 def model_label(model_arg: str) -> str:
-    """How a model is named in records and keys: "default", or the checkpoint folder's real path."""
-
-    return model_arg if model_arg == DEFAULT_MODEL_NAME else os.path.realpath(os.path.expanduser(model_arg))
+    """How a model is named in records and keys: "default", a Hugging Face hub id as given, or the checkpoint
+    folder's real path."""
+    if model_arg == DEFAULT_MODEL_NAME or hub.repo_of(model_arg):
+        return model_arg
+    return os.path.realpath(os.path.expanduser(model_arg))
 
 
 def routing_record(kind: str, top_k: int, *, lam=None, top_j=None, max_rank=None, cumsum_p=None, prune_h=None,

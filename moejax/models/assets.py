@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 
 from moejax.base import paths
+from moejax.models import hub
 from moejax.models.checkpoint import CheckpointError
 
 DEFAULT_MODEL_NAME = "default"
@@ -29,5 +30,8 @@ def default_model_path() -> str:
 
 
 def resolve_model_path(path: str) -> str:
-    """The folder of a model argument: ``"default"`` is the embedded default model, anything else a path."""
-    return default_model_path() if path == DEFAULT_MODEL_NAME else path
+    """The folder of a model argument: ``"default"`` is the embedded default model, a Hugging Face hub id
+    (``org/name[@revision]`` that is not a path here) its cached snapshot (``hub``), anything else a path."""
+    if path == DEFAULT_MODEL_NAME:
+        return default_model_path()
+    return hub.snapshot_folder(path) if hub.repo_of(path) else path
