@@ -22,6 +22,7 @@ from moejax import convert as convert_cli, generate as generate_cli
 from moejax.evaluation import sweep_points
 from moejax.models import hub
 from moejax.models.checkpoint import CheckpointError
+from moejax.runtime.simulate import CacheConfig
 
 IDS = [3, 1, 4, 1, 5, 9, 2, 6]
 
@@ -99,6 +100,17 @@ def test_hub_id_loads_the_model_and_fetches_only_what_moejax_reads(serve_hub, ti
     fake.requests.clear()
     again = moejax.load(f"org/tiny@{commit}")  # cached: asked, nothing downloaded again
     assert again.path == model.path and fake.fetched() == set()
+
+
+def test_offload_pages_experts_from_the_hub_cache_in_place(serve_hub, tiny):
+    """The snapshot's files are symlinks into the cache's blobs: the flash store maps them where they are."""
+    serve_hub({"org/tiny": tiny})
+    cache = CacheConfig(size="0.5")
+    flash = moejax.load("org/tiny", offload="flash").generate(IDS, max_new_tokens=6, stop_at_eos=False, cache=cache)
+    folder = moejax.load(get_hf_model("olmoe").folder, offload="flash")
+    plain = folder.generate(IDS, max_new_tokens=6, stop_at_eos=False, cache=cache)
+    assert flash.token_ids == plain.token_ids
+    assert flash.stats["offload"]["bytes_moved"] == plain.stats["offload"]["bytes_moved"] > 0
 
 
 def test_sharded_repository_fetches_the_index_and_its_shards(serve_hub, tmp_path):
