@@ -146,12 +146,15 @@ def test_seed_makes_sampling_reproducible(server):
     ({"prompt": PROMPT, "n": 2}, 400, "'n'"),
     ({"prompt": PROMPT, "n": True}, 400, "'n'"),
     ({"prompt": PROMPT, "frequency_penalty": 0.5}, 400, "frequency_penalty"),
-    ({"prompt": PROMPT, "repetition_penalty": 1.2}, 400, "repetition_penalty"),
+    ({"prompt": PROMPT, "repetition_penalty": 0}, 400, "repetition_penalty"),
+    ({"prompt": PROMPT, "repetition_penalty": "1.2"}, 400, "repetition_penalty"),
     ({"prompt": PROMPT, "response_format": {"type": "json_object"}}, 400, "response_format"),
     ({"prompt": PROMPT, "max_completion_tokens": 40}, 400, "max_completion_tokens"),
     (b'{"prompt": "a", "max_tokens": ' + b"2" * 5000 + b"}", 400, "not valid JSON"),
     ({"prompt": PROMPT, "logprobs": 3}, 400, "logprobs"),
-    ({"prompt": PROMPT, "top_k": 1}, 400, "'top_k' must be -1 or 0"),  # other servers' extensions: not ignored
+    ({"prompt": PROMPT, "top_k": -2}, 400, "'top_k' must be in [-1"),
+    ({"prompt": PROMPT, "top_k": 1.5}, 400, "'top_k' must be an integer"),
+    ({"prompt": PROMPT, "min_p": 0.1}, 400, "'min_p' must be 0"),  # other servers' extensions: not ignored
     ({"prompt": PROMPT, "min_tokens": 5}, 400, "min_tokens"),
     ({"prompt": PROMPT, "ignore_eos": True}, 400, "ignore_eos"),
     ({"prompt": PROMPT, "skip_special_tokens": 1}, 400, "skip_special_tokens"),
@@ -390,6 +393,37 @@ def test_warm_up_compiles_every_program_the_requests_within_its_bounds_need():
                 r = engine.run(serve_engine.Job(list(range(3, 3 + n)), new))
                 assert r["compile_time_s"] < 0.5, (n, new, r["compile_time_s"])  # lowering only, no XLA compile
         assert engine.cache_view()["summary"]["tokens"] > 0
+    finally:
+        engine.close()
+
+
+def test_top_k_and_repetition_penalty_act_as_in_model_generate(server, model):
+    _, client = server
+    kw = dict(max_tokens=10, temperature=0.9, seed=5)
+    extra = {"top_k": 3, "repetition_penalty": 1.3}
+    served = client.completions.create(model="default", prompt=PROMPT, extra_body=extra, **kw)
+    ref = model.generate(model.encode(PROMPT), max_new_tokens=10, temperature=0.9, seed=5, top_k=3,
+                         repetition_penalty=1.3, bucketed=True)
+    assert served.model_extra["moejax"]["token_ids"] == ref.token_ids
+    plain = client.completions.create(model="default", prompt=PROMPT, **kw)
+    assert plain.model_extra["moejax"]["token_ids"] != ref.token_ids
+
+
+def test_requests_leaving_sampling_out_get_the_checkpoints_settings():
+    """As vLLM: the checkpoint's generation_config.json fills the sampling fields a request leaves out
+    (``--generation-config none``: the engine gets no defaults); what a request sends wins."""
+    from conftest import get_moejax_model
+
+    m = get_moejax_model("qwen3_moe")
+    defaults = {"temperature": 0.7, "top_p": 0.8, "top_k": 20, "repetition_penalty": 1.05}
+    engine = serve_engine.Engine(m, routing.make_policy("original", m.cfg.top_k), simulate.CacheConfig(),
+                                 sampling_defaults=defaults)
+    try:
+        front = serve.Server(engine)
+        job = front.job({"prompt": [3, 4, 5]}, chat=False)
+        assert (job.temperature, job.top_p, job.top_k, job.repetition_penalty) == (0.7, 0.8, 20, 1.05)
+        job = front.job({"prompt": [3, 4, 5], "temperature": 0, "top_k": -1}, chat=False)
+        assert (job.temperature, job.top_p, job.top_k, job.repetition_penalty) == (0.0, 1.0, 0, 1.05)
     finally:
         engine.close()
 

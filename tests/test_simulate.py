@@ -256,3 +256,19 @@ def test_generate_cli_prints_stats_table_and_rejects_bad_options():
     assert bad.returncode == 2 and "cache size" in bad.stderr
     bad = _cli("moejax.generate", "--model", folder, "--prompt-ids", "5", "--routing", "pruning", "--prune-h", "9")
     assert bad.returncode == 2 and "pruning" in bad.stderr
+
+
+@pytest.mark.parametrize("kind, params", [("cache-prior", {"lam": 0.5}), ("cumsum", {"cumsum_p": 0.9})])
+def test_a_kind_named_alone_routes_with_the_command_line_defaults(kind, params):
+    """``routing="cache-prior"`` (the API's and the task docstring's form) is ``--routing cache-prior``: λ = 0.5
+    (p = 0.9 for cumsum). It was λ = 0 (p = 0): exactly the original routing under the kind's name."""
+    m = get_moejax_model("qwen3_moe")
+    toks, cache = _tokens(32), simulate.CacheConfig("0.25", "layer", "lru")
+    named = m.forward(toks, routing=kind, cache=cache)
+    explicit = m.forward(toks, routing=routing.make_policy(kind, m.cfg.top_k, **params), cache=cache)
+    original = m.forward(toks, cache=cache)
+    np.testing.assert_array_equal(named.experts, explicit.experts)
+    assert (named.experts != original.experts).any()
+    assert named.stats["misses"] < original.stats["misses"]
+    policy = routing.make_policy(kind, m.cfg.top_k)
+    assert np.float32(policy.lam if kind == "cache-prior" else policy.cumsum_p) == np.float32(*params.values())

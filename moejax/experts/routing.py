@@ -113,9 +113,13 @@ def learned_prior(params) -> RoutingPolicy:
     return _policy("learned-prior", prior={k: jnp.asarray(params[k], jnp.float32) for k in prior_lib.PARAM_KEYS})
 
 
-def make_policy(kind: str, top_k: int, *, lam=0.0, top_j=None, max_rank=None, cumsum_p=0.0,
+def make_policy(kind: str, top_k: int, *, lam=None, top_j=None, max_rank=None, cumsum_p=None,
                 prune_h=None, delta=None, prior=None) -> RoutingPolicy:
-    """Policy from CLI-style options, with the paper's defaults and range checks against K."""
+    """Policy from CLI-style options, with the paper's defaults and range checks against K. A parameter left
+    out takes the command line's default (``PARAM_DEFAULTS``: λ = 0.5, p = 0.9, J from K, M = h = K), so a
+    kind named alone routes as ``--routing KIND`` does (λ = 0 or p = 0 would route exactly as original)."""
+    lam = PARAM_DEFAULTS["lam"] if lam is None else lam
+    cumsum_p = PARAM_DEFAULTS["cumsum_p"] if cumsum_p is None else cumsum_p
     if kind == "learned-prior":
         return learned_prior(prior)
     if prior is not None:
@@ -149,7 +153,8 @@ def make_policy(kind: str, top_k: int, *, lam=0.0, top_j=None, max_rank=None, cu
 
 
 def as_policy(routing, top_k: int) -> RoutingPolicy:
-    """The policy ``routing=`` names: None (the original routing), a kind name, or a ``make_policy`` policy."""
+    """The policy ``routing=`` names: None (the original routing), a kind name (``make_policy``'s defaults,
+    those of the command line), or a ``make_policy`` policy."""
     if routing is None or isinstance(routing, str):
         return make_policy(routing or "original", top_k)
     if not isinstance(routing, RoutingPolicy):

@@ -186,6 +186,14 @@ class Model:
             return self.cfg.eos_token_ids
         return config_lib.eos_token_ids_of(eos, "generation_config.json")
 
+    @property
+    def sampling_defaults(self) -> dict:
+        """The decoding this checkpoint's ``generation_config.json`` recommends (``decode.sampling_defaults``:
+        e.g. ``{"temperature": 0.7, "top_p": 0.8, "top_k": 20, "repetition_penalty": 1.05}``; empty: greedy).
+        ``generate`` decodes greedily unless told: ``model.generate(ids, **model.sampling_defaults)`` decodes as
+        transformers' ``generate`` would, and the command line and the server start from these."""
+        return decode.sampling_defaults(self.generation_config)
+
     def _ids(self, token_ids, name: str) -> np.ndarray:
         """``token_ids`` checked, as int32: a non-empty 1-D sequence of integers in the vocabulary (floats,
         bools, strings and ids past int32 were silently truncated or wrapped)."""
@@ -448,11 +456,13 @@ class Model:
         return textproc.wikitext_detokenize(raw) if textproc.is_wikitext_style(self.generation_config) else raw
 
     def generate(self, prompt_ids, max_new_tokens: int = 64, temperature: float = 0.0, top_p: float = 1.0,
-                 seed: int = 0, stop_at_eos: bool = True, on_tokens=None, chunk: int = DECODE_CHUNK,
+                 top_k: int = 0, repetition_penalty: float = 1.0, seed: int = 0, stop_at_eos: bool = True, on_tokens=None, chunk: int = DECODE_CHUNK,
                  routing=None, cache=None, state: dict | None = None,
                  prefill_routing=None, offload=None, stop=(), cancelled=None,
                  bucketed: bool = False, keep_slots: bool = False, on_cache=None) -> decode.GenerateResult:
-        """Prefill + scan decode. With ``routing``/``cache``/``state`` the expert cache is simulated for
+        """Prefill + scan decode: greedy unless ``temperature`` > 0 (then top-k, then top-p, as ``decode.Sampling``),
+        ``repetition_penalty`` as transformers applies it; ``**model.sampling_defaults`` for the checkpoint's
+        own settings. With ``routing``/``cache``/``state`` the expert cache is simulated for
         every token (prompt included) and ``result.stats["cache"]`` holds its metrics. ``prefill_routing``
         routes the prompt with another policy (e.g. "original": the policy then acts during generation
         only, as in the paper's GSM8K protocol). ``offload`` (``offload.OffloadConfig``): experts in host
@@ -467,7 +477,9 @@ class Model:
         cache as it changes (``decode.generate``; offloaded: token by token)."""
         prompt_ids = self._ids(prompt_ids, "prompt_ids")
         _check_generate_args(max_new_tokens, temperature, top_p, seed, chunk,
-                             dict(on_tokens=on_tokens, cancelled=cancelled, on_cache=on_cache))
+                             dict(on_tokens=on_tokens, cancelled=cancelled, on_cache=on_cache), top_k,
+                             repetition_penalty)
+        sampling = decode.Sampling(temperature, top_p, int(top_k), repetition_penalty)
         stop = (stop,) if isinstance(stop, str) else tuple(stop or ())  # one string is one stop string
         if stop and self.tokenizer is None:
             raise ValueError("stop strings need a tokenizer: this model's output is token ids (their decimal "
@@ -485,7 +497,7 @@ class Model:
             prefill_policy = None if prefill_routing is None else self._policy(prefill_routing)
             paged_generate = host_paging.host_generate if offload.paging == "host" else jit_paging.jit_generate
             result = paged_generate(self.params, cfg, prompt_ids, state, offload,
-                                    max_new_tokens=max_new_tokens, sampling=decode.Sampling(temperature, top_p),
+                                    max_new_tokens=max_new_tokens, sampling=sampling,
                                     seed=seed, stop_at_eos=stop_at_eos, on_tokens=on_tokens,
                                     prefill_policy=prefill_policy, stores=self._stores, stop=stop,
                                     bucketed=bucketed, keep_slots=keep_slots, on_cache=on_cache)
@@ -498,7 +510,7 @@ class Model:
         if prefill_policy is not None and router is None:
             raise ValueError("prefill_routing needs routing=, cache= or state= (an expert cache)")
         result = decode.generate(self.params, cfg, prompt_ids, max_new_tokens=max_new_tokens,
-                                 sampling=decode.Sampling(temperature, top_p), seed=seed,
+                                 sampling=sampling, seed=seed,
                                  stop_at_eos=stop_at_eos, on_tokens=on_tokens, chunk=chunk, router=router,
                                  router_state=state, prefill_policy=prefill_policy, stop=stop,
                                  bucketed=bucketed, on_cache=on_cache)
@@ -516,16 +528,17 @@ def _int8_experts_in_memory(params: dict) -> bool:
     return False
 
 
-def _check_generate_args(max_new_tokens, temperature, top_p, seed, chunk, callbacks: dict) -> None:
+def _check_generate_args(max_new_tokens, temperature, top_p, seed, chunk, callbacks: dict, top_k=0,
+                         repetition_penalty=1.0) -> None:
     """``Model.generate``'s scalar and callback arguments, named when wrong (they failed deep inside, or
     were silently truncated: seed=1.5 ran as 1)."""
-    for name, v in (("max_new_tokens", max_new_tokens), ("seed", seed), ("chunk", chunk)):
+    for name, v in (("max_new_tokens", max_new_tokens), ("seed", seed), ("chunk", chunk), ("top_k", top_k)):
         if isinstance(v, bool) or not isinstance(v, (int, np.integer)):
             raise TypeError(f"{name} must be an integer, got {v!r}")
     if chunk < 1:
         raise ValueError(f"chunk must be >= 1, got {chunk}")
     seeds.check_seed(seed)
-    for name, v in (("temperature", temperature), ("top_p", top_p)):
+    for name, v in (("temperature", temperature), ("top_p", top_p), ("repetition_penalty", repetition_penalty)):
         if isinstance(v, bool) or not isinstance(v, (int, float, np.floating, np.integer)):
             raise TypeError(f"{name} must be a number, got {v!r}")
     for name, f in callbacks.items():
@@ -615,4 +628,8 @@ def load(path: str, dtype=None, offload=None, layout: str = "serving", weight_dt
     if os.path.isfile(gen_path):
         generation_config = checkpoint.read_json_object(gen_path, "a generation configuration")
         config_lib.eos_token_ids_of(generation_config.get("eos_token_id"), gen_path)  # refused at load, not mid-run
+        try:
+            decode.sampling_defaults(generation_config)
+        except ValueError as e:
+            raise checkpoint.CheckpointError(f"{gen_path}: {e}") from None
     return Model(params, cfg, tokenizer, folder, generation_config, offload)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 import time
 from typing import Any, Callable
 
@@ -26,27 +27,117 @@ from moejax.models.model import forward, forward_sequential, init_kv
 @dataclasses.dataclass(frozen=True)
 class Sampling:
     """Greedy when temperature == 0 (or below float32's smallest normal number, which XLA flushes to 0: the
-    limit of sampling as T → 0); otherwise temperature + nucleus (top-p) sampling."""
+    limit of sampling as T → 0); otherwise temperature, then top-k, then nucleus (top-p) sampling — the order
+    of transformers' logits warpers. ``repetition_penalty`` (transformers' ``RepetitionPenaltyLogitsProcessor``,
+    greedy included): every token already in the prompt or the output has its logit divided by it (multiplied,
+    where negative) before the choice; 1 is off."""
 
     temperature: float = 0.0
     top_p: float = 1.0
+    top_k: int = 0  # 0: off
+    repetition_penalty: float = 1.0
 
     def __post_init__(self):
         if not self.temperature >= 0:  # NaN too
             raise ValueError(f"temperature must be >= 0, got {self.temperature}")
         if not 0 < self.top_p <= 1:  # NaN too
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if isinstance(self.top_k, bool) or not isinstance(self.top_k, (int, np.integer)) or self.top_k < 0:
+            raise ValueError(f"top_k must be an integer >= 0 (0: off), got {self.top_k!r}")
+        if not (isinstance(self.repetition_penalty, (int, float, np.floating)) and 0 < self.repetition_penalty
+                and math.isfinite(self.repetition_penalty)):
+            raise ValueError(f"repetition_penalty must be a finite number > 0 (1: off), got {self.repetition_penalty!r}")
+
+    @property
+    def penalised(self) -> bool:
+        return self.repetition_penalty != 1
 
 
-def sample(logits: jax.Array, key: jax.Array, sampling: Sampling) -> jax.Array:
-    if sampling.temperature < float(np.finfo(np.float32).tiny):
-        return jnp.argmax(logits, axis=-1).astype(jnp.int32)
+#: transformers' ``GenerationConfig`` defaults for what a ``generation_config.json`` that samples leaves out
+HF_SAMPLING_DEFAULTS = {"temperature": 1.0, "top_p": 1.0, "top_k": 50}
+
+
+def sampling_defaults(generation_config: dict) -> dict:
+    """The decoding a checkpoint's ``generation_config.json`` asks for, read as transformers' ``generate`` reads
+    it: with ``"do_sample": true`` its temperature, top_p and top_k (transformers' defaults 1.0, 1.0 and 50 for
+    those left out; null or 0 top_k: off); its ``repetition_penalty`` always (transformers applies it to
+    greedy decoding too). Only the keys the file sets or implies; ``Sampling(**...)`` checks them (a
+    ``ValueError`` for values no sampler can mean)."""
+    g = generation_config
+    out = {}
+    if g.get("do_sample") is True:
+        out = {k: g.get(k, v) for k, v in HF_SAMPLING_DEFAULTS.items()}
+        out["top_k"] = out["top_k"] or 0
+        out["top_p"] = 1.0 if out["top_p"] is None else out["top_p"]
+        out["temperature"] = 1.0 if out["temperature"] is None else out["temperature"]
+    if g.get("repetition_penalty") is not None:
+        out["repetition_penalty"] = g["repetition_penalty"]
+    for key, value in out.items():
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ValueError(f"{key} must be a number, got {value!r}")
+    Sampling(**out)
+    return out
+
+
+#: what each sampling setting is when neither the user nor the checkpoint sets it: greedy, nothing penalised
+SAMPLING_FALLBACK = {"temperature": 0.0, "top_p": 1.0, "top_k": 0, "repetition_penalty": 1.0}
+
+
+def resolve_sampling(given: dict, defaults: dict) -> tuple[dict, list[str]]:
+    """The settings a command decodes with: each of ``SAMPLING_FALLBACK``'s keys as ``given`` (None: not given),
+    else as the checkpoint's ``defaults`` (``sampling_defaults``), else the fallback; and the keys taken from
+    the checkpoint. Decoding greedily, the checkpoint's top_p and top_k are dropped (they would not act)."""
+    out, from_file = {}, []
+    for key, fallback in SAMPLING_FALLBACK.items():
+        if given.get(key) is not None:
+            out[key] = given[key]
+        elif key in defaults:
+            out[key] = defaults[key]
+            from_file.append(key)
+        else:
+            out[key] = fallback
+    if Sampling(**out).temperature < float(np.finfo(np.float32).tiny):
+        for key in ("top_p", "top_k"):
+            if key in from_file:
+                out[key] = SAMPLING_FALLBACK[key]
+                from_file.remove(key)
+    return out, from_file
+
+
+def seen_tokens(sampling: Sampling, vocab_size: int, tokens) -> jax.Array | None:
+    """What a repetition penalty applies to: a [V] mask of the tokens so far (prompt, then output); None
+    without a penalty (nothing is carried then)."""
+    if not sampling.penalised:
+        return None
+    return jnp.zeros(vocab_size, jnp.bool_).at[jnp.asarray(tokens, jnp.int32)].set(True)
+
+
+def see(seen: jax.Array | None, token) -> jax.Array | None:
+    """``seen`` with ``token`` added (None stays None)."""
+    return None if seen is None else seen.at[token].set(True)
+
+
+def penalised_logits(logits: jax.Array, sampling: Sampling, seen: jax.Array | None = None) -> jax.Array:
+    """``logits`` with the repetition penalty applied to the ``seen`` tokens (unchanged without one)."""
+    if not sampling.penalised:
+        return logits
     logits = logits.astype(jnp.float32)
+    penalty = jnp.float32(sampling.repetition_penalty)
+    return jnp.where(seen, jnp.where(logits < 0, logits * penalty, logits / penalty), logits)
+
+
+def sampling_logits(logits: jax.Array, sampling: Sampling, seen: jax.Array | None = None) -> jax.Array:
+    """The float32 logits a sampled token is drawn from: penalised, divided by the temperature, then -inf
+    outside the top-k and outside the nucleus (top-p), transformers' order. Shifted to a maximum of 0."""
+    logits = penalised_logits(logits, sampling, seen).astype(jnp.float32)
     # shifted to a maximum of 0 first: a tiny temperature then tends to greedy (0 / T = 0, the rest -inf)
     # instead of inf / inf = NaN (a subnormal T gave garbage tokens); a huge one is float32's largest (the
     # limit T → inf, uniform sampling, without an overflow warning when it is cast)
     temperature = min(sampling.temperature, float(np.finfo(np.float32).max))
     logits = (logits - jnp.max(logits, axis=-1, keepdims=True)) / temperature
+    if 0 < sampling.top_k < logits.shape[-1]:  # the k largest stay (ties with the k-th too, as transformers)
+        kth = jax.lax.top_k(logits, sampling.top_k)[0][-1]
+        logits = jnp.where(logits < kth, -jnp.inf, logits)
     if sampling.top_p < 1:
         order = jnp.argsort(-logits)
         probs = jax.nn.softmax(logits[order])
@@ -54,7 +145,14 @@ def sample(logits: jax.Array, key: jax.Array, sampling: Sampling) -> jax.Array:
         keep_sorted = (jnp.cumsum(probs) - probs < sampling.top_p).at[0].set(True)
         keep = jnp.zeros_like(keep_sorted).at[order].set(keep_sorted)
         logits = jnp.where(keep, logits, -jnp.inf)
-    return jax.random.categorical(key, logits).astype(jnp.int32)
+    return logits
+
+
+def sample(logits: jax.Array, key: jax.Array, sampling: Sampling, seen: jax.Array | None = None) -> jax.Array:
+    """The next token from one position's logits [V]; ``seen`` (``seen_tokens``) when ``sampling`` penalises."""
+    if sampling.temperature < float(np.finfo(np.float32).tiny):
+        return jnp.argmax(penalised_logits(logits, sampling, seen), axis=-1).astype(jnp.int32)
+    return jax.random.categorical(key, sampling_logits(logits, sampling, seen)).astype(jnp.int32)
 
 
 @jax.tree_util.register_dataclass
@@ -67,6 +165,7 @@ class DecodeState:
     router_state: Any
     done: jax.Array  # an EOS was fed or the token budget is spent: later steps change nothing
     limit: jax.Array  # steps feeding a position >= limit are inactive
+    seen: jax.Array | None = None  # the tokens so far, when sampling has a repetition penalty (``seen_tokens``)
 
 
 def _trace_record(out) -> dict:
@@ -75,15 +174,17 @@ def _trace_record(out) -> dict:
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "router", "sampling"), donate_argnames=("kv",))
-def prefill(params, cfg: ModelConfig, tokens, kv, key, router, router_state, sampling: Sampling, pos0=0):
-    """Run the prompt (or a piece of it starting at ``pos0``), fill the KV cache, sample the next token."""
+def prefill(params, cfg: ModelConfig, tokens, kv, key, router, router_state, sampling: Sampling, pos0=0,
+            seen=None):
+    """Run the prompt (or a piece of it starting at ``pos0``), fill the KV cache, sample the next token
+    (``seen``: the whole prompt's tokens, with a repetition penalty)."""
     sequential = router is not None and getattr(router, "token_sequential", lambda s: False)(router_state)
     if sequential:
         out = forward_sequential(params, cfg, tokens, pos0, kv, router, router_state)
     else:
         out = forward(params, cfg, tokens, pos0, kv, router, router_state, last_logits_only=True)
     key, sub = jax.random.split(key)
-    first = sample(out.logits[-1], sub, sampling)
+    first = sample(out.logits[-1], sub, sampling, seen)
     return first, out.kv, key, out.router_state, _trace_record(out), jnp.isfinite(out.logits[-1]).all()
 
 
@@ -108,11 +209,11 @@ def decode_chunk(params, cfg: ModelConfig, state: DecodeState, router, sampling:
     def step(s: DecodeState, _):
         out = forward(params, cfg, s.token[None], s.pos, s.kv, router, s.router_state)
         key, sub = jax.random.split(s.key)
-        nxt = sample(out.logits[0], sub, sampling)
+        nxt = sample(out.logits[0], sub, sampling, s.seen)
         done = s.done | jnp.isin(s.token, jnp.asarray(eos or (-1,), jnp.int32)) | (s.pos >= s.limit)
         # inactive steps (past EOS or the budget, padding the last chunk) leave the router state alone
         router_state = keep_when_done(done, out.router_state, s.router_state, getattr(router, "no_rollback", ()))
-        new = DecodeState(out.kv, nxt, s.pos + 1, key, router_state, done, s.limit)
+        new = DecodeState(out.kv, nxt, s.pos + 1, key, router_state, done, s.limit, see(s.seen, nxt))
         return new, (nxt, done, _trace_record(out), jnp.isfinite(out.logits[0]).all())
 
     return jax.lax.scan(step, state, None, length=steps)
@@ -299,16 +400,18 @@ def generate(params, cfg: ModelConfig, prompt_ids, *, max_new_tokens: int, sampl
         decode_policy = router_state["policy"]
         router_state = {**router_state, "policy": prefill_policy}
     tokens_in = jnp.asarray(prompt)
+    seen = seen_tokens(sampling, cfg.vocab_size, prompt)
     run_pieces, kv_s, rs_s = [], kv, router_state
     for n, a in zip(pieces, starts):  # each piece sees the states the one before leaves
         # lowered from shapes alone, so a piece size compiles once whether it comes first or later
-        args = _shapes(dict(tokens=tokens_in[a:a + n], kv=kv_s, key=key, router_state=rs_s, pos0=jnp.int32(a)))
+        args = _shapes(dict(tokens=tokens_in[a:a + n], kv=kv_s, key=key, router_state=rs_s, pos0=jnp.int32(a),
+                            seen=seen))
         run_pieces.append(prefill.lower(params, **args, **statics).compile())
         first_s, kv_s, key_s, rs_s, _, _ = jax.eval_shape(functools.partial(prefill, **statics), params, **args)
     if decode_policy is not None:
         rs_s = {**rs_s, "policy": jax.eval_shape(lambda p: p, decode_policy)}
     state_s = DecodeState(kv_s, first_s, jax.ShapeDtypeStruct((), jnp.int32), key_s, rs_s,
-                          jax.ShapeDtypeStruct((), jnp.bool_), jax.ShapeDtypeStruct((), jnp.int32))
+                          jax.ShapeDtypeStruct((), jnp.bool_), jax.ShapeDtypeStruct((), jnp.int32), _shapes(seen))
     run_chunk = None
     if n_chunks:
         run_chunk = decode_chunk.lower(params, state=state_s, steps=chunk, eos=eos, **statics).compile()
@@ -318,7 +421,8 @@ def generate(params, cfg: ModelConfig, prompt_ids, *, max_new_tokens: int, sampl
     piece_records = []
     for run, n, a in zip(run_pieces, pieces, starts):  # every piece gets the same key: one split, as unpieced
         first, kv, key_after, router_state, rec, finite = run(params, tokens=tokens_in[a:a + n], kv=kv, key=key,
-                                                              router_state=router_state, pos0=jnp.int32(a))
+                                                              router_state=router_state, pos0=jnp.int32(a),
+                                                              seen=seen)
         piece_records.append(rec)
     key = key_after
     rec = jax.tree.map(lambda *r: jnp.concatenate(r, axis=1), *piece_records) if len(pieces) > 1 else rec
@@ -335,7 +439,8 @@ def generate(params, cfg: ModelConfig, prompt_ids, *, max_new_tokens: int, sampl
     if tokens and on_tokens:
         on_tokens(tokens[:])
     limit = jnp.int32(prompt.size + max_new_tokens - 1)
-    state = DecodeState(kv, jnp.int32(first), jnp.int32(prompt.size), key, router_state, jnp.bool_(False), limit)
+    state = DecodeState(kv, jnp.int32(first), jnp.int32(prompt.size), key, router_state, jnp.bool_(False), limit,
+                        see(seen, first))
     finished = not tokens or (first in eos) or ended_by is not None
     fed = int(prompt.size)  # tokens run through the model (and the expert cache): the prompt, then each step's
     while not finished and len(tokens) < max_new_tokens:

@@ -33,8 +33,17 @@ def build_parser() -> argparse.ArgumentParser:
     src.add_argument("--prompt", help=f"prompt text (default: {DEFAULT_PROMPT!r})")
     src.add_argument("--prompt-ids", help="comma-separated token ids, e.g. 5,17,42 (no tokenizer needed)")
     p.add_argument("--max-new-tokens", type=int, default=64)
-    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    p.add_argument("--temperature", type=float, default=None,
+                   help="0 = greedy (the default, unless the checkpoint's generation_config.json samples)")
     p.add_argument("--top-p", type=float, default=None, help="nucleus sampling (default 1.0: off); with --temperature > 0")
+    p.add_argument("--top-k", type=int, default=None, help="sample among the k most likely tokens (default 0: off); "
+                                                            "with --temperature > 0")
+    p.add_argument("--repetition-penalty", type=float, default=None,
+                   help="divide the logits of tokens already in the prompt or output by this (transformers' "
+                        "repetition_penalty; greedy too; default 1: off)")
+    p.add_argument("--generation-config", choices=("auto", "none"), default="auto",
+                   help="auto (default): sampling settings not given come from the checkpoint's "
+                        "generation_config.json, as transformers' generate takes them; none: greedy unless given")
     p.add_argument("--seed", type=errors.seed_arg, default=None, help="sampling seed (default 0); with --temperature > 0")
     p.add_argument("--chat", action="store_true", help="wrap the prompt in the checkpoint's chat template")
     p.add_argument("--ignore-eos", action="store_true", help="keep generating past end-of-sequence tokens")
@@ -130,7 +139,9 @@ def run(args: argparse.Namespace) -> dict:
     dtype = None if args.dtype is None else {"float32": "float32", "bfloat16": "bfloat16",
                                              "float16": "float16"}[args.dtype]
     offload = cli_options.offload_from_args(args)  # with --offload the routed experts never reach the device
-    decode.Sampling(args.temperature, 1.0 if args.top_p is None else args.top_p)  # NaN, < 0: refused before loading
+    given = {"temperature": args.temperature, "top_p": args.top_p, "top_k": args.top_k,
+             "repetition_penalty": args.repetition_penalty}
+    decode.Sampling(**decode.resolve_sampling(given, {})[0])  # NaN, < 0: refused before loading
     if args.devices is not None and args.shard is None:
         raise ValueError("--devices goes with --shard experts (the devices the experts are split over)")
     if args.max_new_tokens < 0:
@@ -154,11 +165,18 @@ def run(args: argparse.Namespace) -> dict:
     decode.check_prompt(ids, model.cfg)  # a prompt past the context: one error line, before the note below
     if offload is not None:
         offload_lib.check_cache(model.cfg, cache.capacity(model.cfg), cache.eviction)
-    ignored = [flag for flag, value in (("--top-p", args.top_p), ("--seed", args.seed)) if value is not None]
-    if args.temperature == 0 and ignored:  # a note, not a refusal: scripts pass a seed to every run
+    sampling, from_file = decode.resolve_sampling(
+        given, model.sampling_defaults if args.generation_config == "auto" else {})
+    ignored = [flag for flag, value in (("--top-p", args.top_p), ("--top-k", args.top_k), ("--seed", args.seed))
+               if value is not None]
+    if sampling["temperature"] == 0 and ignored:  # a note, not a refusal: scripts pass a seed to every run
         act = "act" if len(ignored) > 1 else "acts"
         sys.stderr.write(f"note: {' and '.join(ignored)} only {act} when sampling (--temperature > 0); "
                          "this run decodes greedily\n")
+    if from_file:
+        shown = ", ".join(f"{key} {sampling[key]:g}" for key in from_file)
+        sys.stderr.write(f"note: decoding with the checkpoint's generation_config.json settings ({shown}); "
+                         "flags override them, --generation-config none ignores them\n")
     budget = decode.generation_budget(len(ids), args.max_new_tokens, positions)
     if budget < args.max_new_tokens:
         sys.stderr.write(f"note: the context holds {positions} positions and the prompt takes {len(ids)}: "
@@ -170,13 +188,13 @@ def run(args: argparse.Namespace) -> dict:
             sys.stdout.write(render(args.prompt if args.prompt is not None else DEFAULT_PROMPT))
             sys.stdout.write(" " if not model.decode(ids[-1:]).endswith(" ") else "")
         streamer = Streamer(model, render)
-    result = model.generate(ids, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
-                            top_p=1.0 if args.top_p is None else args.top_p, seed=args.seed or 0,
+    result = model.generate(ids, max_new_tokens=args.max_new_tokens, **sampling, seed=args.seed or 0,
                             stop_at_eos=not args.ignore_eos,
                             on_tokens=streamer, routing=routing, cache=cache, offload=offload)
     raw_text = model.decode(result.token_ids)
     text = render(raw_text)
     result.stats["load_time_s"] = load_time
+    result.stats["sampling"] = {**sampling, "from_generation_config": from_file}
     if "cache" in result.stats:
         result.stats["cache"].update(cli_options.describe(args), capacity=cache.capacity(model.cfg),
                                      cache_memory_bytes=model.cache_memory_bytes(cache, offload),

@@ -148,12 +148,13 @@ def _logits(params, cfg: ModelConfig, x):
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "sampling"))
-def _head(params, cfg: ModelConfig, x, key, sampling):
-    """Sample the token after the last row of x (one split of the key, as ``decode.prefill``)."""
+def _head(params, cfg: ModelConfig, x, key, sampling, seen=None):
+    """Sample the token after the last row of x (one split of the key, as ``decode.prefill``; ``seen``: the
+    tokens so far, with a repetition penalty)."""
     x = model_lib.norm(x[-1:], params["final_norm"], cfg)
     logits = model_lib.linear(x, model_lib.lm_head(params, cfg), params.get("lm_head_bias")).astype(jnp.float32)
     key, sub = jax.random.split(key)
-    return decode.sample(logits[0], sub, sampling), logits[0], key
+    return decode.sample(logits[0], sub, sampling, seen), logits[0], key
 
 
 # ------------------------------------------------------------------------------------------ the pager
@@ -479,7 +480,7 @@ class HostPager:
         self._complete(issued, done, t_issue, staging=True)
 
     def prefill(self, prompt: np.ndarray, kv: list, key, sampling, bucketed: bool = False,
-                record: list | None = None, all_logits: bool = False):
+                record: list | None = None, all_logits: bool = False, seen=None):
         """The prompt (from position 0) in batched pieces (``prefill_paging.prefill_pieces``); returns (next
         token, its logits, kv, key) as ``step`` does for the last prompt token, or with ``all_logits`` (a
         teacher-forced pass) (logits [T, V] of every position, kv)."""
@@ -495,20 +496,21 @@ class HostPager:
         self.stats.tokens += int(prompt.size)
         if all_logits:
             return logits, kv
-        nxt, last, key = _head(self.params, self.cfg, x, key, sampling)
+        nxt, last, key = _head(self.params, self.cfg, x, key, sampling, seen)
         return nxt, last, kv, key
 
-    def compile_prefill(self, n_tokens: int, kv: list, key, sampling, bucketed: bool = False) -> None:
+    def compile_prefill(self, n_tokens: int, kv: list, key, sampling, bucketed: bool = False, seen=None) -> None:
         """Compile every program ``prefill`` runs for an ``n_tokens`` prompt, from shapes (nothing runs)."""
         for n in sorted(set(prefill_paging.prefill_pieces(n_tokens, bucketed))):
             prefill_paging.compile_piece(self, n, kv)
         last = prefill_paging.prefill_pieces(n_tokens, bucketed)[-1]
         x = jax.ShapeDtypeStruct((last, self.cfg.hidden_size), self.dtype,
                                  sharding=jax.sharding.SingleDeviceSharding(self.device))
-        _head.lower(self.params, self.cfg, x, key, sampling).compile()
+        _head.lower(self.params, self.cfg, x, key, sampling, seen).compile()
 
-    def step(self, token, pos, kv, key, sampling, record: list | None = None):
-        """One token through every layer with paging; returns (next token, logits, kv, key).
+    def step(self, token, pos, kv, key, sampling, record: list | None = None, seen=None):
+        """One token through every layer with paging; returns (next token, logits, kv, key) (``seen``: the
+        tokens so far, with a repetition penalty).
         ``record`` (a list) receives this token's block {experts, weights, hits, router_logits}, each
         [moe_layers, 1, ...] (``stack_records``)."""
         t_step, paging_before = time.perf_counter(), self._paging_clock
@@ -583,7 +585,7 @@ class HostPager:
             pending = (pf_issued, pf_done, t_pf)
             moe_index += 1
         self._complete(*pending, timed=False)
-        nxt_token, logits, key = _head(self.params, cfg, x, key, sampling)
+        nxt_token, logits, key = _head(self.params, cfg, x, key, sampling, seen)
         self.stats.tokens += 1
         self.stats.step_s += time.perf_counter() - t_step
         self.stats.page_s += self._paging_clock - paging_before
@@ -669,9 +671,10 @@ def host_generate(params, cfg: ModelConfig, prompt_ids, router_state: dict, offl
     kv = pager.committed(model_lib.init_kv(cfg, decode.kv_bucket(kv_rows) if bucketed else kv_rows, dtype))
 
     key = seeds.prng_key(seed)
+    seen = pager.committed(decode.seen_tokens(sampling, cfg.vocab_size, prompt))
     t_compile = time.perf_counter()
     if warmup and pager.batched_prefill:  # the prompt's programs, from shapes
-        pager.compile_prefill(prompt.size, kv, key, sampling, bucketed)
+        pager.compile_prefill(prompt.size, kv, key, sampling, bucketed, seen)
     if warmup:  # compile every stage on throwaway copies of the states (no transfers counted)
         # the slots are not copied (that would double the largest buffer): afterwards whatever the saved
         # cache state names as resident is paged in again, so the slots hold exactly what it says
@@ -685,12 +688,12 @@ def host_generate(params, cfg: ModelConfig, prompt_ids, router_state: dict, offl
         warm_key = jax.random.PRNGKey(0)
         for pos in range(2):
             pager.split_stage_b = pos == 0
-            _, _, warm_kv, warm_key = pager.step(int(prompt[0]), pos, warm_kv, warm_key, sampling)
+            _, _, warm_kv, warm_key = pager.step(int(prompt[0]), pos, warm_kv, warm_key, sampling, seen=seen)
         if decode_policy is not router_state["policy"]:
             pager.state = {**pager.state, "policy": decode_policy}
             for pos in range(2, 4):
                 pager.split_stage_b = pos == 2
-                _, _, warm_kv, warm_key = pager.step(int(prompt[0]), pos, warm_kv, warm_key, sampling)
+                _, _, warm_kv, warm_key = pager.step(int(prompt[0]), pos, warm_kv, warm_key, sampling, seen=seen)
         pager.split_stage_b = None
         del warm_kv  # a whole second KV cache: held to the end it cost 196 kB per position at Qwen1.5-MoE shapes
         jax.block_until_ready(pager.slots)
@@ -708,15 +711,16 @@ def host_generate(params, cfg: ModelConfig, prompt_ids, router_state: dict, offl
             decode.report_cache(on_cache, pager.state, {k: np.swapaxes(rec[-1][k], 0, 1) for k in ("experts", "hits")})
 
     if pager.batched_prefill:
-        nxt, logits, kv, key_after = pager.prefill(prompt, kv, key, sampling, bucketed, record=rec)
+        nxt, logits, kv, key_after = pager.prefill(prompt, kv, key, sampling, bucketed, record=rec, seen=seen)
         report()
     else:
         for pos, tok in enumerate(prompt.tolist()):
-            nxt, logits, kv, key_after = pager.step(tok, pos, kv, key, sampling, record=rec)
+            nxt, logits, kv, key_after = pager.step(tok, pos, kv, key, sampling, record=rec, seen=seen)
             report()
     # decode.prefill splits the key once for the first token
     key = key_after
     first = int(nxt)
+    seen = decode.see(seen, first)
     ttft = time.perf_counter() - t0
     moved_prefill = pager.stats.bytes_moved
     if prefill_policy is not None:
@@ -731,9 +735,10 @@ def host_generate(params, cfg: ModelConfig, prompt_ids, router_state: dict, offl
     read_decode = storage_read_bytes()
     t_decode = time.perf_counter()
     while not finished and len(tokens) < max_new_tokens:
-        token_arr, _, kv, key = pager.step(token, pos, kv, key, sampling, record=rec)
+        token_arr, _, kv, key = pager.step(token, pos, kv, key, sampling, record=rec, seen=seen)
         report()
         token = int(token_arr)
+        seen = decode.see(seen, token)
         pos += 1
         tokens.append(token)
         _, ended_by = stop.check(tokens, len(tokens) - 1)  # one token per step: nothing to cut

@@ -8,8 +8,10 @@ request shares, as it would be on the device.
 Endpoints (OpenAI's shapes; every failure is OpenAI's error object with status 400, 404, 429 or 500):
 
   GET  /v1/models                 the served model (its id: the --model argument, or --served-name)
-  POST /v1/completions            prompt (text or token ids), max_tokens (16), temperature, top_p, seed, stop,
-                                  stream (+ stream_options.include_usage)
+  POST /v1/completions            prompt (text or token ids), max_tokens (16), temperature, top_p, top_k,
+                                  repetition_penalty, seed, stop, stream (+ stream_options.include_usage);
+                                  sampling fields left out take the checkpoint's generation_config.json
+                                  settings (--generation-config none: greedy)
   POST /v1/chat/completions       messages through the checkpoint's chat template (a plain "role: content"
                                   template when it has none); max_tokens (256, capped at the context left)
   GET  /metrics                   Prometheus text: requests, tokens, time to first token and tokens/s
@@ -63,6 +65,12 @@ def _number(body: dict, key: str, default, lo: float, hi: float, integer: bool =
     return int(value) if integer else float(value)
 
 
+def _top_k(body: dict) -> int | None:
+    """A request's ``top_k``: vLLM's -1 (and 0) mean off; None when not sent."""
+    value = _number(body, "top_k", None, -1, 2**31 - 1, integer=True)
+    return None if value is None else max(value, 0)
+
+
 def _stop_strings(body: dict) -> tuple[str, ...]:
     stop = body.get("stop")
     if stop is None:
@@ -76,13 +84,12 @@ def _stop_strings(body: dict) -> tuple[str, ...]:
 #: request fields the engine takes only at a neutral value: field -> (neutral values, why); the sampling
 #: extensions other servers (vLLM, llama.cpp) accept are here too: a client that sends them expects an effect
 _ONE_SEQUENCE = "the engine runs one sequence per request"
-_NO_PENALTY = "moejax.serve applies no penalty"
-_SAMPLING = "moejax.serve samples with 'temperature', 'top_p' and 'seed' only"
+_NO_PENALTY = "moejax.serve applies no penalty but 'repetition_penalty'"
+_SAMPLING = "moejax.serve samples with 'temperature', 'top_p', 'top_k', 'repetition_penalty' and 'seed' only"
 NEUTRAL_ONLY = {"n": ((1,), _ONE_SEQUENCE), "best_of": ((1,), _ONE_SEQUENCE),
                 "use_beam_search": ((False,), _ONE_SEQUENCE), "length_penalty": ((1,), _ONE_SEQUENCE),
                 "frequency_penalty": ((0,), _NO_PENALTY), "presence_penalty": ((0,), _NO_PENALTY),
-                "repetition_penalty": ((1,), _NO_PENALTY), "dry_multiplier": ((0,), _NO_PENALTY),
-                "top_k": ((-1, 0), _SAMPLING), "min_p": ((0,), _SAMPLING), "typical_p": ((1,), _SAMPLING),
+                "dry_multiplier": ((0,), _NO_PENALTY), "min_p": ((0,), _SAMPLING), "typical_p": ((1,), _SAMPLING),
                 "tfs_z": ((1,), _SAMPLING), "mirostat": ((0,), _SAMPLING), "mirostat_mode": ((0,), _SAMPLING),
                 "xtc_probability": ((0,), _SAMPLING),
                 "min_tokens": ((0,), "generation ends at the end-of-sequence token, 'stop' or 'max_tokens'"),
@@ -294,9 +301,12 @@ class Server:
         if max_tokens > room:
             raise RequestError(f"{key} = {max_tokens} does not fit: the prompt takes {len(ids)} of the "
                                f"{self.context} positions ({room} left)", param=key, code="context_length_exceeded")
-        return Job(prompt_ids=ids, max_tokens=max_tokens,
-                   temperature=_number(body, "temperature", 0.0, 0.0, 2.0),
-                   top_p=_number(body, "top_p", 1.0, 1e-6, 1.0),
+        sampling, _ = decode.resolve_sampling(
+            {"temperature": _number(body, "temperature", None, 0.0, 2.0), "top_p": _number(body, "top_p", None, 1e-6, 1.0),
+             "top_k": _top_k(body),
+             "repetition_penalty": _number(body, "repetition_penalty", None, 1e-6, 100.0)},
+            self.engine.sampling_defaults)
+        return Job(prompt_ids=ids, max_tokens=max_tokens, **sampling,
                    seed=_number(body, "seed", 0, seeds.SEED_MIN, seeds.SEED_MAX, integer=True),  # all 64 bits count
                    stop=self.stop_strings(body), routing=_routing_override(body, self.engine.policy.kind))
 
@@ -544,6 +554,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="before listening, compile everything prompts up to TOKENS tokens need (with up to 256 "
                         "new tokens), so no request waits for XLA (default 0: compile on first use; a few "
                         "seconds per program on a CPU; JAX_COMPILATION_CACHE_DIR keeps them across restarts)")
+    p.add_argument("--generation-config", choices=("auto", "none"), default="auto",
+                   help="auto (default): sampling fields a request leaves out come from the checkpoint's "
+                        "generation_config.json (as vLLM does); none: greedy, no penalty, unless a request asks")
     p.add_argument("--log-level", default="warning", choices=["critical", "error", "warning", "info", "debug"])
     cli_options.add_weight_args(p)
     cli_options.add_routing_args(p)
@@ -587,7 +600,8 @@ def build_engine(args: argparse.Namespace) -> Engine:
     policy = cli_options.policy_from_args(args, model.cfg.top_k)
     cache = cli_options.cache_from_args(args, model, offload)  # a bad --cache-size fails here, before the start
     served = {k: getattr(args, k) for k in ROUTING_OVERRIDE_KEYS[1:] if getattr(args, k, None) is not None}
-    return Engine(model, policy, cache, offload, args.max_queue, args.served_name or args.model, served)
+    return Engine(model, policy, cache, offload, args.max_queue, args.served_name or args.model, served,
+                  model.sampling_defaults if args.generation_config == "auto" else {})
 
 
 def main(argv: list[str] | None = None) -> int:

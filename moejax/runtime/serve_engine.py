@@ -54,6 +54,8 @@ class Job:
     max_tokens: int
     temperature: float = 0.0
     top_p: float = 1.0
+    top_k: int = 0
+    repetition_penalty: float = 1.0
     seed: int = 0
     stop: tuple[str, ...] = ()
     routing: dict | None = None
@@ -112,9 +114,11 @@ class Engine:
     arrival order. Thread-safe: ``submit`` from any thread; everything else runs on the worker."""
 
     def __init__(self, model: api.Model, policy, cache: simulate.CacheConfig, offload=None, max_queue: int = 16,
-                 name: str = "default", routing_params: dict | None = None):
+                 name: str = "default", routing_params: dict | None = None, sampling_defaults: dict | None = None):
         self.model, self.policy, self.cache_config, self.offload, self.name = model, policy, cache, offload, name
         self.routing_params = dict(routing_params or {})  # the served policy's parameters as given (lam, ...)
+        # what a request that leaves a sampling field out gets (the checkpoint's generation_config.json, or {})
+        self.sampling_defaults = dict(sampling_defaults or {})
         self.state = model.router_state(policy, cache)
         self.telemetry = Telemetry(model.cfg.n_moe_layers, model.cfg.n_experts)
         self._queue: queue.Queue = queue.Queue()
@@ -204,7 +208,8 @@ class Engine:
         tokens need under the server's policy. Programs are keyed by (prefill piece, KV bucket) and (decode
         chunk, KV bucket): per bucket B, a prompt of 2^k - 1 tokens (every piece up to the largest a prompt in
         B can have) with enough new tokens to land in B, and if that needed no decode chunk, one more
-        generation that fills B exactly. EOS and sampling as served (greedy). Runs on throwaway cache states,
+        generation that fills B exactly. EOS and sampling as served (a request's defaults: a repetition penalty
+        compiles programs of its own). Runs on throwaway cache states,
         so the shared cache starts as configured. Returns the seconds it took."""
         t0 = time.perf_counter()
         context = self.model.cfg.max_position_embeddings
@@ -214,6 +219,7 @@ class Engine:
         top = decode.kv_bucket(decode.kv_rows(max_prompt, max_tokens))
         bos = self.model.cfg.bos_token_id or 0
         bucket = decode.MIN_KV_BUCKET
+        served, _ = decode.resolve_sampling({}, self.sampling_defaults)
         while bucket <= top:
             longest_piece = 1 << (min(max_prompt, bucket - 1).bit_length() - 1)
             n = min(bucket - 1, 2 * longest_piece - 1)  # holds every piece up to longest_piece
@@ -225,7 +231,8 @@ class Engine:
                 if n >= 1 and n + new <= context:
                     assert decode.kv_bucket(decode.kv_rows(n, new)) == bucket
                     self.model.generate([bos] * n, max_new_tokens=new, offload=self.offload,  # EOS set as served
-                                        state=self.model.router_state(self.policy, self.cache_config), bucketed=True)
+                                        state=self.model.router_state(self.policy, self.cache_config), bucketed=True,
+                                        **served)
             bucket *= 2
         return time.perf_counter() - t0
 
@@ -256,7 +263,7 @@ class Engine:
         self._live_at = 0.0
         result = self.model.generate(
             job.prompt_ids, max_new_tokens=job.max_tokens, temperature=job.temperature, top_p=job.top_p,
-            seed=job.seed, state=state, offload=self.offload, stop=job.stop, cancelled=job.cancelled.is_set,
+            top_k=job.top_k, repetition_penalty=job.repetition_penalty, seed=job.seed, state=state, offload=self.offload, stop=job.stop, cancelled=job.cancelled.is_set,
             on_tokens=lambda ids: job.emit("tokens", list(ids)), bucketed=True, keep_slots=True,
             on_cache=self._live)
         self.state = {**result.router_state, "policy": self.policy}  # the same cache object: slots stay kept

@@ -1,0 +1,141 @@
+"""Sampling as transformers does it (``decode.Sampling``): repetition penalty (greedy too), temperature, top-k,
+top-p in that order, and the checkpoint's ``generation_config.json`` read as ``generate`` reads it."""
+
+from __future__ import annotations
+
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+from conftest import get_hf_model, get_moejax_model
+from test_hf_parity import _informative_prompt
+
+import moejax
+from moejax import generate as generate_cli
+from moejax.models.checkpoint import CheckpointError
+from moejax.runtime import decode
+
+
+def _hf_processed(logits: np.ndarray, seen: list[int], s: decode.Sampling) -> np.ndarray:
+    """transformers' logits processors and warpers on one row, in ``generate``'s order."""
+    from transformers import (LogitsProcessorList, RepetitionPenaltyLogitsProcessor, TemperatureLogitsWarper,
+                              TopKLogitsWarper, TopPLogitsWarper)
+
+    steps = [RepetitionPenaltyLogitsProcessor(s.repetition_penalty), TemperatureLogitsWarper(s.temperature)]
+    steps += [TopKLogitsWarper(s.top_k)] if s.top_k else []
+    steps += [TopPLogitsWarper(s.top_p)] if s.top_p < 1 else []
+    ids = torch.as_tensor([seen], dtype=torch.long)
+    return LogitsProcessorList(steps)(ids, torch.as_tensor(logits[None]))[0].numpy()
+
+
+@pytest.mark.parametrize("sampling", [decode.Sampling(0.7, 0.8, 20, 1.05), decode.Sampling(1.0, 1.0, 5, 1.0),
+                                      decode.Sampling(0.6, 0.95, 0, 1.3), decode.Sampling(1.5, 0.5, 50, 0.8)])
+def test_the_distribution_sampled_is_transformers(sampling):
+    rng = np.random.default_rng(0)
+    for _ in range(5):
+        logits = (rng.standard_normal(97) * 3).astype(np.float32)
+        seen = sorted(set(rng.integers(0, 97, 12).tolist()))
+        ours = np.asarray(decode.sampling_logits(jnp.asarray(logits), sampling,
+                                                 decode.seen_tokens(sampling, 97, seen)))
+        ref = _hf_processed(logits, seen, sampling)
+        np.testing.assert_array_equal(np.isfinite(ours), np.isfinite(ref))
+        np.testing.assert_allclose(jax.nn.softmax(ours), torch.softmax(torch.as_tensor(ref), -1).numpy(), atol=1e-6)
+
+
+def test_sampled_tokens_stay_in_the_top_k_and_top_k_one_is_greedy():
+    logits = jnp.asarray(np.random.default_rng(1).standard_normal(64).astype(np.float32))
+    top = set(np.argsort(-np.asarray(logits))[:3].tolist())
+    draws = {int(decode.sample(logits, jax.random.PRNGKey(i), decode.Sampling(5.0, 1.0, 3))) for i in range(200)}
+    assert draws == top  # a high temperature reaches all three, never a fourth
+    assert {int(decode.sample(logits, jax.random.PRNGKey(i), decode.Sampling(5.0, 1.0, 1))) for i in range(20)} \
+        == {int(jnp.argmax(logits))}
+
+
+@pytest.mark.parametrize("bad", [dict(top_k=-1), dict(top_k=2.5), dict(top_k=True), dict(repetition_penalty=0),
+                                 dict(repetition_penalty=float("nan")), dict(repetition_penalty=float("inf"))])
+def test_bad_sampling_values_are_named(bad):
+    with pytest.raises(ValueError, match=next(iter(bad))):
+        decode.Sampling(**bad)
+
+
+def test_greedy_with_a_repetition_penalty_matches_hf_generate():
+    from transformers import GenerationConfig
+
+    hm, mj = get_hf_model("qwen3_moe"), get_moejax_model("qwen3_moe")
+    prompt, plain = _informative_prompt(hm.model)
+    gc = GenerationConfig(do_sample=False, max_new_tokens=20, eos_token_id=[], pad_token_id=0,
+                          repetition_penalty=1.5)
+    with torch.no_grad():
+        ref = hm.model.generate(torch.as_tensor([prompt]), generation_config=gc)[0, len(prompt):].tolist()
+    assert ref != plain  # the penalty changes this continuation: the comparison means something
+    got = mj.generate(prompt, max_new_tokens=20, stop_at_eos=False, repetition_penalty=1.5).token_ids
+    assert got == ref
+
+
+def test_offloaded_generation_samples_the_simulations_tokens():
+    """The penalty's token set and top-k travel through both pagers: same tokens as the simulated cache."""
+    m = get_moejax_model("qwen2_moe")
+    kw = dict(max_new_tokens=12, stop_at_eos=False, temperature=0.9, top_k=5, repetition_penalty=1.3, seed=4,
+              routing="cache-prior", cache=moejax.runtime.simulate.CacheConfig(size="0.5"))
+    prompt = [5, 9, 5, 17, 3, 9]
+    sim = m.generate(prompt, **kw).token_ids
+    assert sim != m.generate(prompt, **{**kw, "repetition_penalty": 1.0}).token_ids
+    for paging in ("host", "jit"):
+        offload = moejax.runtime.offload.OffloadConfig(paging=paging)
+        assert m.generate(prompt, offload=offload, **kw).token_ids == sim, paging
+
+
+def test_sampling_defaults_read_generation_config_as_transformers():
+    read = decode.sampling_defaults
+    assert read({"do_sample": False, "temperature": 0.7}) == {}
+    assert read({"do_sample": True}) == {"temperature": 1.0, "top_p": 1.0, "top_k": 50}
+    assert read({"do_sample": True, "temperature": 0.7, "top_p": 0.8, "top_k": 20, "repetition_penalty": 1.05}) \
+        == {"temperature": 0.7, "top_p": 0.8, "top_k": 20, "repetition_penalty": 1.05}
+    assert read({"do_sample": True, "top_k": None})["top_k"] == 0
+    assert read({"repetition_penalty": 1.1}) == {"repetition_penalty": 1.1}  # greedy, penalised
+    for bad in ({"do_sample": True, "top_p": 0}, {"repetition_penalty": "1.1"}, {"do_sample": True, "top_k": -3}):
+        with pytest.raises(ValueError):
+            read(bad)
+
+
+def _with_generation_config(tmp_path, config: dict) -> str:
+    import shutil
+
+    folder = tmp_path / "model"
+    shutil.copytree(get_hf_model("qwen3_moe").folder, folder)
+    (folder / "generation_config.json").write_text(json.dumps(config))
+    return str(folder)
+
+
+def test_a_damaged_sampling_setting_is_refused_at_load(tmp_path):
+    with pytest.raises(CheckpointError, match=r"generation_config.json: top_p must be in"):
+        moejax.load(_with_generation_config(tmp_path, {"do_sample": True, "top_p": 0}))
+
+
+def test_generate_cli_starts_from_the_checkpoints_sampling(tmp_path, capsys):
+    folder = _with_generation_config(tmp_path, {"do_sample": True, "temperature": 0.7, "top_p": 0.8, "top_k": 20,
+                                                "repetition_penalty": 1.05})
+    common = ["--model", folder, "--prompt-ids", "5,9,5,17", "--max-new-tokens", "8", "--json", "--ignore-eos"]
+
+    def run(*extra):
+        assert generate_cli.main([*common, *extra]) == 0
+        out, err = capsys.readouterr()
+        return json.loads(out), err
+
+    auto, err = run()
+    assert auto["stats"]["sampling"] == {"temperature": 0.7, "top_p": 0.8, "top_k": 20, "repetition_penalty": 1.05,
+                                         "from_generation_config": ["temperature", "top_p", "top_k",
+                                                                    "repetition_penalty"]}
+    assert "note: decoding with the checkpoint's generation_config.json" in err
+    m = moejax.load(folder)
+    assert auto["token_ids"] == m.generate([5, 9, 5, 17], max_new_tokens=8, stop_at_eos=False,
+                                           **m.sampling_defaults).token_ids
+    given, _ = run("--temperature", "0")  # greedy as asked; the penalty still comes from the file
+    assert given["stats"]["sampling"] == {"temperature": 0.0, "top_p": 1.0, "top_k": 0, "repetition_penalty": 1.05,
+                                          "from_generation_config": ["repetition_penalty"]}
+    off, err = run("--generation-config", "none")
+    assert off["stats"]["sampling"]["from_generation_config"] == [] and "generation_config.json" not in err
+    assert off["token_ids"] == m.generate([5, 9, 5, 17], max_new_tokens=8, stop_at_eos=False).token_ids
