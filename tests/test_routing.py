@@ -207,6 +207,38 @@ def test_layer_parallel_equals_token_sequential(eviction):
     chex.assert_trees_all_equal((cs, rs), seq[3:])
 
 
+def test_a_delta_per_layer_is_each_layers_own_delta():
+    """Δavg is per layer (DESIGN §2, paper eq. 10): a fixed Δ per MoE layer routes layer l as the single Δ_l
+    does, on every path (token-sequential, layer-parallel, route_tokens layer by layer), and a batch may mix
+    it with single values (``stack_policies`` spreads those over the layers)."""
+    g = SoftmaxTopK(8, 2, True)
+    z = jax.random.normal(jax.random.PRNGKey(3), (40, 3, 8)) * 3.0
+    deltas = (0.5, 3.0, 9.0)
+    cs0 = cache.init_cache(3, 8, 3, "layer", "lru", init="random", seed=1)
+    rs0 = routing.init_routing_state(3)
+    seq_fn = jax.jit(router.route_sequence, static_argnames=("gating",))
+    par_fn = jax.jit(router.route_layers_parallel, static_argnames=("gating",))
+    per_layer = routing.make_policy("cache-prior", 2, lam=0.4, top_j=1, delta=list(deltas))
+    seq, par = seq_fn(z, cs0, rs0, per_layer, gating=g), par_fn(z, cs0, rs0, per_layer, gating=g)
+    chex.assert_trees_all_equal(seq, par)
+    cs, rs = cs0, rs0
+    for layer, d in enumerate(deltas):
+        single = par_fn(z, cs0, rs0, routing.make_policy("cache-prior", 2, lam=0.4, top_j=1, delta=d), gating=g)
+        np.testing.assert_array_equal(par[0][:, layer], single[0][:, layer])
+        e, _, _, cs, rs = _route_tokens(z[:, layer], jnp.int32(layer), cs, rs, per_layer, gating=g)
+        np.testing.assert_array_equal(e, par[0][:, layer])
+    assert (par[0] != par_fn(z, cs0, rs0, routing.make_policy("cache-prior", 2, lam=0.4, top_j=1, delta=3.0),
+                             gating=g)[0]).any()
+    mixed = routing.stack_policies([per_layer, routing.make_policy("cache-prior", 2, lam=0.4, top_j=1, delta=3.0)])
+    lanes = jax.jit(jax.vmap(lambda p: router.route_layers_parallel(z, cs0, rs0, p, g)))(mixed)
+    np.testing.assert_array_equal(lanes[0][0], par[0])
+    with pytest.raises(ValueError, match="delta has 2 per-layer values; .* 3 MoE layers"):
+        par_fn(z, cs0, rs0, routing.make_policy("cache-prior", 2, delta=[1.0, 2.0]), gating=g)
+    for bad in ([], [1.0, -1.0], [float("nan")], "2", [[1.0]], True):
+        with pytest.raises(ValueError, match="delta must be"):
+            routing.make_policy("cache-prior", 2, delta=bad)
+
+
 class RouterStepJitTest(chex.TestCase):
     @chex.variants(with_jit=True, without_jit=True)
     def test_jit_equals_no_jit(self):

@@ -139,3 +139,17 @@ def test_generate_cli_starts_from_the_checkpoints_sampling(tmp_path, capsys):
     off, err = run("--generation-config", "none")
     assert off["stats"]["sampling"]["from_generation_config"] == [] and "generation_config.json" not in err
     assert off["token_ids"] == m.generate([5, 9, 5, 17], max_new_tokens=8, stop_at_eos=False).token_ids
+
+
+def test_one_compiled_program_serves_every_temperature_top_p_top_k_and_penalty():
+    """The numbers are values of the program, not part of it: a server's requests each send their own, and each
+    new temperature used to compile the prompt and decode programs again (seconds; minutes at real shapes)."""
+    m = get_moejax_model("qwen3_moe")
+    prompt = [5, 9, 5, 17, 3, 9]
+    first = m.generate(prompt, max_new_tokens=20, stop_at_eos=False, temperature=0.7, top_p=0.9, top_k=5,
+                       repetition_penalty=1.1)
+    again = m.generate(prompt, max_new_tokens=20, stop_at_eos=False, temperature=1.3, top_p=0.8, top_k=9,
+                       repetition_penalty=1.4, seed=2)
+    assert again.stats["compile_time_s"] < 0.5 < first.stats["compile_time_s"] or \
+        again.stats["compile_time_s"] < first.stats["compile_time_s"] / 4
+    assert again.token_ids != first.token_ids

@@ -31,9 +31,9 @@ Studies (paper: cache-conditional-experts.md; SpecMD: specmd-expert-caching-poli
   init         initial cache empty vs random (seeded), original and cache-prior λ = 0.5 / 0.8, C = N/2;
                ``metrics.miss_rate_first_tokens`` holds the miss rate over the first 16/64/256/1024 tokens.
                Appendix G.
-  delta        cache-prior on the λ grid with the running Δavg vs a fixed Δ calibrated as the mean logit
-               range max(z) - min(z) over the first ``--max-tokens`` tokens of the held-out training shard 07
-               (``metrics.delta_calibration``). Appendix D.
+  delta        cache-prior on the λ grid with the running Δavg vs a fixed Δ calibrated, per MoE layer, as the
+               layer's mean logit range max(z) - min(z) over the first ``--max-tokens`` tokens of the held-out
+               training shard 07 (``metrics.delta_calibration``). Appendix D.
   eviction     one global pool of 5/10/25/50 % of L·N experts: LRU, LFU, FLD, score, Least-Stale and
                Belady on the recorded original-routing trace, with collision misses (SpecMD figure 4); and
                speculative next-layer prefetch off / top-K / 80th percentile with per-layer LRU at N/2 and
@@ -364,7 +364,7 @@ def study_delta(ctx: Context) -> list[dict]:
         calib = calibrate_delta(ctx)
         if distributed.is_leader():
             atomic.write_json(calib_path, calib, indent=None, sort_keys=False, make_parents=True)
-    delta = round(calib["delta"], 6)
+    delta = [round(d, 6) for d in calib["per_layer"]]  # Δavg is per layer (DESIGN §2; paper eq. 10, appendix D)
     pts = []
     for lam in ctx.grid():
         sv = {"cache_size": str(size), "lam": lam}

@@ -210,7 +210,7 @@ def routing_record(kind: str, top_k: int, *, lam=None, top_j=None, max_rank=None
               "max_rank": top_k if max_rank is None else int(max_rank),
               "cumsum_p": None if cumsum_p is None else float(cumsum_p),
               "prune_h": top_k if prune_h is None else int(prune_h),
-              "delta": None if delta is None else float(delta)}
+              "delta": None if delta is None else float(delta) if np.ndim(delta) == 0 else [float(d) for d in delta]}
     used = KIND_FIELDS.get(kind, ROUTING_FIELDS)  # unknown (newer) kinds: keep everything given
     out = {"kind": kind, **{f: (values[f] if f in used else None) for f in ROUTING_FIELDS}}
     out.update(extra)

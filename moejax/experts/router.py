@@ -203,13 +203,14 @@ def route_layers_parallel(z: jax.Array, cache_state: CacheState, routing_state: 
     token scan over layers. Same outputs and states as ``route_sequence``, much faster."""
     split_cs = cache_lib.split_layers(cache_state)
     split_rs = jax.tree.map(lambda a: a[:, None], routing_state)
-    split_prior = routing_lib.split_policy_prior(policy)  # a learned prior's rows go with their layer
+    routing_lib.check_policy_layers(policy, routing_state.delta_sum.shape[0])
+    split = routing_lib.split_policy_layers(policy)  # a learned prior's rows, a per-layer Δ go with their layer
 
-    def one_layer(z_l, cs, rs, prior):
-        return route_tokens(z_l, 0, cs, rs, policy.replace(prior=prior), gating)
+    def one_layer(z_l, cs, rs, per_layer):
+        return route_tokens(z_l, 0, cs, rs, policy.replace(**per_layer), gating)
 
     experts, weights, hits, cs, rs = jax.vmap(one_layer, in_axes=(1, 0, 0, 0), out_axes=(1, 1, 1, 0, 0))(
-        z, split_cs, split_rs, split_prior)
+        z, split_cs, split_rs, split)
     return experts, weights, hits, cache_lib.merge_layers(cs), jax.tree.map(lambda a: a[:, 0], rs)
 
 

@@ -13,12 +13,14 @@ the very first token and equals the mean over every token seen so far, the curre
 
 from __future__ import annotations
 
+import argparse
 import math
 from typing import Any
 
 import flax.struct
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from moejax.experts import prior as prior_lib
 
@@ -51,7 +53,9 @@ class RoutingPolicy:
     """One routing policy. All numeric fields are scalars (or stacked along a leading axis for vmap).
 
     Fields that a kind does not use are ignored by it. ``delta_fixed`` < 0 or NaN means "use the
-    running mean of the logit range"; otherwise it is the calibrated Δ for every layer. ``prior`` holds the
+    running mean of the logit range"; otherwise it is the calibrated Δ: one value for every layer, or one per
+    MoE layer (shape [L]: the paper's Δavg is a per-layer quantity, appendix D calibrates it on other text;
+    an entry < 0 runs that layer's running mean). ``prior`` holds the
     learned prior's MLP parameters (``moejax.experts.prior``: arrays with a leading MoE-layer axis) for kind
     ``learned-prior`` and is None for every other kind.
     """
@@ -100,7 +104,8 @@ def cumsum(p, top_j) -> RoutingPolicy:
 
 
 def cache_prior(lam, top_j, delta=None) -> RoutingPolicy:
-    """z' = z + lam * Δ * (cached or top-J); ``delta`` None = per-layer running mean of the logit range."""
+    """z' = z + lam * Δ * (cached or top-J); ``delta`` None = per-layer running mean of the logit range, a
+    number = that Δ for every layer, a sequence = one Δ per MoE layer."""
     return _policy("cache-prior", lam=lam, top_j=top_j, delta_fixed=-1.0 if delta is None else delta)
 
 
@@ -146,8 +151,8 @@ def make_policy(kind: str, top_k: int, *, lam=None, top_j=None, max_rank=None, c
     if kind == "cache-prior":
         if not math.isfinite(float(lam)):
             raise ValueError(f"lambda must be finite, got {lam}")
-        if delta is not None and not (math.isfinite(float(delta)) and float(delta) >= 0):
-            raise ValueError(f"delta must be a finite Δ >= 0 (omit it for the running mean), got {delta}")
+        if delta is not None:
+            delta = check_delta(delta)
         return cache_prior(lam, top_j, delta)
     raise ValueError(f"unknown routing kind {kind!r}; expected one of {KINDS}")
 
@@ -163,25 +168,71 @@ def as_policy(routing, top_k: int) -> RoutingPolicy:
     return routing
 
 
+def check_delta(delta):
+    """A fixed Δ: a finite number >= 0, or a non-empty sequence of them (one per MoE layer); returned as a float
+    or a tuple of floats."""
+    per_layer = isinstance(delta, (list, tuple, np.ndarray, jax.Array)) and np.ndim(delta) == 1
+    values = list(np.asarray(delta, dtype=object).ravel()) if per_layer else [delta]
+    ok = bool(values) and all(not isinstance(v, bool) and isinstance(v, (int, float, np.number))
+                              and math.isfinite(float(v)) and float(v) >= 0 for v in values)
+    if not ok or (not per_layer and np.ndim(delta) != 0):
+        raise ValueError(f"delta must be a finite Δ >= 0, or one per MoE layer (omit it for the running mean), "
+                         f"got {delta!r}")
+    return tuple(float(v) for v in values) if per_layer else float(delta)
+
+
+def delta_arg(text: str):
+    """``--delta``'s value: one Δ (``2.5``) or one per MoE layer (``1.8,2.1,2.6``); checked by ``check_delta``
+    when the policy is made (argparse gives a bad number one error line naming the flag)."""
+    parts = text.split(",")
+    try:
+        values = [float(v) for v in parts]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"invalid Δ {text!r}: a number, or comma-separated numbers (one per MoE "
+                                         "layer)") from None
+    return values[0] if len(values) == 1 else tuple(values)
+
+
+def check_policy_layers(policy: RoutingPolicy, n_layers: int) -> None:
+    """A policy with per-layer data (a learned prior, a Δ per layer) fits a model of ``n_layers`` MoE layers."""
+    if policy.delta_fixed.ndim and policy.delta_fixed.shape[-1] != n_layers:
+        raise ValueError(f"delta has {policy.delta_fixed.shape[-1]} per-layer values; this model has {n_layers} "
+                         "MoE layers")
+    if policy.prior is not None:
+        prior_lib.check_compatible(policy.prior, n_layers)
+
+
 def stack_policies(policies: list[RoutingPolicy]) -> RoutingPolicy:
-    """Stack same-kind policies along a new leading axis, ready for ``jax.vmap(..., in_axes=0)``."""
+    """Stack same-kind policies along a new leading axis, ready for ``jax.vmap(..., in_axes=0)`` (a Δ for every
+    layer is spread over the layers where another policy of the batch has one per layer)."""
     kinds = {p.kind for p in policies}
     if len(kinds) != 1:
         raise ValueError(f"can only stack policies of one kind, got {sorted(kinds)}")
+    widths = {p.delta_fixed.shape for p in policies}
+    if len(widths) > 1:
+        layers = max(widths, key=len)
+        policies = [p.replace(delta_fixed=jnp.broadcast_to(p.delta_fixed, layers)) for p in policies]
     return jax.tree.map(lambda *xs: jnp.stack(xs), *policies)
 
 
 def policy_row(policy: RoutingPolicy, layer, n_layers: int) -> RoutingPolicy:
     """The policy as seen by a one-layer row view of the cache/routing state of MoE ``layer``: a learned
-    prior is sliced to that layer's row (other kinds hold no per-layer data and come back unchanged)."""
+    prior and a per-layer Δ are sliced to that layer's row (nothing else is per layer)."""
+    check_policy_layers(policy, n_layers)
+    if policy.delta_fixed.ndim:
+        policy = policy.replace(delta_fixed=jax.lax.dynamic_slice_in_dim(policy.delta_fixed, layer, 1))
     if policy.prior is None:
         return policy
     return policy.replace(prior=prior_lib.layer_rows(policy.prior, layer, n_layers))
 
 
-def split_policy_prior(policy: RoutingPolicy):
-    """Per-layer one-row priors [L, 1, ...] to ``vmap`` over layers (None for every other kind)."""
-    return None if policy.prior is None else prior_lib.split_layers(policy.prior)
+def split_policy_layers(policy: RoutingPolicy) -> dict:
+    """The per-layer fields as one-row views [L, 1, ...] to ``vmap`` over layers, for ``policy.replace``:
+    a learned prior (None for every other kind) and a per-layer Δ (a single Δ is left as it is)."""
+    out = {"prior": None if policy.prior is None else prior_lib.split_layers(policy.prior)}
+    if policy.delta_fixed.ndim:
+        out["delta_fixed"] = policy.delta_fixed[:, None]
+    return out
 
 
 # ----------------------------------------------------------------------------------------- routing state
@@ -276,6 +327,11 @@ def rerank(z: jax.Array, cache_mask: jax.Array, routing_state: RoutingState, pol
         return _promote_cached_then_top_j(ranking, cache_mask, m, policy.top_j), n_valid
     if policy.kind == "cache-prior":
         fixed = policy.delta_fixed
+        if fixed.ndim:  # one Δ per layer (in a one-layer row view: that layer's, at row 0)
+            if fixed.shape[0] != routing_state.delta_sum.shape[0]:
+                raise ValueError(f"delta has {fixed.shape[0]} per-layer values; the routing state has "
+                                 f"{routing_state.delta_sum.shape[0]} MoE layers")
+            fixed = fixed[layer]
         delta = jnp.where(fixed >= 0, fixed, running_delta(routing_state, layer))  # NaN >= 0 is False
         z_prior = cache_prior_logits(z, ranking, cache_mask, policy.lam, delta, policy.top_j)
         return gating.ranking(z_prior).astype(jnp.int32), n_valid

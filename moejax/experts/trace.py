@@ -522,8 +522,8 @@ def main(argv: list[str] | None = None) -> int:
     rp.add_argument("--cumsum-p", action=flags.Given, type=float, default=d["cumsum_p"],
                     help="cumsum threshold p (default 0.9)")
     rp.add_argument("--prune-h", action=flags.Given, type=int, default=d["prune_h"])
-    rp.add_argument("--delta", action=flags.Given, type=float, default=d["delta"],
-                    help="fixed Δ for cache-prior (default: running mean)")
+    rp.add_argument("--delta", action=flags.Given, type=routing_lib.delta_arg, default=d["delta"],
+                    help="fixed Δ for cache-prior (default: running mean); comma-separated: one per MoE layer")
     rp.add_argument("--prior", default=None, metavar="PATH",
                     help="learned-prior: checkpoint folder written by `python -m moejax.train_prior`")
     rp.add_argument("--gating", choices=("softmax", "group-limited", "sparsemixer"), default=None,

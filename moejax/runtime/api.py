@@ -218,7 +218,9 @@ class Model:
         return jnp.asarray(ids)
 
     def _policy(self, routing):
-        return routing_lib.as_policy(routing, self.cfg.top_k)
+        policy = routing_lib.as_policy(routing, self.cfg.top_k)
+        routing_lib.check_policy_layers(policy, self.cfg.n_moe_layers)  # a per-layer Δ or prior of another model
+        return policy
 
     def cached_expert_bytes(self, offload=None) -> int:
         """Bytes one cached expert occupies: a device slot's when offloading (``offload``, else the model's own

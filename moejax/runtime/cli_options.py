@@ -35,8 +35,9 @@ def add_routing_args(p: argparse.ArgumentParser) -> None:
                    help="cumsum probability threshold p (default 0.9)")
     g.add_argument("--prune-h", action=flags.Given, type=int, default=ROUTING_PARAMS["prune_h"][0],
                    help="pruning: keep ranks 1..h-1 (default K)")
-    g.add_argument("--delta", action=flags.Given, type=float, default=ROUTING_PARAMS["delta"][0],
-                   help="cache-prior: fixed calibrated Δ instead of the running mean of max(z)-min(z)")
+    g.add_argument("--delta", action=flags.Given, type=routing_lib.delta_arg, default=ROUTING_PARAMS["delta"][0],
+                   help="cache-prior: fixed calibrated Δ instead of the running mean of max(z)-min(z); one "
+                        "number for every layer, or comma-separated, one per MoE layer")
     g.add_argument("--prior", default=None, metavar="PATH",
                    help="learned-prior: checkpoint folder written by `python -m moejax.train_prior`")
     c = p.add_argument_group("expert cache")

@@ -12,6 +12,7 @@ import dataclasses
 import functools
 import math
 import time
+import typing
 from typing import Any, Callable
 
 import jax
@@ -30,7 +31,11 @@ class Sampling:
     limit of sampling as T → 0); otherwise temperature, then top-k, then nucleus (top-p) sampling — the order
     of transformers' logits warpers. ``repetition_penalty`` (transformers' ``RepetitionPenaltyLogitsProcessor``,
     greedy included): every token already in the prompt or the output has its logit divided by it (multiplied,
-    where negative) before the choice; 1 is off."""
+    where negative) before the choice; 1 is off.
+
+    A pytree: the four numbers are its leaves, so jitted code takes them as values and one compiled program
+    serves every temperature, top-p, top-k and penalty (a server's requests each send their own); only which
+    steps run (``steps``: greedy or not, top-k, top-p, penalty on or off) is part of the program."""
 
     temperature: float = 0.0
     top_p: float = 1.0
@@ -47,10 +52,48 @@ class Sampling:
         if not (isinstance(self.repetition_penalty, (int, float, np.floating)) and 0 < self.repetition_penalty
                 and math.isfinite(self.repetition_penalty)):
             raise ValueError(f"repetition_penalty must be a finite number > 0 (1: off), got {self.repetition_penalty!r}")
+        greedy = self.temperature < float(np.finfo(np.float32).tiny)
+        object.__setattr__(self, "steps", SamplingSteps(greedy, not greedy and self.top_k > 0,
+                                                        not greedy and self.top_p < 1, self.repetition_penalty != 1))
 
     @property
     def penalised(self) -> bool:
-        return self.repetition_penalty != 1
+        return self.steps.penalty
+
+
+class SamplingSteps(typing.NamedTuple):
+    """Which steps a ``Sampling`` runs: the static part of the pytree (what a compiled program depends on)."""
+
+    greedy: bool
+    top_k: bool
+    top_p: bool
+    penalty: bool
+
+
+def _typed(x, dtype):
+    """A number from the caller as a typed scalar (a float past float32's range as its largest: the limit, with
+    no overflow warning); traced values and shapes as they are."""
+    if not isinstance(x, (int, float, np.number)):
+        return x
+    if dtype == np.float32:
+        x = min(float(x), float(np.finfo(np.float32).max))
+    return np.asarray(x, dtype)
+
+
+def _flatten_sampling(s: Sampling):
+    leaves = (s.temperature, s.top_p, s.top_k, s.repetition_penalty)
+    return tuple(_typed(x, dtype) for x, dtype in zip(leaves, (np.float32, np.float32, np.int32, np.float32))), s.steps
+
+
+def _unflatten_sampling(steps: SamplingSteps, leaves) -> Sampling:
+    s = object.__new__(Sampling)  # traced values: no checks (they were made on the numbers)
+    for name, value in zip(("temperature", "top_p", "top_k", "repetition_penalty"), leaves):
+        object.__setattr__(s, name, value)
+    object.__setattr__(s, "steps", steps)
+    return s
+
+
+jax.tree_util.register_pytree_node(Sampling, _flatten_sampling, _unflatten_sampling)
 
 
 #: transformers' ``GenerationConfig`` defaults for what a ``generation_config.json`` that samples leaves out
@@ -119,10 +162,10 @@ def see(seen: jax.Array | None, token) -> jax.Array | None:
 
 def penalised_logits(logits: jax.Array, sampling: Sampling, seen: jax.Array | None = None) -> jax.Array:
     """``logits`` with the repetition penalty applied to the ``seen`` tokens (unchanged without one)."""
-    if not sampling.penalised:
+    if not sampling.steps.penalty:
         return logits
     logits = logits.astype(jnp.float32)
-    penalty = jnp.float32(sampling.repetition_penalty)
+    penalty = jnp.asarray(_typed(sampling.repetition_penalty, np.float32), jnp.float32)
     return jnp.where(seen, jnp.where(logits < 0, logits * penalty, logits / penalty), logits)
 
 
@@ -133,12 +176,15 @@ def sampling_logits(logits: jax.Array, sampling: Sampling, seen: jax.Array | Non
     # shifted to a maximum of 0 first: a tiny temperature then tends to greedy (0 / T = 0, the rest -inf)
     # instead of inf / inf = NaN (a subnormal T gave garbage tokens); a huge one is float32's largest (the
     # limit T → inf, uniform sampling, without an overflow warning when it is cast)
-    temperature = min(sampling.temperature, float(np.finfo(np.float32).max))
+    temperature = jnp.asarray(_typed(sampling.temperature, np.float32), jnp.float32)
     logits = (logits - jnp.max(logits, axis=-1, keepdims=True)) / temperature
-    if 0 < sampling.top_k < logits.shape[-1]:  # the k largest stay (ties with the k-th too, as transformers)
-        kth = jax.lax.top_k(logits, sampling.top_k)[0][-1]
+    steps = sampling.steps
+    if steps.top_k:  # the k largest stay (ties with the k-th too, as transformers); k >= V keeps all
+        size = logits.shape[-1]
+        k = jnp.clip(jnp.asarray(sampling.top_k, jnp.int32), 1, size)
+        kth = jnp.sort(logits)[size - k]
         logits = jnp.where(logits < kth, -jnp.inf, logits)
-    if sampling.top_p < 1:
+    if steps.top_p:
         order = jnp.argsort(-logits)
         probs = jax.nn.softmax(logits[order])
         # the most likely token always stays (a subnormal top_p, flushed to 0 by XLA, kept none: token 0)
@@ -150,7 +196,7 @@ def sampling_logits(logits: jax.Array, sampling: Sampling, seen: jax.Array | Non
 
 def sample(logits: jax.Array, key: jax.Array, sampling: Sampling, seen: jax.Array | None = None) -> jax.Array:
     """The next token from one position's logits [V]; ``seen`` (``seen_tokens``) when ``sampling`` penalises."""
-    if sampling.temperature < float(np.finfo(np.float32).tiny):
+    if sampling.steps.greedy:
         return jnp.argmax(penalised_logits(logits, sampling, seen), axis=-1).astype(jnp.int32)
     return jax.random.categorical(key, sampling_logits(logits, sampling, seen)).astype(jnp.int32)
 
@@ -173,7 +219,7 @@ def _trace_record(out) -> dict:
     return {"experts": out.experts, "weights": out.weights, "logits": out.router_logits, **out.records}
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "router", "sampling"), donate_argnames=("kv",))
+@functools.partial(jax.jit, static_argnames=("cfg", "router"), donate_argnames=("kv",))
 def prefill(params, cfg: ModelConfig, tokens, kv, key, router, router_state, sampling: Sampling, pos0=0,
             seen=None):
     """Run the prompt (or a piece of it starting at ``pos0``), fill the KV cache, sample the next token
@@ -200,8 +246,7 @@ def keep_when_done(done, new, old, no_rollback: tuple[str, ...] = ()):
     return jax.tree.map(lambda n, o: jnp.where(done, o, n), new, old)
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "router", "sampling", "steps", "eos"),
-                   donate_argnames=("state",))
+@functools.partial(jax.jit, static_argnames=("cfg", "router", "steps", "eos"), donate_argnames=("state",))
 def decode_chunk(params, cfg: ModelConfig, state: DecodeState, router, sampling: Sampling, steps: int,
                  eos: tuple[int, ...]):
     """``steps`` decode steps in one ``lax.scan``: feed the last token, sample the next."""
@@ -392,7 +437,7 @@ def generate(params, cfg: ModelConfig, prompt_ids, *, max_new_tokens: int, sampl
 
     # compile ahead of time so time to first token and tokens/s measure the model, not XLA
     t_compile = time.perf_counter()
-    statics = dict(cfg=cfg, router=router, sampling=sampling)
+    statics = dict(cfg=cfg, router=router)
     decode_policy = None
     if prefill_policy is not None:
         if router_state is None:
@@ -405,7 +450,7 @@ def generate(params, cfg: ModelConfig, prompt_ids, *, max_new_tokens: int, sampl
     for n, a in zip(pieces, starts):  # each piece sees the states the one before leaves
         # lowered from shapes alone, so a piece size compiles once whether it comes first or later
         args = _shapes(dict(tokens=tokens_in[a:a + n], kv=kv_s, key=key, router_state=rs_s, pos0=jnp.int32(a),
-                            seen=seen))
+                            seen=seen, sampling=sampling))
         run_pieces.append(prefill.lower(params, **args, **statics).compile())
         first_s, kv_s, key_s, rs_s, _, _ = jax.eval_shape(functools.partial(prefill, **statics), params, **args)
     if decode_policy is not None:
@@ -414,7 +459,8 @@ def generate(params, cfg: ModelConfig, prompt_ids, *, max_new_tokens: int, sampl
                           jax.ShapeDtypeStruct((), jnp.bool_), jax.ShapeDtypeStruct((), jnp.int32), _shapes(seen))
     run_chunk = None
     if n_chunks:
-        run_chunk = decode_chunk.lower(params, state=state_s, steps=chunk, eos=eos, **statics).compile()
+        run_chunk = decode_chunk.lower(params, state=state_s, sampling=_shapes(sampling), steps=chunk, eos=eos,
+                                       **statics).compile()
     compile_time = time.perf_counter() - t_compile
 
     t0 = time.perf_counter()
@@ -422,7 +468,7 @@ def generate(params, cfg: ModelConfig, prompt_ids, *, max_new_tokens: int, sampl
     for run, n, a in zip(run_pieces, pieces, starts):  # every piece gets the same key: one split, as unpieced
         first, kv, key_after, router_state, rec, finite = run(params, tokens=tokens_in[a:a + n], kv=kv, key=key,
                                                               router_state=router_state, pos0=jnp.int32(a),
-                                                              seen=seen)
+                                                              seen=seen, sampling=sampling)
         piece_records.append(rec)
     key = key_after
     rec = jax.tree.map(lambda *r: jnp.concatenate(r, axis=1), *piece_records) if len(pieces) > 1 else rec
@@ -444,7 +490,7 @@ def generate(params, cfg: ModelConfig, prompt_ids, *, max_new_tokens: int, sampl
     finished = not tokens or (first in eos) or ended_by is not None
     fed = int(prompt.size)  # tokens run through the model (and the expert cache): the prompt, then each step's
     while not finished and len(tokens) < max_new_tokens:
-        state, (new, done, rec, finite) = run_chunk(params, state=state)
+        state, (new, done, rec, finite) = run_chunk(params, state=state, sampling=sampling)
         records.append((rec, done))
         new, done = np.asarray(new), np.asarray(done)
         active = ~done

@@ -147,7 +147,7 @@ def _logits(params, cfg: ModelConfig, x):
     return model_lib.linear(x, model_lib.lm_head(params, cfg), params.get("lm_head_bias")).astype(jnp.float32)
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "sampling"))
+@functools.partial(jax.jit, static_argnames=("cfg",))
 def _head(params, cfg: ModelConfig, x, key, sampling, seen=None):
     """Sample the token after the last row of x (one split of the key, as ``decode.prefill``; ``seen``: the
     tokens so far, with a repetition penalty)."""

@@ -83,10 +83,10 @@ def replay_masks(z: jax.Array, cache_state, routing_state, policy, gating):
     return the cache bitmask each step saw before routing, m [T, L, N], and the experts chosen [T, L, K]."""
     split_cs = cache_lib.split_layers(cache_state)
     split_rs = jax.tree.map(lambda a: a[:, None], routing_state)
-    split_prior = routing_lib.split_policy_prior(policy)
+    split = routing_lib.split_policy_layers(policy)
 
-    def one_layer(z_l, cs, rs, prior):
-        pol = policy.replace(prior=prior)
+    def one_layer(z_l, cs, rs, per_layer):
+        pol = policy.replace(**per_layer)
 
         def step(carry, z_t):
             cs, rs = carry
@@ -96,7 +96,7 @@ def replay_masks(z: jax.Array, cache_state, routing_state, policy, gating):
 
         return lax.scan(step, (cs, rs), z_l)[1]
 
-    return jax.vmap(one_layer, in_axes=(1, 0, 0, 0), out_axes=1)(z, split_cs, split_rs, split_prior)
+    return jax.vmap(one_layer, in_axes=(1, 0, 0, 0), out_axes=1)(z, split_cs, split_rs, split)
 
 
 def record(model: api.Model, ids: np.ndarray, context: int, cache: simulate.CacheConfig, policy=None,
