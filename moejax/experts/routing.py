@@ -328,9 +328,7 @@ def rerank(z: jax.Array, cache_mask: jax.Array, routing_state: RoutingState, pol
     if policy.kind == "cache-prior":
         fixed = policy.delta_fixed
         if fixed.ndim:  # one Δ per layer (in a one-layer row view: that layer's, at row 0)
-            if fixed.shape[0] != routing_state.delta_sum.shape[0]:
-                raise ValueError(f"delta has {fixed.shape[0]} per-layer values; the routing state has "
-                                 f"{routing_state.delta_sum.shape[0]} MoE layers")
+            check_policy_layers(policy, routing_state.delta_sum.shape[0])
             fixed = fixed[layer]
         delta = jnp.where(fixed >= 0, fixed, running_delta(routing_state, layer))  # NaN >= 0 is False
         z_prior = cache_prior_logits(z, ranking, cache_mask, policy.lam, delta, policy.top_j)

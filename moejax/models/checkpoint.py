@@ -201,12 +201,18 @@ def _copy_companion_files(src: str, dst: str) -> None:
 
 
 # ------------------------------------------------------------------------------------ Hugging Face in
-def _refuse_pickles(folder: str) -> None:
-    pickled = sorted(f for f in os.listdir(folder) if f.endswith((".bin", ".pt", ".pth", ".ckpt")))
+#: pickled weight files: never read (``refuse_pickles``)
+PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt")
+
+
+def refuse_pickles(where: str, names, source: str = "PATH") -> None:
+    """The error for weights that exist only pickled (``.bin``, ``.pt``, ...) among ``names``: moejax never
+    unpickles; it says how to re-save them (``source``: what ``from_pretrained`` is given)."""
+    pickled = sorted(f for f in names if f.endswith(PICKLE_SUFFIXES))
     if pickled:
         raise CheckpointError(
-            f"{folder} holds pickled weights ({', '.join(pickled)}) and no safetensors; moejax never "
-            "unpickles. Convert them once with transformers: `AutoModelForCausalLM.from_pretrained(PATH)"
+            f"{where} has only pickled weights ({', '.join(pickled)}) and no safetensors; moejax never "
+            f"unpickles. Convert them once with transformers: `AutoModelForCausalLM.from_pretrained({source})"
             ".save_pretrained(OUT, safe_serialization=True)` (or use the model's safetensors release)."
         )
 
@@ -238,32 +244,49 @@ def read_json_object(path: str, what: str) -> dict:
     return value
 
 
+def weight_files(names, read_index, where: str, index_name: str = "model.safetensors.index.json",
+                 stem: str = "", source: str = "PATH") -> tuple[list[str], dict | None]:
+    """The weight files a checkpoint holding the files ``names`` is read from, in transformers' order: the single
+    file (``model.safetensors``), else the shards its index names (``read_index()``: the index's text), else every
+    ``.safetensors`` whose name starts with ``stem`` (the moejax format's ``params*``); and the index's weight map
+    (None without one). ``where`` names the checkpoint in errors (a folder, a hub id): a broken index, a shard
+    outside the folder, no
+    weights at all (pickled ones refused by name, ``refuse_pickles``)."""
+    single = index_name[:-len(".index.json")]
+    if single in names:  # transformers' order: the single file wins over an index
+        return [single], None
+    if index_name in names:
+        try:
+            weight_map = json.loads(read_index()).get("weight_map", {})
+        except (ValueError, AttributeError) as e:
+            raise CheckpointError(f"{os.path.join(where, index_name)}: not a safetensors index ({e})") from None
+        if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+            raise CheckpointError(f"{os.path.join(where, index_name)}: 'weight_map' must map tensor names to shard "
+                                  "file names")
+        shards = sorted(set(weight_map.values()))
+        outside = [n for n in shards if os.path.isabs(n) or os.path.basename(n) != n or n in (".", "..")]
+        if outside:  # shards live in the folder itself: never follow an index elsewhere
+            raise CheckpointError(f"{os.path.join(where, index_name)} names shard {outside[0]!r} outside the model "
+                                  "folder; refusing it")
+        return shards, weight_map
+    found = sorted(f for f in names if f.endswith(".safetensors") and f.startswith(stem))
+    if not found:
+        refuse_pickles(where, names, source)
+        raise CheckpointError(f"{where} has no .safetensors weights")
+    return found, None
+
+
 def _open_shards(folder: str, index_name: str = "model.safetensors.index.json",
                  stem: str = "") -> dict[str, safetensors_io.SafetensorsFile]:
     """Map every tensor key to the (memory-mapped) file holding it; fail on duplicates and broken indexes.
     ``stem``: only files whose names start with it count (the moejax format's ``params*.safetensors``)."""
     index_path = os.path.join(folder, index_name)
-    single = index_name[:-len(".index.json")]
-    if os.path.isfile(os.path.join(folder, single)):  # transformers' order: the single file wins over an index
-        weight_map, names = None, [single]
-    elif os.path.isfile(index_path):
-        try:
-            with open(index_path) as f:
-                weight_map = json.load(f).get("weight_map", {})
-        except (ValueError, AttributeError) as e:
-            raise CheckpointError(f"{index_path}: not a safetensors index ({e})") from None
-        if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
-            raise CheckpointError(f"{index_path}: 'weight_map' must map tensor names to shard file names")
-        names = sorted(set(weight_map.values()))
-        outside = [n for n in names if os.path.isabs(n) or os.path.basename(n) != n or n in (".", "..")]
-        if outside:  # shards live in the folder itself: never follow an index elsewhere
-            raise CheckpointError(f"{index_path} names shard {outside[0]!r} outside the model folder; refusing it")
-    else:
-        weight_map = None
-        names = sorted(f for f in os.listdir(folder) if f.endswith(".safetensors") and f.startswith(stem))
-    if not names:
-        _refuse_pickles(folder)
-        raise CheckpointError(f"{folder} has no .safetensors weights")
+
+    def read_index() -> str:
+        with open(index_path) as f:
+            return f.read()
+
+    names, weight_map = weight_files(os.listdir(folder), read_index, folder, index_name, stem)
     files, where = {}, {}
     for name in names:
         path = os.path.join(folder, name)

@@ -25,13 +25,12 @@ import shutil
 import subprocess
 import sys
 
+from moejax.models import checkpoint
 from moejax.models.checkpoint import CARD_FILES, TOKENIZER_FILES, CheckpointError
 
 #: the files of a repository's top level that moejax reads besides the weights (the model card and licence
 #: files: a conversion carries them)
 META_FILES = ("config.json", *TOKENIZER_FILES, *CARD_FILES, "model.safetensors.index.json")
-_WEIGHTS = ".safetensors"
-_PICKLES = (".bin", ".pt", ".pth", ".ckpt")
 # the hub's rules for a repository name: letters, digits, '-', '_', '.', at most 96 characters, no '--' or '..'
 _NAME = r"[A-Za-z0-9](?:[A-Za-z0-9_.-]{0,94}[A-Za-z0-9_])?"
 _REPO_ID = re.compile(rf"({_NAME}/{_NAME})(?:@([A-Za-z0-9][A-Za-z0-9_./-]{{0,254}}))?")
@@ -54,7 +53,8 @@ def snapshot_folder(model: str) -> str:
     repo, revision = repo_of(model)
     if hf.constants.is_offline_mode():
         return _cached(hf, model, repo, revision, "HF_HUB_OFFLINE is set")
-    asked = _hub_call(hf, repo, revision, [*META_FILES, f"*{_WEIGHTS}", *(f"*{p}" for p in _PICKLES)], dry_run=True)
+    listed = [*META_FILES, "*.safetensors", *(f"*{p}" for p in checkpoint.PICKLE_SUFFIXES)]  # pickles: to refuse
+    asked = _hub_call(hf, repo, revision, listed, dry_run=True)
     if "error" in asked:
         _refuse_hub_answer(hf, model, repo, revision, asked)
         return _cached(hf, model, repo, revision, f"the hub cannot be reached: {_first_line(asked['message'])}")
@@ -78,36 +78,18 @@ def snapshot_folder(model: str) -> str:
 
 
 def weight_files(names: list[str], folder: str, repo: str) -> list[str]:
-    """The weight files the loader reads from a folder holding ``names`` (``checkpoint._open_shards``' order:
-    ``model.safetensors``, else the index's shards, else every ``.safetensors``); ``folder`` holds the index."""
-    if "model.safetensors" in names:
-        return ["model.safetensors"]
-    index = "model.safetensors.index.json"
-    if index in names:
-        try:
-            with open(os.path.join(folder, index), encoding="utf-8") as f:
-                weight_map = json.load(f).get("weight_map")
-            shards = sorted(set(weight_map.values()))
-        except (ValueError, AttributeError, TypeError) as e:
-            raise CheckpointError(f"{repo}'s {index} is not a safetensors index ({e})") from None
-        outside = [s for s in shards if not isinstance(s, str) or os.path.basename(s) != s or s in (".", "..")]
-        if outside:
-            raise CheckpointError(f"{repo}'s {index} names shard {outside[0]!r} outside the model folder; refusing it")
-        absent = [s for s in shards if s not in names]
-        if absent:
-            raise CheckpointError(f"{repo}'s {index} names shard {absent[0]}, which the repository does not hold")
-        return shards
-    weights = [n for n in names if n.endswith(_WEIGHTS)]
-    if weights:
-        return weights
-    pickled = [n for n in names if n.endswith(_PICKLES)]
-    if pickled:
-        raise CheckpointError(
-            f"the Hugging Face hub model {repo} has only pickled weights ({', '.join(pickled[:3])}) and no "
-            "safetensors; moejax never unpickles. Convert them once with transformers: "
-            "`AutoModelForCausalLM.from_pretrained(ID).save_pretrained(OUT, safe_serialization=True)`, then "
-            "pass --model OUT (or use the model's safetensors release).")
-    raise CheckpointError(f"the Hugging Face hub model {repo} has no .safetensors weights")
+    """The weight files the loader will read from a repository holding ``names`` (``checkpoint.weight_files``:
+    its order and checks; ``folder`` holds the fetched index), all of which the repository must hold."""
+    def read_index() -> str:
+        with open(os.path.join(folder, "model.safetensors.index.json"), encoding="utf-8") as f:
+            return f.read()
+
+    weights, _ = checkpoint.weight_files(names, read_index, repo, source=repo)
+    absent = [name for name in weights if name not in names]
+    if absent:
+        raise CheckpointError(f"{repo}/model.safetensors.index.json names shard {absent[0]}, which the repository "
+                              "does not hold")
+    return weights
 
 
 #: what ``_hub_call`` runs in a child process: one ``snapshot_download``, its result or error as JSON on stdout

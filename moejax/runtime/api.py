@@ -458,7 +458,8 @@ class Model:
         return textproc.wikitext_detokenize(raw) if textproc.is_wikitext_style(self.generation_config) else raw
 
     def generate(self, prompt_ids, max_new_tokens: int = 64, temperature: float = 0.0, top_p: float = 1.0,
-                 top_k: int = 0, repetition_penalty: float = 1.0, seed: int = 0, stop_at_eos: bool = True, on_tokens=None, chunk: int = DECODE_CHUNK,
+                 top_k: int = 0, repetition_penalty: float = 1.0, seed: int = 0, stop_at_eos: bool = True,
+                 on_tokens=None, chunk: int = DECODE_CHUNK,
                  routing=None, cache=None, state: dict | None = None,
                  prefill_routing=None, offload=None, stop=(), cancelled=None,
                  bucketed: bool = False, keep_slots: bool = False, on_cache=None) -> decode.GenerateResult:

@@ -213,6 +213,19 @@ def cache_requested(args: argparse.Namespace) -> bool:
             or any(flags.given(args, k, d) for k, (d, _) in ROUTING_PARAMS.items()))
 
 
+def add_generation_config_arg(p: argparse.ArgumentParser, what: str) -> None:
+    """``--generation-config auto|none``: whether ``what`` not given (sampling settings, a request's fields)
+    comes from the checkpoint's ``generation_config.json`` (``checkpoint_sampling``)."""
+    p.add_argument("--generation-config", choices=("auto", "none"), default="auto",
+                   help=f"auto (default): {what} not given come from the checkpoint's generation_config.json, "
+                        "as transformers' generate and vLLM take them; none: greedy, no penalty, unless given")
+
+
+def checkpoint_sampling(args: argparse.Namespace, model) -> dict:
+    """The sampling defaults ``--generation-config`` lets the checkpoint give (``Model.sampling_defaults``)."""
+    return model.sampling_defaults if args.generation_config == "auto" else {}
+
+
 def policy_from_args(args: argparse.Namespace, top_k: int) -> routing_lib.RoutingPolicy:
     prior_path = getattr(args, "prior", None)
     prior_lib.check_prior_flag(args.routing, prior_path)

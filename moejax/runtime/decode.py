@@ -56,10 +56,6 @@ class Sampling:
         object.__setattr__(self, "steps", SamplingSteps(greedy, not greedy and self.top_k > 0,
                                                         not greedy and self.top_p < 1, self.repetition_penalty != 1))
 
-    @property
-    def penalised(self) -> bool:
-        return self.steps.penalty
-
 
 class SamplingSteps(typing.NamedTuple):
     """Which steps a ``Sampling`` runs: the static part of the pytree (what a compiled program depends on)."""
@@ -139,7 +135,7 @@ def resolve_sampling(given: dict, defaults: dict) -> tuple[dict, list[str]]:
             from_file.append(key)
         else:
             out[key] = fallback
-    if Sampling(**out).temperature < float(np.finfo(np.float32).tiny):
+    if Sampling(**out).steps.greedy:
         for key in ("top_p", "top_k"):
             if key in from_file:
                 out[key] = SAMPLING_FALLBACK[key]
@@ -150,7 +146,7 @@ def resolve_sampling(given: dict, defaults: dict) -> tuple[dict, list[str]]:
 def seen_tokens(sampling: Sampling, vocab_size: int, tokens) -> jax.Array | None:
     """What a repetition penalty applies to: a [V] mask of the tokens so far (prompt, then output); None
     without a penalty (nothing is carried then)."""
-    if not sampling.penalised:
+    if not sampling.steps.penalty:
         return None
     return jnp.zeros(vocab_size, jnp.bool_).at[jnp.asarray(tokens, jnp.int32)].set(True)
 

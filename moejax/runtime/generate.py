@@ -41,9 +41,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--repetition-penalty", type=float, default=None,
                    help="divide the logits of tokens already in the prompt or output by this (transformers' "
                         "repetition_penalty; greedy too; default 1: off)")
-    p.add_argument("--generation-config", choices=("auto", "none"), default="auto",
-                   help="auto (default): sampling settings not given come from the checkpoint's "
-                        "generation_config.json, as transformers' generate takes them; none: greedy unless given")
+    cli_options.add_generation_config_arg(p, "sampling settings")
     p.add_argument("--seed", type=errors.seed_arg, default=None, help="sampling seed (default 0); with --temperature > 0")
     p.add_argument("--chat", action="store_true", help="wrap the prompt in the checkpoint's chat template")
     p.add_argument("--ignore-eos", action="store_true", help="keep generating past end-of-sequence tokens")
@@ -165,8 +163,7 @@ def run(args: argparse.Namespace) -> dict:
     decode.check_prompt(ids, model.cfg)  # a prompt past the context: one error line, before the note below
     if offload is not None:
         offload_lib.check_cache(model.cfg, cache.capacity(model.cfg), cache.eviction)
-    sampling, from_file = decode.resolve_sampling(
-        given, model.sampling_defaults if args.generation_config == "auto" else {})
+    sampling, from_file = decode.resolve_sampling(given, cli_options.checkpoint_sampling(args, model))
     ignored = [flag for flag, value in (("--top-p", args.top_p), ("--top-k", args.top_k), ("--seed", args.seed))
                if value is not None]
     if sampling["temperature"] == 0 and ignored:  # a note, not a refusal: scripts pass a seed to every run

@@ -302,8 +302,8 @@ class Server:
             raise RequestError(f"{key} = {max_tokens} does not fit: the prompt takes {len(ids)} of the "
                                f"{self.context} positions ({room} left)", param=key, code="context_length_exceeded")
         sampling, _ = decode.resolve_sampling(
-            {"temperature": _number(body, "temperature", None, 0.0, 2.0), "top_p": _number(body, "top_p", None, 1e-6, 1.0),
-             "top_k": _top_k(body),
+            {"temperature": _number(body, "temperature", None, 0.0, 2.0),
+             "top_p": _number(body, "top_p", None, 1e-6, 1.0), "top_k": _top_k(body),
              "repetition_penalty": _number(body, "repetition_penalty", None, 1e-6, 100.0)},
             self.engine.sampling_defaults)
         return Job(prompt_ids=ids, max_tokens=max_tokens, **sampling,
@@ -554,9 +554,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="before listening, compile everything prompts up to TOKENS tokens need (with up to 256 "
                         "new tokens), so no request waits for XLA (default 0: compile on first use; a few "
                         "seconds per program on a CPU; JAX_COMPILATION_CACHE_DIR keeps them across restarts)")
-    p.add_argument("--generation-config", choices=("auto", "none"), default="auto",
-                   help="auto (default): sampling fields a request leaves out come from the checkpoint's "
-                        "generation_config.json (as vLLM does); none: greedy, no penalty, unless a request asks")
+    cli_options.add_generation_config_arg(p, "sampling fields a request leaves out")
     p.add_argument("--log-level", default="warning", choices=["critical", "error", "warning", "info", "debug"])
     cli_options.add_weight_args(p)
     cli_options.add_routing_args(p)
@@ -601,7 +599,7 @@ def build_engine(args: argparse.Namespace) -> Engine:
     cache = cli_options.cache_from_args(args, model, offload)  # a bad --cache-size fails here, before the start
     served = {k: getattr(args, k) for k in ROUTING_OVERRIDE_KEYS[1:] if getattr(args, k, None) is not None}
     return Engine(model, policy, cache, offload, args.max_queue, args.served_name or args.model, served,
-                  model.sampling_defaults if args.generation_config == "auto" else {})
+                  cli_options.checkpoint_sampling(args, model))
 
 
 def main(argv: list[str] | None = None) -> int:
