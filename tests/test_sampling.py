@@ -10,6 +10,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from hypothesis.extra.numpy import arrays
 from conftest import get_hf_model, get_moejax_model
 from test_hf_parity import _informative_prompt
 
@@ -43,6 +46,39 @@ def test_the_distribution_sampled_is_transformers(sampling):
         ref = _hf_processed(logits, seen, sampling)
         np.testing.assert_array_equal(np.isfinite(ours), np.isfinite(ref))
         np.testing.assert_allclose(jax.nn.softmax(ours), torch.softmax(torch.as_tensor(ref), -1).numpy(), atol=1e-6)
+
+
+_ROWS = st.integers(1, 300).flatmap(lambda n: st.tuples(
+    arrays(np.float32, n, elements=st.floats(-30, 30, width=32)),
+    st.sampled_from([np.float32, jnp.bfloat16])))  # bfloat16-rounded rows tie often, as real logits do
+
+
+@settings(max_examples=60, deadline=None)
+@given(row=_ROWS, k=st.integers(1, 400))
+def test_top_k_found_without_sorting_is_the_sorted_kth_value(row, k):
+    """The k-th largest value is searched a bit at a time (no sort of the vocabulary): it is the sort's."""
+    values, dtype = row
+    logits = np.asarray(jnp.asarray(values).astype(dtype).astype(np.float32))
+    ours = np.asarray(decode.sampling_logits(jnp.asarray(logits), decode.Sampling(1.0, 1.0, k)))
+    kth = np.sort(logits - logits.max())[-min(k, logits.size)]
+    np.testing.assert_array_equal(np.isfinite(ours), logits - logits.max() >= kth)
+
+
+@settings(max_examples=60, deadline=None)
+@given(row=_ROWS, top_p=st.floats(1e-6, 1, exclude_max=True))
+def test_the_nucleus_found_without_sorting_is_the_sorted_one(row, top_p):
+    """A token stays when the tokens more likely than it hold less than top_p of the mass (ties at the edge all
+    stay): the sorted cumulative sum's rule, in float64 here; only tokens within float32's rounding of the
+    edge may differ."""
+    values, dtype = row
+    logits = np.asarray(jnp.asarray(values).astype(dtype).astype(np.float32))
+    ours = np.isfinite(np.asarray(decode.sampling_logits(jnp.asarray(logits), decode.Sampling(1.0, top_p))))
+    probs = np.exp(np.float64(logits) - logits.max())
+    probs /= probs.sum()
+    above = np.array([probs[logits > x].sum() for x in logits])  # the mass more likely than each token
+    edge = np.abs(above - top_p) < 1e-5
+    np.testing.assert_array_equal(ours[~edge], (above < top_p)[~edge])
+    assert ours[np.argmax(logits)]
 
 
 def test_sampled_tokens_stay_in_the_top_k_and_top_k_one_is_greedy():

@@ -29,7 +29,8 @@ from moejax.models.model import forward, forward_sequential, init_kv
 class Sampling:
     """Greedy when temperature == 0 (or below float32's smallest normal number, which XLA flushes to 0: the
     limit of sampling as T → 0); otherwise temperature, then top-k, then nucleus (top-p) sampling — the order
-    of transformers' logits warpers. ``repetition_penalty`` (transformers' ``RepetitionPenaltyLogitsProcessor``,
+    of transformers' logits warpers (tokens tied at the nucleus' edge all stay; a sort kept whichever it put
+    first). ``repetition_penalty`` (transformers' ``RepetitionPenaltyLogitsProcessor``,
     greedy included): every token already in the prompt or the output has its logit divided by it (multiplied,
     where negative) before the choice; 1 is off.
 
@@ -176,18 +177,33 @@ def sampling_logits(logits: jax.Array, sampling: Sampling, seen: jax.Array | Non
     logits = (logits - jnp.max(logits, axis=-1, keepdims=True)) / temperature
     steps = sampling.steps
     if steps.top_k:  # the k largest stay (ties with the k-th too, as transformers); k >= V keeps all
-        size = logits.shape[-1]
-        k = jnp.clip(jnp.asarray(sampling.top_k, jnp.int32), 1, size)
-        kth = jnp.sort(logits)[size - k]
-        logits = jnp.where(logits < kth, -jnp.inf, logits)
-    if steps.top_p:
-        order = jnp.argsort(-logits)
-        probs = jax.nn.softmax(logits[order])
+        keys = ordered_keys(logits)
+        k = jnp.asarray(sampling.top_k, jnp.int32)
+        kth = largest_key_where(lambda t: jnp.sum(keys >= t, dtype=jnp.int32) >= k)
+        logits = jnp.where(keys < kth, -jnp.inf, logits)
+    if steps.top_p:  # the nucleus: every token whose more likely tokens hold less than top_p of the mass
+        keys = ordered_keys(logits)
+        probs = jax.nn.softmax(logits)
+        below = largest_key_where(lambda t: jnp.sum(jnp.where(keys > t, probs, 0.0)) >= sampling.top_p)
         # the most likely token always stays (a subnormal top_p, flushed to 0 by XLA, kept none: token 0)
-        keep_sorted = (jnp.cumsum(probs) - probs < sampling.top_p).at[0].set(True)
-        keep = jnp.zeros_like(keep_sorted).at[order].set(keep_sorted)
-        logits = jnp.where(keep, logits, -jnp.inf)
+        logits = jnp.where((keys > below) | (logits == 0), logits, -jnp.inf)
     return logits
+
+
+def ordered_keys(x: jax.Array) -> jax.Array:
+    """uint32 keys in the order of the float32 values ``x`` (one-to-one: -0 sorts just below +0)."""
+    bits = jax.lax.bitcast_convert_type(x.astype(jnp.float32), jnp.uint32)
+    return jnp.where(bits >> 31 == 1, ~bits, bits | jnp.uint32(1 << 31))
+
+
+def largest_key_where(holds: Callable[[jax.Array], jax.Array]) -> jax.Array:
+    """The largest uint32 ``t`` for which ``holds(t)`` (true up to some point, false after it), or 0: found a
+    bit at a time, 32 passes over the keys. Top-k and top-p thresholds without sorting the vocabulary (a sort
+    of 152k logits took 31-40 ms a token on the CPU; these passes 2-4 ms)."""
+    def set_bit(i, t):
+        candidate = t | (jnp.uint32(1) << (31 - i).astype(jnp.uint32))
+        return jnp.where(holds(candidate), candidate, t)
+    return jax.lax.fori_loop(0, 32, set_bit, jnp.uint32(0))
 
 
 def sample(logits: jax.Array, key: jax.Array, sampling: Sampling, seen: jax.Array | None = None) -> jax.Array:
