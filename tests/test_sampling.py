@@ -189,3 +189,31 @@ def test_one_compiled_program_serves_every_temperature_top_p_top_k_and_penalty()
     assert again.stats["compile_time_s"] < 0.5 < first.stats["compile_time_s"] or \
         again.stats["compile_time_s"] < first.stats["compile_time_s"] / 4
     assert again.token_ids != first.token_ids
+
+
+SETTINGS = [dict(), dict(temperature=0.7, top_p=0.9, top_k=5, repetition_penalty=1.1), dict(temperature=1.2),
+            dict(repetition_penalty=1.4), dict(temperature=0.9, top_k=3), dict(temperature=0.8, top_p=0.6)]
+
+
+def test_steps_decided_at_run_time_give_the_fixed_steps_tokens():
+    """``Sampling.decided_at_run_time`` (what a bucketed generation, the server's, uses): the same tokens as the
+    steps fixed at compile time, for greedy and every sampled combination, penalty or not."""
+    m = get_moejax_model("qwen3_moe")
+    for setting in SETTINGS:
+        fixed = decode.Sampling(**setting)
+        run = lambda s: decode.generate(m.params, m.cfg, [5, 9, 5, 17], max_new_tokens=12, sampling=s,  # noqa: E731
+                                        seed=3, stop_at_eos=False, bucketed=True).token_ids
+        assert run(fixed.decided_at_run_time()) == run(fixed), setting
+
+
+def test_a_bucketed_generation_compiles_once_for_every_sampling_setting():
+    """The server's requests mix greedy and sampled decoding, top-k, top-p and penalties: after the first, none
+    compiles (each new combination compiled the prompt and decode programs again)."""
+    m = get_moejax_model("olmoe")
+    prompt = [5, 9, 5, 17, 3, 9]
+    first = m.generate(prompt, max_new_tokens=20, stop_at_eos=False, bucketed=True)
+    later = [m.generate(prompt, max_new_tokens=20, stop_at_eos=False, bucketed=True, **s) for s in SETTINGS[1:]]
+    assert all(r.stats["compile_time_s"] < 0.5 < first.stats["compile_time_s"] or
+               r.stats["compile_time_s"] < first.stats["compile_time_s"] / 4 for r in later), \
+        [r.stats["compile_time_s"] for r in later]
+    assert len({tuple(r.token_ids) for r in [first, *later]}) > 2  # the settings did act

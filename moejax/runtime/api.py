@@ -474,7 +474,8 @@ class Model:
         ``stop``: stop strings, matched on ``self.text`` of the new tokens; the tokens end with the one that
         completes the first match (``decode.cut_at_stops(model.text(ids), stop)`` is the text before it)
         and ``stats["stopped"]`` is "stop". ``cancelled()`` is polled between chunks ("cancelled").
-        ``bucketed``: compile-friendly shapes for long-running callers (``decode.generate``). ``keep_slots``
+        ``bucketed``: compile-friendly shapes for long-running callers (``decode.generate``), and one program
+        for every sampling setting (``Sampling.decided_at_run_time``). ``keep_slots``
         (offload, host paging): keep the device slots for a next call that continues from ``result.
         router_state`` (``host_paging.host_generate``), as a server carrying one cache does. ``on_cache``: the
         cache as it changes (``decode.generate``; offloaded: token by token)."""
@@ -483,6 +484,8 @@ class Model:
                              dict(on_tokens=on_tokens, cancelled=cancelled, on_cache=on_cache), top_k,
                              repetition_penalty)
         sampling = decode.Sampling(temperature, top_p, int(top_k), repetition_penalty)
+        if bucketed:  # a long-running caller's requests each sample their own way: one program for all
+            sampling = sampling.decided_at_run_time()
         stop = (stop,) if isinstance(stop, str) else tuple(stop or ())  # one string is one stop string
         if stop and self.tokenizer is None:
             raise ValueError("stop strings need a tokenizer: this model's output is token ids (their decimal "

@@ -57,6 +57,18 @@ class Sampling:
         object.__setattr__(self, "steps", SamplingSteps(greedy, not greedy and self.top_k > 0,
                                                         not greedy and self.top_p < 1, self.repetition_penalty != 1))
 
+    def decided_at_run_time(self) -> "Sampling":
+        """The same numbers in a program that serves every setting: whether it is greedy, and whether top-k, top-p
+        and the penalty act, is read from the numbers when the program runs (``lax.cond`` per token; the
+        penalty's token set is always carried). A server's requests each bring their own sampling; with the
+        steps fixed at compile time every new combination (greedy or not, top-k, top-p, penalty on or off)
+        compiled the prompt and decode programs again. Same tokens as the fixed steps for the same numbers."""
+        s = object.__new__(Sampling)
+        for name in ("temperature", "top_p", "top_k", "repetition_penalty"):
+            object.__setattr__(s, name, getattr(self, name))
+        object.__setattr__(s, "steps", RUN_TIME_STEPS)
+        return s
+
 
 class SamplingSteps(typing.NamedTuple):
     """Which steps a ``Sampling`` runs: the static part of the pytree (what a compiled program depends on)."""
@@ -65,6 +77,11 @@ class SamplingSteps(typing.NamedTuple):
     top_k: bool
     top_p: bool
     penalty: bool
+    at_run_time: bool = False  # each step acts or not by its number, decided when the program runs
+
+
+#: ``Sampling.decided_at_run_time``'s steps: all present, each one switched by its number
+RUN_TIME_STEPS = SamplingSteps(greedy=False, top_k=True, top_p=True, penalty=True, at_run_time=True)
 
 
 def _typed(x, dtype):
@@ -176,18 +193,35 @@ def sampling_logits(logits: jax.Array, sampling: Sampling, seen: jax.Array | Non
     temperature = jnp.asarray(_typed(sampling.temperature, np.float32), jnp.float32)
     logits = (logits - jnp.max(logits, axis=-1, keepdims=True)) / temperature
     steps = sampling.steps
-    if steps.top_k:  # the k largest stay (ties with the k-th too, as transformers); k >= V keeps all
-        keys = ordered_keys(logits)
+    if steps.top_k:
         k = jnp.asarray(sampling.top_k, jnp.int32)
-        kth = largest_key_where(lambda t: jnp.sum(keys >= t, dtype=jnp.int32) >= k)
-        logits = jnp.where(keys < kth, -jnp.inf, logits)
-    if steps.top_p:  # the nucleus: every token whose more likely tokens hold less than top_p of the mass
-        keys = ordered_keys(logits)
-        probs = jax.nn.softmax(logits)
-        below = largest_key_where(lambda t: jnp.sum(jnp.where(keys > t, probs, 0.0)) >= sampling.top_p)
-        # the most likely token always stays (a subnormal top_p, flushed to 0 by XLA, kept none: token 0)
-        logits = jnp.where((keys > below) | (logits == 0), logits, -jnp.inf)
+        logits = _when(steps.at_run_time, k > 0, lambda x: _top_k(x, k), logits)
+    if steps.top_p:
+        top_p = jnp.asarray(sampling.top_p, jnp.float32)
+        logits = _when(steps.at_run_time, top_p < 1, lambda x: _top_p(x, top_p), logits)
     return logits
+
+
+def _when(at_run_time: bool, acts, step: Callable, x):
+    """``step(x)``; with the steps decided at run time, only where ``acts`` (a ``lax.cond``: the other branch
+    does not run)."""
+    return jax.lax.cond(acts, step, lambda y: y, x) if at_run_time else step(x)
+
+
+def _top_k(logits: jax.Array, k: jax.Array) -> jax.Array:
+    """The k largest stay (ties with the k-th too, as transformers); k >= V keeps all."""
+    keys = ordered_keys(logits)
+    kth = largest_key_where(lambda t: jnp.sum(keys >= t, dtype=jnp.int32) >= k)
+    return jnp.where(keys < kth, -jnp.inf, logits)
+
+
+def _top_p(logits: jax.Array, top_p: jax.Array) -> jax.Array:
+    """The nucleus: every token whose more likely tokens hold less than top_p of the mass. ``logits`` have a
+    maximum of 0: the most likely token always stays (a subnormal top_p, flushed to 0 by XLA, kept none)."""
+    keys = ordered_keys(logits)
+    probs = jax.nn.softmax(logits)
+    below = largest_key_where(lambda t: jnp.sum(jnp.where(keys > t, probs, 0.0)) >= top_p)
+    return jnp.where((keys > below) | (logits == 0), logits, -jnp.inf)
 
 
 def ordered_keys(x: jax.Array) -> jax.Array:
@@ -208,9 +242,12 @@ def largest_key_where(holds: Callable[[jax.Array], jax.Array]) -> jax.Array:
 
 def sample(logits: jax.Array, key: jax.Array, sampling: Sampling, seen: jax.Array | None = None) -> jax.Array:
     """The next token from one position's logits [V]; ``seen`` (``seen_tokens``) when ``sampling`` penalises."""
-    if sampling.steps.greedy:
-        return jnp.argmax(penalised_logits(logits, sampling, seen), axis=-1).astype(jnp.int32)
-    return jax.random.categorical(key, sampling_logits(logits, sampling, seen)).astype(jnp.int32)
+    greedy = lambda: jnp.argmax(penalised_logits(logits, sampling, seen), axis=-1).astype(jnp.int32)  # noqa: E731
+    drawn = lambda: jax.random.categorical(key, sampling_logits(logits, sampling, seen)).astype(jnp.int32)  # noqa: E731
+    if sampling.steps.at_run_time:
+        temperature = jnp.asarray(_typed(sampling.temperature, np.float32), jnp.float32)
+        return jax.lax.cond(temperature < np.finfo(np.float32).tiny, greedy, drawn)
+    return greedy() if sampling.steps.greedy else drawn()
 
 
 @jax.tree_util.register_dataclass

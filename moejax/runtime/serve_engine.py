@@ -208,8 +208,8 @@ class Engine:
         tokens need under the server's policy. Programs are keyed by (prefill piece, KV bucket) and (decode
         chunk, KV bucket): per bucket B, a prompt of 2^k - 1 tokens (every piece up to the largest a prompt in
         B can have) with enough new tokens to land in B, and if that needed no decode chunk, one more
-        generation that fills B exactly. EOS and sampling as served (a request's defaults: a repetition penalty
-        compiles programs of its own). Runs on throwaway cache states,
+        generation that fills B exactly. EOS as served; the programs serve every sampling setting (bucketed
+        generation decides the sampling steps when the program runs). Runs on throwaway cache states,
         so the shared cache starts as configured. Returns the seconds it took."""
         t0 = time.perf_counter()
         context = self.model.cfg.max_position_embeddings
