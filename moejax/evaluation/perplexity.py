@@ -18,6 +18,7 @@ from typing import Any
 import numpy as np
 
 from moejax.base import errors, paths
+from moejax.base.typecheck import is_integer
 from moejax.models import gating
 from moejax.runtime import api, simulate
 from moejax.runtime import offload as offload_lib
@@ -153,8 +154,7 @@ def wikitext_perplexity(model: api.Model, text: str, context: int = 1024, max_to
     ``offload`` (``offload.OffloadConfig``) pages the experts for real (``result["offload"]``)."""
     if model.tokenizer is None:
         raise ValueError(f"{model.path} has no tokenizer.json: WikiText evaluation needs one")
-    if max_tokens is not None and (isinstance(max_tokens, bool) or not isinstance(max_tokens, (int, np.integer))
-                                   or max_tokens < 1):
+    if max_tokens is not None and (not is_integer(max_tokens) or max_tokens < 1):
         raise ValueError(f"max_tokens must be an integer >= 1 or None, got {max_tokens!r}")
     if max_tokens is not None:
         ids = np.asarray(model.tokenizer.encode(text, add_special_tokens=False), np.int32)[:max_tokens]
@@ -167,7 +167,7 @@ def wikitext_perplexity(model: api.Model, text: str, context: int = 1024, max_to
 def perplexity_of_ids(model: api.Model, text: str, ids: np.ndarray, context: int, routing=None, cache=None,
                       progress: bool = False, offload=None) -> dict[str, Any]:
     """``wikitext_perplexity`` of already tokenised ``ids`` (``text``: what they decode to)."""
-    if isinstance(context, bool) or not isinstance(context, (int, np.integer)) or context < 2:
+    if not is_integer(context) or context < 2:
         raise ValueError(f"context must be an integer >= 2, got {context!r}")
     least = 1 if model.cfg.bos_token_id is not None else 2  # BOS predicts the first token
     if len(ids) < least:  # nothing to predict: a perplexity of 1 would read as a perfect model

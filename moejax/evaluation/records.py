@@ -11,6 +11,7 @@ from typing import Any, Callable, Iterable, Sequence
 
 import numpy as np
 
+from moejax.base.typecheck import is_number
 
 
 KIND_ORDER = ("original", "pruning", "max-rank", "cumsum", "cache-prior", "learned-prior", "drop", "random-replace")
@@ -36,7 +37,7 @@ _STD_CACHE_KEYS = ("size", "capacity", "scope", "eviction", "init", "seed")
 
 def num(x) -> float | None:
     """A finite float, or None (null, NaN, inf, strings, bools)."""
-    if isinstance(x, bool) or not isinstance(x, (int, float)):
+    if not is_number(x):
         return None
     x = float(x)
     return x if math.isfinite(x) else None

@@ -34,6 +34,7 @@ from typing import Any, Callable, Sequence
 
 from moejax.base import atomic, errors, interrupts
 from moejax.base.errors import Failure
+from moejax.base.typecheck import is_number
 from moejax.evaluation import heatmap, plots, records as rec
 from moejax.evaluation.headlines import (_plural, _rel, headline_cache_size, headline_delta, headline_eviction,
                                          headline_init, headline_lifetimes, headline_pareto, headline_sensitivity,
@@ -74,7 +75,7 @@ def check_record(rec: Any, where: str) -> dict:
             raise ResultsError(f"{where}: field {name!r} must be an object or null, got {rec[name]!r}")
     for name in NUMBER_FIELDS:
         v = rec.get(name)
-        if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float))):
+        if v is not None and not is_number(v):
             raise ResultsError(f"{where}: field {name!r} must be a number or null, got {v!r}")
         low, high = FIELD_RANGES.get(name, (-math.inf, math.inf))
         if v is not None and not low <= v <= high and v == v:  # NaN stands for "not defined" (no lifetime yet)

@@ -57,6 +57,7 @@ from jax import lax
 
 from moejax.base import seeds
 from moejax.base.memory import format_bytes
+from moejax.base.typecheck import is_integer
 
 SCOPES = ("layer", "global")
 EVICTIONS = ("lru", "lfu", "fld", "score", "least-stale", "belady", "belady-bypass")
@@ -90,11 +91,9 @@ class MissConfig:
         if self.mode not in MISS_MODES:
             raise ValueError(f"unknown miss handling {self.mode!r}; expected one of {MISS_MODES}")
         for name, value in (("miss_rank", self.rank), ("cascade_bits", self.bits)):  # int() truncated 1.5 to 1
-            if not isinstance(value, (tuple, list)) or not all(
-                    isinstance(v, (int, np.integer)) and not isinstance(v, bool) for v in value):
+            if not isinstance(value, (tuple, list)) or not all(is_integer(v) for v in value):
                 raise TypeError(f"CacheConfig {name} must be a tuple of integers, got {value!r}")
-        if self.group_size is not None and (isinstance(self.group_size, bool) or not isinstance(
-                self.group_size, (int, np.integer)) or self.group_size < 1):
+        if self.group_size is not None and (not is_integer(self.group_size) or self.group_size < 1):
             raise ValueError(f"CacheConfig quant_group (--quant-group) must be a positive integer or None, got "
                              f"{self.group_size!r}")
         rank = tuple(int(r) for r in self.rank)
@@ -667,8 +666,6 @@ def summarize(state: CacheState, expert_bytes: int | None = None, include_reside
     entries still cached are added as residencies censored at the last routed token (so a cache that never
     evicts still reports how long its entries have lived rather than nothing).
     """
-    import numpy as np
-
     s = jax.tree.map(np.asarray, state.stats)
     acc = s.accesses.astype(np.float64)
     life_n = s.evictions.astype(np.float64)

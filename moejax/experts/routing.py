@@ -22,6 +22,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from moejax.base.typecheck import is_number
 from moejax.experts import prior as prior_lib
 
 KINDS = ("original", "pruning", "max-rank", "cumsum", "cache-prior", "learned-prior")
@@ -173,8 +174,7 @@ def check_delta(delta):
     or a tuple of floats."""
     per_layer = isinstance(delta, (list, tuple, np.ndarray, jax.Array)) and np.ndim(delta) == 1
     values = list(np.asarray(delta, dtype=object).ravel()) if per_layer else [delta]
-    ok = bool(values) and all(not isinstance(v, bool) and isinstance(v, (int, float, np.number))
-                              and math.isfinite(float(v)) and float(v) >= 0 for v in values)
+    ok = bool(values) and all(is_number(v) and math.isfinite(float(v)) and float(v) >= 0 for v in values)
     if not ok or (not per_layer and np.ndim(delta) != 0):
         raise ValueError(f"delta must be a finite Δ >= 0, or one per MoE layer (omit it for the running mean), "
                          f"got {delta!r}")

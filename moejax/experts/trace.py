@@ -40,6 +40,7 @@ from jax import lax
 
 from moejax.base import atomic, errors, flags, interrupts
 from moejax.base.errors import Failure
+from moejax.base.typecheck import is_integer, is_number
 from moejax.models import gating as gating_lib
 from moejax.models.config import MAX_EXPERTS
 from moejax.experts import cache as cache_lib, prior as prior_lib, router as router_lib, routing as routing_lib
@@ -196,14 +197,14 @@ def gating_from_spec(spec: dict, n_experts: int):
 
     def count(key, default=None, low=1, high=None):
         v = spec.get(key, default)
-        if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < low or (high is not None and v > high):
+        if not is_integer(v) or v < low or (high is not None and v > high):
             raise TraceError(f"trace 'gating' {key} must be an integer in [{low}, {high if high is not None else '∞'}]"
                              f", got {v!r}")
         return int(v)
 
     def number(key, default):
         v = spec.get(key, default)
-        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+        if not is_number(v) or not math.isfinite(v):
             raise TraceError(f"trace 'gating' {key} must be a finite number, got {v!r}")
         return float(v)
 

@@ -15,6 +15,7 @@ from typing import Any
 import numpy as np
 
 from moejax.base.errors import Failure
+from moejax.base.typecheck import is_integer, is_number
 from moejax.models.gating import Gating, GroupLimited, SoftmaxTopK, SparseMixer
 
 SUPPORTED_MODEL_TYPES = ("mixtral", "phimoe", "qwen2_moe", "qwen3_moe", "olmoe", "deepseek_v2")
@@ -137,7 +138,7 @@ def _check_rope_parameters(rp: dict[str, Any]) -> None:
         if v is None and k in optional:
             continue
         positive = k in required or k in ("factor", "attention_factor")
-        if (isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0
+        if (not is_number(v) or not math.isfinite(v) or v < 0
                 or (positive and v == 0)):
             raise UnsupportedModelError(f"config.json: rope_scaling of type {rp['rope_type']} needs {k} to be a "
                                         f"finite number {'>' if positive else '>='} 0, got {v!r}")
@@ -269,7 +270,7 @@ def eos_token_ids_of(value, where: str) -> tuple[int, ...]:
     """``eos_token_id`` (an id, a list of ids or null) as a tuple of token ids, checked: ``where`` names the file."""
     ids = () if value is None else tuple(value) if isinstance(value, (list, tuple)) else (value,)
     for i in ids:
-        if isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < 2**31:
+        if not is_integer(i) or not 0 <= i < 2**31:
             raise UnsupportedModelError(f"{where}: eos_token_id must be token ids in 0..2**31-1, got {value!r}")
     return ids
 
@@ -278,23 +279,23 @@ def _check_sizes(hf: dict[str, Any]) -> None:
     for keys, low in ((_POSITIVE_INT_KEYS, 1), (_NON_NEGATIVE_INT_KEYS, 0)):
         for k in keys:
             v = hf.get(k)
-            if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < low):
+            if v is not None and (not is_integer(v) or v < low):
                 raise UnsupportedModelError(f"config.json: {k} must be an integer >= {low}, got {v!r}")
     for k, low, strict in (("rope_theta", 0.0, True), ("rms_norm_eps", 0.0, False)):
         v = hf.get(k)
-        if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v)
+        if v is not None and (not is_number(v) or not math.isfinite(v)
                               or v < low or (strict and v == low)):
             raise UnsupportedModelError(f"config.json: {k} must be a finite number {'>' if strict else '>='} {low:g}, "
                                         f"got {v!r}")
     window = hf.get("sliding_window")
-    if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 0):
+    if window is not None and (not is_integer(window) or window < 0):
         raise UnsupportedModelError(f"config.json: sliding_window must be an integer >= 0 or null, got {window!r}")
     for k in _BOOL_KEYS:
         if hf.get(k) is not None and not isinstance(hf[k], bool):
             raise UnsupportedModelError(f"config.json: {k} must be true or false, got {hf[k]!r}")
     only = hf.get("mlp_only_layers")
     if only is not None and (not isinstance(only, list)
-                             or any(isinstance(i, bool) or not isinstance(i, int) or i < 0 for i in only)):
+                             or any(not is_integer(i) or i < 0 for i in only)):
         raise UnsupportedModelError(f"config.json: mlp_only_layers must be a list of layer indices, got {only!r}")
     layers = hf.get("num_hidden_layers") or 1
     experts = max(hf.get(k) or 1 for k in ("num_experts", "num_local_experts", "n_routed_experts"))

@@ -80,6 +80,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from moejax.base.typecheck import is_integer
+
 BITS = (4, 8)
 SCALE_DTYPES = ("bfloat16", "float32")
 EXPERT_KEYS = ("gate", "up", "down")
@@ -176,7 +178,7 @@ def _check_args(shape: tuple[int, ...], bits: int, group_size: int | None, axis:
     if group_size is None:
         g = d
     else:
-        if isinstance(group_size, bool) or not isinstance(group_size, (int, np.integer)) or group_size < 1:
+        if not is_integer(group_size) or group_size < 1:
             raise ValueError(f"group_size must be a positive int or None, got {group_size!r}")
         if d % group_size:
             raise ValueError(f"group_size {group_size} does not divide the contraction axis (axis {axis}, "

@@ -15,6 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from moejax.base import distributed, memory as host_memory, seeds, textproc
+from moejax.base.typecheck import is_integer, is_number
 from moejax.models import assets, checkpoint, gating, layout as layout_lib, weights
 from moejax.models import config as config_lib
 from moejax.models.config import ModelConfig
@@ -539,13 +540,13 @@ def _check_generate_args(max_new_tokens, temperature, top_p, seed, chunk, callba
     """``Model.generate``'s scalar and callback arguments, named when wrong (they failed deep inside, or
     were silently truncated: seed=1.5 ran as 1)."""
     for name, v in (("max_new_tokens", max_new_tokens), ("seed", seed), ("chunk", chunk), ("top_k", top_k)):
-        if isinstance(v, bool) or not isinstance(v, (int, np.integer)):
+        if not is_integer(v):
             raise TypeError(f"{name} must be an integer, got {v!r}")
     if chunk < 1:
         raise ValueError(f"chunk must be >= 1, got {chunk}")
     seeds.check_seed(seed)
     for name, v in (("temperature", temperature), ("top_p", top_p), ("repetition_penalty", repetition_penalty)):
-        if isinstance(v, bool) or not isinstance(v, (int, float, np.floating, np.integer)):
+        if not is_number(v):
             raise TypeError(f"{name} must be a number, got {v!r}")
     for name, f in callbacks.items():
         if f is not None and not callable(f):
@@ -604,7 +605,7 @@ def load(path: str, dtype=None, offload=None, layout: str = "serving", weight_dt
                              "(float64 loaded float32 without a word); int8 weights are weight_dtype='int8'")
     if not isinstance(path, (str, os.PathLike)):
         raise TypeError(f"path must be a checkpoint folder, a Hugging Face folder or 'default', got {path!r}")
-    if devices is not None and (isinstance(devices, bool) or not isinstance(devices, (int, np.integer))):
+    if devices is not None and (not is_integer(devices)):
         raise TypeError(f"devices must be an integer, got {devices!r}")
     path = resolve_model_path(path)
     offload = offload_config(offload)

@@ -20,6 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from moejax.base import seeds
+from moejax.base.typecheck import is_integer, is_number
 from moejax.models import gating
 from moejax.models.config import ModelConfig
 from moejax.models.model import forward, forward_sequential, init_kv
@@ -48,9 +49,9 @@ class Sampling:
             raise ValueError(f"temperature must be >= 0, got {self.temperature}")
         if not 0 < self.top_p <= 1:  # NaN too
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
-        if isinstance(self.top_k, bool) or not isinstance(self.top_k, (int, np.integer)) or self.top_k < 0:
+        if not is_integer(self.top_k) or self.top_k < 0:
             raise ValueError(f"top_k must be an integer >= 0 (0: off), got {self.top_k!r}")
-        if not (isinstance(self.repetition_penalty, (int, float, np.floating)) and 0 < self.repetition_penalty
+        if not (is_number(self.repetition_penalty) and 0 < self.repetition_penalty
                 and math.isfinite(self.repetition_penalty)):
             raise ValueError(f"repetition_penalty must be a finite number > 0 (1: off), got {self.repetition_penalty!r}")
         greedy = self.temperature < float(np.finfo(np.float32).tiny)
@@ -130,7 +131,7 @@ def sampling_defaults(generation_config: dict) -> dict:
     if g.get("repetition_penalty") is not None:
         out["repetition_penalty"] = g["repetition_penalty"]
     for key, value in out.items():
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
+        if not is_number(value):
             raise ValueError(f"{key} must be a number, got {value!r}")
     Sampling(**out)
     return out

@@ -46,6 +46,7 @@ import time
 import uuid
 
 from moejax.base import compile_cache, errors, seeds
+from moejax.base.typecheck import is_integer, is_number
 from moejax.experts import routing as routing_lib, trace as trace_lib
 from moejax.runtime import api, cli_options, decode
 from moejax.runtime.serve_engine import ROUTING_OVERRIDE_KEYS, Engine, Job, RequestError
@@ -58,7 +59,7 @@ def _number(body: dict, key: str, default, lo: float, hi: float, integer: bool =
     value = body.get(key, default)
     if value is None:
         return default
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or (integer and not float(value).is_integer()):
+    if not is_number(value) or (integer and not float(value).is_integer()):
         raise RequestError(f"'{key}' must be {'an integer' if integer else 'a number'}, got {value!r}", param=key)
     if not (lo <= value <= hi):  # NaN fails too
         raise RequestError(f"'{key}' must be in [{lo}, {hi}], got {value!r}", param=key)
@@ -269,7 +270,7 @@ class Server:
                 raise RequestError(f"{self.engine.name} has no tokenizer: send 'prompt' as a list of token ids",
                                    param="prompt")
             return self.model.encode(prompt)
-        if isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+        if isinstance(prompt, list) and prompt and all(is_integer(t) for t in prompt):
             V = self.model.cfg.vocab_size
             if min(prompt) < 0 or max(prompt) >= V:
                 raise RequestError(f"token ids must be in 0..{V - 1}", param="prompt")

@@ -18,9 +18,9 @@ import functools
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from moejax.base import distributed, seeds
+from moejax.base.typecheck import is_integer, is_number
 from moejax.models import layout, model as model_lib, quant, weights
 from moejax.models.config import ModelConfig
 from moejax.models.gating import Gating
@@ -63,11 +63,11 @@ class CacheConfig:
                                      ("init", self.init, cache_lib.INITS)):
             if value not in allowed:
                 raise ValueError(f"CacheConfig {name} {value!r}: expected one of {', '.join(allowed)}")
-        if isinstance(self.size, bool) or not isinstance(self.size, (str, int, float)):
+        if not (isinstance(self.size, str) or is_number(self.size)):
             raise TypeError(f"CacheConfig size must be a count, a fraction of N or a memory size (a string such "
                             f"as '4', '0.5' or '6GiB'), got {type(self.size).__name__} {self.size!r}")
         cache_lib.check_size(self.size)
-        if isinstance(self.seed, bool) or not isinstance(self.seed, (int, np.integer)):
+        if not is_integer(self.seed):
             raise TypeError(f"CacheConfig seed must be an integer, got {self.seed!r}")
         seeds.check_seed(int(self.seed))
         self.miss_config(), self.prefetch_config()  # their own checks (miss ranks, bit widths, group, percentile)

@@ -30,6 +30,7 @@ import ml_dtypes
 import numpy as np
 
 from moejax.base import atomic, errors, interrupts
+from moejax.base.typecheck import is_integer
 from moejax.models import checkpoint, hf_keys, safetensors_io
 from moejax.models.config import from_hf
 
@@ -89,7 +90,7 @@ def _check_size(item: str, key: str, value) -> None:
     if value is None or not (key.endswith(_SIZE_SUFFIXES) or key.startswith(("num_", "n_"))):
         return
     low = 0 if key in _MAY_BE_ZERO else 1
-    if isinstance(value, bool) or not isinstance(value, int) or value < low:
+    if not is_integer(value) or value < low:
         raise ValueError(f"--set {item!r}: {key} must be an integer >= {low}")
 
 

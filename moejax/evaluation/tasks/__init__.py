@@ -71,9 +71,8 @@ import time
 import warnings
 from typing import Any, Iterator
 
-import numpy as np
-
 from moejax.base import errors, paths
+from moejax.base.typecheck import is_integer
 from moejax.runtime import offload as offload_lib
 from moejax.runtime import simulate as sim
 from moejax.evaluation.tasks.common import Encoder, Request, Stream, TaskData, _file_in, _progress, read_jsonl
@@ -231,7 +230,7 @@ def _prepare(model, task: str, data: str | None, limit: int | None, shots: int |
         raise ValueError(f"shots must be >= 0, got {shots}")
     if task == "truthfulqa" and shots:
         raise ValueError(f"truthfulqa is evaluated 0-shot (MC1/MC2); got shots={shots}")
-    if limit is not None and (isinstance(limit, bool) or not isinstance(limit, (int, np.integer)) or limit < 1):
+    if limit is not None and (not is_integer(limit) or limit < 1):
         raise ValueError(f"limit must be an integer >= 1 or None, got {limit!r}")
     max_new_tokens = DEFAULT_MAX_NEW_TOKENS.get(task, 0) if max_new_tokens is None else int(max_new_tokens)
     loaded = load_task(task, data, shots)
