@@ -6,6 +6,7 @@ from __future__ import annotations
 import glob
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -158,7 +159,7 @@ def test_hub_refusals_are_named_before_any_weights_are_fetched(serve_hub, tiny, 
 def test_a_download_that_cannot_fit_is_refused_before_it_starts(serve_hub, tiny, monkeypatch):
     fake = serve_hub({"org/tiny": tiny})
     monkeypatch.setattr(hub.shutil, "disk_usage", lambda path: type("Usage", (), {"free": 1000})())
-    with pytest.raises(CheckpointError, match=r"needs 0.0\d GB more in .*which has 0.00 GB free"):
+    with pytest.raises(CheckpointError, match=r"needs [0-9.]+ [kM]B more in .*which has 1.0 kB free"):
         moejax.load("org/tiny")
     assert "model.safetensors" not in fake.fetched()
 
@@ -185,7 +186,7 @@ def test_generate_cli_runs_a_hub_id(serve_hub, tiny, capsys):
     assert generate_cli.main(["--model", "org/tiny", *common]) == 0
     out, err = capsys.readouterr()
     by_id = json.loads(out)
-    assert "note: downloading org/tiny's weights (1 file, 0.00 GB) from the Hugging Face hub" in err
+    assert re.search(r"note: downloading org/tiny's weights \(1 file, [0-9.]+ [kM]?B\) from the Hugging Face hub", err)
     assert generate_cli.main(["--model", get_hf_model("olmoe").folder, *common]) == 0
     assert by_id["token_ids"] == json.loads(capsys.readouterr().out)["token_ids"]
     assert generate_cli.main(["--model", "org/none", *common]) == 1

@@ -4,8 +4,10 @@ resume = uninterrupted run, export loads in moejax and in transformers with matc
 from __future__ import annotations
 
 import dataclasses
+import errno
 import json
 import os
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -309,3 +311,48 @@ def test_lr_schedule_warmup_and_cosine_floor():
     assert float(recipe.lr_at(100, 100, 1.0, 10, 0.1)) == pytest.approx(0.1)
     mid = [float(recipe.lr_at(s, 100, 1.0, 10, 0.1)) for s in range(10, 101)]
     assert all(a >= b for a, b in zip(mid, mid[1:]))
+
+
+def test_a_full_disk_at_the_export_keeps_the_trained_state_as_a_checkpoint(dirs, tmp_path, capsys, monkeypatch):
+    """--export-at-end with no checkpoints asked for: an export the disk cannot take used to lose the whole run
+    (exit 1, nothing kept). Now the state is saved as a checkpoint and the error says how to export it; a target
+    that cannot be written at all is refused before training."""
+    assert train.main(_argv(dirs, str(dirs["root"] / "ro"), "--export-at-end", "/proc/moejax-export")) == 1
+    assert "--export-at-end /proc/moejax-export: cannot be written" in capsys.readouterr().err
+    assert not (dirs["root"] / "ro").exists()
+
+    def full(*a, **k):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(train, "write_export", full)
+    out, target = str(dirs["root"] / "full"), str(tmp_path / "model")
+    assert train.main(_argv(dirs, out, "--export-at-end", target)) == 1
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    kept = train.latest_checkpoint(out)
+    assert kept.endswith("step_00000012") and f"the checkpoint {kept}" in err and f"--export {target}" in err
+    monkeypatch.undo()
+    assert os.path.isfile(os.path.join(train.export(out, target), "params.safetensors"))
+
+
+def test_an_orbax_save_that_fails_is_a_failure_and_leaves_no_partial_folder(dirs, monkeypatch):
+    import orbax.checkpoint as ocp
+
+    def full(self, path, state, *a, **k):  # what orbax does on a full disk: a partial folder, then ValueError
+        os.makedirs(f"{path}.orbax-checkpoint-tmp-1")
+        raise ValueError("RESOURCE_EXHAUSTED: No space left on device")
+
+    monkeypatch.setattr(ocp.StandardCheckpointer, "save", full)
+    out = str(dirs["root"] / "orbax-full")
+    assert train.main(_argv(dirs, out, "--ckpt-every", "6")) == 1  # was 2, a usage error
+    assert os.listdir(os.path.join(out, "checkpoints")) == []
+
+
+def test_a_tokenizer_set_left_incomplete_is_completed_not_fatal(dirs, tmp_path, monkeypatch):
+    """A full disk after tokenizer.json left the data folder without special_tokens_map.json, and every later run
+    failed on it; tokenizer.json is now written last, and a set left incomplete is completed."""
+    folder = tmp_path / "data"
+    folder.mkdir()
+    (folder / "tokenizer.json").write_bytes((Path(dirs["data"]) / "tokenizer.json").read_bytes())
+    monkeypatch.setattr(data, "train_tokenizer", lambda *a, **k: pytest.fail("retrained"))
+    data.ensure_tokenizer(str(folder), dirs["corpus"])
+    assert sorted(os.listdir(folder)) == sorted(data.TOKENIZER_FILES)

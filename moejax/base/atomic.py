@@ -44,12 +44,36 @@ def atomic_file(path: str | os.PathLike, mode: str = "wb", make_parents: bool = 
             yield f
         os.chmod(tmp, 0o666 & ~_umask())
         os.replace(tmp, path)
-    except BaseException:
+    except BaseException as e:
         if tmp is not None:
             with contextlib.suppress(OSError):
                 os.unlink(tmp)
         remove_empty_folders(made)
-        raise
+        raise naming(e, path) from (e if isinstance(e, OSError) else None)
+
+
+def naming(err: BaseException, path: str) -> BaseException:
+    """``err``, or where it is an ``OSError`` that names no file or only a temporary one (a full disk fails a
+    ``write``, which names nothing), the same error naming ``path``, the file the user asked for."""
+    if not isinstance(err, OSError) or err.errno is None:
+        return err
+    name = os.path.basename(os.fspath(err.filename)) if err.filename else ""
+    if err.filename and not (name.startswith(".") and (".tmp-" in name or ".old-" in name)) \
+            and ".old-" not in os.fspath(err.filename):
+        return err
+    return type(err)(err.errno, err.strerror or os.strerror(err.errno), os.fspath(path))
+
+
+def check_creatable(path: str, flag: str) -> None:
+    """Refuse, before any work, an output ``path`` that could not be made: its nearest existing folder must take a
+    new entry (tried for real, so a read-only mount or an immutable folder is found: root passes ``os.access``).
+    Raises ``OSError`` naming ``flag`` and ``path``. A full disk can still fail the write later."""
+    made = missing_folders(path)
+    parent = os.path.dirname(made[-1]) if made else os.path.dirname(os.path.abspath(os.path.expanduser(path)))
+    try:
+        os.rmdir(tempfile.mkdtemp(prefix=".moejax-probe-", dir=parent or "."))
+    except OSError as e:
+        raise type(e)(e.errno, f"{flag} {path}: cannot be written in {parent} ({e.strerror})") from None
 
 
 def missing_folders(path: str) -> list[str]:
@@ -103,16 +127,20 @@ def atomic_dir(target: str) -> Iterator[str]:
         with interrupts.deferred():  # the swap runs whole: no signal strands the old target half-moved
             if os.path.exists(target):
                 old = tempfile.mkdtemp(prefix=f".{name}.old-", dir=parent)
-                os.replace(target, os.path.join(old, "x"))
+                try:
+                    os.replace(target, os.path.join(old, "x"))
+                except BaseException:  # the target stayed where it was: the empty aside folder goes
+                    os.rmdir(old)
+                    raise
                 os.replace(tmp, target)
                 shutil.rmtree(old, ignore_errors=True)
             else:
                 os.replace(tmp, target)
-    except BaseException:
+    except BaseException as e:
         if tmp is not None:
             shutil.rmtree(tmp, ignore_errors=True)
         remove_empty_folders(made)
-        raise
+        raise naming(e, target) from (e if isinstance(e, OSError) else None)
 
 
 def json_text(obj: Any, indent: int | None = 2, sort_keys: bool = True) -> str:

@@ -61,12 +61,18 @@ def print_result(text: str) -> int:
         print(text, flush=True)
         return 0
     except OSError as e:
-        try:  # interpreter exit flushes stdout again: point it somewhere that takes the rest
-            sys.stdout = open(os.devnull, "w")  # noqa: SIM115 - lives until exit
-        except OSError:
-            pass
-        print(f"error: could not write the result to stdout: {e.strerror or e}", file=sys.stderr)
-        return FAILURE
+        return stdout_failed(e)
+
+
+def stdout_failed(err: OSError) -> int:
+    """Say (one ``error:`` line) that stdout could not take a result, and return ``FAILURE``; what the command
+    wrote to files stays written."""
+    try:  # interpreter exit flushes stdout again: point it somewhere that takes the rest
+        sys.stdout = open(os.devnull, "w")  # noqa: SIM115 - lives until exit
+    except OSError:
+        pass
+    print(f"error: could not write the result to stdout: {err.strerror or err}", file=sys.stderr)
+    return FAILURE
 
 
 def exit_status(err: BaseException) -> int:

@@ -248,7 +248,10 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.json:
         return errors.print_result(json.dumps(json_safe(res)))
-    _print_single(res)
+    try:
+        _print_single(res)
+    except OSError as e:  # stdout is full or closed: the results file (if any) is written
+        return errors.stdout_failed(e)
     return 0
 
 

@@ -244,9 +244,7 @@ def main(argv: list[str] | None = None) -> int:
                               labels=args.label)
     except errors.HANDLED as err:
         return errors.report(err)
-    for p in paths:
-        print(p)
-    return 0
+    return errors.print_result("\n".join(map(str, paths)))
 
 
 if __name__ == "__main__":

@@ -19,6 +19,7 @@ matplotlib is imported only inside the functions that draw (Agg canvas, no pyplo
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 from collections import defaultdict
@@ -92,15 +93,17 @@ def figure_stem(stem, flag: str = "--out") -> Path:
 
 
 def save_figure(fig, stem) -> list[Path]:
-    """Write ``stem.png`` and ``stem.svg`` atomically (reproducible: no dates, fixed SVG ids)."""
+    """Write ``stem.png`` and ``stem.svg`` atomically and as a pair (reproducible: no dates, fixed SVG ids): both
+    are written before either replaces its target, so a full disk leaves neither, not a new PNG beside an old
+    SVG or none."""
     matplotlib, _, _ = _mpl()
     stem = figure_stem(stem)
     paths = []
-    with matplotlib.rc_context({"svg.hashsalt": "moejax", "svg.fonttype": "path"}):
+    with matplotlib.rc_context({"svg.hashsalt": "moejax", "svg.fonttype": "path"}), contextlib.ExitStack() as pair:
         for ext, meta in (("png", {"Software": None}), ("svg", {"Date": None, "Creator": None})):
             target = stem.with_name(f"{stem.name}.{ext}")
-            with atomic.atomic_file(target, make_parents=True) as f:
-                fig.savefig(f, format=ext, dpi=150, metadata=meta)
+            fig.savefig(pair.enter_context(atomic.atomic_file(target, make_parents=True)), format=ext, dpi=150,
+                        metadata=meta)
             paths.append(target)
     return paths
 

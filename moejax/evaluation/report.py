@@ -603,8 +603,7 @@ def main(argv: list[str] | None = None) -> int:
         atomic.write_text(out, text, make_parents=True)
     except errors.HANDLED as err:
         return errors.report(err)
-    print(f"wrote {out}" + (f" (figures in {fig_dir})" if fig_dir else ""))
-    return 0
+    return errors.print_result(f"wrote {out}" + (f" (figures in {fig_dir})" if fig_dir else ""))
 
 
 if __name__ == "__main__":

@@ -7,6 +7,7 @@ broadcasts what it read) and writes (``moejax.base.distributed``).
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import math
@@ -20,7 +21,7 @@ try:
 except ImportError:  # not POSIX: appends are still whole lines, runs do not share points
     fcntl = None
 
-from moejax.base import distributed, errors
+from moejax.base import atomic, distributed, errors
 
 
 def as_json(x):
@@ -148,10 +149,17 @@ def append_result(path: str, record: dict) -> None:
         except OSError:  # no flock here: appends are still whole lines
             pass
         _repair(f, path)
-        f.seek(0, os.SEEK_END)
-        f.write(line.encode("utf-8"))
         f.flush()
-        os.fsync(f.fileno())
+        end = f.seek(0, os.SEEK_END)
+        data = memoryview(line.encode("utf-8"))
+        try:  # unbuffered: nothing is left in a buffer to be written after a failure is undone
+            while data:
+                data = data[os.write(f.fileno(), data):]
+            os.fsync(f.fileno())
+        except OSError as e:  # a full disk: no torn line is left (the file is as it was before this record)
+            with contextlib.suppress(OSError):
+                f.truncate(end)
+            raise atomic.naming(e, path) from e
 
 
 # ------------------------------------------------------------------------------ runs that share one file

@@ -648,9 +648,8 @@ def run_studies(ctx: Context, names: list[str]) -> tuple[dict, int]:
                                                f"study {name}: "))
             continue
         timings[name] = round(time.perf_counter() - start, 1)
-        if distributed.is_leader():
-            print(summarize(name, records), flush=True)
-            print(f"   ({timings[name]} s)", flush=True)
+        if distributed.is_leader() and errors.print_result(f"{summarize(name, records)}\n   ({timings[name]} s)"):
+            status = max(status, errors.FAILURE)  # the records are written; the next study still runs
     return timings, status
 
 

@@ -37,6 +37,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from moejax.base import atomic
+from moejax.base.errors import Failure
 
 FORMAT = "moejax-learned-prior"
 VERSION = 1
@@ -163,6 +164,8 @@ def save_prior(path: str, params: dict, meta: dict | None = None, overwrite: boo
         try:
             ckpt.save(os.path.join(tmp, PARAMS_DIR), {k: np.asarray(params[k], np.float32) for k in PARAM_KEYS})
             ckpt.wait_until_finished()
+        except ValueError as e:  # orbax's form of a full disk: a failure, not a usage error
+            raise Failure(f"could not write the prior {path}: {' '.join(str(e).split())[:300]}") from e
         finally:
             ckpt.close()
         sidecar = {"format": FORMAT, "version": VERSION,

@@ -96,8 +96,7 @@ def main(argv: list[str] | None = None) -> int:
                       getattr(args, "expert_dtype", "stored"))
     except errors.HANDLED as e:
         return errors.report(e)
-    print(f"{args.direction}: wrote {out} in {time.perf_counter() - t0:.1f}s")
-    return 0
+    return errors.print_result(f"{args.direction}: wrote {out} in {time.perf_counter() - t0:.1f}s")
 
 
 if __name__ == "__main__":

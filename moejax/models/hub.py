@@ -25,6 +25,7 @@ import shutil
 import subprocess
 import sys
 
+from moejax.base.memory import format_bytes
 from moejax.models import checkpoint
 from moejax.models.checkpoint import CARD_FILES, TOKENIZER_FILES, CheckpointError
 
@@ -73,7 +74,7 @@ def snapshot_folder(model: str) -> str:
     size = sum(top[name][0] or 0 for name in coming)
     _check_free_space(hf, repo, size)
     sys.stderr.write(f"note: downloading {repo}'s weights ({len(coming)} file{'s' * (len(coming) > 1)}, "
-                     f"{size / 1e9:.2f} GB) from the Hugging Face hub into {hf.constants.HF_HUB_CACHE}\n")
+                     f"{format_bytes(size)}) from the Hugging Face hub into {hf.constants.HF_HUB_CACHE}\n")
     return _fetch(hf, repo, commit, meta + weights, bars=True)
 
 
@@ -193,8 +194,8 @@ def _check_free_space(hf, repo: str, needed: int) -> None:
         where = os.path.dirname(where)
     free = shutil.disk_usage(where).free
     if needed > free:
-        raise CheckpointError(f"the Hugging Face hub model {repo} needs {needed / 1e9:.2f} GB more in "
-                              f"{hf.constants.HF_HUB_CACHE}, which has {free / 1e9:.2f} GB free (set HF_HUB_CACHE "
+        raise CheckpointError(f"the Hugging Face hub model {repo} needs {format_bytes(needed)} more in "
+                              f"{hf.constants.HF_HUB_CACHE}, which has {format_bytes(free)} free (set HF_HUB_CACHE "
                               "to a larger disk)")
 
 

@@ -23,7 +23,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from moejax.base import interrupts, tempfiles
+from moejax.base import atomic, interrupts, tempfiles
 from moejax.models import layout, quant, safetensors_io, weights
 from moejax.models.config import ModelConfig
 from moejax.experts import cache as cache_lib
@@ -146,11 +146,16 @@ class ExpertStore:
             self._tmp = None if store_dir else folder
             if self._tmp:  # removed when the store is collected or the interpreter exits (normally or by an error)
                 self._cleanup = weakref.finalize(self, shutil.rmtree, folder, True)
+        made = atomic.missing_folders(folder)
         os.makedirs(folder, exist_ok=True)
         path = os.path.join(folder, "experts.safetensors")
-        check_store_file(path)
-        tensors = [(f"{j}.{k}", layer[k]) for j, layer in enumerate(full) for k in EXPERT_KEYS]
-        safetensors_io.write(path, tensors, {"format": STORE_FORMAT})  # atomic: tmp name, then rename
+        try:
+            check_store_file(path)
+            tensors = [(f"{j}.{k}", layer[k]) for j, layer in enumerate(full) for k in EXPERT_KEYS]
+            safetensors_io.write(path, tensors, {"format": STORE_FORMAT})  # atomic: tmp name, then rename
+        except BaseException:  # a full disk: the folders made for the store go too
+            atomic.remove_empty_folders(made)
+            raise
         reader = safetensors_io.SafetensorsFile(path)
         return [{k: reader.get(f"{j}.{k}") for k in EXPERT_KEYS} for j in range(len(full))]
 

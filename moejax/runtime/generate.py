@@ -133,7 +133,7 @@ def format_offload(o: dict) -> str:
     return "\n".join(lines)
 
 
-def run(args: argparse.Namespace) -> dict:
+def run(args: argparse.Namespace) -> tuple[dict, OSError | None]:
     dtype = None if args.dtype is None else {"float32": "float32", "bfloat16": "bfloat16",
                                              "float16": "float16"}[args.dtype]
     offload = cli_options.offload_from_args(args)  # with --offload the routed experts never reach the device
@@ -197,10 +197,14 @@ def run(args: argparse.Namespace) -> dict:
                                      cache_memory_bytes=model.cache_memory_bytes(cache, offload),
                                      layers=model.cfg.n_moe_layers, experts_per_token=model.cfg.top_k,
                                      n_experts=model.cfg.n_experts)
+    trace_failure = None
     if args.trace_out is not None:
         tr = result.trace()
-        trace_lib.save_trace(args.trace_out, tr["experts"], tr["weights"], tr["logits"], model.cfg.n_experts,
-                             gating.spec(model.cfg.gating))
+        try:  # a full disk is found only now: the generation is still printed, then the failure is the error
+            trace_lib.save_trace(args.trace_out, tr["experts"], tr["weights"], tr["logits"], model.cfg.n_experts,
+                                 gating.spec(model.cfg.gating))
+        except OSError as e:
+            trace_failure = e
     if not args.json:
         streamer.finish()
         s = result.stats
@@ -211,8 +215,9 @@ def run(args: argparse.Namespace) -> dict:
             sys.stderr.write(trace_lib.format_table(s["cache"]) + "\n")
         if "offload" in s:
             sys.stderr.write(format_offload(s["offload"]) + "\n")
-    return {"text": text, "raw_text": raw_text, "token_ids": result.token_ids, "prompt_ids": ids,
-            "stopped": result.stats["stopped"], "stats": trace_lib.json_safe(result.stats)}
+    out = {"text": text, "raw_text": raw_text, "token_ids": result.token_ids, "prompt_ids": ids,
+           "stopped": result.stats["stopped"], "stats": trace_lib.json_safe(result.stats)}
+    return out, trace_failure
 
 
 def _virtual_filesystem(folder: str) -> bool:
@@ -241,10 +246,13 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     compile_cache.enable()
     try:
-        result = run(args)
+        result, trace_failure = run(args)
     except errors.HANDLED as e:
         return errors.report(e)
-    return errors.print_result(json.dumps(result)) if args.json else 0
+    status = errors.print_result(json.dumps(result)) if args.json else 0
+    if trace_failure is not None:  # the generation was printed; the trace was not written
+        return errors.report(trace_failure, "--trace-out: the generation was printed, its trace was not written: ")
+    return status
 
 
 if __name__ == "__main__":

@@ -30,6 +30,7 @@ import ml_dtypes
 import numpy as np
 
 from moejax.base import atomic, errors, interrupts
+from moejax.base.memory import format_bytes
 from moejax.base.typecheck import is_integer
 from moejax.models import checkpoint, hf_keys, safetensors_io
 from moejax.models.config import from_hf
@@ -164,11 +165,12 @@ def write_checkpoint(config: dict, out: str, *, dtype: str = "bfloat16", seed: i
     total = sum(int(np.prod(s, dtype=np.int64)) for _, s, _ in plan) * np_dtype.itemsize
     out = os.path.abspath(os.path.expanduser(out))
     checkpoint.check_replaceable(out, overwrite)
-    parent = os.path.dirname(out)
-    os.makedirs(parent, exist_ok=True)
+    made = atomic.missing_folders(out)  # the folders are made (and removed on failure) by the write
+    parent = os.path.dirname(made[-1]) if made else os.path.dirname(out)
     free = shutil.disk_usage(parent).free
-    if free < total + (256 << 20):
-        raise OSError(f"{parent}: {free / 2**30:.1f} GiB free, the checkpoint needs {total / 2**30:.1f} GiB")
+    need = total + min(256 << 20, max(1 << 20, total // 20))  # the index, config and tokenizer, with a margin
+    if free < need:
+        raise OSError(f"{parent}: {format_bytes(free)} free, the checkpoint needs {format_bytes(need)}")
     shards = shard_plan(plan, np_dtype.itemsize, shard_bytes)
     shapes = {k: (s, kind) for k, s, kind in plan}
     with checkpoint.atomic_folder(out, overwrite) as tmp:
@@ -251,8 +253,7 @@ def main(argv: list[str] | None = None) -> int:
                                   std=args.std)
     except errors.HANDLED as e:
         return errors.report(e)
-    print(folder)
-    return 0
+    return errors.print_result(folder)
 
 
 if __name__ == "__main__":

@@ -119,12 +119,17 @@ def tokenizer_config(model_max_length: int = 1024) -> dict:
             "clean_up_tokenization_spaces": False}
 
 
+TOKENIZER_FILES = ("tokenizer_config.json", "special_tokens_map.json", "tokenizer.json")
+
+
 def save_tokenizer(tok, folder: str, model_max_length: int = 1024) -> None:
+    """The three tokenizer files, ``tokenizer.json`` last: it marks the set complete (a full disk used to leave
+    it without ``special_tokens_map.json``, and every later run failed on the missing file)."""
     os.makedirs(folder, exist_ok=True)
-    atomic.write_text(os.path.join(folder, "tokenizer.json"), tok.to_str(pretty=True))
     atomic.write_json(os.path.join(folder, "tokenizer_config.json"), tokenizer_config(model_max_length))
     atomic.write_json(os.path.join(folder, "special_tokens_map.json"),
                       {"bos_token": EOS, "eos_token": EOS, "unk_token": EOS, "pad_token": PAD})
+    atomic.write_text(os.path.join(folder, "tokenizer.json"), tok.to_str(pretty=True))
 
 
 def load_tokenizer(folder: str):
@@ -142,6 +147,8 @@ def ensure_tokenizer(data_dir: str, corpus_dir: str = DEFAULT_CORPUS_DIR, vocab_
                      chars_per_shard: int = 3_000_000, log=print):
     """Train the tokenizer on the first ``chars_per_shard`` characters of every training shard, once."""
     path = os.path.join(data_dir, "tokenizer.json")
+    if os.path.isfile(path) and not all(os.path.isfile(os.path.join(data_dir, f)) for f in TOKENIZER_FILES):
+        save_tokenizer(load_tokenizer(data_dir), data_dir)  # a set left incomplete (before the order above)
     if not os.path.isfile(path):
         train_paths, _ = split_shards(corpus_dir)
         log(f"training a {vocab_size}-token byte-level BPE on {chars_per_shard / 1e6:.1f}M chars x "

@@ -25,6 +25,7 @@ import platform
 import shutil
 import sys
 import time
+from typing import Callable
 
 import jax
 import jax.numpy as jnp
@@ -84,9 +85,16 @@ def save_state(out: str, step: int, params, opt_state, data_pos: int, rng: jax.A
     if os.path.exists(path):
         shutil.rmtree(path)
     ckpt = ocp.StandardCheckpointer()
-    ckpt.save(path, state)  # orbax writes to a temporary folder and renames it when complete
-    ckpt.wait_until_finished()
-    ckpt.close()
+    try:
+        ckpt.save(path, state)  # orbax writes to a temporary folder and renames it when complete
+        ckpt.wait_until_finished()
+    except (OSError, ValueError) as e:  # a full disk reaches us as orbax's ValueError: a failure, not a usage error
+        for name in os.listdir(root):  # orbax's unfinished folder of this step
+            if name.startswith(os.path.basename(path) + ".orbax-checkpoint-tmp"):
+                shutil.rmtree(os.path.join(root, name), ignore_errors=True)
+        raise errors.Failure(f"could not write the checkpoint {path}: {' '.join(str(e).split())[:300]}") from e
+    finally:
+        ckpt.close()
     atomic.write_json(os.path.join(root, "latest.json"), {"step": step, "path": os.path.basename(path)})
     old = sorted(p for p in os.listdir(root) if p.startswith("step_") and p != os.path.basename(path))
     for p in old[:max(0, len(old) - keep + 1)]:
@@ -207,6 +215,7 @@ def train(args: argparse.Namespace) -> dict:
     data.split_shards(args.corpus_dir)  # no corpus: fail before creating or deleting anything
     if args.export_at_end:  # before anything, not after training: a folder that cannot be written fails now
         checkpoint.check_replaceable(args.export_at_end, args.overwrite, protect=(out,))
+        atomic.check_creatable(args.export_at_end, "--export-at-end")
     if args.overwrite and not args.resume:
         remove_run(out)
     os.makedirs(out, exist_ok=True)
@@ -346,8 +355,26 @@ def train(args: argparse.Namespace) -> dict:
     atomic.write_json(run_path, run)
     log(f"done: {json.dumps(summary)}")
     if args.export_at_end:
-        log(f"exported: {write_export(params, cfg, {**run, 'step': step}, out, args.export_at_end, overwrite=args.overwrite, at_end=True)}")
+        try:
+            log(f"exported: {write_export(params, cfg, {**run, 'step': step}, out, args.export_at_end, overwrite=args.overwrite, at_end=True)}")
+        except OSError as e:  # a full disk: the trained parameters must not go with the process
+            raise export_failed(e, args.export_at_end, out, lambda: save_state(out, step, params, opt_state, data_pos, rng),
+                                saved=latest_checkpoint(out) if final_checkpoint else None) from e
     return summary
+
+
+def export_failed(err: OSError, folder: str, out: str, save: Callable[[], str], saved: str | None) -> Exception:
+    """The error of an ``--export-at-end`` that could not be written, after keeping the trained state: a
+    checkpoint in ``out`` (``save``) unless the run already wrote one at its last step (``saved``), from which
+    ``--export`` writes the folder again."""
+    if saved is None:
+        try:
+            saved = save()
+        except Exception as second:  # noqa: BLE001 - the disk is full for the checkpoint too
+            return errors.Failure(f"--export-at-end {folder}: {err.strerror or err}; the trained parameters could "
+                                  f"not be kept either ({second}): they are lost")
+    return errors.Failure(f"--export-at-end {folder}: {err.strerror or err}; the trained state is kept as the "
+                          f"checkpoint {saved}: make room, then python -m moejax.train --out {out} --export {folder}")
 
 
 def step_seconds(since: tuple[int, float, float], now: tuple[int, float, float]) -> float:
