@@ -143,6 +143,24 @@ def atomic_dir(target: str) -> Iterator[str]:
         raise naming(e, target) from (e if isinstance(e, OSError) else None)
 
 
+def append_whole(f: IO, data: bytes, path: str, fsync: bool = True) -> None:
+    """Append ``data`` at the end of the open file ``f`` (``path``) whole or not at all: written unbuffered (nothing
+    is left in a buffer to land after a failure is undone) and, if the write fails (a full disk), the file is cut
+    back to its old end and the error names ``path``."""
+    f.flush()
+    end = f.seek(0, os.SEEK_END)
+    view = memoryview(data)
+    try:
+        while view:
+            view = view[os.write(f.fileno(), view):]
+        if fsync:
+            os.fsync(f.fileno())
+    except OSError as e:
+        with contextlib.suppress(OSError):
+            f.truncate(end)
+        raise naming(e, path) from e
+
+
 def json_text(obj: Any, indent: int | None = 2, sort_keys: bool = True) -> str:
     """The text ``write_json`` writes: ``obj`` as JSON with a trailing newline."""
     return json.dumps(obj, indent=indent, sort_keys=sort_keys) + "\n"

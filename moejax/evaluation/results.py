@@ -7,7 +7,6 @@ broadcasts what it read) and writes (``moejax.base.distributed``).
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import json
 import math
@@ -149,17 +148,7 @@ def append_result(path: str, record: dict) -> None:
         except OSError:  # no flock here: appends are still whole lines
             pass
         _repair(f, path)
-        f.flush()
-        end = f.seek(0, os.SEEK_END)
-        data = memoryview(line.encode("utf-8"))
-        try:  # unbuffered: nothing is left in a buffer to be written after a failure is undone
-            while data:
-                data = data[os.write(f.fileno(), data):]
-            os.fsync(f.fileno())
-        except OSError as e:  # a full disk: no torn line is left (the file is as it was before this record)
-            with contextlib.suppress(OSError):
-                f.truncate(end)
-            raise atomic.naming(e, path) from e
+        atomic.append_whole(f, line.encode("utf-8"), path)  # a full disk leaves no torn line
 
 
 # ------------------------------------------------------------------------------ runs that share one file

@@ -172,8 +172,8 @@ def _keep_metrics_until(path: str, step: int) -> None:
 
 
 def _log_jsonl(path: str, record: dict) -> None:
-    with open(path, "a") as f:
-        f.write(json.dumps(record) + "\n")
+    with open(path, "ab") as f:
+        atomic.append_whole(f, (json.dumps(record) + "\n").encode(), path, fsync=False)
 
 
 RESUMED_ARGS = ("config", "batch", "seq_len", "lr", "seed", "steps", "warmup", "aux_coef", "weight_decay", "clip",
