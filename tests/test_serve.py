@@ -392,6 +392,10 @@ def test_warm_up_compiles_every_program_the_requests_within_its_bounds_need():
             for new in (1, 2, 20):
                 r = engine.run(serve_engine.Job(list(range(3, 3 + n)), new))
                 assert r["compile_time_s"] < 0.5, (n, new, r["compile_time_s"])  # lowering only, no XLA compile
+        for sampling in (dict(temperature=0.8, top_p=0.9), dict(temperature=1.1, top_k=5, repetition_penalty=1.2),
+                         dict(repetition_penalty=1.3)):  # warmed greedy: each request's sampling compiles nothing
+            r = engine.run(serve_engine.Job(list(range(3, 13)), 20, **sampling))
+            assert r["compile_time_s"] < 0.5, (sampling, r["compile_time_s"])
         assert engine.cache_view()["summary"]["tokens"] > 0
     finally:
         engine.close()
