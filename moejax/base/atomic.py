@@ -68,10 +68,9 @@ def check_creatable(path: str, flag: str) -> None:
     """Refuse, before any work, an output ``path`` that could not be made: its nearest existing folder must take a
     new entry (tried for real, so a read-only mount or an immutable folder is found: root passes ``os.access``).
     Raises ``OSError`` naming ``flag`` and ``path``. A full disk can still fail the write later."""
-    made = missing_folders(path)
-    parent = os.path.dirname(made[-1]) if made else os.path.dirname(os.path.abspath(os.path.expanduser(path)))
+    parent = existing_ancestor(os.path.dirname(os.path.abspath(os.path.expanduser(path))))
     try:
-        os.rmdir(tempfile.mkdtemp(prefix=".moejax-probe-", dir=parent or "."))
+        os.rmdir(tempfile.mkdtemp(prefix=".moejax-probe-", dir=parent))
     except OSError as e:
         raise type(e)(e.errno, f"{flag} {path}: cannot be written in {parent} ({e.strerror})") from None
 
@@ -84,6 +83,13 @@ def missing_folders(path: str) -> list[str]:
         made.append(p)
         p = os.path.dirname(p)
     return made
+
+
+def existing_ancestor(path: str) -> str:
+    """``path`` if it exists, else the nearest folder above it that does (where a new ``path`` would be made:
+    the disk its free space and permissions come from)."""
+    made = missing_folders(path)
+    return os.path.dirname(made[-1]) if made else os.path.abspath(os.path.expanduser(os.fspath(path)))
 
 
 def remove_empty_folders(folders: list[str]) -> None:

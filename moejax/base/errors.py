@@ -75,6 +75,11 @@ def stdout_failed(err: OSError) -> int:
     return FAILURE
 
 
+def excerpt(err: BaseException, limit: int = 300) -> str:
+    """``err``'s text on one line, cut at ``limit`` characters (orbax's errors carry a whole tensorstore spec)."""
+    return " ".join(str(err).split())[:limit]
+
+
 def exit_status(err: BaseException) -> int:
     if isinstance(err, UsageError) or (isinstance(err, FileExistsError) and err.errno is None):
         return USAGE  # refused to replace an output (raised by moejax, no errno): pass --overwrite or another path

@@ -37,7 +37,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from moejax.base import atomic
-from moejax.base.errors import Failure
+from moejax.base.errors import Failure, excerpt
 
 FORMAT = "moejax-learned-prior"
 VERSION = 1
@@ -165,7 +165,7 @@ def save_prior(path: str, params: dict, meta: dict | None = None, overwrite: boo
             ckpt.save(os.path.join(tmp, PARAMS_DIR), {k: np.asarray(params[k], np.float32) for k in PARAM_KEYS})
             ckpt.wait_until_finished()
         except ValueError as e:  # orbax's form of a full disk: a failure, not a usage error
-            raise Failure(f"could not write the prior {path}: {' '.join(str(e).split())[:300]}") from e
+            raise Failure(f"could not write the prior {path}: {excerpt(e)}") from e
         finally:
             ckpt.close()
         sidecar = {"format": FORMAT, "version": VERSION,

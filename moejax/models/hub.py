@@ -25,6 +25,7 @@ import shutil
 import subprocess
 import sys
 
+from moejax.base import atomic
 from moejax.base.memory import format_bytes
 from moejax.models import checkpoint
 from moejax.models.checkpoint import CARD_FILES, TOKENIZER_FILES, CheckpointError
@@ -189,10 +190,7 @@ def _refuse_hub_answer(hf, model: str, repo: str, revision: str | None, answer: 
 
 def _check_free_space(hf, repo: str, needed: int) -> None:
     """Refuse a download that cannot fit on the cache's disk, before it starts."""
-    where = hf.constants.HF_HUB_CACHE
-    while not os.path.isdir(where) and os.path.dirname(where) != where:
-        where = os.path.dirname(where)
-    free = shutil.disk_usage(where).free
+    free = shutil.disk_usage(atomic.existing_ancestor(hf.constants.HF_HUB_CACHE)).free
     if needed > free:
         raise CheckpointError(f"the Hugging Face hub model {repo} needs {format_bytes(needed)} more in "
                               f"{hf.constants.HF_HUB_CACHE}, which has {format_bytes(free)} free (set HF_HUB_CACHE "

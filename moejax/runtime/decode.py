@@ -54,7 +54,7 @@ class Sampling:
         if not (is_number(self.repetition_penalty) and 0 < self.repetition_penalty
                 and math.isfinite(self.repetition_penalty)):
             raise ValueError(f"repetition_penalty must be a finite number > 0 (1: off), got {self.repetition_penalty!r}")
-        greedy = self.temperature < float(np.finfo(np.float32).tiny)
+        greedy = self.temperature < GREEDY_BELOW
         object.__setattr__(self, "steps", SamplingSteps(greedy, not greedy and self.top_k > 0,
                                                         not greedy and self.top_p < 1, self.repetition_penalty != 1))
 
@@ -64,11 +64,12 @@ class Sampling:
         penalty's token set is always carried). A server's requests each bring their own sampling; with the
         steps fixed at compile time every new combination (greedy or not, top-k, top-p, penalty on or off)
         compiled the prompt and decode programs again. Same tokens as the fixed steps for the same numbers."""
-        s = object.__new__(Sampling)
-        for name in ("temperature", "top_p", "top_k", "repetition_penalty"):
-            object.__setattr__(s, name, getattr(self, name))
-        object.__setattr__(s, "steps", RUN_TIME_STEPS)
-        return s
+        return _unflatten_sampling(RUN_TIME_STEPS, (self.temperature, self.top_p, self.top_k, self.repetition_penalty))
+
+
+#: temperatures below float32's smallest normal number decode greedily (XLA flushes them to 0): the one threshold
+#: of the steps fixed when made and of those decided at run time
+GREEDY_BELOW = float(np.finfo(np.float32).tiny)
 
 
 class SamplingSteps(typing.NamedTuple):
@@ -93,6 +94,11 @@ def _typed(x, dtype):
     if dtype == np.float32:
         x = min(float(x), float(np.finfo(np.float32).max))
     return np.asarray(x, dtype)
+
+
+def _f32(x) -> jax.Array:
+    """A sampling number (a caller's number, or traced) as a float32 scalar."""
+    return jnp.asarray(_typed(x, np.float32), jnp.float32)
 
 
 def _flatten_sampling(s: Sampling):
@@ -180,7 +186,7 @@ def penalised_logits(logits: jax.Array, sampling: Sampling, seen: jax.Array | No
     if not sampling.steps.penalty:
         return logits
     logits = logits.astype(jnp.float32)
-    penalty = jnp.asarray(_typed(sampling.repetition_penalty, np.float32), jnp.float32)
+    penalty = _f32(sampling.repetition_penalty)
     return jnp.where(seen, jnp.where(logits < 0, logits * penalty, logits / penalty), logits)
 
 
@@ -191,8 +197,7 @@ def sampling_logits(logits: jax.Array, sampling: Sampling, seen: jax.Array | Non
     # shifted to a maximum of 0 first: a tiny temperature then tends to greedy (0 / T = 0, the rest -inf)
     # instead of inf / inf = NaN (a subnormal T gave garbage tokens); a huge one is float32's largest (the
     # limit T → inf, uniform sampling, without an overflow warning when it is cast)
-    temperature = jnp.asarray(_typed(sampling.temperature, np.float32), jnp.float32)
-    logits = (logits - jnp.max(logits, axis=-1, keepdims=True)) / temperature
+    logits = (logits - jnp.max(logits, axis=-1, keepdims=True)) / _f32(sampling.temperature)
     steps = sampling.steps
     if steps.top_k:
         k = jnp.asarray(sampling.top_k, jnp.int32)
@@ -252,8 +257,7 @@ def sample(logits: jax.Array, key: jax.Array, sampling: Sampling, seen: jax.Arra
     greedy = lambda: jnp.argmax(penalised_logits(logits, sampling, seen), axis=-1).astype(jnp.int32)  # noqa: E731
     drawn = lambda: jax.random.categorical(key, sampling_logits(logits, sampling, seen)).astype(jnp.int32)  # noqa: E731
     if sampling.steps.at_run_time:
-        temperature = jnp.asarray(_typed(sampling.temperature, np.float32), jnp.float32)
-        return jax.lax.cond(temperature < np.finfo(np.float32).tiny, greedy, drawn)
+        return jax.lax.cond(_f32(sampling.temperature) < GREEDY_BELOW, greedy, drawn)
     return greedy() if sampling.steps.greedy else drawn()
 
 

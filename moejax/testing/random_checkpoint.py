@@ -165,8 +165,7 @@ def write_checkpoint(config: dict, out: str, *, dtype: str = "bfloat16", seed: i
     total = sum(int(np.prod(s, dtype=np.int64)) for _, s, _ in plan) * np_dtype.itemsize
     out = os.path.abspath(os.path.expanduser(out))
     checkpoint.check_replaceable(out, overwrite)
-    made = atomic.missing_folders(out)  # the folders are made (and removed on failure) by the write
-    parent = os.path.dirname(made[-1]) if made else os.path.dirname(out)
+    parent = atomic.existing_ancestor(os.path.dirname(out))  # folders are made (and removed on failure) by the write
     free = shutil.disk_usage(parent).free
     need = total + min(256 << 20, max(1 << 20, total // 20))  # the index, config and tokenizer, with a margin
     if free < need:

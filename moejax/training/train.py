@@ -92,7 +92,7 @@ def save_state(out: str, step: int, params, opt_state, data_pos: int, rng: jax.A
         for name in os.listdir(root):  # orbax's unfinished folder of this step
             if name.startswith(os.path.basename(path) + ".orbax-checkpoint-tmp"):
                 shutil.rmtree(os.path.join(root, name), ignore_errors=True)
-        raise errors.Failure(f"could not write the checkpoint {path}: {' '.join(str(e).split())[:300]}") from e
+        raise errors.Failure(f"could not write the checkpoint {path}: {errors.excerpt(e)}") from e
     finally:
         ckpt.close()
     atomic.write_json(os.path.join(root, "latest.json"), {"step": step, "path": os.path.basename(path)})
