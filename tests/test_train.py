@@ -356,3 +356,38 @@ def test_a_tokenizer_set_left_incomplete_is_completed_not_fatal(dirs, tmp_path, 
     monkeypatch.setattr(data, "train_tokenizer", lambda *a, **k: pytest.fail("retrained"))
     data.ensure_tokenizer(str(folder), dirs["corpus"])
     assert sorted(os.listdir(folder)) == sorted(data.TOKENIZER_FILES)
+
+
+def _stopped(argv, stop):
+    """``train.main(argv)`` with the compile raising ``stop``: an OSError is one error line (exit 1), the rest
+    go up as they came."""
+    if stop is OSError:
+        assert train.main(argv) == 1
+    else:
+        with pytest.raises(stop):
+            train.main(argv)
+
+
+@pytest.mark.parametrize("stop", [KeyboardInterrupt, MemoryError, OSError])
+def test_a_run_ended_before_its_first_step_leaves_nothing_a_rerun_would_need_resume_for(dirs, monkeypatch, stop):
+    """Ctrl-C during the first compile (or any failure before step 1) left run.json and tokenizer/ behind, and
+    the plain rerun was refused as a run to --resume; now what the run made goes, folders included. A folder
+    the user made stays; a resumed run, or one that has logged a step, keeps everything."""
+    def stopped(*a, **k):
+        raise stop("stopped while compiling")
+
+    out = dirs["root"] / f"early-{stop.__name__}" / "run"
+    monkeypatch.setattr(recipe, "compiled_steps", stopped)
+    _stopped(_argv(dirs, str(out)), stop)
+    assert not out.parent.exists()
+    empty = dirs["root"] / f"empty-{stop.__name__}"
+    empty.mkdir()
+    _stopped(_argv(dirs, str(empty)), stop)
+    assert os.listdir(empty) == []  # emptied, not removed: the user made it
+    monkeypatch.undo()
+    _, m = run(dirs, f"early-{stop.__name__}/run", "--stop-after", "2")  # the plain rerun
+    assert [r["step"] for r in m] == [1, 2]
+    before = _snapshot(str(out))
+    monkeypatch.setattr(recipe, "compiled_steps", stopped)
+    _stopped(_argv(dirs, str(out), "--resume"), stop)
+    assert _snapshot(str(out)) == before

@@ -205,8 +205,6 @@ def resume_args(args: argparse.Namespace, run_path: str) -> dict:
 
 def train(args: argparse.Namespace) -> dict:
     """Run (or resume) training; returns a summary. Every step's metrics go to ``OUT/metrics.jsonl``."""
-    from tqdm import tqdm
-
     out = os.path.abspath(args.out)
     check_out_folder(out, args.resume, args.overwrite)
     run_path = os.path.join(out, "run.json")
@@ -216,6 +214,27 @@ def train(args: argparse.Namespace) -> dict:
     if args.export_at_end:  # before anything, not after training: a folder that cannot be written fails now
         checkpoint.check_replaceable(args.export_at_end, args.overwrite, protect=(out,))
         atomic.check_creatable(args.export_at_end, "--export-at-end")
+    fresh, made = not args.resume, atomic.missing_folders(out)
+    try:
+        return _run(args, out, run_path, run_prev)
+    except BaseException:
+        if fresh and not os.path.lexists(os.path.join(out, "metrics.jsonl")):
+            discard_unstarted_run(out, made)
+        raise
+
+
+def discard_unstarted_run(out: str, made: list[str]) -> None:
+    """What a fresh run that ended before its first step (an error, Ctrl-C during the first compile) wrote in
+    ``out`` — its ``run.json`` and ``tokenizer/`` — and the folders it made: otherwise the plain rerun is
+    refused as a run that needs ``--resume``, a run with nothing to resume."""
+    remove_run(out)
+    atomic.remove_empty_folders(made)
+
+
+def _run(args: argparse.Namespace, out: str, run_path: str, run_prev: dict) -> dict:
+    """``train`` once the run's folder and settings are checked."""
+    from tqdm import tqdm
+
     if args.overwrite and not args.resume:
         remove_run(out)
     os.makedirs(out, exist_ok=True)
