@@ -22,7 +22,7 @@ from hypothesis import strategies as st
 
 import moejax
 from moejax.models import checkpoint, layout, model as M, quant
-from moejax.runtime import decode, host_paging, offload
+from moejax.runtime import host_paging, offload
 from moejax.runtime.simulate import CacheConfig
 from moejax.testing import random_checkpoint
 

@@ -153,3 +153,48 @@ def test_a_figure_is_written_as_a_pair_or_not_at_all(tmp_path, monkeypatch):
     with pytest.raises(OSError):
         plots.save_figure(fig, tmp_path / "new" / "g")
     assert sorted(os.listdir(tmp_path)) == ["f.png", "f.svg"]
+
+
+def test_a_report_and_its_figures_change_as_one_set(tmp_path, monkeypatch):
+    """A disk that filled between two figures left the report's figure set half replaced (new figures beside
+    old ones and the old report). The report and its figures are now renamed into place together, after all
+    of them are written; a failure anywhere leaves the old set and no temporary file."""
+    from matplotlib.figure import Figure
+
+    from moejax.evaluation import report
+    from test_plots import all_records, write_jsonl
+
+    records = all_records()
+    first = write_jsonl(tmp_path / "a.jsonl", records)
+    second = write_jsonl(tmp_path / "b.jsonl", [{**r, "ppl": r["ppl"] * 1.1} if r.get("ppl") else r for r in records])
+    rep = tmp_path / "rep"
+    out, figs = rep / "REPORT.md", rep / "figs"
+    argv = lambda res: [str(res), "--out", str(out), "--figures", str(figs)]  # noqa: E731
+    real = Figure.savefig
+
+    def full_at(n):
+        calls = []
+
+        def savefig(self, *a, **k):
+            calls.append(1)
+            if len(calls) == n:
+                _full()
+            return real(self, *a, **k)
+        return savefig
+
+    monkeypatch.setattr(Figure, "savefig", full_at(5))  # the third figure's PNG
+    assert report.main(argv(first)) == 1
+    assert not rep.exists()  # nothing was there: nothing is, not even the folders
+    monkeypatch.undo()
+    assert report.main(argv(first)) == 0
+    files = lambda: {p.relative_to(rep): p.read_bytes() for p in rep.rglob("*") if p.is_file()}  # noqa: E731
+    before = files()
+    assert len(before) > 6
+    monkeypatch.setattr(Figure, "savefig", full_at(6))
+    assert report.main(argv(second)) == 1
+    assert files() == before  # the old set, whole, and no temporary file
+    monkeypatch.undo()
+    assert report.main(argv(second)) == 0
+    after = files()
+    assert after.keys() == before.keys() and after[out.relative_to(rep)] != before[out.relative_to(rep)]
+    assert sum(after[k] != before[k] for k in after) > 2  # figures changed too: the check above means something

@@ -12,6 +12,7 @@ shards, traces, plots, tokenizers, token files) goes through ``atomic_file``; ev
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import json
 import os
 import shutil
@@ -43,13 +44,57 @@ def atomic_file(path: str | os.PathLike, mode: str = "wb", make_parents: bool = 
         with os.fdopen(fd, mode, **({} if mode == "wb" else {"encoding": "utf-8"})) as f:
             yield f
         os.chmod(tmp, 0o666 & ~_umask())
-        os.replace(tmp, path)
+        group = _GROUP.get()
+        if group is None:
+            os.replace(tmp, path)
+        else:  # ``together``: renamed with the rest of the set, or removed with it
+            group.append((tmp, path, made))
     except BaseException as e:
         if tmp is not None:
             with contextlib.suppress(OSError):
                 os.unlink(tmp)
         remove_empty_folders(made)
         raise naming(e, path) from (e if isinstance(e, OSError) else None)
+
+
+#: the files written inside the innermost ``together`` block: (temporary file, target, folders made for it)
+_GROUP: contextvars.ContextVar[list | None] = contextvars.ContextVar("moejax_atomic_group", default=None)
+
+
+@contextlib.contextmanager
+def together() -> Iterator[None]:
+    """Every ``atomic_file`` written in this block (this thread) replaces its target only when the whole block
+    succeeds, all of them at its end; if it fails, none does and their temporary files go. A set of files that
+    belong together (a report and its figures) then changes as one: a disk that fills after some of them
+    leaves the old set, not new figures beside an old report. A block inside another joins the outer one."""
+    if _GROUP.get() is not None:
+        yield
+        return
+    pending: list = []
+    token = _GROUP.set(pending)
+    try:
+        yield
+    except BaseException:
+        _discard(pending)
+        raise
+    finally:
+        _GROUP.reset(token)
+    with interrupts.deferred():  # the renames run whole: no signal leaves half the set replaced
+        for i, (tmp, path, _) in enumerate(pending):
+            try:
+                os.replace(tmp, path)
+            except BaseException as e:
+                _discard(pending[i:])
+                raise naming(e, path) from (e if isinstance(e, OSError) else None)
+
+
+def _discard(pending: list) -> None:
+    """Remove the temporary files of a ``together`` set, then the folders made for them (latest first)."""
+    for tmp, _, _ in pending:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+    for _, _, made in reversed(pending):
+        remove_empty_folders(made)
 
 
 def naming(err: BaseException, path: str) -> BaseException:

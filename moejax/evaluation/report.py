@@ -15,8 +15,8 @@ Records are grouped by ``study`` (plain sweeps, ``study`` null, by task and swep
 gets a section: what the paper's figure shows, the headline comparison, the figure(s) (PNG + SVG written by
 ``moejax.plots`` into ``--figures``, linked relative to the report) and a table of the points. Studies this
 module does not know get a generic table (and a trade-off plot when they carry miss rates and perplexity or
-accuracy). The report is written atomically; by default to REPORT.md beside the first input, with figures
-in ``figures/`` beside it.
+accuracy). The report and its figures are written atomically, as one set (``atomic.together``): by default
+to REPORT.md beside the first input, with figures in ``figures/`` beside it.
 """
 
 from __future__ import annotations
@@ -598,9 +598,11 @@ def main(argv: list[str] | None = None) -> int:
         check_report_target(out, [*args.results, *(_parse_trace(t)[0] for t in args.trace)])
         if fig_dir is not None and fig_dir.exists() and not fig_dir.is_dir():
             raise errors.UsageError(f"--figures {fig_dir} is a file, not a folder")
-        text = build_report(args.results, out, fig_dir, [_parse_trace(t) for t in args.trace], args.trace_layer,
-                            args.trace_cache_size, args.trace_eviction, args.trace_tokens, command, args.trace_note)
-        atomic.write_text(out, text, make_parents=True)
+        with atomic.together():  # the report and its figures change as one set, or not at all
+            text = build_report(args.results, out, fig_dir, [_parse_trace(t) for t in args.trace],
+                                args.trace_layer, args.trace_cache_size, args.trace_eviction, args.trace_tokens,
+                                command, args.trace_note)
+            atomic.write_text(out, text, make_parents=True)
     except errors.HANDLED as err:
         return errors.report(err)
     return errors.print_result(f"wrote {out}" + (f" (figures in {fig_dir})" if fig_dir else ""))
