@@ -16,9 +16,11 @@ import copy
 import dataclasses
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
+import threading
 from typing import Any, Callable
 
 import pytest
@@ -27,20 +29,45 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # no test reaches the Hugging Face hub or the user's hub cache: a hub id resolves offline, from a cache of the
 # run's own (tests/test_hub.py serves the hub's answers from local files itself)
 os.environ["HF_HUB_OFFLINE"] = "1"
-os.environ["HF_HUB_CACHE"] = tempfile.mkdtemp(prefix="moejax-tests-hub-cache-")
-atexit.register(shutil.rmtree, os.environ["HF_HUB_CACHE"], True)
+
+
+def _run_folder() -> str:
+    """The run's own temporary folder. The controlling process makes ``moejax-tests-*`` and removes it when it
+    exits; xdist workers and CLI subprocesses inherit it (``MOEJAX_TESTS_TMP``) and put theirs inside, so a
+    worker that dies without its clean-ups (xdist ends workers abruptly on an interrupt) leaves nothing."""
+    outer = os.environ.get("MOEJAX_TESTS_TMP")
+    if os.environ.get("PYTEST_XDIST_WORKER") and outer and os.path.isdir(outer):
+        return tempfile.mkdtemp(prefix=f"{os.environ['PYTEST_XDIST_WORKER']}-", dir=outer)
+    folder = tempfile.mkdtemp(prefix="moejax-tests-")
+    atexit.register(shutil.rmtree, folder, True)
+    os.environ["MOEJAX_TESTS_TMP"] = folder
+    return folder
+
+
+_RUN_FOLDER = _run_folder()
+os.environ["HF_HUB_CACHE"] = os.path.join(_RUN_FOLDER, "hub-cache")
+os.makedirs(os.environ["HF_HUB_CACHE"])
+
+
+def _stop_on_sigterm(signum, frame) -> None:
+    """A run stopped by SIGTERM (``timeout``, a cancelled CI job) stops as Ctrl-C does: pytest tears down and
+    the ``atexit`` clean-up above runs, instead of the process dying with its temporary folder left behind."""
+    raise KeyboardInterrupt(f"stopped by signal {signum}")
+
+
+if threading.current_thread() is threading.main_thread():
+    signal.signal(signal.SIGTERM, _stop_on_sigterm)
 
 
 def _share_compiled_programs() -> None:
     """One JAX persistent compilation cache for the whole test run: the xdist workers and every CLI
     subprocess inherit it, so a program that several tests compile (the default model's prefill and decode
-    steps above all) is compiled once. Made by the controlling process, removed when it exits; a
+    steps above all) is compiled once. Made by the controlling process inside the run's folder; a
     ``JAX_COMPILATION_CACHE_DIR`` set by the caller is used as it is."""
     if os.environ.get("PYTEST_XDIST_WORKER") or os.environ.get("JAX_COMPILATION_CACHE_DIR"):
         return
-    folder = tempfile.mkdtemp(prefix="moejax-tests-jax-cache-")
-    atexit.register(shutil.rmtree, folder, True)
-    os.environ["JAX_COMPILATION_CACHE_DIR"] = folder
+    os.environ["JAX_COMPILATION_CACHE_DIR"] = os.path.join(_RUN_FOLDER, "jax-cache")
+    os.makedirs(os.environ["JAX_COMPILATION_CACHE_DIR"])
     os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 
 
@@ -280,8 +307,7 @@ _MOEJAX: dict[str, Any] = {}
 
 def _root() -> str:
     if not _ROOT:
-        _ROOT.append(tempfile.mkdtemp(prefix="moejax-tests-"))
-        atexit.register(shutil.rmtree, _ROOT[0], True)
+        _ROOT.append(tempfile.mkdtemp(prefix="models-", dir=_RUN_FOLDER))
     return _ROOT[0]
 
 
