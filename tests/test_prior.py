@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
+import sys
 
 import chex
 import jax
@@ -335,3 +337,22 @@ def test_generate_cli_with_learned_prior(zero_prior_path, tmp_path, capsys):
     wrong = prior_lib.save_prior(str(tmp_path / "n16"), _random_prior(0, 4, 16, hidden=8), {"top_k": 4})
     assert generate.main(argv + ["--routing", "learned-prior", "--prior", wrong]) == 2
     assert "trained for N=16 experts" in capsys.readouterr().err
+
+
+def test_a_prior_save_that_really_fails_leaves_nothing_and_prints_one_error(tmp_path):
+    """A prior whose save orbax really fails (a file-size limit in the child: writes past 64 KiB fail as on a
+    full disk): the command-level error only, no orbax or tensorstore tracebacks, and neither the prior's
+    folder nor any temporary folder left (orbax's threads are waited for before the folder is removed)."""
+    child = ("import resource, jax; resource.setrlimit(resource.RLIMIT_FSIZE, (65536, 65536))\n"
+             "from moejax.experts import prior\n"
+             "p = prior.init_params(jax.random.key(0), 4, 64, hidden=256)\n"
+             "try:\n"
+             f"    prior.save_prior({str(tmp_path / 'w1')!r}, p)\n"
+             "except ValueError as e:\n"
+             "    print('error:', type(e).__name__, str(e)[:300])\n")
+    env = {**os.environ, "MOEJAX_COMPILE_CACHE": "off"}
+    env.pop("JAX_COMPILATION_CACHE_DIR", None)
+    proc = subprocess.run([sys.executable, "-c", child], capture_output=True, text=True, env=env, timeout=300)
+    assert proc.stdout.startswith(f"error: Failure could not write the prior {tmp_path / 'w1'}"), proc.stdout + proc.stderr
+    assert "Traceback" not in proc.stderr and "ERROR" not in proc.stderr and "never awaited" not in proc.stderr, proc.stderr
+    assert os.listdir(tmp_path) == []

@@ -7,6 +7,8 @@ import dataclasses
 import errno
 import json
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 import jax
@@ -344,6 +346,29 @@ def test_an_orbax_save_that_fails_is_a_failure_and_leaves_no_partial_folder(dirs
     monkeypatch.setattr(ocp.StandardCheckpointer, "save", full)
     out = str(dirs["root"] / "orbax-full")
     assert train.main(_argv(dirs, out, "--ckpt-every", "6")) == 1  # was 2, a usage error
+    assert os.listdir(os.path.join(out, "checkpoints")) == []
+
+
+def test_a_real_failed_save_is_one_error_line_not_orbaxs_tracebacks(dirs):
+    """A save that orbax really fails (a file-size limit: writes past 64 KiB fail as on a full disk) printed
+    some 300-700 lines: orbax's ERROR records with tracebacks, asyncio's "Task exception was never retrieved",
+    tensorstore's "Event loop is closed" tracebacks and "coroutine ... was never awaited", some after moejax's
+    own error line, which also shared a line with the progress bar; and a late metadata write could leave the
+    unfinished folder behind. Now the error is the last line, alone, and the folder is gone."""
+    out = str(dirs["root"] / "orbax-fsize")
+
+    # CPython ignores SIGXFSZ: a write past the limit fails with EFBIG instead (set in the child itself: a
+    # preexec_fn would run Python between fork and exec in this multithreaded process)
+    limited = ("import resource, runpy, sys; resource.setrlimit(resource.RLIMIT_FSIZE, (65536, 65536)); "
+               "sys.argv[0] = 'moejax.train'; runpy.run_module('moejax.train', run_name='__main__')")
+    env = {**os.environ, "MOEJAX_COMPILE_CACHE": "off"}
+    env.pop("JAX_COMPILATION_CACHE_DIR", None)  # a cache entry over the limit would warn
+    proc = subprocess.run([sys.executable, "-c", limited, *_argv(dirs, out, "--ckpt-every", "2", "--steps", "4")],
+                          capture_output=True, text=True, env=env, timeout=600)
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    assert lines[-1].startswith(f"error: could not write the checkpoint {out}/checkpoints/step_00000002: "), lines[-3:]
+    assert "Traceback" not in proc.stderr and "ERROR:" not in proc.stderr and len(lines) < 10, proc.stderr[-3000:]
     assert os.listdir(os.path.join(out, "checkpoints")) == []
 
 

@@ -36,7 +36,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from moejax.base import atomic
+from moejax.base import atomic, orbax_save
 from moejax.base.errors import Failure, excerpt
 
 FORMAT = "moejax-learned-prior"
@@ -152,22 +152,16 @@ def save_prior(path: str, params: dict, meta: dict | None = None, overwrite: boo
     ``overwrite`` replaces a learned-prior folder only (``check_replaceable``).
 
     ``meta`` goes into the sidecar beside the architecture (N, L, H, activation) derived from ``params``."""
-    import orbax.checkpoint as ocp
-
     n_layers, n_experts, hidden = shape_of(params)
     path = os.path.abspath(os.path.expanduser(path))
     if os.path.lexists(path) and not overwrite:
         raise PriorError(f"{path} already exists")
     check_replaceable(path)
     with atomic.atomic_dir(path) as tmp:
-        ckpt = ocp.StandardCheckpointer()
         try:
-            ckpt.save(os.path.join(tmp, PARAMS_DIR), {k: np.asarray(params[k], np.float32) for k in PARAM_KEYS})
-            ckpt.wait_until_finished()
+            orbax_save.save(os.path.join(tmp, PARAMS_DIR), {k: np.asarray(params[k], np.float32) for k in PARAM_KEYS})
         except ValueError as e:  # orbax's form of a full disk: a failure, not a usage error
             raise Failure(f"could not write the prior {path}: {excerpt(e)}") from e
-        finally:
-            ckpt.close()
         sidecar = {"format": FORMAT, "version": VERSION,
                    "arch": {"kind": "mlp2", "activation": ACTIVATION, "inputs": ["cache_mask", "logits_centred"],
                             "n_experts": n_experts, "n_layers": n_layers, "hidden": hidden,

@@ -31,7 +31,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from moejax.base import atomic, errors, interrupts, seeds
+from moejax.base import atomic, errors, interrupts, orbax_save, seeds
 from moejax.models import checkpoint
 from moejax.models.config import ModelConfig, from_hf
 from moejax.training import data, recipe
@@ -75,8 +75,6 @@ def remove_run(out: str) -> None:
 
 def save_state(out: str, step: int, params, opt_state, data_pos: int, rng: jax.Array, keep: int = 2) -> str:
     """Orbax checkpoint of the whole training state; ``latest.json`` is switched atomically afterwards."""
-    import orbax.checkpoint as ocp
-
     root = _ckpt_root(out)
     os.makedirs(root, exist_ok=True)
     path = os.path.join(root, f"step_{step:08d}")
@@ -84,17 +82,13 @@ def save_state(out: str, step: int, params, opt_state, data_pos: int, rng: jax.A
              "step": np.int64(step), "data_pos": np.int64(data_pos), "rng": np.asarray(jax.random.key_data(rng))}
     if os.path.exists(path):
         shutil.rmtree(path)
-    ckpt = ocp.StandardCheckpointer()
     try:
-        ckpt.save(path, state)  # orbax writes to a temporary folder and renames it when complete
-        ckpt.wait_until_finished()
+        orbax_save.save(path, state)  # orbax writes to a temporary folder and renames it when complete
     except (OSError, ValueError) as e:  # a full disk reaches us as orbax's ValueError: a failure, not a usage error
         for name in os.listdir(root):  # orbax's unfinished folder of this step
             if name.startswith(os.path.basename(path) + ".orbax-checkpoint-tmp"):
                 shutil.rmtree(os.path.join(root, name), ignore_errors=True)
         raise errors.Failure(f"could not write the checkpoint {path}: {errors.excerpt(e)}") from e
-    finally:
-        ckpt.close()
     atomic.write_json(os.path.join(root, "latest.json"), {"step": step, "path": os.path.basename(path)})
     old = sorted(p for p in os.listdir(root) if p.startswith("step_") and p != os.path.basename(path))
     for p in old[:max(0, len(old) - keep + 1)]:
@@ -297,74 +291,78 @@ def _run(args: argparse.Namespace, out: str, run_path: str, run_prev: dict) -> d
     overhead_s = 0.0  # time spent evaluating and checkpointing, which the speed measurement leaves out
     overhead_planned = 0.0  # overhead_s when the schedule was last checked against the time left
     next_batch = ds.batch(data_pos, args.batch)
-    while step < max_steps:
-        if auto_steps and not total_steps:
-            # the schedule's length does not matter during warmup; measure the speed there, then fix it
-            probe_start, probe_end = min(10, args.warmup // 4), max(min(args.warmup, 200), 20)
-            if step == probe_start:
-                probe_from = (step, time.time(), overhead_s)
-            elif probe_from and step >= probe_end:
-                measured_step_s = step_seconds(probe_from, (step, time.time(), overhead_s))
-                per_step = measured_step_s
-                total_steps = planned_steps(step, per_step, budget - (time.time() - start), budget, args.warmup)
-                run["planned_steps"] = total_steps
-                atomic.write_json(run_path, run)
-                log(f"--steps auto: {per_step * 1e3:.1f} ms/step -> schedule of {total_steps} steps")
-        batch, next_pos = next_batch
-        params, opt_state, m = train_step(params, opt_state, jnp.asarray(batch), jnp.int32(step),
-                                          jnp.int32(total_steps or max(args.warmup + 1, 1 << 30)))
-        step, data_pos = step + 1, next_pos
-        if step < max_steps:
-            next_batch = ds.batch(data_pos, args.batch)  # prepared while the step runs
-        m = {k: float(v) for k, v in m.items()}
-        window_steps += 1
-        now = time.time()
-        tps = window_steps * tokens_per_step / max(now - window_t, 1e-9)
-        if now - window_t > 30:
-            window_t, window_steps = now, 0
-        rec = {"step": step, "tokens": step * tokens_per_step,
-               "time_s": round(prior_time + now - start, 2), "tokens_per_s": round(tps, 1), **m}
-        bar.set_postfix(loss=f"{m['ce']:.3f}", aux=f"{m['aux']:.3f}", tok_s=f"{tps:.0f}", refresh=False)
-        bar.update(1)
-        if args.eval_every and (step % args.eval_every == 0 or step == (total_steps if auto_steps else args.steps)):
-            t_eval = time.time()
-            ev = evaluate(params)
-            overhead_s += time.time() - t_eval
-            rec["val_ce"] = ev.get("ce")
-            log(f"step {step}: train ce {m['ce']:.4f}  val ce {ev.get('ce', float('nan')):.4f}  "
-                f"aux {m['aux']:.3f}  z {m['z_loss']:.2f}  load min/max {m['min_load']:.2f}/{m['max_load']:.2f}  "
-                f"dropped {m['dropped']:.3f}  lr {m['lr']:.2e}  {tps:.0f} tok/s")
-        if not (np.isfinite(m["loss"]) and np.isfinite(m["grad_norm"])):
+    try:  # the bar is closed before an error is reported: its line and the error's stay apart
+        while step < max_steps:
+            if auto_steps and not total_steps:
+                # the schedule's length does not matter during warmup; measure the speed there, then fix it
+                probe_start, probe_end = min(10, args.warmup // 4), max(min(args.warmup, 200), 20)
+                if step == probe_start:
+                    probe_from = (step, time.time(), overhead_s)
+                elif probe_from and step >= probe_end:
+                    measured_step_s = step_seconds(probe_from, (step, time.time(), overhead_s))
+                    per_step = measured_step_s
+                    total_steps = planned_steps(step, per_step, budget - (time.time() - start), budget, args.warmup)
+                    run["planned_steps"] = total_steps
+                    atomic.write_json(run_path, run)
+                    log(f"--steps auto: {per_step * 1e3:.1f} ms/step -> schedule of {total_steps} steps")
+            batch, next_pos = next_batch
+            params, opt_state, m = train_step(params, opt_state, jnp.asarray(batch), jnp.int32(step),
+                                              jnp.int32(total_steps or max(args.warmup + 1, 1 << 30)))
+            step, data_pos = step + 1, next_pos
+            if step < max_steps:
+                next_batch = ds.batch(data_pos, args.batch)  # prepared while the step runs
+            m = {k: float(v) for k, v in m.items()}
+            window_steps += 1
+            now = time.time()
+            tps = window_steps * tokens_per_step / max(now - window_t, 1e-9)
+            if now - window_t > 30:
+                window_t, window_steps = now, 0
+            rec = {"step": step, "tokens": step * tokens_per_step,
+                   "time_s": round(prior_time + now - start, 2), "tokens_per_s": round(tps, 1), **m}
+            bar.set_postfix(loss=f"{m['ce']:.3f}", aux=f"{m['aux']:.3f}", tok_s=f"{tps:.0f}", refresh=False)
+            bar.update(1)
+            if args.eval_every and (step % args.eval_every == 0 or step == (total_steps if auto_steps else args.steps)):
+                t_eval = time.time()
+                ev = evaluate(params)
+                overhead_s += time.time() - t_eval
+                rec["val_ce"] = ev.get("ce")
+                log(f"step {step}: train ce {m['ce']:.4f}  val ce {ev.get('ce', float('nan')):.4f}  "
+                    f"aux {m['aux']:.3f}  z {m['z_loss']:.2f}  load min/max {m['min_load']:.2f}/{m['max_load']:.2f}  "
+                    f"dropped {m['dropped']:.3f}  lr {m['lr']:.2e}  {tps:.0f} tok/s")
+            if not (np.isfinite(m["loss"]) and np.isfinite(m["grad_norm"])):
+                _log_jsonl(metrics_path, rec)
+                raise FloatingPointError(f"step {step}: loss {m['loss']}, gradient norm {m['grad_norm']} (not finite); "
+                                         "the last checkpoint is untouched")
             _log_jsonl(metrics_path, rec)
-            raise FloatingPointError(f"step {step}: loss {m['loss']}, gradient norm {m['grad_norm']} (not finite); "
-                                     "the last checkpoint is untouched")
-        _log_jsonl(metrics_path, rec)
-        out_of_time = budget is not None and now - start > budget
-        interrupted = args.stop_after is not None and step - first_step >= args.stop_after
-        out_of_time = out_of_time or interrupted
-        if auto_steps and total_steps and measured_step_s and overhead_s > overhead_planned:
-            # an evaluation or checkpoint took longer than planned for (a first one compiles): shorten the
-            # schedule so that the learning rate still decays within the budget instead of being cut off
-            shorter = replanned_steps(total_steps, step, measured_step_s, budget - (time.time() - start), budget, args.warmup)
-            if shorter < total_steps:
-                log(f"--steps auto: {overhead_s - overhead_planned:.0f} s more spent evaluating/checkpointing than "
-                    f"planned -> schedule of {shorter} steps instead of {total_steps}")
-                total_steps = run["planned_steps"] = shorter
-                atomic.write_json(run_path, run)
-        overhead_planned = overhead_s
-        if auto_steps and total_steps and step >= total_steps:
-            out_of_time = True  # the schedule is done
-        if (args.ckpt_every and step % args.ckpt_every == 0) or (final_checkpoint and (out_of_time or step == max_steps)) \
-                or (args.ckpt_minutes and now - last_ckpt_time > args.ckpt_minutes * 60):
-            t_ckpt = time.time()
-            save_state(out, step, params, opt_state, data_pos, rng)
-            last_ckpt_time = time.time()
-            overhead_s += last_ckpt_time - t_ckpt
-        if out_of_time:
-            stop_reason = ("interrupted" if interrupted else
-                           "schedule done" if auto_steps and step >= total_steps else "time budget")
-            break
-    bar.close()
+            out_of_time = budget is not None and now - start > budget
+            interrupted = args.stop_after is not None and step - first_step >= args.stop_after
+            out_of_time = out_of_time or interrupted
+            if auto_steps and total_steps and measured_step_s and overhead_s > overhead_planned:
+                # an evaluation or checkpoint took longer than planned for (a first one compiles): shorten the
+                # schedule so that the learning rate still decays within the budget instead of being cut off
+                shorter = replanned_steps(total_steps, step, measured_step_s, budget - (time.time() - start), budget,
+                                          args.warmup)
+                if shorter < total_steps:
+                    log(f"--steps auto: {overhead_s - overhead_planned:.0f} s more spent evaluating/checkpointing than "
+                        f"planned -> schedule of {shorter} steps instead of {total_steps}")
+                    total_steps = run["planned_steps"] = shorter
+                    atomic.write_json(run_path, run)
+            overhead_planned = overhead_s
+            if auto_steps and total_steps and step >= total_steps:
+                out_of_time = True  # the schedule is done
+            if (args.ckpt_every and step % args.ckpt_every == 0) \
+                    or (final_checkpoint and (out_of_time or step == max_steps)) \
+                    or (args.ckpt_minutes and now - last_ckpt_time > args.ckpt_minutes * 60):
+                t_ckpt = time.time()
+                save_state(out, step, params, opt_state, data_pos, rng)
+                last_ckpt_time = time.time()
+                overhead_s += last_ckpt_time - t_ckpt
+            if out_of_time:
+                stop_reason = ("interrupted" if interrupted else
+                               "schedule done" if auto_steps and step >= total_steps else "time budget")
+                break
+    finally:
+        bar.close()
     final_eval = evaluate(params) if args.eval_every else {}
     summary = {"step": step, "tokens": step * tokens_per_step, "stop": stop_reason,
                "time_s": round(prior_time + time.time() - start, 1),
