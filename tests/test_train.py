@@ -372,6 +372,31 @@ def test_a_real_failed_save_is_one_error_line_not_orbaxs_tracebacks(dirs):
     assert os.listdir(os.path.join(out, "checkpoints")) == []
 
 
+@pytest.mark.parametrize("damage", ["truncated", "missing"])
+def test_a_damaged_checkpoint_is_one_error_naming_it(dirs, tmp_path, damage):
+    """A checkpoint with a data file cut short or gone: orbax raised a bare Exception from tensorstore and
+    `--resume` printed a 144-line traceback. Now `--resume` and `--export` say which checkpoint cannot be read,
+    in one line (run as commands: orbax's abandoned reads report from its threads until the process ends)."""
+    out, _ = run(dirs, f"damaged-{damage}", "--ckpt-every", "6", "--stop-after", "6")
+    ckpt = train.latest_checkpoint(out)
+    biggest = max((p for p in Path(ckpt).rglob("*") if p.is_file() and p.parent.name == "d"),
+                  key=lambda p: p.stat().st_size)
+    if damage == "truncated":
+        os.truncate(biggest, 100)
+    else:
+        biggest.unlink()
+    env = {**os.environ, "MOEJAX_COMPILE_CACHE": "off"}
+    env.pop("JAX_COMPILATION_CACHE_DIR", None)
+    for argv in (_argv(dirs, out, "--resume"), ["--out", out, "--export", str(tmp_path / "export")]):
+        proc = subprocess.run([sys.executable, "-m", "moejax.train", *argv], capture_output=True, text=True,
+                              env=env, timeout=600)
+        lines = [line for line in proc.stderr.splitlines() if line.strip()]
+        assert proc.returncode == 1 and len(lines) == 1, proc.stderr[-3000:]
+        assert lines[0].startswith(f"error: cannot read the checkpoint {ckpt} (damaged or incomplete): "), lines
+        assert len(lines[0]) < 600
+    assert not (tmp_path / "export").exists()
+
+
 def test_a_tokenizer_set_left_incomplete_is_completed_not_fatal(dirs, tmp_path, monkeypatch):
     """A full disk after tokenizer.json left the data folder without special_tokens_map.json, and every later run
     failed on it; tokenizer.json is now written last, and a set left incomplete is completed."""

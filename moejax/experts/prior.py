@@ -36,7 +36,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from moejax.base import atomic, orbax_save
+from moejax.base import atomic, orbax_io
 from moejax.base.errors import Failure, excerpt
 
 FORMAT = "moejax-learned-prior"
@@ -159,7 +159,7 @@ def save_prior(path: str, params: dict, meta: dict | None = None, overwrite: boo
     check_replaceable(path)
     with atomic.atomic_dir(path) as tmp:
         try:
-            orbax_save.save(os.path.join(tmp, PARAMS_DIR), {k: np.asarray(params[k], np.float32) for k in PARAM_KEYS})
+            orbax_io.save(os.path.join(tmp, PARAMS_DIR), {k: np.asarray(params[k], np.float32) for k in PARAM_KEYS})
         except ValueError as e:  # orbax's form of a full disk: a failure, not a usage error
             raise Failure(f"could not write the prior {path}: {excerpt(e)}") from e
         sidecar = {"format": FORMAT, "version": VERSION,
@@ -230,8 +230,6 @@ def load_prior(path: str, n_layers: int | None = None, n_experts: int | None = N
 
     Given the model's ``n_layers`` (MoE layers), ``n_experts`` and ``top_k``, a prior trained for another
     shape is rejected with a clear error."""
-    import orbax.checkpoint as ocp
-
     meta = read_sidecar(path)
     arch = meta["arch"]
     n_l, n_e, h = arch["n_layers"], arch["n_experts"], arch["hidden"]
@@ -243,14 +241,11 @@ def load_prior(path: str, n_layers: int | None = None, n_experts: int | None = N
     params_dir = os.path.join(os.path.abspath(os.path.expanduser(path)), PARAMS_DIR)
     if not os.path.isdir(params_dir):
         raise PriorError(f"{path} is incomplete: its {PARAMS_DIR}/ folder is missing")
-    ckpt = ocp.StandardCheckpointer()
     try:
-        params = ckpt.restore(params_dir, target)
-    except Exception as e:  # noqa: BLE001 - orbax raises many types; name the file and the cause
+        params = orbax_io.restore(params_dir, target)
+    except Failure as e:  # names the folder and tensorstore's cause
         raise PriorError(f"cannot restore the learned prior at {path} (sidecar says L={n_l}, N={n_e}, H={h}): "
-                         f"{type(e).__name__}: {e}") from e
-    finally:
-        ckpt.close()
+                         f"{e}") from e
     params = {k: jnp.asarray(params[k], jnp.float32) for k in PARAM_KEYS}
     got = shape_of(params)
     if got != (n_l, n_e, h):

@@ -31,7 +31,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from moejax.base import atomic, errors, interrupts, orbax_save, seeds
+from moejax.base import atomic, errors, interrupts, orbax_io, seeds
 from moejax.models import checkpoint
 from moejax.models.config import ModelConfig, from_hf
 from moejax.training import data, recipe
@@ -83,7 +83,7 @@ def save_state(out: str, step: int, params, opt_state, data_pos: int, rng: jax.A
     if os.path.exists(path):
         shutil.rmtree(path)
     try:
-        orbax_save.save(path, state)  # orbax writes to a temporary folder and renames it when complete
+        orbax_io.save(path, state)  # orbax writes to a temporary folder and renames it when complete
     except (OSError, ValueError) as e:  # a full disk reaches us as orbax's ValueError: a failure, not a usage error
         for name in os.listdir(root):  # orbax's unfinished folder of this step
             if name.startswith(os.path.basename(path) + ".orbax-checkpoint-tmp"):
@@ -105,18 +105,12 @@ def latest_checkpoint(out: str) -> str | None:
 
 
 def restore_state(path: str, params_like, opt_state_like, rng_like):
-    import orbax.checkpoint as ocp
-
     abstract = lambda t: jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype), t)  # noqa: E731
     opt_leaves, opt_def = jax.tree.flatten(opt_state_like)
     target = {"params": abstract(params_like), "opt_state": {str(i): abstract(x) for i, x in enumerate(opt_leaves)},
               "step": jax.ShapeDtypeStruct((), np.int64), "data_pos": jax.ShapeDtypeStruct((), np.int64),
               "rng": abstract(np.asarray(jax.random.key_data(rng_like)))}
-    ckpt = ocp.StandardCheckpointer()
-    try:
-        state = ckpt.restore(os.path.abspath(path), target)
-    finally:
-        ckpt.close()
+    state = orbax_io.restore(path, target)
     opt_state = jax.tree.unflatten(opt_def, [state["opt_state"][str(i)] for i in range(len(opt_leaves))])
     rng = jax.random.wrap_key_data(jnp.asarray(state["rng"]))
     return state["params"], opt_state, int(state["step"]), int(state["data_pos"]), rng
@@ -129,18 +123,7 @@ def load_trained_params(out: str) -> tuple[dict, ModelConfig, dict]:
     path = latest_checkpoint(out)
     if path is None:
         raise FileNotFoundError(f"{out} has no checkpoint yet")
-    import orbax.checkpoint as ocp
-
-    ckpt = ocp.StandardCheckpointer()
-    try:
-        meta = ckpt.metadata(os.path.abspath(path))
-        tree = getattr(meta, "item_metadata", meta)
-        tree = getattr(tree, "tree", tree)
-        target = {k: jax.tree.map(lambda m: jax.ShapeDtypeStruct(tuple(m.shape), m.dtype), v)
-                  for k, v in tree.items()}
-        state = ckpt.restore(os.path.abspath(path), target)
-    finally:
-        ckpt.close()
+    state = orbax_io.restore(path)
     return state["params"], cfg, {**run, "step": int(state["step"]), "data_pos": int(state["data_pos"])}
 
 

@@ -1,11 +1,16 @@
-"""Saving a pytree with orbax so that a failed save (a full disk) is one clean failure.
+"""Orbax saves and restores whose failures are one clean error.
+
+A damaged checkpoint (a truncated or missing data file) made orbax raise a bare ``Exception`` from tensorstore,
+which no command turned into its one ``error:`` line: ``train --resume`` printed a 144-line traceback.
+``restore`` raises ``errors.Failure`` naming the checkpoint instead.
 
 Orbax writes a checkpoint from background threads (tensorstore's writes, a metadata thread) into
 ``PATH.orbax-checkpoint-tmp`` and renames it when complete. When a write fails, ``wait_until_finished`` raises
 while some of those threads still run: removing the unfinished folder at once raced with them (a ``_sharding``
 file written after the removal left the folder behind), and they printed hundreds of lines (ERROR log records
 with tracebacks, asyncio's "Task exception was never retrieved", tensorstore's "Event loop is closed", Python's
-"coroutine ... was never awaited" at exit), some after the command's own one-line error. ``save`` waits for the threads the save started, and keeps their
+"coroutine ... was never awaited" at exit; a failed read, orbax's abandoned coroutines with a whole tensorstore
+spec each), some after the command's own one-line error. ``save`` waits for the threads the save started, and keeps their
 noise out of the terminal; the caller removes what is left and reports the failure in one line.
 """
 
@@ -13,11 +18,14 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import sys
 import threading
 import time
 import warnings
 from typing import Any, Iterator
+
+from moejax.base import errors
 
 THREADS_TIMEOUT_S = 30.0  # the most a failed save waits for its threads to end
 _NOISY_LOGGERS = ("absl", "asyncio")  # orbax logs through absl; its unfinished writes through asyncio
@@ -43,6 +51,37 @@ def save(path: str, tree: Any) -> None:
         raise
 
 
+def restore(path: str, target: Any = None) -> Any:
+    """Read the checkpoint at ``path`` into the structure of ``target`` (``jax.ShapeDtypeStruct`` leaves), or,
+    without one, into what its own metadata describes. Any failure to read it is an ``errors.Failure`` naming
+    the folder (orbax raises many types, tensorstore a bare ``Exception``)."""
+    import jax
+    import orbax.checkpoint as ocp
+
+    path = os.path.abspath(path)
+    before = set(threading.enumerate())
+    ckpt = ocp.StandardCheckpointer()
+    try:
+        with failure_quiet():
+            try:
+                if target is None:
+                    meta = ckpt.metadata(path)
+                    tree = getattr(meta, "item_metadata", meta)
+                    tree = getattr(tree, "tree", tree)
+                    target = jax.tree.map(lambda m: jax.ShapeDtypeStruct(tuple(m.shape), m.dtype), dict(tree))
+                return ckpt.restore(path, target)
+            finally:
+                ckpt.close()
+    except Exception as e:  # noqa: BLE001 - see the docstring
+        _join_new_threads(before, THREADS_TIMEOUT_S)
+        cause = e
+        while cause.__cause__ is not None:  # tensorstore's own error names the array and the file
+            cause = cause.__cause__
+        text = str(cause).split(" See full TensorStore details")[0]  # the rest is a whole tensorstore spec
+        raise errors.Failure(f"cannot read the checkpoint {path} (damaged or incomplete): {type(cause).__name__}: "
+                             f"{errors.excerpt(text)}") from e
+
+
 def _join_new_threads(before: set, timeout_s: float) -> None:
     deadline = time.monotonic() + timeout_s
     for thread in set(threading.enumerate()) - before:
@@ -57,9 +96,26 @@ class _DropErrors(logging.Filter):
         return record.levelno < logging.ERROR
 
 
-def _closed_loop_ignored(hook):
-    def unraisable(info):  # tensorstore calling back into the event loop orbax closed when the save failed
-        if not (isinstance(info.exc_value, RuntimeError) and str(info.exc_value) == "Event loop is closed"):
+def _from_orbax(info) -> bool:
+    """An unraisable exception of a failed save or read: tensorstore calling back into the event loop orbax
+    closed, or one of orbax's abandoned coroutines collected with its error (printed with a whole tensorstore
+    spec, some 2,000 lines)."""
+    if isinstance(info.exc_value, RuntimeError) and str(info.exc_value) == "Event loop is closed":
+        return True
+    code = getattr(info.object, "cr_code", None)
+    if code is not None and "orbax" in code.co_filename:
+        return True
+    tb = info.exc_traceback
+    while tb is not None:
+        if "orbax" in tb.tb_frame.f_code.co_filename:
+            return True
+        tb = tb.tb_next
+    return False
+
+
+def _orbax_ignored(hook):
+    def unraisable(info):
+        if not _from_orbax(info):
             hook(info)
     return unraisable
 
@@ -74,7 +130,7 @@ def failure_quiet() -> Iterator[None]:
     for logger in loggers:
         logger.addFilter(drop)
     hook = sys.unraisablehook
-    sys.unraisablehook = _closed_loop_ignored(hook)
+    sys.unraisablehook = _orbax_ignored(hook)
     try:
         yield
     except BaseException:
