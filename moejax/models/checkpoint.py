@@ -37,7 +37,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from moejax.base import atomic
+from moejax.base import atomic, orbax_io
 from moejax.base.errors import Failure, UsageError
 from moejax.models import hf_keys, layout, safetensors_io, weights
 from moejax.models.config import ModelConfig, UnsupportedModelError, from_hf
@@ -576,20 +576,14 @@ def _read_meta(folder: str) -> dict:
 
 def _read_orbax(folder: str, cfg: ModelConfig, stored) -> dict:
     """Version 1 folders: the whole tree restored with orbax (not lazily; re-save to get version 2)."""
-    import orbax.checkpoint as ocp
-
     path = os.path.join(os.path.abspath(folder), "params")
     if not os.path.isdir(path):
         raise CheckpointError(f"{path} does not exist: a version 1 moejax folder keeps its weights there")
-    ckpt = ocp.StandardCheckpointer()
     try:
-        return ckpt.restore(path, abstract_params(cfg, stored))
-    except Exception as e:  # noqa: BLE001 - orbax/tensorstore raise many types for damaged data; one line instead
-        first = (str(e).strip().splitlines() or [type(e).__name__])[0][:300]
-        raise CheckpointError(f"{path}: the version 1 parameters cannot be restored (damaged or incomplete: "
-                              f"{type(e).__name__}: {first}); re-convert the model from its source") from None
-    finally:
-        ckpt.close()
+        return orbax_io.restore(path, abstract_params(cfg, stored))
+    except Failure as e:  # names the folder and tensorstore's cause, in one line
+        raise CheckpointError(f"{path}: the version 1 parameters cannot be restored ({e}); re-convert the model "
+                              "from its source") from None
 
 
 def _int8_stack(folder: str, tensors: dict, key: str, want: tuple, dtype) -> "weights.QuantizedExpertStack":
