@@ -59,15 +59,19 @@ def restore(path: str, target: Any = None) -> Any:
     import orbax.checkpoint as ocp
 
     path = os.path.abspath(path)
+    if not os.path.isdir(path):
+        raise errors.Failure(f"the checkpoint {path} is missing")
     before = set(threading.enumerate())
     ckpt = ocp.StandardCheckpointer()
     try:
-        with failure_quiet():
+        with failure_quiet(logging.WARNING):  # its warnings too ("Metadata file does not exist", ...)
             try:
                 if target is None:
                     meta = ckpt.metadata(path)
                     tree = getattr(meta, "item_metadata", meta)
                     tree = getattr(tree, "tree", tree)
+                    if tree is None:
+                        raise ValueError("its metadata (_METADATA) is missing")
                     target = jax.tree.map(lambda m: jax.ShapeDtypeStruct(tuple(m.shape), m.dtype), dict(tree))
                 return ckpt.restore(path, target)
             finally:
@@ -89,11 +93,15 @@ def _join_new_threads(before: set, timeout_s: float) -> None:
             thread.join(max(0.0, deadline - time.monotonic()))
 
 
-class _DropErrors(logging.Filter):
-    """Drops ERROR records (a failed save's reports); lesser records pass."""
+class _DropFrom(logging.Filter):
+    """Drops records from ``level`` up (a failed save's reports); lesser records pass."""
+
+    def __init__(self, level: int):
+        super().__init__()
+        self.level = level
 
     def filter(self, record: logging.LogRecord) -> bool:
-        return record.levelno < logging.ERROR
+        return record.levelno < self.level
 
 
 def _from_orbax(info) -> bool:
@@ -120,25 +128,40 @@ def _orbax_ignored(hook):
     return unraisable
 
 
+_kept: dict = {}  # what a failed block left in place for the rest of the process: "filter", "hook"
+
+
 @contextlib.contextmanager
-def failure_quiet() -> Iterator[None]:
-    """Orbax's and tensorstore's own reports of a failing save are dropped during the block, and after a
-    failure for the rest of the process (they keep arriving until exit); the caller reports the failure. A
-    block that succeeds leaves logging as it was."""
-    drop = _DropErrors()
+def failure_quiet(level: int = logging.ERROR) -> Iterator[None]:
+    """Orbax's and tensorstore's own reports of a failing save or read (log records from ``level`` up) are
+    dropped during the block, and after a failure for the rest of the process (they keep arriving until exit;
+    one such filter at a time, the widest); the caller reports the failure. A block that succeeds leaves
+    logging as it was."""
+    drop = _DropFrom(level)
     loggers = [logging.getLogger(name) for name in _NOISY_LOGGERS]
     for logger in loggers:
         logger.addFilter(drop)
     hook = sys.unraisablehook
     sys.unraisablehook = _orbax_ignored(hook)
+    failed = True
     try:
         yield
-    except BaseException:
-        # the filters stay: the failed save's threads report on until the process ends, and its unfinished
-        # writes are garbage-collected at exit ("coroutine ... was never awaited")
-        warnings.filterwarnings("ignore", message="coroutine .* was never awaited", category=RuntimeWarning)
-        raise
-    else:
-        for logger in loggers:
-            logger.removeFilter(drop)
-        sys.unraisablehook = hook
+        failed = False
+    finally:
+        if failed:
+            # the failed block's threads report on, and its unfinished writes are garbage-collected at exit
+            # ("coroutine ... was never awaited")
+            warnings.filterwarnings("ignore", message="coroutine .* was never awaited", category=RuntimeWarning)
+            kept = _kept.get("filter")
+            keep, drop_now = (drop, kept) if kept is None or drop.level < kept.level else (kept, drop)
+            _kept["filter"] = keep
+            if "hook" in _kept:
+                sys.unraisablehook = hook
+            else:
+                _kept["hook"] = sys.unraisablehook
+        else:
+            drop_now = drop
+            sys.unraisablehook = hook
+        if drop_now is not None:
+            for logger in loggers:
+                logger.removeFilter(drop_now)
