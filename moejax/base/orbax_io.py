@@ -10,8 +10,8 @@ while some of those threads still run: removing the unfinished folder at once ra
 file written after the removal left the folder behind), and they printed hundreds of lines (ERROR log records
 with tracebacks, asyncio's "Task exception was never retrieved", tensorstore's "Event loop is closed", Python's
 "coroutine ... was never awaited" at exit; a failed read, orbax's abandoned coroutines with a whole tensorstore
-spec each), some after the command's own one-line error. ``save`` waits for the threads the save started, and keeps their
-noise out of the terminal; the caller removes what is left and reports the failure in one line.
+spec each), some after the command's own one-line error. ``save`` and ``restore`` wait for the threads they
+started and keep their noise out of the terminal; the caller removes what is left and reports the failure.
 """
 
 from __future__ import annotations
