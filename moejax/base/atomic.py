@@ -97,16 +97,24 @@ def _discard(pending: list) -> None:
         remove_empty_folders(made)
 
 
-def naming(err: BaseException, path: str) -> BaseException:
-    """``err``, or where it is an ``OSError`` that names no file or only a temporary one (a full disk fails a
-    ``write``, which names nothing), the same error naming ``path``, the file the user asked for."""
+def naming(err: BaseException, path: str, temp: str | None = None) -> BaseException:
+    """``err``, or where it is an ``OSError`` that names no file or a temporary one (a full disk fails a ``write``,
+    which names nothing), the same error naming ``path``, the file the user asked for. A file inside the folder
+    ``temp`` that ``atomic_dir`` fills is named where it will be: ``path`` plus the rest of its name."""
     if not isinstance(err, OSError) or err.errno is None:
         return err
-    name = os.path.basename(os.fspath(err.filename)) if err.filename else ""
-    if err.filename and not (name.startswith(".") and (".tmp-" in name or ".old-" in name)) \
-            and ".old-" not in os.fspath(err.filename):
+    filename = os.fspath(err.filename) if err.filename else ""
+    if filename and not any(_is_temp_name(part) for part in filename.split(os.sep)):
         return err
-    return type(err)(err.errno, err.strerror or os.strerror(err.errno), os.fspath(path))
+    named = os.fspath(path)
+    if temp and filename.startswith(os.fspath(temp) + os.sep):
+        named = os.path.join(named, os.path.relpath(filename, temp))
+    return type(err)(err.errno, err.strerror or os.strerror(err.errno), named)
+
+
+def _is_temp_name(name: str) -> bool:
+    """Whether ``name`` is one of the temporary files or folders ``atomic_file`` and ``atomic_dir`` make."""
+    return name.startswith(".") and (".tmp-" in name or ".old-" in name)
 
 
 def check_creatable(path: str, flag: str) -> None:
@@ -191,7 +199,7 @@ def atomic_dir(target: str) -> Iterator[str]:
         if tmp is not None:
             shutil.rmtree(tmp, ignore_errors=True)
         remove_empty_folders(made)
-        raise naming(e, target) from (e if isinstance(e, OSError) else None)
+        raise naming(e, target, tmp) from (e if isinstance(e, OSError) else None)
 
 
 def append_whole(f: IO, data: bytes, path: str, fsync: bool = True) -> None:
