@@ -6,6 +6,8 @@ from __future__ import annotations
 import logging
 import os
 import sys
+import threading
+import time
 
 import numpy as np
 import pytest
@@ -45,3 +47,55 @@ def test_quieting_ends_with_a_block_that_succeeds_and_stays_after_one_that_fails
     assert kept in absl.filters and len(absl.filters) <= len(filters) + 1
     assert not kept.filter(logging.LogRecord("absl", logging.ERROR, "", 0, "x", (), None))
     assert kept.filter(logging.LogRecord("absl", logging.INFO, "", 0, "x", (), None))
+
+
+class _ReraisingThread(threading.Thread):
+    """Like orbax's own threads: ``join`` re-raises the thread's failure."""
+
+    def __init__(self, target):
+        super().__init__(target=self._catching, args=(target,))
+        self.failure = None
+
+    def _catching(self, target):
+        try:
+            target()
+        except Exception as e:  # noqa: BLE001
+            self.failure = e
+
+    def join(self, timeout=None):
+        super().join(timeout)
+        if self.failure is not None:
+            raise self.failure
+
+
+class _FailingCheckpointer:
+    """A save whose background write fails after the caller has seen the failure, as a full disk does."""
+
+    def save(self, path, tree):
+        self.unfinished = path + ".orbax-checkpoint-tmp"
+        os.makedirs(self.unfinished)
+
+        def write():
+            time.sleep(0.2)
+            open(os.path.join(self.unfinished, "_sharding"), "w").write("late")
+            raise ValueError("OUT_OF_RANGE: Failed writing: File too large")
+
+        self.thread = _ReraisingThread(write)
+        self.thread.start()
+
+    def wait_until_finished(self):
+        raise ValueError("OUT_OF_RANGE: Failed writing: File too large")
+
+    def close(self):
+        pass
+
+
+def test_a_failed_save_waits_for_its_writers_and_leaves_no_unfinished_folder(tmp_path, monkeypatch):
+    """Orbax's threads re-raise their failure from ``join``: the wait for them ended at the first one and the
+    clean-up was skipped, leaving ``PATH.orbax-checkpoint-tmp`` behind in about 1 real failed save in 3."""
+    import orbax.checkpoint as ocp
+
+    monkeypatch.setattr(ocp, "StandardCheckpointer", _FailingCheckpointer)
+    with pytest.raises(ValueError, match="File too large"):
+        orbax_io.save(str(tmp_path / "step_2"), {"a": np.zeros(3)})
+    assert os.listdir(tmp_path) == []

@@ -11,7 +11,8 @@ file written after the removal left the folder behind), and they printed hundred
 with tracebacks, asyncio's "Task exception was never retrieved", tensorstore's "Event loop is closed", Python's
 "coroutine ... was never awaited" at exit; a failed read, orbax's abandoned coroutines with a whole tensorstore
 spec each), some after the command's own one-line error. ``save`` and ``restore`` wait for the threads they
-started and keep their noise out of the terminal; the caller removes what is left and reports the failure.
+started and keep their noise out of the terminal; ``save`` removes orbax's unfinished folder; the caller reports
+the failure.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import shutil
 import sys
 import threading
 import time
@@ -28,15 +30,17 @@ from typing import Any, Iterator
 from moejax.base import errors
 
 THREADS_TIMEOUT_S = 30.0  # the most a failed save waits for its threads to end
+QUIET_S = 0.5  # a failed save's unfinished folder must stay gone this long: tensorstore's own threads may still write
 _NOISY_LOGGERS = ("absl", "asyncio")  # orbax logs through absl; its unfinished writes through asyncio
 
 
 def save(path: str, tree: Any) -> None:
     """Write ``tree`` to ``path`` with orbax's ``StandardCheckpointer`` and wait until it is complete. On
     failure the exception propagates once every thread the save started has ended (at most
-    ``THREADS_TIMEOUT_S``), so that nothing writes into the unfinished folder any more."""
+    ``THREADS_TIMEOUT_S``) and orbax's unfinished folder (``PATH.orbax-checkpoint-tmp*``) is gone."""
     import orbax.checkpoint as ocp
 
+    path = os.path.abspath(path)
     before = set(threading.enumerate())
     ckpt = ocp.StandardCheckpointer()
     try:
@@ -48,7 +52,30 @@ def save(path: str, tree: Any) -> None:
                 ckpt.close()
     except BaseException:
         _join_new_threads(before, THREADS_TIMEOUT_S)
+        _remove_unfinished(path, THREADS_TIMEOUT_S)
         raise
+
+
+def _remove_unfinished(path: str, timeout_s: float) -> None:
+    """Remove orbax's unfinished folders of ``path`` until none has come back for ``QUIET_S``: tensorstore writes
+    from threads of its own, which no ``join`` waits for."""
+    parent, name = os.path.split(path)
+    deadline = time.monotonic() + timeout_s
+    quiet_since = None
+    while time.monotonic() < deadline:
+        try:
+            left = [n for n in os.listdir(parent) if n.startswith(name + ".orbax-checkpoint-tmp")]
+        except FileNotFoundError:
+            return
+        if left:
+            quiet_since = None
+            for n in left:
+                shutil.rmtree(os.path.join(parent, n), ignore_errors=True)
+        elif quiet_since is None:
+            quiet_since = time.monotonic()
+        elif time.monotonic() - quiet_since >= QUIET_S:
+            return
+        time.sleep(0.02)
 
 
 def restore(path: str, target: Any = None) -> Any:
@@ -87,10 +114,14 @@ def restore(path: str, target: Any = None) -> Any:
 
 
 def _join_new_threads(before: set, timeout_s: float) -> None:
+    """Wait for the threads started since ``before`` was taken. Orbax's threads re-raise their own failure from
+    ``join`` (the save's failure, already on its way): that ended the wait early and skipped the clean-up
+    after it, which left the unfinished folder behind in 1 failed save in 3."""
     deadline = time.monotonic() + timeout_s
     for thread in set(threading.enumerate()) - before:
         if thread is not threading.current_thread():
-            thread.join(max(0.0, deadline - time.monotonic()))
+            with contextlib.suppress(Exception):
+                thread.join(max(0.0, deadline - time.monotonic()))
 
 
 class _DropFrom(logging.Filter):
