@@ -8,8 +8,6 @@ from __future__ import annotations
 import errno
 import json
 import os
-import subprocess
-import sys
 
 import numpy as np
 import pytest
@@ -19,6 +17,8 @@ from moejax.base import atomic
 from moejax.evaluation import results
 from moejax.experts import trace as trace_lib
 from moejax.testing import random_checkpoint
+
+from file_limit import run_module_with_file_limit
 
 
 def _full(*a, **k):
@@ -214,21 +214,9 @@ def test_a_file_that_fails_inside_a_new_folder_is_named_where_it_would_be(tmp_pa
     assert os.listdir(tmp_path) == []
 
 
-def _run_with_file_limit(module: str, argv: list[str], limit_bytes: int) -> subprocess.CompletedProcess:
-    """``python -m module argv`` where no file may grow past ``limit_bytes``: a full disk, without root. CPython
-    ignores SIGXFSZ, so a write past the limit fails with EFBIG (the limit is set in the child itself: a preexec_fn
-    would run Python between fork and exec in this multithreaded process)."""
-    limits = f"({limit_bytes}, {limit_bytes})"
-    limited = (f"import resource, runpy, sys; resource.setrlimit(resource.RLIMIT_FSIZE, {limits}); "
-               f"sys.argv[0] = {module!r}; runpy.run_module({module!r}, run_name='__main__')")
-    env = {**os.environ, "MOEJAX_COMPILE_CACHE": "off"}
-    env.pop("JAX_COMPILATION_CACHE_DIR", None)  # a cache entry over the limit would warn
-    return subprocess.run([sys.executable, "-c", limited, *argv], capture_output=True, text=True, env=env, timeout=600)
-
-
 def test_a_conversion_the_disk_cannot_take_names_its_output_and_leaves_nothing(tmp_path):
     out = tmp_path / "new" / "out"
-    proc = _run_with_file_limit("moejax.convert", ["moejax-to-hf", "default", str(out)], 16 * 1024)
+    proc = run_module_with_file_limit("moejax.convert", ["moejax-to-hf", "default", str(out)], 16 * 1024)
     assert proc.returncode == 1, proc.stderr[-2000:]
     assert proc.stderr.strip().splitlines()[-1].startswith(f"error: [Errno {errno.EFBIG}] File too large: '{out}/"), \
         proc.stderr[-2000:]

@@ -7,6 +7,7 @@ import dataclasses
 import errno
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -23,6 +24,7 @@ from moejax.models import model as M
 from moejax.models.config import from_hf
 from moejax.runtime import api
 from moejax.training import data, recipe, train
+from file_limit import run_module_with_file_limit
 from train_fixtures import write_corpus
 
 
@@ -226,6 +228,32 @@ def test_overwrite_starts_a_fresh_run(dirs, tmp_path):
     _, again = run(dirs, "fresh", "--stop-after", "2", "--overwrite")
     assert [r["step"] for r in again] == [1, 2] and again[0]["loss"] == first[0]["loss"]
     assert train.latest_checkpoint(out).endswith("step_00000002")
+    assert not [n for n in os.listdir(out) if n.startswith(".")]  # the old run is gone, not hidden
+
+
+@pytest.mark.parametrize("failure", ["full disk", "ctrl-c"])
+def test_an_overwrite_that_fails_before_its_first_checkpoint_keeps_the_old_run(dirs, monkeypatch, capsys, failure):
+    """`--overwrite` deleted the old run before training: a full disk at the new run's first checkpoint (or
+    Ctrl-C before it) left neither run. The old run is now kept aside until the new one can be resumed."""
+    out, _ = run(dirs, f"kept-{failure.replace(' ', '-')}", "--stop-after", "3")
+    before = _snapshot(out)
+
+    def fails(path, tree):
+        if failure == "ctrl-c":
+            raise KeyboardInterrupt
+        raise ValueError("[Errno 28] No space left on device")
+
+    monkeypatch.setattr(train.orbax_io, "save", fails)
+    if failure == "ctrl-c":
+        with pytest.raises(KeyboardInterrupt):
+            train.main(_argv(dirs, out, "--stop-after", "2", "--overwrite"))
+    else:
+        assert train.main(_argv(dirs, out, "--stop-after", "2", "--overwrite")) == 1
+    err = capsys.readouterr().err
+    assert f"the run that was in {out} is kept" in err
+    assert _snapshot(out) == before and not [n for n in os.listdir(out) if n.startswith(".")]
+    monkeypatch.undo()
+    assert train.main(_argv(dirs, out, "--resume", "--stop-after", "1")) == 0  # and it still resumes
 
 
 def test_export_loads_in_moejax_and_transformers(dirs, baseline, tmp_path):
@@ -357,19 +385,31 @@ def test_a_real_failed_save_is_one_error_line_not_orbaxs_tracebacks(dirs):
     unfinished folder behind. Now the error is the last line, alone, and the folder is gone."""
     out = str(dirs["root"] / "orbax-fsize")
 
-    # CPython ignores SIGXFSZ: a write past the limit fails with EFBIG instead (set in the child itself: a
-    # preexec_fn would run Python between fork and exec in this multithreaded process)
-    limited = ("import resource, runpy, sys; resource.setrlimit(resource.RLIMIT_FSIZE, (65536, 65536)); "
-               "sys.argv[0] = 'moejax.train'; runpy.run_module('moejax.train', run_name='__main__')")
-    env = {**os.environ, "MOEJAX_COMPILE_CACHE": "off"}
-    env.pop("JAX_COMPILATION_CACHE_DIR", None)  # a cache entry over the limit would warn
-    proc = subprocess.run([sys.executable, "-c", limited, *_argv(dirs, out, "--ckpt-every", "2", "--steps", "4")],
-                          capture_output=True, text=True, env=env, timeout=600)
+    proc = run_module_with_file_limit("moejax.train", _argv(dirs, out, "--ckpt-every", "2", "--steps", "4"), 65536)
     lines = [line for line in proc.stderr.splitlines() if line.strip()]
     assert proc.returncode == 1, proc.stderr[-3000:]
     assert lines[-1].startswith(f"error: could not write the checkpoint {out}/checkpoints/step_00000002: "), lines[-3:]
     assert "Traceback" not in proc.stderr and "ERROR:" not in proc.stderr and len(lines) < 10, proc.stderr[-3000:]
     assert os.listdir(os.path.join(out, "checkpoints")) == []
+
+
+def test_a_token_file_the_disk_cannot_take_is_one_error_after_the_progress_bar(dirs, tmp_path):
+    """The first shard is tokenized when the first batch is read; that used to happen after the progress bar was
+    drawn and outside the block that closes it, so the error shared the bar's line and the bar was redrawn after it
+    at exit. Now the error is the last line, no bar follows it, and the unstarted run leaves nothing."""
+    data_dir = tmp_path / "data"  # the tokenizer without the token files: the run must write them
+    data_dir.mkdir()
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+        shutil.copy2(os.path.join(dirs["data"], name), data_dir / name)
+    out = str(tmp_path / "run")
+    argv = [a if a != dirs["data"] else str(data_dir) for a in _argv(dirs, out, "--steps", "4")]
+    proc = run_module_with_file_limit("moejax.train", argv, 16 * 1024)
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    tail = proc.stderr.rstrip("\n").split("\n")[-1]
+    assert tail.startswith(f"error: [Errno {errno.EFBIG}] File too large: '{data_dir}/") and tail.endswith(".bin'"), \
+        proc.stderr[-2000:]
+    assert "\r" not in tail and "Traceback" not in proc.stderr
+    assert not os.path.exists(out) and not list(data_dir.glob("*.bin*"))
 
 
 @pytest.mark.parametrize("damage", ["truncated", "missing"])

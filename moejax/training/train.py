@@ -24,6 +24,7 @@ import os
 import platform
 import shutil
 import sys
+import tempfile
 import time
 from typing import Callable
 
@@ -57,7 +58,7 @@ def check_out_folder(out: str, resume: bool, overwrite: bool) -> None:
         if not resume and not overwrite:
             raise FileExistsError(f"--out {out} holds a training run ({', '.join(sorted(names & set(RUN_FILES)))}): "
                                   "pass --resume to continue it, or --overwrite to start over (its checkpoints "
-                                  "and metrics are deleted)")
+                                  "and metrics are deleted once the new run has its first checkpoint)")
     elif names and not resume:
         raise FileExistsError(f"--out {out} is not empty and holds no training run ({', '.join(sorted(names)[:5])}"
                               "): choose an empty or new folder")
@@ -85,9 +86,6 @@ def save_state(out: str, step: int, params, opt_state, data_pos: int, rng: jax.A
     try:
         orbax_io.save(path, state)  # orbax writes to a temporary folder and renames it when complete
     except (OSError, ValueError) as e:  # a full disk reaches us as orbax's ValueError: a failure, not a usage error
-        for name in os.listdir(root):  # orbax's unfinished folder of this step
-            if name.startswith(os.path.basename(path) + ".orbax-checkpoint-tmp"):
-                shutil.rmtree(os.path.join(root, name), ignore_errors=True)
         raise errors.Failure(f"could not write the checkpoint {path}: {errors.excerpt(e)}") from e
     atomic.write_json(os.path.join(root, "latest.json"), {"step": step, "path": os.path.basename(path)})
     old = sorted(p for p in os.listdir(root) if p.startswith("step_") and p != os.path.basename(path))
@@ -192,12 +190,49 @@ def train(args: argparse.Namespace) -> dict:
         checkpoint.check_replaceable(args.export_at_end, args.overwrite, protect=(out,))
         atomic.check_creatable(args.export_at_end, "--export-at-end")
     fresh, made = not args.resume, atomic.missing_folders(out)
+    previous = set_aside_run(out) if args.overwrite and fresh else None
     try:
-        return _run(args, out, run_path, run_prev)
+        summary = _run(args, out, run_path, run_prev, on_checkpoint=lambda: drop_previous_run(previous))
     except BaseException:
-        if fresh and not os.path.lexists(os.path.join(out, "metrics.jsonl")):
+        if previous and os.path.isdir(previous) and latest_checkpoint(out) is None:
+            restore_previous_run(out, previous)  # the new run has nothing to resume from: the old one stays
+        elif fresh and not os.path.lexists(os.path.join(out, "metrics.jsonl")):
             discard_unstarted_run(out, made)
+        drop_previous_run(previous)
         raise
+    drop_previous_run(previous)
+    return summary
+
+
+def set_aside_run(out: str) -> str | None:
+    """``--overwrite``: move the run in ``out`` (its ``RUN_FILES``) into a hidden folder ``out/.run.old-*``, kept
+    until the new run has written its first checkpoint: a new run that fails before that (a full disk at its first
+    checkpoint, an error, Ctrl-C) gives the old one back instead of leaving neither. None if ``out`` holds no run.
+    Killed in between, the old run is in that folder, never removed automatically."""
+    names = [n for n in RUN_FILES if os.path.lexists(os.path.join(out, n))]
+    if not names:
+        return None
+    with interrupts.deferred():  # moved whole or not at all
+        aside = tempfile.mkdtemp(prefix=".run.old-", dir=out)
+        for n in names:
+            os.replace(os.path.join(out, n), os.path.join(aside, n))
+    return aside
+
+
+def restore_previous_run(out: str, previous: str) -> None:
+    """Put the run ``set_aside_run`` moved into ``previous`` back in ``out``, replacing the new run's files."""
+    with interrupts.deferred():
+        remove_run(out)
+        for n in os.listdir(previous):
+            os.replace(os.path.join(previous, n), os.path.join(out, n))
+        os.rmdir(previous)
+    print(f"the run that was in {out} is kept: the new run ended before its first checkpoint", file=sys.stderr)
+
+
+def drop_previous_run(previous: str | None) -> None:
+    """Delete the run ``set_aside_run`` kept, once the new run can be resumed (or has finished)."""
+    if previous and os.path.isdir(previous):
+        shutil.rmtree(previous)
 
 
 def discard_unstarted_run(out: str, made: list[str]) -> None:
@@ -208,12 +243,10 @@ def discard_unstarted_run(out: str, made: list[str]) -> None:
     atomic.remove_empty_folders(made)
 
 
-def _run(args: argparse.Namespace, out: str, run_path: str, run_prev: dict) -> dict:
-    """``train`` once the run's folder and settings are checked."""
+def _run(args: argparse.Namespace, out: str, run_path: str, run_prev: dict, on_checkpoint: Callable[[], None]) -> dict:
+    """``train`` once the run's folder and settings are checked; ``on_checkpoint`` runs after every checkpoint."""
     from tqdm import tqdm
 
-    if args.overwrite and not args.resume:
-        remove_run(out)
     os.makedirs(out, exist_ok=True)
     log = lambda s: tqdm.write(s, file=sys.stderr)  # noqa: E731
     ds = data.TokenData(args.data_dir, args.corpus_dir, args.vocab_size, args.seq_len, args.seed, log=log)
@@ -262,6 +295,7 @@ def _run(args: argparse.Namespace, out: str, run_path: str, run_prev: dict) -> d
     budget = args.time_budget_min * 60 if args.time_budget_min else None
     tokens_per_step = args.batch * args.seq_len
     max_steps = (1 << 62) if auto_steps else int(args.steps)
+    next_batch = ds.batch(data_pos, args.batch)  # before the bar: a first shard may be tokenized (and fail) here
     bar = tqdm(total=None if auto_steps else max_steps, initial=step, desc="train", dynamic_ncols=True,
                mininterval=2.0, file=sys.stderr)
     last_ckpt_time, window_t, window_steps, stop_reason = time.time(), time.time(), 0, "steps"
@@ -273,7 +307,6 @@ def _run(args: argparse.Namespace, out: str, run_path: str, run_prev: dict) -> d
     measured_step_s = None  # --steps auto: the speed it planned with
     overhead_s = 0.0  # time spent evaluating and checkpointing, which the speed measurement leaves out
     overhead_planned = 0.0  # overhead_s when the schedule was last checked against the time left
-    next_batch = ds.batch(data_pos, args.batch)
     try:  # the bar is closed before an error is reported: its line and the error's stay apart
         while step < max_steps:
             if auto_steps and not total_steps:
@@ -338,6 +371,7 @@ def _run(args: argparse.Namespace, out: str, run_path: str, run_prev: dict) -> d
                     or (args.ckpt_minutes and now - last_ckpt_time > args.ckpt_minutes * 60):
                 t_ckpt = time.time()
                 save_state(out, step, params, opt_state, data_pos, rng)
+                on_checkpoint()
                 last_ckpt_time = time.time()
                 overhead_s += last_ckpt_time - t_ckpt
             if out_of_time:
@@ -530,7 +564,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=errors.seed_arg, default=0)
     p.add_argument("--resume", action="store_true", help="continue from OUT's latest checkpoint")
     p.add_argument("--overwrite", action="store_true",
-                   help="start over in an OUT that holds a run (deleting it), or replace an existing --export "
+                   help="start over in an OUT that holds a run (deleted once the new run has written its first "
+                        "checkpoint; kept if it fails before), or replace an existing --export "
                         "checkpoint folder")
     p.add_argument("--eval-every", type=int, default=200, help="validation loss every N steps (0: never)")
     p.add_argument("--eval-seqs", type=int, default=64, help="validation sequences per evaluation")
