@@ -170,6 +170,30 @@ def test_resume_continues_exactly(dirs, baseline):
     np.testing.assert_allclose([r["loss"] for r in resumed], [r["loss"] for r in baseline[1][5:]], rtol=1e-6)
 
 
+def test_resume_keeps_the_runs_settings_and_refuses_to_change_its_training(dirs, tmp_path, capsys):
+    """`--resume --steps 24` on a 12-step run silently trained to step 12, and a resume that did not repeat
+    `--eval-every` / `--ckpt-every` fell back to the defaults. Now a training setting given with another value is
+    refused (exit 2, nothing touched); the session's settings (evaluation, checkpoints, data folders) are the
+    run's own unless given again."""
+    out, first = run(dirs, "settings", "--stop-after", "3", "--eval-every", "3", "--eval-seqs", "2")
+    before = _snapshot(out)
+    for changed, was in (("--steps", "12"), ("--lr", "0.01"), ("--config", "micro")):
+        value = {"--steps": "24", "--lr": "0.02", "--config": "small"}[changed]
+        assert train.main(["--out", out, "--resume", changed, value]) == 2
+        err = capsys.readouterr().err
+        assert f"{changed} {value} (the run's is {was})" in err and "--overwrite" in err, err
+        assert _snapshot(out) == before
+    moved = tmp_path / "data-moved"
+    shutil.copytree(dirs["data"], moved)
+    assert train.main(["--out", out, "--resume", "--stop-after", "3", "--steps", "12", "--data-dir", str(moved)]) == 0
+    with open(os.path.join(out, "metrics.jsonl")) as f:
+        metrics = [json.loads(line) for line in f]
+    assert [r["step"] for r in metrics] == [1, 2, 3, 4, 5, 6] and "val_ce" in metrics[-1]  # --eval-every 3 kept
+    run_args = json.load(open(os.path.join(out, "run.json")))["args"]
+    assert run_args["eval_every"] == 3 and run_args["eval_seqs"] == 2 and run_args["data_dir"] == str(moved)
+    assert "given" not in run_args
+
+
 def _snapshot(folder):
     return {os.path.relpath(os.path.join(d, f), folder): open(os.path.join(d, f), "rb").read()
             for d, _, files in os.walk(folder) for f in files}

@@ -152,9 +152,11 @@ def _log_jsonl(path: str, record: dict) -> None:
 
 
 RESUMED_ARGS = ("config", "batch", "seq_len", "lr", "seed", "steps", "warmup", "aux_coef", "weight_decay", "clip",
-                "capacity_factor", "data_dir", "corpus_dir", "vocab_size", "z_coef", "router_lr_scale",
-                "compute_dtype", "attention", "min_lr_ratio", "time_budget_min", "aux_coef_start",
-                "aux_decay_steps", "offset_coef", "offset_decay_steps")
+                "capacity_factor", "vocab_size", "z_coef", "router_lr_scale", "compute_dtype", "attention",
+                "min_lr_ratio", "aux_coef_start", "aux_decay_steps", "offset_coef", "offset_decay_steps")
+# where the data is and how this session evaluates, checkpoints and stops: the run's own unless given again
+SESSION_ARGS = ("data_dir", "corpus_dir", "time_budget_min", "eval_every", "eval_seqs", "eval_capacity_factor",
+                "ckpt_every", "ckpt_minutes")
 
 
 def read_run(path: str) -> dict:
@@ -170,10 +172,20 @@ def read_run(path: str) -> dict:
 
 
 def resume_args(args: argparse.Namespace, run_path: str) -> dict:
-    """The previous run's record; its settings replace those of ``args`` (a resumed run continues as begun)."""
+    """The previous run's record; a resumed run continues as begun. Its training settings (``RESUMED_ARGS``) replace
+    those of ``args``; one given on the command line with another value is a usage error (``--resume --steps 8`` on
+    a 4-step run silently trained to step 4). Its session settings (``SESSION_ARGS``: data folders, evaluation,
+    checkpoints, time budget) are kept unless given again. ``args.given``: the flags given (``given_flags``)."""
     run = read_run(run_path)
-    for k in RESUMED_ARGS:
-        if k in run["args"]:
+    given = getattr(args, "given", set())
+    differ = [f"{_flag(k)} {getattr(args, k)} (the run's is {run['args'][k]})" for k in RESUMED_ARGS
+              if k in run["args"] and k in given and getattr(args, k) != run["args"][k]]
+    if differ:
+        raise errors.UsageError(f"--resume continues the run in {os.path.dirname(run_path)} with its own training "
+                                f"settings, and {'; '.join(differ)} would change them: leave them out, or start "
+                                "over with --overwrite")
+    for k in RESUMED_ARGS + SESSION_ARGS:
+        if k in run["args"] and (k in RESUMED_ARGS or k not in given):
             setattr(args, k, run["args"][k])
     return run
 
@@ -278,7 +290,7 @@ def _run(args: argparse.Namespace, out: str, run_path: str, run_prev: dict, on_c
             log(f"resumed from {path} (step {step}, data position {data_pos})")
     _keep_metrics_until(metrics_path, step)
     n_params = recipe.count_params(params)
-    run = {"args": {k: v for k, v in vars(args).items() if k not in ("export", "export_at_end", "resume", "overwrite")}, "hf_config": hf,
+    run = {"args": {k: v for k, v in vars(args).items() if k not in ("export", "export_at_end", "resume", "overwrite", "given")}, "hf_config": hf,
            "params": n_params, "hardware": hardware(), "planned_steps": total_steps or None}
     atomic.write_json(run_path, run)
     log(f"model {args.config}: {n_params / 1e6:.2f}M params ({cfg.n_experts} experts, top-{cfg.top_k}, "
@@ -636,9 +648,18 @@ def check_schedule(args: argparse.Namespace) -> None:
         raise errors.UsageError("--offset-decay-steps fades the offset penalty: it needs --offset-coef > 0")
 
 
+def given_flags(argv: list[str] | None) -> set[str]:
+    """The destinations of the flags ``argv`` gives (a default counts as not given)."""
+    p = build_parser()
+    for action in p._actions:
+        action.default = argparse.SUPPRESS
+    return set(vars(p.parse_args(argv)))
+
+
 def main(argv: list[str] | None = None) -> int:
     interrupts.exit_cleanly_on_signals()
     args = build_parser().parse_args(argv)
+    args.given = given_flags(argv)
     args.data_dir = os.path.abspath(os.path.expanduser(args.data_dir))
     args.corpus_dir = os.path.abspath(os.path.expanduser(args.corpus_dir))
     try:
