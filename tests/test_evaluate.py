@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import json
 import math
 import os
@@ -185,6 +186,38 @@ def test_cli_sweep_json_results_end_to_end(lm, tmp_path, capsys):
     assert evaluate.main(argv) == 0
     assert [json.loads(line) for line in capsys.readouterr().out.splitlines()] == printed
     assert open(results).read() == on_disk
+
+
+def test_a_results_file_the_disk_cannot_take_does_not_lose_the_computed_points(lm, tmp_path, capsys, monkeypatch):
+    """A sweep (or a single point) whose record the results file could not take printed nothing but the error:
+    the computed perplexities were lost with the process. Now the run stops at that record, prints every record
+    it has, then the error; the rerun computes only what is not in the file."""
+    results = tmp_path / "lam.jsonl"
+    argv = ["--model", lm.path, "--data", _data(tmp_path), "--context", "16", "--max-tokens", "45",
+            "--sweep", "lam=0:1:3", "--cache-size", "4", "--results", str(results), "--json", "--batch-size", "3"]
+    real, calls = sweep.results_file.append_result, []
+
+    def full_after_one(path, rec):
+        calls.append(rec["key"])
+        if len(calls) > 1:
+            raise OSError(errno.ENOSPC, "No space left on device", path)
+        real(path, rec)
+
+    monkeypatch.setattr(sweep.results_file, "append_result", full_after_one)
+    assert evaluate.main(argv) == 1
+    out, err = capsys.readouterr()
+    printed = [json.loads(line) for line in out.splitlines()]
+    assert [p["sweep"] for p in printed] == [{"lam": 0.0}, {"lam": 0.5}, {"lam": 1.0}]
+    assert err.strip().splitlines()[-1] == (
+        f"error: [Errno {errno.ENOSPC}] No space left on device: '{results}': the run stopped at the first record "
+        "the results file could not take (2 point(s) computed and not in it); they are printed above")
+    assert len(open(results).read().splitlines()) == 1
+    monkeypatch.undo()
+    assert evaluate.main(argv) == 0
+    out, err = capsys.readouterr()
+    again = [json.loads(line) for line in out.splitlines()]
+    assert again[0] == printed[0] and f"2 point(s) computed, 1 already in {results}" in err
+    assert [r["ppl"] for r in again] == pytest.approx([r["ppl"] for r in printed], rel=1e-5)
 
 
 def test_cli_table_and_errors(lm, tmp_path, capsys):

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import errno
+import glob
 import json
 import os
 import shutil
@@ -19,6 +20,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from moejax.base import tempfiles
 from moejax.models import checkpoint
 from moejax.models import model as M
 from moejax.models.config import from_hf
@@ -385,6 +387,12 @@ def test_a_full_disk_at_the_export_keeps_the_trained_state_as_a_checkpoint(dirs,
     kept = train.latest_checkpoint(out)
     assert kept.endswith("step_00000012") and f"the checkpoint {kept}" in err and f"--export {target}" in err
     monkeypatch.undo()
+    monkeypatch.setattr(train.checkpoint, "save_moejax", full)  # fails inside the export: its staging goes too
+    with pytest.raises(OSError):
+        train.export(out, target)
+    assert "export-files" not in os.listdir(out)
+    assert not glob.glob(os.path.join(tempfiles.temp_root(), "moejax-export-*"))
+    monkeypatch.undo()
     assert os.path.isfile(os.path.join(train.export(out, target), "params.safetensors"))
 
 
@@ -398,7 +406,7 @@ def test_an_orbax_save_that_fails_is_a_failure_and_leaves_no_partial_folder(dirs
     monkeypatch.setattr(ocp.StandardCheckpointer, "save", full)
     out = str(dirs["root"] / "orbax-full")
     assert train.main(_argv(dirs, out, "--ckpt-every", "6")) == 1  # was 2, a usage error
-    assert os.listdir(os.path.join(out, "checkpoints")) == []
+    assert not os.path.exists(os.path.join(out, "checkpoints"))  # nor the folder the first checkpoint made
 
 
 def test_a_real_failed_save_is_one_error_line_not_orbaxs_tracebacks(dirs):
@@ -414,7 +422,7 @@ def test_a_real_failed_save_is_one_error_line_not_orbaxs_tracebacks(dirs):
     assert proc.returncode == 1, proc.stderr[-3000:]
     assert lines[-1].startswith(f"error: could not write the checkpoint {out}/checkpoints/step_00000002: "), lines[-3:]
     assert "Traceback" not in proc.stderr and "ERROR:" not in proc.stderr and len(lines) < 10, proc.stderr[-3000:]
-    assert os.listdir(os.path.join(out, "checkpoints")) == []
+    assert not os.path.exists(os.path.join(out, "checkpoints"))  # nor the folder the first checkpoint made
 
 
 def test_a_token_file_the_disk_cannot_take_is_one_error_after_the_progress_bar(dirs, tmp_path):
@@ -470,6 +478,15 @@ def test_a_tokenizer_set_left_incomplete_is_completed_not_fatal(dirs, tmp_path, 
     monkeypatch.setattr(data, "train_tokenizer", lambda *a, **k: pytest.fail("retrained"))
     data.ensure_tokenizer(str(folder), dirs["corpus"])
     assert sorted(os.listdir(folder)) == sorted(data.TOKENIZER_FILES)
+    fresh = tmp_path / "fresh"  # and a disk that fills at the last file now leaves none of the set
+
+    def full(*a, **k):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(data.atomic, "write_text", full)
+    with pytest.raises(OSError):
+        data.save_tokenizer(data.load_tokenizer(str(folder)), str(fresh))
+    assert os.listdir(fresh) == []
 
 
 def _stopped(argv, stop):

@@ -88,10 +88,15 @@ def exit_status(err: BaseException) -> int:
     return USAGE
 
 
-def report(err: BaseException, prefix: str = "") -> int:
-    """Print ``error: <prefix><err>`` on stderr (one line) and return the exit status for ``err``."""
+def report_text(err: BaseException) -> str:
+    """``err`` as one line that names its file."""
     text = " ".join(str(err).split("\n")) if str(err) else type(err).__name__
     if isinstance(err, OSError) and err.filename and str(err.filename) not in text:
         text = f"{err.filename}: {text}"
-    print(f"error: {prefix}{text}", file=sys.stderr)
+    return text
+
+
+def report(err: BaseException, prefix: str = "") -> int:
+    """Print ``error: <prefix><err>`` on stderr (one line) and return the exit status for ``err``."""
+    print(f"error: {prefix}{report_text(err)}", file=sys.stderr)
     return exit_status(err)

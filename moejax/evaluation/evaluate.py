@@ -224,13 +224,18 @@ def main(argv: list[str] | None = None) -> int:
             runner = sweep.Runner(model, results=args.results, batch_size=args.batch_size or sweep.default_batch_size(),
                                   progress=not args.no_progress and not args.json,
                                   load_text=perplexity.load_wikitext, mesh=mesh)
-            records = runner.run(points)
+            try:
+                records, not_saved = runner.run(points), None
+            except sweep.NotSaved as e:  # a full disk: what was computed is shown, then the error
+                records, not_saved = e.records, e
             if not distributed.is_leader():  # process 0 prints for the run
-                return 0
+                return errors.exit_status(not_saved) if not_saved else 0
             if args.json:
                 status = errors.print_result("\n".join(json.dumps(rec) for rec in records)) if records else 0
             else:
                 status = errors.print_result(sweep.format_table(records))
+            if not_saved is not None:
+                return errors.report(errors.Failure(f"{not_saved}; they are printed above"))
             if args.results:  # on stderr with --json too: stdout stays one record per line
                 others = f", {runner.by_other_runs} by another run sharing it" if runner.by_other_runs else ""
                 print(f"{runner.computed} point(s) computed{others}, "

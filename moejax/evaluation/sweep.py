@@ -289,6 +289,20 @@ def wikitext_input(model, text: str, context: int, max_tokens: int | None) -> Wi
     return WikitextInput(scored, ids, context, model.cfg.bos_token_id)
 
 
+class NotSaved(errors.Failure):
+    """The results file could not take a computed record (a full disk): the run stops there. ``records``: the
+    records this run has, in the points' order, the unsaved ones included, for the caller to show rather than
+    lose with the process."""
+
+    def __init__(self, message: str, records: list[dict]):
+        super().__init__(message)
+        self.records = records
+
+
+class _AppendFailed(Exception):
+    """``Runner._emit``'s failed append, carried up to ``Runner.run``."""
+
+
 class Runner:
     """Evaluates points, skipping those already in the results file and appending each one as it is done.
 
@@ -460,6 +474,11 @@ class Runner:
                 claims.release([p.key for p in deferred if p.key in by_key])
                 for batch in self._batches(self._groups(left)):
                     self._compute(batch, by_key, bar, claims)
+        except _AppendFailed as failed:
+            keys = dict.fromkeys(p.key for p in points)
+            raise NotSaved(f"{errors.report_text(failed.__cause__)}: the run stopped at the first record the results "
+                           f"file could not take ({failed.args[0]} point(s) computed and not in it)",
+                           [by_key[k] for k in keys if k in by_key]) from failed.__cause__
         finally:
             if claims is not None:
                 claims.close()
@@ -492,10 +511,12 @@ class Runner:
 
     def _compute(self, batch: list[Point], by_key: dict, bar, claims=None) -> None:
         reused = [p for p in batch if p.key in self.reuse]
+        copies = []
         for p in reused:
             rec = dict(self.reuse[p.key], **p.record, key=p.key)
             rec["metrics"] = dict(rec.get("metrics") or {}, reused_from=self.reuse[p.key].get("study"))
-            self._emit(rec, by_key, bar)
+            copies.append(rec)
+        self._emit(copies, by_key, bar)
         if claims is not None:
             claims.release([p.key for p in reused])
         batch = [p for p in batch if p.key not in self.reuse]
@@ -510,19 +531,26 @@ class Runner:
         start = time.perf_counter()
         results = self._evaluate(batch, on_chunk)
         per_point = (time.perf_counter() - start) / len(batch)
-        for p, res in zip(batch, results):
-            rec = make_record(p, dict(res, batch_size=len(batch)) if len(batch) > 1 else res, per_point)
-            self.computed += 1
-            self._emit(rec, by_key, bar)
+        records = [make_record(p, dict(res, batch_size=len(batch)) if len(batch) > 1 else res, per_point)
+                   for p, res in zip(batch, results)]
+        self.computed += len(records)
+        self._emit(records, by_key, bar)
         if claims is not None:  # after the appends: a run that finds a point unclaimed finds its record too
             claims.release([p.key for p in batch])
 
-    def _emit(self, rec: dict, by_key: dict, bar) -> None:
-        if self.results:
-            results_file.append_result(self.results, rec)
-        by_key[rec["key"]] = rec
-        if bar is not None:
-            bar.update(1)
+    def _emit(self, records: list[dict], by_key: dict, bar) -> None:
+        """Take ``records`` and append them to the results file; where the file cannot take one (a full disk),
+        ``_AppendFailed`` with the number of them not in it (all are in ``by_key``, to be shown)."""
+        for rec in records:
+            by_key[rec["key"]] = rec
+        for i, rec in enumerate(records):
+            if self.results:
+                try:
+                    results_file.append_result(self.results, rec)
+                except OSError as e:
+                    raise _AppendFailed(len(records) - i) from e
+            if bar is not None:
+                bar.update(1)
 
 
 def _fmt(v) -> str:

@@ -123,13 +123,15 @@ TOKENIZER_FILES = ("tokenizer_config.json", "special_tokens_map.json", "tokenize
 
 
 def save_tokenizer(tok, folder: str, model_max_length: int = 1024) -> None:
-    """The three tokenizer files, ``tokenizer.json`` last: it marks the set complete (a full disk used to leave
-    it without ``special_tokens_map.json``, and every later run failed on the missing file)."""
+    """The three tokenizer files, as one set (``atomic.together``), ``tokenizer.json`` last: it marks the set
+    complete (a full disk used to leave it without ``special_tokens_map.json``, and every later run failed on
+    the missing file; then two files of three, which the next run completed)."""
     os.makedirs(folder, exist_ok=True)
-    atomic.write_json(os.path.join(folder, "tokenizer_config.json"), tokenizer_config(model_max_length))
-    atomic.write_json(os.path.join(folder, "special_tokens_map.json"),
-                      {"bos_token": EOS, "eos_token": EOS, "unk_token": EOS, "pad_token": PAD})
-    atomic.write_text(os.path.join(folder, "tokenizer.json"), tok.to_str(pretty=True))
+    with atomic.together():
+        atomic.write_json(os.path.join(folder, "tokenizer_config.json"), tokenizer_config(model_max_length))
+        atomic.write_json(os.path.join(folder, "special_tokens_map.json"),
+                          {"bos_token": EOS, "eos_token": EOS, "unk_token": EOS, "pad_token": PAD})
+        atomic.write_text(os.path.join(folder, "tokenizer.json"), tok.to_str(pretty=True))
 
 
 def load_tokenizer(folder: str):

@@ -32,7 +32,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from moejax.base import atomic, errors, interrupts, orbax_io, seeds
+from moejax.base import atomic, errors, interrupts, orbax_io, seeds, tempfiles
 from moejax.models import checkpoint
 from moejax.models.config import ModelConfig, from_hf
 from moejax.training import data, recipe
@@ -43,7 +43,7 @@ def _ckpt_root(out: str) -> str:
     return os.path.join(out, "checkpoints")
 
 
-RUN_FILES = ("run.json", "metrics.jsonl", "checkpoints", "tokenizer", "export-files")
+RUN_FILES = ("run.json", "metrics.jsonl", "checkpoints", "tokenizer", "export-files")  # export-files: older runs'
 
 
 def check_out_folder(out: str, resume: bool, overwrite: bool) -> None:
@@ -86,6 +86,7 @@ def save_state(out: str, step: int, params, opt_state, data_pos: int, rng: jax.A
     try:
         orbax_io.save(path, state)  # orbax writes to a temporary folder and renames it when complete
     except (OSError, ValueError) as e:  # a full disk reaches us as orbax's ValueError: a failure, not a usage error
+        atomic.remove_empty_folders([root])  # a first checkpoint that failed left an empty checkpoints/
         raise errors.Failure(f"could not write the checkpoint {path}: {errors.excerpt(e)}") from e
     atomic.write_json(os.path.join(root, "latest.json"), {"step": step, "path": os.path.basename(path)})
     old = sorted(p for p in os.listdir(root) if p.startswith("step_") and p != os.path.basename(path))
@@ -477,22 +478,25 @@ def write_export(params, cfg: ModelConfig, run: dict, out: str, folder: str, dty
     loop's own, with ``run`` = the run record plus the step they are from."""
     params = jax.tree.map(lambda x: jnp.asarray(x, dtype), params)
     eos = cfg.eos_token_ids[0] if cfg.eos_token_ids else 0
-    staging = os.path.join(out, "export-files")
-    os.makedirs(staging, exist_ok=True)
-    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
-        shutil.copy2(os.path.join(out, "tokenizer", name), os.path.join(staging, name))
-    atomic.write_json(os.path.join(staging, "generation_config.json"), {
-        "bos_token_id": eos, "eos_token_id": eos, "do_sample": False, "max_new_tokens": 64,
-        "text_style": text_style})
-    a = run["args"]
-    last = run.get("last") or {}
-    info = {"model": "qwen3_moe", "params": run["params"], "step": run["step"],
-            "tokens": run["step"] * a["batch"] * a["seq_len"], "val_ce": last.get("val_ce"),
-            "time_s": last.get("time_s"), "hardware": run["hardware"],
-            "command": command_line(a) + (" --export-at-end MODEL" if at_end else "")}
-    extra = {"training.json": atomic.json_text(info), "README.md": readme_text(cfg, info, at_end)}
-    folder = checkpoint.save_moejax(params, cfg, folder, tokenizer_from=staging, overwrite=overwrite, protect=(out,),
-                                    extra_files=extra)
+    with interrupts.deferred():  # the staging folder is owned (removed below) from the moment it exists
+        staging = tempfiles.make_temp_dir("moejax-export-")
+    try:
+        for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+            shutil.copy2(os.path.join(out, "tokenizer", name), os.path.join(staging, name))
+        atomic.write_json(os.path.join(staging, "generation_config.json"), {
+            "bos_token_id": eos, "eos_token_id": eos, "do_sample": False, "max_new_tokens": 64,
+            "text_style": text_style})
+        a = run["args"]
+        last = run.get("last") or {}
+        info = {"model": "qwen3_moe", "params": run["params"], "step": run["step"],
+                "tokens": run["step"] * a["batch"] * a["seq_len"], "val_ce": last.get("val_ce"),
+                "time_s": last.get("time_s"), "hardware": run["hardware"],
+                "command": command_line(a) + (" --export-at-end MODEL" if at_end else "")}
+        extra = {"training.json": atomic.json_text(info), "README.md": readme_text(cfg, info, at_end)}
+        folder = checkpoint.save_moejax(params, cfg, folder, tokenizer_from=staging, overwrite=overwrite,
+                                        protect=(out,), extra_files=extra)
+    finally:  # a failed export left OUT/export-files behind
+        shutil.rmtree(staging, ignore_errors=True)
     os.chmod(folder, 0o755)
     return folder
 
