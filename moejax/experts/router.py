@@ -29,16 +29,16 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from moejax.models.gating import descending_order, original_routing
+from moejax.models.gating import descending_order, fenced_probs, original_routing
 from moejax.experts import cache as cache_lib, routing as routing_lib
 from moejax.experts.cache import CacheState
 from moejax.experts.routing import RoutingPolicy, RoutingState
 
 
 def choose(z: jax.Array, cache_mask: jax.Array, routing_state: RoutingState, policy: RoutingPolicy,
-           gating: Any, layer=0) -> tuple[jax.Array, jax.Array, jax.Array]:
+           gating: Any, layer=0, probs: jax.Array | None = None) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Steps 2-5 without touching any state: (experts [K] highest weight first, -1 = dropped; weights [K];
-    valid [K])."""
+    valid [K]). ``probs``: ``gating.probs(z)``, computed by a caller that routes many tokens at once."""
     k = gating.top_k
     ranking, n_valid = routing_lib.rerank(z, cache_mask, routing_state, policy, gating, layer)
     valid = jnp.arange(k) < n_valid
@@ -50,7 +50,7 @@ def choose(z: jax.Array, cache_mask: jax.Array, routing_state: RoutingState, pol
     original_pos = jnp.zeros((n,), jnp.int32).at[original].set(jnp.arange(n, dtype=jnp.int32))
     by_original = descending_order(-jnp.where(valid, original_pos[jnp.maximum(chosen, 0)], n))
     chosen, valid = chosen[by_original], valid[by_original]
-    weights = jnp.where(valid, gating.weights(z, chosen, valid).astype(jnp.float32), 0.0)
+    weights = jnp.where(valid, gating.weights(z, chosen, valid, probs=probs).astype(jnp.float32), 0.0)
     # highest weight first; dropped slots last (weight 0 and marked invalid); ties keep ranking order
     order = descending_order(jnp.where(valid, weights, -jnp.inf))
     return chosen[order], weights[order], valid[order]
@@ -115,14 +115,16 @@ def prefetch_step(cache_state: CacheState, layer, z_pred: jax.Array, gating: Any
 
 def router_step(z: jax.Array, cache_state: CacheState, routing_state: RoutingState, policy: RoutingPolicy,
                 gating: Any, layer=0, *, z_pred: jax.Array | None = None, prediction=None,
-                with_tier: bool = False):
+                with_tier: bool = False, probs: jax.Array | None = None):
     """Route one token at one MoE layer and update both states (module docstring). Belady needs the
     future, so it is not an online eviction here: replay it over a recorded trace (``trace.replay``).
 
     ``prediction`` instead of ``z_pred``: the prefetch was already applied (``prefetch_step``, by an
     offloader that starts the transfers early); only its precision/recall are counted here.
     Returns (experts, weights, hits, cache_state', routing_state'), with ``tier`` [K] after hits when
-    ``with_tier`` (the precision each chosen expert is computed at: 0 full, 8 / 4 low-bit copy)."""
+    ``with_tier`` (the precision each chosen expert is computed at: 0 full, 8 / 4 low-bit copy).
+    ``probs``: ``gating.probs(z)`` when the caller computed it for all its tokens at once (``route_tokens``):
+    the weights are then bit-identical to the plain batched pass's."""
     routing_state = routing_lib.observe(routing_state, layer, z)
     if z_pred is not None and cache_state.prefetcher.enabled:
         cache_state, prediction = prefetch_step(cache_state, layer, z_pred, gating)
@@ -130,7 +132,7 @@ def router_step(z: jax.Array, cache_state: CacheState, routing_state: RoutingSta
     if predicting:
         pred_ids, pred_valid = prediction
     mask = cache_lib.resident_mask(cache_state, layer)
-    experts, weights, valid = choose(z, mask, routing_state, policy, gating, layer)
+    experts, weights, valid = choose(z, mask, routing_state, policy, gating, layer, probs)
     experts, weights, valid, tier, counts = handle_misses(z, experts, weights, valid, mask, cache_state.miss, gating)
     cache_state, hits = cache_lib.access(cache_state, layer, experts, weights, valid, tier=tier)
     if predicting:
@@ -145,10 +147,12 @@ def router_step(z: jax.Array, cache_state: CacheState, routing_state: RoutingSta
 
 
 def route_tokens(z: jax.Array, layer, cache_state: CacheState, routing_state: RoutingState,
-                 policy: RoutingPolicy, gating: Any, *, z_pred: jax.Array | None = None, with_tier: bool = False):
+                 policy: RoutingPolicy, gating: Any, *, z_pred: jax.Array | None = None, with_tier: bool = False,
+                 probs: jax.Array | None = None):
     """``lax.scan`` of ``router_step`` over T tokens of ONE layer (the layer-parallel path; per-layer scope).
 
-    z: [T, N]; z_pred: [T, N] predicted logits for prefetch (optional). Returns (experts [T, K],
+    z: [T, N]; z_pred: [T, N] predicted logits for prefetch (optional); probs: ``gating.probs(z)`` if the
+    caller has it (computed here otherwise). Returns (experts [T, K],
     weights [T, K], hits [T, K], cache_state', routing_state'), with tier [T, K] after hits if ``with_tier``.
     """
     if cache_state.scope != "layer":
@@ -159,16 +163,20 @@ def route_tokens(z: jax.Array, layer, cache_state: CacheState, routing_state: Ro
 
     def step(carry, inputs):
         cs, rs = carry
-        z_t, zp_t = inputs
+        z_t, zp_t, p_t = inputs
         experts, weights, hits, tier, cs, rs = router_step(z_t, cs, rs, policy, gating, 0, z_pred=zp_t,
-                                                           with_tier=True)
+                                                           with_tier=True, probs=p_t)
         return (cs, rs), (experts, weights, hits, tier)
 
     # carry only this layer's row through the scan (a one-layer cache), written back once at the end:
     # slicing and rewriting the whole [L, N] state at every token cost ~60 % more per step
     row = cache_lib.row_view(cache_state, layer)
     row_rs = jax.tree.map(lambda a: lax.dynamic_slice_in_dim(a, layer, 1), routing_state)
-    (row, row_rs), (experts, weights, hits, tier) = lax.scan(step, (row, row_rs), (z, z_pred))
+    # the probabilities of all T tokens at once, as the plain pass computes them: a softmax of one [N] row
+    # inside the scan sums in another order, and λ = 0 differed from original routing in the last bits
+    if probs is None:
+        probs = fenced_probs(gating, z)
+    (row, row_rs), (experts, weights, hits, tier) = lax.scan(step, (row, row_rs), (z, z_pred, probs))
     cache_state = cache_lib.write_row(cache_state, row, layer)
     routing_state = jax.tree.map(lambda a, b: lax.dynamic_update_slice_in_dim(a, b, layer, 0), routing_state, row_rs)
     if with_tier:
@@ -206,11 +214,14 @@ def route_layers_parallel(z: jax.Array, cache_state: CacheState, routing_state: 
     routing_lib.check_policy_layers(policy, routing_state.delta_sum.shape[0])
     split = routing_lib.split_policy_layers(policy)  # a learned prior's rows, a per-layer Δ go with their layer
 
-    def one_layer(z_l, cs, rs, per_layer):
-        return route_tokens(z_l, 0, cs, rs, policy.replace(**per_layer), gating)
+    def one_layer(z_l, p_l, cs, rs, per_layer):
+        return route_tokens(z_l, 0, cs, rs, policy.replace(**per_layer), gating, probs=p_l)
 
-    experts, weights, hits, cs, rs = jax.vmap(one_layer, in_axes=(1, 0, 0, 0), out_axes=(1, 1, 1, 0, 0))(
-        z, split_cs, split_rs, split)
+    # all layers' probabilities at once, outside the vmap: inside it, the softmax's summation order followed
+    # the layout XLA picked for the batched program, and a vmap over policies differed in the last bit
+    probs = fenced_probs(gating, z)
+    experts, weights, hits, cs, rs = jax.vmap(one_layer, in_axes=(1, 1, 0, 0, 0), out_axes=(1, 1, 1, 0, 0))(
+        z, probs, split_cs, split_rs, split)
     return experts, weights, hits, cache_lib.merge_layers(cs), jax.tree.map(lambda a: a[:, 0], rs)
 
 

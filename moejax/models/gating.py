@@ -18,6 +18,7 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 import numpy as np
 
 from moejax.base import xla
@@ -121,10 +122,12 @@ class SoftmaxTopK(_RankByLogits):
     scale: float = 1.0
     norm_eps: float = 0.0
 
-    def weights(self, z: jax.Array, chosen: jax.Array, valid: jax.Array | None = None) -> jax.Array:
+    def weights(self, z: jax.Array, chosen: jax.Array, valid: jax.Array | None = None,
+                probs: jax.Array | None = None) -> jax.Array:
+        """``probs``: ``self.probs(z)`` when the caller has it (``fenced_probs``: the same bits in every program)."""
         if valid is None:
             valid = chosen >= 0
-        w = jnp.where(valid, _take(self.probs(z), chosen), 0.0)
+        w = jnp.where(valid, _take(self.probs(z) if probs is None else probs, chosen), 0.0)
         if self.normalize:
             w = w / (jnp.sum(w, axis=-1, keepdims=True) + self.norm_eps)
         return w * self.scale
@@ -171,7 +174,9 @@ class SparseMixer(_RankByLogits):
         masked = jnp.where((threshold - z) / factor > 2 * self.jitter_eps, -jnp.inf, scores)
         return _take(jax.nn.softmax(masked, axis=-1), expert[..., None])[..., 0]
 
-    def weights(self, z: jax.Array, chosen: jax.Array, valid: jax.Array | None = None) -> jax.Array:
+    def weights(self, z: jax.Array, chosen: jax.Array, valid: jax.Array | None = None,
+                probs: jax.Array | None = None) -> jax.Array:
+        """``probs`` is ignored: these weights are softmaxes of logits masked around the chosen experts."""
         if valid is None:
             valid = chosen >= 0
         z = z.astype(jnp.float32)
@@ -185,10 +190,18 @@ class SparseMixer(_RankByLogits):
 Gating = SoftmaxTopK | GroupLimited | SparseMixer
 
 
+def fenced_probs(gating: Gating, z: jax.Array) -> jax.Array:
+    """``gating.probs(z)`` for many tokens at once, as a computation of its own. XLA fuses a softmax into its
+    neighbours and lays it out for them, so its summation order (the last bit of every weight) depended on the
+    program around it: cache-prior at λ = 0 differed from original routing, and a vmap over policies from
+    single runs. Fenced off, the plain pass, the router's scan and a vmapped sweep compute the same bits."""
+    return lax.optimization_barrier(gating.probs(lax.optimization_barrier(z)))
+
+
 def original_routing(gating: Gating, z: jax.Array) -> tuple[jax.Array, jax.Array]:
     """The architecture's own top-K: expert ids [..., K] (highest weight first) and their weights."""
     chosen = gating.ranking(z)[..., : gating.top_k]
-    return sort_by_weight(chosen, gating.weights(z, chosen))
+    return sort_by_weight(chosen, gating.weights(z, chosen, probs=fenced_probs(gating, z)))
 
 
 def sort_by_weight(experts: jax.Array, weights: jax.Array) -> tuple[jax.Array, jax.Array]:
