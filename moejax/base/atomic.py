@@ -1,12 +1,14 @@
 """Writing one file atomically: readers see the old file or the whole new one, never a part of it.
 
 The bytes go to a temporary file beside the target, ``.<name>.tmp-<pid>-<random>``, which is renamed over the
-target only when writing succeeded. An exception, Ctrl-C or a signal that ``interrupts`` turns into one
-removes the temporary file and leaves the old target as it was; after a SIGKILL, the next write of the same
-target removes the dead process's temporary file (``tempfiles.remove_stale``), so a killed run never leaves
-a multi-GB half-written copy behind for good. Every file moejax writes whole (JSON records, safetensors
-shards, traces, plots, tokenizers, token files) goes through ``atomic_file``; every folder written whole
-(checkpoints, learned priors) through ``atomic_dir`` (``checkpoint.atomic_folder`` adds what may be replaced).
+target only when writing succeeded, after an ``fsync`` (and the folder's after the rename: a power cut leaves the
+old file or the new one, not an empty one under the new name). An exception, Ctrl-C or a signal that
+``interrupts`` turns into one removes the temporary file and leaves the old target as it was; after a SIGKILL, the
+next write of the same target removes the dead process's temporary file (``tempfiles.remove_stale``), so a
+killed run never leaves a multi-GB half-written copy behind for good. Every file moejax writes whole (JSON
+records, safetensors shards, traces, plots, tokenizers, token files) goes through ``atomic_file``; every folder
+written whole (checkpoints, learned priors) through ``atomic_dir`` (``checkpoint.atomic_folder`` adds what may be
+replaced).
 """
 
 from __future__ import annotations
@@ -43,10 +45,13 @@ def atomic_file(path: str | os.PathLike, mode: str = "wb", make_parents: bool = 
             fd, tmp = tempfile.mkstemp(prefix=f"{prefix}{os.getpid()}-", dir=parent)
         with os.fdopen(fd, mode, **({} if mode == "wb" else {"encoding": "utf-8"})) as f:
             yield f
+            f.flush()
+            os.fsync(f.fileno())  # the bytes are on the disk before the name points at them
         os.chmod(tmp, 0o666 & ~_umask())
         group = _GROUP.get()
         if group is None:
             os.replace(tmp, path)
+            fsync_folder(parent)
         else:  # ``together``: renamed with the rest of the set, or removed with it
             group.append((tmp, path, made))
     except BaseException as e:
@@ -86,6 +91,8 @@ def together() -> Iterator[None]:
             except BaseException as e:
                 _discard(pending[i:])
                 raise naming(e, path) from (e if isinstance(e, OSError) else None)
+    for folder in dict.fromkeys(os.path.dirname(path) for _, path, _ in pending):
+        fsync_folder(folder)
 
 
 def _discard(pending: list) -> None:
@@ -183,6 +190,7 @@ def atomic_dir(target: str) -> Iterator[str]:
             tmp = tempfiles.make_temp_dir(f".{name}.tmp-", parent)
         os.chmod(tmp, 0o777 & ~_umask())  # mkdtemp makes 0700: the finished folder gets a normal folder's mode
         yield tmp
+        fsync_tree(tmp)  # the files are on the disk before the folder's name points at them
         with interrupts.deferred():  # the swap runs whole: no signal strands the old target half-moved
             if os.path.exists(target):
                 old = tempfile.mkdtemp(prefix=f".{name}.old-", dir=parent)
@@ -195,11 +203,44 @@ def atomic_dir(target: str) -> Iterator[str]:
                 shutil.rmtree(old, ignore_errors=True)
             else:
                 os.replace(tmp, target)
+        fsync_folder(parent)
     except BaseException as e:
         if tmp is not None:
             shutil.rmtree(tmp, ignore_errors=True)
         remove_empty_folders(made)
         raise naming(e, target, tmp) from (e if isinstance(e, OSError) else None)
+
+
+def fsync_folder(folder: str) -> None:
+    """Flush ``folder``'s entries (a rename into it) to the disk: without it a power cut right after a rename
+    can bring back the old name, or on some filesystems an empty file. Filesystems that cannot (some network
+    mounts) are skipped."""
+    try:
+        fd = os.open(folder, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def fsync_tree(folder: str) -> None:
+    """Flush every file and folder under ``folder`` to the disk (a folder filled by writers that do not
+    ``fsync``, such as safetensors, before ``atomic_dir`` renames it into place)."""
+    for root, _, files in os.walk(folder):
+        for name in files:
+            path = os.path.join(root, name)
+            if os.path.islink(path):
+                continue
+            fd = os.open(path, os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+        fsync_folder(root)
 
 
 def append_whole(f: IO, data: bytes, path: str, fsync: bool = True) -> None:
