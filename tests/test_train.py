@@ -282,6 +282,17 @@ def test_an_overwrite_that_fails_before_its_first_checkpoint_keeps_the_old_run(d
     assert train.main(_argv(dirs, out, "--resume", "--stop-after", "1")) == 0  # and it still resumes
 
 
+def test_a_run_set_aside_by_a_killed_overwrite_is_named_not_called_foreign(dirs, capsys):
+    """Killed (SIGKILL) between setting the old run aside and the new run's first files, the folder holds only
+    `.run.old-*`: the refusal says where the old run is instead of calling the folder unrelated."""
+    out, _ = run(dirs, "killed-overwrite", "--stop-after", "2")
+    aside = train.set_aside_run(out)
+    assert os.listdir(out) == [os.path.basename(aside)]
+    assert train.main(_argv(dirs, out)) == 2
+    err = capsys.readouterr().err
+    assert f"set aside by an --overwrite that did not finish, in {aside}" in err
+
+
 def test_export_loads_in_moejax_and_transformers(dirs, baseline, tmp_path):
     import torch
     from transformers import AutoModelForCausalLM

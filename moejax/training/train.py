@@ -60,6 +60,11 @@ def check_out_folder(out: str, resume: bool, overwrite: bool) -> None:
                                   "pass --resume to continue it, or --overwrite to start over (its checkpoints "
                                   "and metrics are deleted once the new run has its first checkpoint)")
     elif names and not resume:
+        aside = sorted(n for n in names if n.startswith(".run.old-"))
+        if aside:  # an --overwrite killed (SIGKILL, power cut) before its first checkpoint: the old run is there
+            raise FileExistsError(f"--out {out} holds a run set aside by an --overwrite that did not finish, in "
+                                  f"{os.path.join(out, aside[0])}: move its files back into {out} to keep it, or "
+                                  "delete that folder")
         raise FileExistsError(f"--out {out} is not empty and holds no training run ({', '.join(sorted(names)[:5])}"
                               "): choose an empty or new folder")
 
