@@ -291,6 +291,9 @@ def test_a_run_set_aside_by_a_killed_overwrite_is_named_not_called_foreign(dirs,
     assert train.main(_argv(dirs, out)) == 2
     err = capsys.readouterr().err
     assert f"set aside by an --overwrite that did not finish, in {aside}" in err
+    shutil.copytree(aside, out, dirs_exist_ok=True)  # a run beside it: --overwrite goes on, and says it is there
+    assert train.main(_argv(dirs, out, "--overwrite", "--stop-after", "1")) == 0
+    assert f"note: {aside} holds a run set aside" in capsys.readouterr().err and os.path.isdir(aside)
 
 
 def test_export_loads_in_moejax_and_transformers(dirs, baseline, tmp_path):

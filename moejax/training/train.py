@@ -208,6 +208,10 @@ def train(args: argparse.Namespace) -> dict:
         checkpoint.check_replaceable(args.export_at_end, args.overwrite, protect=(out,))
         atomic.check_creatable(args.export_at_end, "--export-at-end")
     fresh, made = not args.resume, atomic.missing_folders(out)
+    for name in sorted(os.listdir(out)) if os.path.isdir(out) else []:
+        if name.startswith(".run.old-"):  # never removed automatically: it may be the only copy of a run
+            print(f"note: {os.path.join(out, name)} holds a run set aside by an --overwrite that did not finish; "
+                  "delete it if it is not needed", file=sys.stderr)
     previous = set_aside_run(out) if args.overwrite and fresh else None
     try:
         summary = _run(args, out, run_path, run_prev, on_checkpoint=lambda: drop_previous_run(previous))
@@ -244,7 +248,8 @@ def restore_previous_run(out: str, previous: str) -> None:
         for n in os.listdir(previous):
             os.replace(os.path.join(previous, n), os.path.join(out, n))
         os.rmdir(previous)
-    print(f"the run that was in {out} is kept: the new run ended before its first checkpoint", file=sys.stderr)
+    print(f"the run that was in {out} is kept: the new run ended before its first checkpoint (delete the run's "
+          "files first to start over without it)", file=sys.stderr)
 
 
 def drop_previous_run(previous: str | None) -> None:
