@@ -445,7 +445,7 @@ def test_a_token_file_the_disk_cannot_take_is_one_error_after_the_progress_bar(d
     at exit. Now the error is the last line, no bar follows it, and the unstarted run leaves nothing."""
     data_dir = tmp_path / "data"  # the tokenizer without the token files: the run must write them
     data_dir.mkdir()
-    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+    for name in data.TOKENIZER_FILES:
         shutil.copy2(os.path.join(dirs["data"], name), data_dir / name)
     out = str(tmp_path / "run")
     argv = [a if a != dirs["data"] else str(data_dir) for a in _argv(dirs, out, "--steps", "4")]

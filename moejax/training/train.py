@@ -44,6 +44,14 @@ def _ckpt_root(out: str) -> str:
 
 
 RUN_FILES = ("run.json", "metrics.jsonl", "checkpoints", "tokenizer", "export-files")  # export-files: older runs'
+RUN_ASIDE_PREFIX = ".run.old-"  # where --overwrite keeps the old run until the new one has a checkpoint
+
+
+def runs_set_aside(out: str) -> list[str]:
+    """The folders in ``out`` holding a run an ``--overwrite`` set aside and did not finish with (killed before
+    the new run's first checkpoint): never removed automatically, they may be the only copy of a run."""
+    names = sorted(os.listdir(out)) if os.path.isdir(out) else []
+    return [os.path.join(out, n) for n in names if n.startswith(RUN_ASIDE_PREFIX)]
 
 
 def check_out_folder(out: str, resume: bool, overwrite: bool) -> None:
@@ -60,11 +68,10 @@ def check_out_folder(out: str, resume: bool, overwrite: bool) -> None:
                                   "pass --resume to continue it, or --overwrite to start over (its checkpoints "
                                   "and metrics are deleted once the new run has its first checkpoint)")
     elif names and not resume:
-        aside = sorted(n for n in names if n.startswith(".run.old-"))
+        aside = runs_set_aside(out)
         if aside:  # an --overwrite killed (SIGKILL, power cut) before its first checkpoint: the old run is there
             raise FileExistsError(f"--out {out} holds a run set aside by an --overwrite that did not finish, in "
-                                  f"{os.path.join(out, aside[0])}: move its files back into {out} to keep it, or "
-                                  "delete that folder")
+                                  f"{aside[0]}: move its files back into {out} to keep it, or delete that folder")
         raise FileExistsError(f"--out {out} is not empty and holds no training run ({', '.join(sorted(names)[:5])}"
                               "): choose an empty or new folder")
 
@@ -208,10 +215,9 @@ def train(args: argparse.Namespace) -> dict:
         checkpoint.check_replaceable(args.export_at_end, args.overwrite, protect=(out,))
         atomic.check_creatable(args.export_at_end, "--export-at-end")
     fresh, made = not args.resume, atomic.missing_folders(out)
-    for name in sorted(os.listdir(out)) if os.path.isdir(out) else []:
-        if name.startswith(".run.old-"):  # never removed automatically: it may be the only copy of a run
-            print(f"note: {os.path.join(out, name)} holds a run set aside by an --overwrite that did not finish; "
-                  "delete it if it is not needed", file=sys.stderr)
+    for aside in runs_set_aside(out):
+        print(f"note: {aside} holds a run set aside by an --overwrite that did not finish; delete it if it is not "
+              "needed", file=sys.stderr)
     previous = set_aside_run(out) if args.overwrite and fresh else None
     try:
         summary = _run(args, out, run_path, run_prev, on_checkpoint=lambda: drop_previous_run(previous))
@@ -235,7 +241,7 @@ def set_aside_run(out: str) -> str | None:
     if not names:
         return None
     with interrupts.deferred():  # moved whole or not at all
-        aside = tempfile.mkdtemp(prefix=".run.old-", dir=out)
+        aside = tempfile.mkdtemp(prefix=RUN_ASIDE_PREFIX, dir=out)
         for n in names:
             os.replace(os.path.join(out, n), os.path.join(aside, n))
     return aside
@@ -278,7 +284,7 @@ def _run(args: argparse.Namespace, out: str, run_path: str, run_prev: dict, on_c
     tok_dir = os.path.join(out, "tokenizer")
     if not os.path.isfile(os.path.join(tok_dir, "tokenizer.json")):
         os.makedirs(tok_dir, exist_ok=True)
-        for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+        for name in data.TOKENIZER_FILES:
             shutil.copy2(os.path.join(args.data_dir, name), os.path.join(tok_dir, name))
 
     sc = step_config(args)
@@ -491,7 +497,7 @@ def write_export(params, cfg: ModelConfig, run: dict, out: str, folder: str, dty
     with interrupts.deferred():  # the staging folder is owned (removed below) from the moment it exists
         staging = tempfiles.make_temp_dir("moejax-export-")
     try:
-        for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+        for name in data.TOKENIZER_FILES:
             shutil.copy2(os.path.join(out, "tokenizer", name), os.path.join(staging, name))
         atomic.write_json(os.path.join(staging, "generation_config.json"), {
             "bos_token_id": eos, "eos_token_id": eos, "do_sample": False, "max_new_tokens": 64,
