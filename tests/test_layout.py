@@ -135,6 +135,50 @@ def test_one_row_product_never_copies_the_matrix(k):
     assert not materialised_matrices(program, {"w": w})
 
 
+def _dot_rows(program) -> set[int]:
+    """Row counts of the dot products in a compiled program's text."""
+    return {int(m) for m in re.findall(r"= f32\[(\d+),\d+\]\{1,0\} dot\(", program.as_text())}
+
+
+@pytest.mark.parametrize("n", [10, 40, 64])
+def test_bf16_rows_at_a_slow_count_are_padded_past_it_and_give_the_same_rows(n):
+    """XLA:CPU's matmul library multiplies 40 or 64 rows (and the other ``SLOW_BF16_ROWS`` bands) by a bf16
+    matrix of more than 1,024 columns at half its speed per row: ``nt_dot`` hands it the first fast count
+    instead and cuts the result back. The rows are the exact products up to float32 summation; float32 and
+    short rows are left as they are."""
+    k = layout.SLOW_BF16_MIN_IN + 127
+    rng = np.random.default_rng(n)
+    w = jnp.asarray(rng.normal(size=(24, k)), jnp.bfloat16)
+    x = jnp.asarray(rng.normal(size=(n, k)), jnp.bfloat16)
+    fast = layout.fast_rows(n, k, jnp.bfloat16)
+    assert fast > n and all(not (lo <= fast <= hi) for lo, hi, _ in layout.SLOW_BF16_ROWS)
+    program = jax.jit(layout.nt_dot).lower(x, w).compile()
+    if jax.default_backend() == "cpu":
+        assert _dot_rows(program) == {fast}
+    got = np.asarray(program(x, w))
+    assert got.shape == (n, 24)
+    exact = np.asarray(x, np.float64) @ np.asarray(w, np.float64).T
+    scale = np.abs(np.asarray(x, np.float64)) @ np.abs(np.asarray(w, np.float64)).T
+    assert np.all(np.abs(got - exact) <= 1e-6 * k * scale)
+    assert layout.fast_rows(n, k, jnp.float32) == n and layout.fast_rows(n, layout.SLOW_BF16_MIN_IN - 1, jnp.bfloat16) == n
+    assert _dot_rows(jax.jit(layout.nt_dot).lower(x.astype(jnp.float32), w.astype(jnp.float32)).compile()) == {n}
+
+
+@given(T=st.integers(2, 1 << 17), K=st.integers(1, 16), n=st.integers(2, 512))
+def test_grouped_chunks_hold_an_experts_typical_count_in_few_fast_chunks(T, K, n):
+    """The grouped loop's chunk size is one of ``GROUPED_BLOCKS`` (never a row count the library runs slowly),
+    and an expert with the mean count plus two standard deviations needs at most ceil(need / 128) chunks:
+    one chunk up to that, never many small ones."""
+    b = M.grouped_block_rows(T, K, n)
+    assert b in M.GROUPED_BLOCKS
+    assert all(layout.fast_rows(b, 4096, jnp.bfloat16) == b for b in M.GROUPED_BLOCKS)
+    mean = T * K / n
+    need = mean + 2 * np.sqrt(mean)
+    assert -(-need // b) <= -(-need // M.GROUPED_BLOCKS[-1])
+    if need <= M.GROUPED_BLOCKS[-1]:
+        assert b >= need - 1e-9 and (b == M.GROUPED_BLOCKS[0] or M.GROUPED_BLOCKS[M.GROUPED_BLOCKS.index(b) - 1] < need)
+
+
 @pytest.mark.parametrize("T", [1, 6])
 def test_switched_under_vmap_equals_each_lane(T):
     """A sweep maps routing over lanes with shared weights: lanes fold into the tokens (one T = lanes·T

@@ -15,9 +15,10 @@ In the serving layout
 - every matrix that ``model.linear`` multiplies by is stored ``[out, in]`` (Hugging Face's own orientation)
   and wrapped in ``OutIn``: ``y = x · wᵀ`` contracts the minor axes of both operands, which XLA hands to
   its matmul library (YNNPACK) in the stored dtype; rows are padded to ``MIN_ROWS`` for 16-bit types (one
-  row would go to the f32 emitter). One row on the CPU (batch-1 decode) of at most ``ROW_DOT_MAX_IN``
-  (4,095) is ``row_dot`` instead: XLA's fused matrix-vector loop over ``w``'s rows, which converts each
-  weight as it reads it and runs 2-3x faster than the library with padded rows. On the CPU a matrix whose
+  row would go to the f32 emitter) and, on the CPU, past the bf16 row counts it runs at half speed
+  (``fast_rows``). One row on the CPU (batch-1 decode) of at most ``ROW_DOT_MAX_IN`` (4,095) is ``row_dot``
+  instead: XLA's fused matrix-vector loop over ``w``'s rows, which converts each weight as it reads it and runs
+  2-3x faster than the library with padded rows. On the CPU a matrix whose
   ``in`` is longer is held as ``ColumnBlocks`` (contiguous column blocks of at most ``ROW_DOT_MAX_IN``, each
   a buffer of its own) so that one row still runs that loop, a block at a time.
 - the routed experts of a MoE layer are an ``ExpertList``: one array per expert and matrix (gate and up
@@ -61,6 +62,14 @@ ARRANGEMENTS = ("canonical", "serving")
 # (1-2 GB/s), so longer rows go to the library
 ROW_DOT_MAX_IN = 4095
 MIN_ROWS = 4  # rows of a 16-bit matmul: YNNPACK takes >= 2 (one row goes to the f32 emitter); 4 read fastest
+# Row counts at which XLA:CPU's matmul library (YNNPACK) multiplies by a bf16 matrix with more than 1,024 columns
+# at about half its speed per row, and the first count past each band that runs at full speed. Measured on AMD
+# Zen 4 (AVX-512 BF16, and the same bands under --xla_cpu_max_isa=AVX2), one thread and two, for
+# [out, in] = [2048, 2048], [2048, 1408], [1024, 4096], [50304, 2048] (bench/RESULTS.md, session 28): 64 rows
+# of a [2048, 2048] matrix took 2.8 ms and 65 rows 1.3 ms. ``fast_rows`` pads a product's rows past such a
+# band; ``model.grouped_block_rows`` picks its chunk sizes outside them. Float32 and in <= 1,024 show no bands.
+SLOW_BF16_ROWS = ((9, 10, 11), (13, 15, 16), (17, 20, 21), (25, 30, 31), (37, 45, 46), (49, 55, 56), (61, 64, 65))
+SLOW_BF16_MIN_IN = 1025
 WEIGHT_DTYPES = ("stored", "int8")
 TIED_INT8_HEAD = "tied_lm_head"  # a tied model's int8 copy of its embedding, multiplied as the LM head
 
@@ -342,7 +351,8 @@ def nt_dot(x: jax.Array, w) -> jax.Array:
 
     One row (batch-1 decode) on the CPU: ``row_dot``. Otherwise the matmul library reads the weights in
     place; on the CPU 16-bit rows are padded to ``MIN_ROWS`` for it (one row would go to XLA's f32
-    matrix-vector emitter, which copies the whole matrix to f32 first). ``ColumnBlocks``: ``blocked_nt_dot``."""
+    matrix-vector emitter, which copies the whole matrix to f32 first), and bf16 rows past the counts it runs
+    at half speed (``fast_rows``). ``ColumnBlocks``: ``blocked_nt_dot``."""
     if isinstance(w, ColumnBlocks):
         return blocked_nt_dot(x, w)
     if isinstance(w, quant.QuantizedTensor):
@@ -355,10 +365,33 @@ def nt_dot(x: jax.Array, w) -> jax.Array:
     return one_row_on_cpu(rows, one_row, _library_dot, w).reshape(*lead, w.shape[0])
 
 
+def fast_rows(n: int, k: int, dtype) -> int:
+    """Rows to give the matmul library for ``n`` rows of ``in`` = ``k`` by a ``dtype`` matrix: ``n``, or the
+    first count past a ``SLOW_BF16_ROWS`` band (bf16, ``k`` >= ``SLOW_BF16_MIN_IN``), where the padded
+    product takes 30-50 % less time than the unpadded one."""
+    if jnp.dtype(dtype) == jnp.bfloat16 and k >= SLOW_BF16_MIN_IN:
+        for lo, hi, fast in SLOW_BF16_ROWS:
+            if lo <= n <= hi:
+                return fast
+    return n
+
+
 def _library_dot(rows: jax.Array, w: jax.Array) -> jax.Array:
     n, k = rows.shape
     if w.dtype.itemsize < 4 and n < MIN_ROWS:
         rows = jnp.concatenate([rows, jnp.zeros((MIN_ROWS - n, k), rows.dtype)])
+    pad = fast_rows(rows.shape[0], k, w.dtype) - rows.shape[0]
+    if not pad:
+        return _padded_dot(rows, w, 0)[:n]
+    return jax.lax.platform_dependent(rows, w, cpu=functools.partial(_padded_dot, pad=pad),
+                                      default=functools.partial(_padded_dot, pad=0))[:n]
+
+
+def _padded_dot(rows: jax.Array, w: jax.Array, pad: int) -> jax.Array:
+    """``rows @ w.T`` in float32, with ``pad`` zero rows appended (and cut off again)."""
+    n = rows.shape[0]
+    if pad:
+        rows = jnp.concatenate([rows, jnp.zeros((pad, rows.shape[1]), rows.dtype)])
     return jax.lax.dot_general(rows, w, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)[:n]
 
 

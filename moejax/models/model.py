@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 from typing import Any, Callable
 
 import jax
@@ -577,12 +578,21 @@ def switched_routed_experts(experts_list: layout.ExpertList, cfg: ModelConfig, x
     return _switched_op(cfg.hidden_act, block_rows)(experts_list, x, experts, weights)
 
 
+#: chunk sizes of the grouped loop: multiples of 8 outside ``layout.SLOW_BF16_ROWS`` (64 rows of a bf16 expert ran
+#: at half the speed of 72 or 80: the OLMoE-1B-7B-shaped teacher-forced pass took 1.9 s a 1,024-token chunk with
+#: 64-row chunks, 1.42-1.54 s with any of 48-120; bench/RESULTS.md, session 28)
+GROUPED_BLOCKS = (8, 16, 24, 32, 48, 56, 72, 80, 96, 112, 128)
+
+
 def grouped_block_rows(T: int, K: int, n: int) -> int:
-    """Rows per chunk of the grouped loop: twice the mean assignments per expert as a power of two, in
-    [8, 64] (most experts then run in one chunk, i.e. their weights are read once; 64 rows already make a
-    compute-efficient matmul)."""
-    mean = max(1, -(-2 * T * K // n))
-    return int(min(64, max(8, 1 << (mean - 1).bit_length())))
+    """Rows per chunk of the grouped loop: room for an expert's assignments at the mean plus two standard
+    deviations (an expert's count is about Poisson), split into as few chunks of at most 128 rows as that needs,
+    each rounded up to the next ``GROUPED_BLOCKS`` size. Most experts then run in one or two chunks with little
+    padding, and no chunk has a row count XLA:CPU's matmul library runs at half speed."""
+    mean = T * K / n
+    need = mean + 2 * math.sqrt(mean)
+    per_chunk = need / math.ceil(need / GROUPED_BLOCKS[-1])
+    return next(b for b in GROUPED_BLOCKS if b >= per_chunk - 1e-9)
 
 
 def _expert_rows(act: str, rows: jax.Array, gate_up: jax.Array, down: jax.Array) -> jax.Array:
