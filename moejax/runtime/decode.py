@@ -173,7 +173,9 @@ def seen_tokens(sampling: Sampling, vocab_size: int, tokens) -> jax.Array | None
     without a penalty (nothing is carried then)."""
     if not sampling.steps.penalty:
         return None
-    return jnp.zeros(vocab_size, jnp.bool_).at[jnp.asarray(tokens, jnp.int32)].set(True)
+    mask = np.zeros(vocab_size, np.bool_)  # on the host: a scatter of a prompt's length compiles once per length
+    mask[np.asarray(tokens, np.int64)] = True
+    return jnp.asarray(mask)
 
 
 def see(seen: jax.Array | None, token) -> jax.Array | None:
@@ -504,7 +506,10 @@ def generate(params, cfg: ModelConfig, prompt_ids, *, max_new_tokens: int, sampl
             raise ValueError("prefill_policy needs a router state (a simulated or offloaded expert cache)")
         decode_policy = router_state["policy"]
         router_state = {**router_state, "policy": prefill_policy}
-    tokens_in = jnp.asarray(prompt)
+    # the prompt stays a host array, cut into pieces on the host: slicing a device array (and any other eager op
+    # whose shape is the prompt's length) compiled a small program for every new prompt length, ~10 ms each,
+    # after the server's warm-up had compiled everything its requests run
+    tokens_in = prompt
     seen = seen_tokens(sampling, cfg.vocab_size, prompt)
     run_pieces, kv_s, rs_s = [], kv, router_state
     for n, a in zip(pieces, starts):  # each piece sees the states the one before leaves
@@ -531,7 +536,8 @@ def generate(params, cfg: ModelConfig, prompt_ids, *, max_new_tokens: int, sampl
                                                               seen=seen, sampling=sampling)
         piece_records.append(rec)
     key = key_after
-    rec = jax.tree.map(lambda *r: jnp.concatenate(r, axis=1), *piece_records) if len(pieces) > 1 else rec
+    if len(pieces) > 1:  # joined on the host (as every reader of the records reads them), for the same reason
+        rec = jax.tree.map(lambda *r: np.concatenate([np.asarray(x) for x in r], axis=1), *piece_records)
     check_step(cfg, rec["logits"], finite, "the prompt")
     report_cache(on_cache, router_state, {k: np.swapaxes(np.asarray(v), 0, 1) for k, v in rec.items()
                                            if k in ("experts", "hits")})
