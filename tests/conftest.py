@@ -340,6 +340,9 @@ def _free_compiled_programs():
 
     import jax
 
+    from moejax.runtime import decode
+
+    decode.clear_programs()
     jax.clear_caches()
     gc.collect()
 

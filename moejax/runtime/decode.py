@@ -8,9 +8,11 @@ donated to each chunk so the KV cache is updated in place.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import functools
 import math
+import threading
 import time
 import typing
 from typing import Any, Callable
@@ -353,6 +355,48 @@ def check_step(cfg: ModelConfig, router_logits, logits_finite, where: str) -> No
                                     "an overflow in this dtype)")
 
 
+#: compiled prefill pieces and decode chunks by (function, static arguments, shapes and shardings of the weights and
+#: arguments), with their output shapes: lowering a program again for every request re-traced it (``eval_shape``
+#: of a new partial each time) and called a new executable through JAX's slow first-call path, 25-65 ms a request
+#: on the shipped model's server (bench/RESULTS.md, session 28)
+_PROGRAMS: "collections.OrderedDict" = collections.OrderedDict()
+_PROGRAMS_MAX = 32
+_PROGRAMS_LOCK = threading.Lock()
+
+
+def _signature(tree) -> tuple:
+    """What a compiled program is specialised to: the tree's structure and each leaf's shape, dtype, weak type and
+    sharding (None for bare shapes)."""
+    leaves, treedef = jax.tree.flatten(tree)
+    return treedef, tuple((jnp.shape(x), jnp.result_type(x), getattr(x, "weak_type", False),
+                           getattr(x, "sharding", None)) for x in leaves)
+
+
+def compiled_program(fn, params, args: dict, statics: dict, params_signature: tuple | None = None):
+    """``fn.lower(params, **args, **statics).compile()`` and the output shapes (``jax.eval_shape``), made once per
+    signature and kept (``_PROGRAMS``, least recently used dropped past ``_PROGRAMS_MAX``). ``params_signature``:
+    ``_signature(params)`` when the caller has it (a model's weights are thousands of leaves)."""
+    key = (fn, tuple(sorted(statics.items())), params_signature or _signature(params), _signature(args))
+    with _PROGRAMS_LOCK:
+        hit = _PROGRAMS.get(key)
+        if hit is not None:
+            _PROGRAMS.move_to_end(key)
+            return hit
+    program = (fn.lower(params, **args, **statics).compile(),
+               jax.eval_shape(functools.partial(fn, **statics), params, **args))
+    with _PROGRAMS_LOCK:
+        _PROGRAMS[key] = program
+        while len(_PROGRAMS) > _PROGRAMS_MAX:
+            _PROGRAMS.popitem(last=False)
+    return program
+
+
+def clear_programs() -> None:
+    """Drop the kept programs (``compiled_program``), e.g. beside ``jax.clear_caches()``."""
+    with _PROGRAMS_LOCK:
+        _PROGRAMS.clear()
+
+
 def _shapes(tree):
     """Arrays (or shapes) as bare ``ShapeDtypeStruct``s: no sharding or commitment that would key a
     separate compilation."""
@@ -512,20 +556,21 @@ def generate(params, cfg: ModelConfig, prompt_ids, *, max_new_tokens: int, sampl
     tokens_in = prompt
     seen = seen_tokens(sampling, cfg.vocab_size, prompt)
     run_pieces, kv_s, rs_s = [], kv, router_state
+    weights_signature = _signature(params)
     for n, a in zip(pieces, starts):  # each piece sees the states the one before leaves
         # lowered from shapes alone, so a piece size compiles once whether it comes first or later
         args = _shapes(dict(tokens=tokens_in[a:a + n], kv=kv_s, key=key, router_state=rs_s, pos0=jnp.int32(a),
                             seen=seen, sampling=sampling))
-        run_pieces.append(prefill.lower(params, **args, **statics).compile())
-        first_s, kv_s, key_s, rs_s, _, _ = jax.eval_shape(functools.partial(prefill, **statics), params, **args)
+        run, (first_s, kv_s, key_s, rs_s, _, _) = compiled_program(prefill, params, args, statics, weights_signature)
+        run_pieces.append(run)
     if decode_policy is not None:
         rs_s = {**rs_s, "policy": jax.eval_shape(lambda p: p, decode_policy)}
     state_s = DecodeState(kv_s, first_s, jax.ShapeDtypeStruct((), jnp.int32), key_s, rs_s,
                           jax.ShapeDtypeStruct((), jnp.bool_), jax.ShapeDtypeStruct((), jnp.int32), _shapes(seen))
     run_chunk = None
     if n_chunks:
-        run_chunk = decode_chunk.lower(params, state=state_s, sampling=_shapes(sampling), steps=chunk, eos=eos,
-                                       **statics).compile()
+        run_chunk, _ = compiled_program(decode_chunk, params, dict(state=state_s, sampling=_shapes(sampling)),
+                                        dict(statics, steps=chunk, eos=eos), weights_signature)
     compile_time = time.perf_counter() - t_compile
 
     t0 = time.perf_counter()
