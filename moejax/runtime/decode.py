@@ -360,7 +360,7 @@ def check_step(cfg: ModelConfig, router_logits, logits_finite, where: str) -> No
 #: of a new partial each time) and called a new executable through JAX's slow first-call path, 25-65 ms a request
 #: on the shipped model's server (bench/RESULTS.md, session 28)
 _PROGRAMS: "collections.OrderedDict" = collections.OrderedDict()
-_PROGRAMS_MAX = 32
+_PROGRAMS_MAX = 256  # a warmed server holds one per (piece, KV bucket) and decode chunk: 45 for 512 tokens
 _PROGRAMS_LOCK = threading.Lock()
 
 
