@@ -12,6 +12,7 @@ few seconds; the parity and conversion tests share them.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import copy
 import dataclasses
 import os
@@ -329,6 +330,26 @@ def get_moejax_model(name: str):
 
         _MOEJAX[name] = moejax.load(get_hf_model(name).folder)
     return _MOEJAX[name]
+
+
+@contextlib.contextmanager
+def compile_events():
+    """A list that receives the function name of every XLA backend compilation inside the block (JAX's
+    ``/jax/core/compile/backend_compile_duration`` events): what a test of "compiles nothing" counts, rather than
+    timing it."""
+    import jax.monitoring
+
+    names = []
+
+    def listener(event, duration, **kwargs):
+        if event == "/jax/core/compile/backend_compile_duration":
+            names.append(kwargs.get("fun_name"))
+
+    jax.monitoring.register_event_duration_secs_listener(listener)
+    try:
+        yield names
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listener)
 
 
 @pytest.fixture(autouse=True, scope="module")

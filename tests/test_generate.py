@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import get_hf_model, get_moejax_model
+from conftest import compile_events, get_hf_model, get_moejax_model
 from test_evaluate import TEXT, _word_tokenizer
 
 import moejax
@@ -320,27 +320,16 @@ def test_a_repeated_request_reuses_its_compiled_programs_and_other_weights_run_t
     """``decode.compiled_program`` keeps each prefill piece and decode chunk by signature: the same request again
     compiles nothing and calls the same executables, and a model with other weights of the same shapes runs them
     with its own weights (the tokens it gives with its programs made afresh)."""
-    import jax.monitoring
-
     a = get_moejax_model("qwen3_moe")
     b = moejax.load(get_hf_model("qwen3_moe").folder)
     b.params = jax.tree.map(lambda x: x * 1.5 if jnp.issubdtype(x.dtype, jnp.floating) else x, b.params)
     prompt, kw = np.arange(3, 40) % a.cfg.vocab_size, dict(max_new_tokens=12, stop_at_eos=False, bucketed=True)
     first = a.generate(prompt, **kw).token_ids
-    compiles = []
-
-    def listener(name, duration, **kwargs):
-        if name == "/jax/core/compile/backend_compile_duration":
-            compiles.append(kwargs.get("fun_name"))
-
-    jax.monitoring.register_event_duration_secs_listener(listener)
-    try:
+    with compile_events() as compiles:
         kept = dict(decode._PROGRAMS)
         assert a.generate(prompt, **kw).token_ids == first
         assert not compiles and dict(decode._PROGRAMS).keys() == kept.keys()
         reused = b.generate(prompt, **kw).token_ids
-    finally:
-        jax.monitoring.unregister_event_duration_listener(listener)
     assert not compiles  # b's weights have a's shapes: its requests ran a's programs
     decode.clear_programs()
     assert b.generate(prompt, **kw).token_ids == reused and reused != first

@@ -118,30 +118,20 @@ def test_batched_prefill_falls_back_to_tokens_where_the_cache_couples_tokens():
 def test_the_warm_up_compiles_every_program_the_timed_prompt_runs(monkeypatch):
     """Time to first token measures the model: every program of the batched prefill is compiled before the
     clock starts (``HostPager.compile_prefill``: lowered from committed shapes, so the calls hit the cache)."""
-    import jax.monitoring
-
     import moejax
-    from conftest import get_hf_model
+    from conftest import compile_events, get_hf_model
     from moejax.runtime import host_paging
     from moejax.runtime.simulate import CacheConfig
 
     folder = get_hf_model("olmoe_clip").folder
     m = moejax.load(folder, offload="flash")  # pages read from the files straight into the serving layout
-    compiles, marks = [], []
-
-    def listener(name, duration, **kw):
-        if name == "/jax/core/compile/backend_compile_duration":
-            compiles.append(duration)
-
+    marks = []
     real = host_paging.storage_read_bytes
-    # storage_read_bytes is read when the clock starts and when the prompt is done (decode starts)
-    monkeypatch.setattr(host_paging, "storage_read_bytes", lambda: (marks.append(len(compiles)), real())[1])
-    jax.monitoring.register_event_duration_secs_listener(listener)
     prompt, cache = np.arange(3, 70, dtype=np.int32), CacheConfig(size="7", prefetch=1.0)
-    try:  # a prompt length and cache size no other test uses: these programs are new here
+    with compile_events() as compiles:  # a prompt length and cache size no other test uses: these programs are new
+        # storage_read_bytes is read when the clock starts and when the prompt is done (decode starts)
+        monkeypatch.setattr(host_paging, "storage_read_bytes", lambda: (marks.append(len(compiles)), real())[1])
         out = m.generate(prompt, 3, stop_at_eos=False, cache=cache, routing="cache-prior")
-    finally:
-        jax.monitoring.unregister_event_duration_listener(listener)
     assert out.stats["offload"]["prefill"] == "batched" and out.stats["offload"]["prefill_pages"] > 0
     assert out.stats["offload"]["store"] == "flash" and m._stores and next(iter(m._stores.values())).reads_serving
     assert marks[0] > 0  # the warm-up compiled

@@ -384,36 +384,27 @@ def test_a_failing_model_gets_500_and_the_server_goes_on(tmp_path):
 def test_warm_up_compiles_every_program_the_requests_within_its_bounds_need():
     """After ``warm_up`` no request within its bounds makes XLA compile anything (counted by JAX's backend-compile
     events, not by time: CI's run once took 0.58 s to lower an already compiled program in a long-lived worker)."""
-    import jax.monitoring
-
-    from conftest import get_moejax_model
+    from conftest import compile_events, get_moejax_model
 
     m = get_moejax_model("qwen3_moe")
     engine = serve_engine.Engine(m, routing.make_policy("cache-prior", m.cfg.top_k), simulate.CacheConfig())
-    compiles = []
-
-    def listener(name, duration, **kw):
-        if name == "/jax/core/compile/backend_compile_duration":
-            compiles.append(duration)
-
-    jax.monitoring.register_event_duration_secs_listener(listener)
     try:
-        engine.warm_up(max_prompt=20, max_tokens=20)  # one KV bucket: pieces 1..16 and its decode chunk
-        assert compiles  # the warm-up compiled (the counting works)
-        compiles.clear()
-        for n in (1, 3, 17, 20):
-            for new in (1, 2, 20):
-                engine.run(serve_engine.Job(list(range(3, 3 + n)), new))
-                assert not compiles, (n, new, compiles)
-        for sampling in (dict(temperature=0.8, top_p=0.9), dict(temperature=1.1, top_k=5, repetition_penalty=1.2),
-                         dict(repetition_penalty=1.3)):  # warmed greedy: each request's sampling compiles nothing
-            engine.run(serve_engine.Job(list(range(3, 13)), 20, **sampling))
-            assert not compiles, (sampling, compiles)
-        engine.run(serve_engine.Job(list(range(3, 43)), 2))  # past the bounds: compiles (the check can fail)
-        assert compiles
-        assert engine.cache_view()["summary"]["tokens"] > 0
+        with compile_events() as compiles:
+            engine.warm_up(max_prompt=20, max_tokens=20)  # one KV bucket: pieces 1..16 and its decode chunk
+            assert compiles  # the warm-up compiled (the counting works)
+            compiles.clear()
+            for n in (1, 3, 17, 20):
+                for new in (1, 2, 20):
+                    engine.run(serve_engine.Job(list(range(3, 3 + n)), new))
+                    assert not compiles, (n, new, compiles)
+            for sampling in (dict(temperature=0.8, top_p=0.9), dict(temperature=1.1, top_k=5, repetition_penalty=1.2),
+                             dict(repetition_penalty=1.3)):  # warmed greedy: each request's sampling compiles nothing
+                engine.run(serve_engine.Job(list(range(3, 13)), 20, **sampling))
+                assert not compiles, (sampling, compiles)
+            engine.run(serve_engine.Job(list(range(3, 43)), 2))  # past the bounds: compiles (the check can fail)
+            assert compiles
+            assert engine.cache_view()["summary"]["tokens"] > 0
     finally:
-        jax.monitoring.unregister_event_duration_listener(listener)
         engine.close()
 
 

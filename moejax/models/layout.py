@@ -378,13 +378,12 @@ def fast_rows(n: int, k: int, dtype) -> int:
 
 def _library_dot(rows: jax.Array, w: jax.Array) -> jax.Array:
     n, k = rows.shape
-    if w.dtype.itemsize < 4 and n < MIN_ROWS:
-        rows = jnp.concatenate([rows, jnp.zeros((MIN_ROWS - n, k), rows.dtype)])
-    pad = fast_rows(rows.shape[0], k, w.dtype) - rows.shape[0]
-    if not pad:
-        return _padded_dot(rows, w, 0)[:n]
-    return jax.lax.platform_dependent(rows, w, cpu=functools.partial(_padded_dot, pad=pad),
-                                      default=functools.partial(_padded_dot, pad=0))[:n]
+    least = max(n, MIN_ROWS) if w.dtype.itemsize < 4 else n
+    fast = fast_rows(least, k, w.dtype)
+    if fast == least:
+        return _padded_dot(rows, w, least - n)
+    return jax.lax.platform_dependent(rows, w, cpu=functools.partial(_padded_dot, pad=fast - n),
+                                      default=functools.partial(_padded_dot, pad=least - n))
 
 
 def _padded_dot(rows: jax.Array, w: jax.Array, pad: int) -> jax.Array:

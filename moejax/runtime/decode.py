@@ -553,13 +553,12 @@ def generate(params, cfg: ModelConfig, prompt_ids, *, max_new_tokens: int, sampl
     # the prompt stays a host array, cut into pieces on the host: slicing a device array (and any other eager op
     # whose shape is the prompt's length) compiled a small program for every new prompt length, ~10 ms each,
     # after the server's warm-up had compiled everything its requests run
-    tokens_in = prompt
     seen = seen_tokens(sampling, cfg.vocab_size, prompt)
     run_pieces, kv_s, rs_s = [], kv, router_state
     weights_signature = _signature(params)
     for n, a in zip(pieces, starts):  # each piece sees the states the one before leaves
         # lowered from shapes alone, so a piece size compiles once whether it comes first or later
-        args = _shapes(dict(tokens=tokens_in[a:a + n], kv=kv_s, key=key, router_state=rs_s, pos0=jnp.int32(a),
+        args = _shapes(dict(tokens=prompt[a:a + n], kv=kv_s, key=key, router_state=rs_s, pos0=jnp.int32(a),
                             seen=seen, sampling=sampling))
         run, (first_s, kv_s, key_s, rs_s, _, _) = compiled_program(prefill, params, args, statics, weights_signature)
         run_pieces.append(run)
@@ -576,7 +575,7 @@ def generate(params, cfg: ModelConfig, prompt_ids, *, max_new_tokens: int, sampl
     t0 = time.perf_counter()
     piece_records = []
     for run, n, a in zip(run_pieces, pieces, starts):  # every piece gets the same key: one split, as unpieced
-        first, kv, key_after, router_state, rec, finite = run(params, tokens=tokens_in[a:a + n], kv=kv, key=key,
+        first, kv, key_after, router_state, rec, finite = run(params, tokens=prompt[a:a + n], kv=kv, key=key,
                                                               router_state=router_state, pos0=jnp.int32(a),
                                                               seen=seen, sampling=sampling)
         piece_records.append(rec)
