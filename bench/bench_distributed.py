@@ -23,6 +23,10 @@ import os
 import subprocess
 import sys
 
+# the tree this script is in, last: the results are written with moejax's atomic writer at the end, and a moejax that
+# only the workers' working directory provides would lose them
+sys.path.append(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
 WORKER = r"""
 import json, sys, time
 import jax, jax.numpy as jnp

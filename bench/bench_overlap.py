@@ -18,7 +18,6 @@ compiles and checks that both settings give the same tokens (exit status 1 if no
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
