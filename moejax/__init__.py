@@ -9,10 +9,10 @@ from moejax.models.checkpoint import CheckpointError
 from moejax.models.config import SUPPORTED_MODEL_TYPES, ModelConfig, UnsupportedModelError
 from moejax.experts import prior, routing
 from moejax.runtime import offload, simulate
-from moejax.runtime.api import Model, Output, load
+from moejax.runtime.api import Model, ModelTooLargeError, Output, load
 
 __version__ = "0.1.0"
 # the modules a user's calls take their arguments from: ``from moejax import routing, simulate`` (policies,
 # CacheConfig), ``offload`` (OffloadConfig), ``prior`` (load_prior)
 __all__ = ["load", "Model", "Output", "ModelConfig", "SUPPORTED_MODEL_TYPES", "CheckpointError",
-           "UnsupportedModelError", "routing", "simulate", "offload", "prior", "__version__"]
+           "UnsupportedModelError", "ModelTooLargeError", "routing", "simulate", "offload", "prior", "__version__"]

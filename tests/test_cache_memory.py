@@ -10,6 +10,7 @@ import pytest
 
 import moejax
 from moejax.base import memory
+from moejax.models import checkpoint, weights
 from moejax.runtime import api, generate, offload
 from moejax.runtime.simulate import CacheConfig
 
@@ -97,7 +98,7 @@ def _on_host(monkeypatch):
 def _free(monkeypatch, nbytes, where="the memory cgroup /x (limit 1.0 GiB)"):
     """The host's free memory is ``nbytes`` (and the plan's device is the host)."""
     _on_host(monkeypatch)
-    monkeypatch.setattr(api.host_memory, "headroom", lambda: (nbytes, where))
+    monkeypatch.setattr(api.host_memory, "headroom", lambda swap=False: (nbytes, where))
 
 
 def test_auto_takes_the_most_slots_the_free_memory_holds(monkeypatch):
@@ -115,12 +116,13 @@ def test_auto_takes_the_most_slots_the_free_memory_holds(monkeypatch):
     assert m.resolve_cache(CacheConfig(size="auto")).size == str(m.cfg.n_experts)  # everything fits: all N
     glob = m.resolve_cache(CacheConfig(size="auto", scope="global"))
     assert glob.size == str(m.cfg.n_experts * m.cfg.n_moe_layers)
+    in_memory = moejax.load(get_hf_model("qwen2_moe").folder)  # before the memory left is made too small for it
     _free(monkeypatch, plan["fixed"] + plan["slot_set"])  # one slot per layer: fewer than K = 2
     with pytest.raises(ValueError, match=r"the memory cgroup /x .* leaves .* slots for K=2 experts per layer need"):
         m.resolve_cache(CacheConfig(size="auto"), tokens=64)
     with pytest.raises(ValueError, match="sizes the device slots of an offloaded model"):
-        moejax.load(get_hf_model("qwen2_moe").folder).resolve_cache(CacheConfig(size="auto"))
-    monkeypatch.setattr(api.host_memory, "headroom", lambda: None)
+        in_memory.resolve_cache(CacheConfig(size="auto"))
+    monkeypatch.setattr(api.host_memory, "headroom", lambda swap=False: None)
     with pytest.raises(ValueError, match="does not say"):
         m.resolve_cache(CacheConfig(size="auto"))
     assert m.resolve_cache(CacheConfig(size="8")).size == "8"  # unknown free memory: no check
@@ -179,7 +181,7 @@ def test_on_an_accelerator_the_free_memory_is_the_allocators(monkeypatch):
     m = _offloaded("host")
     monkeypatch.setattr(api.offload_lib, "reserve_bytes", lambda positions, hidden_size, runtime=True: 0)  # tiny experts
     plan_cpu = m.memory_plan(CacheConfig(), None, 64)
-    monkeypatch.setattr(api.host_memory, "headroom", lambda: pytest.fail("the host's memory was read"))
+    monkeypatch.setattr(api.host_memory, "headroom", lambda swap=False: pytest.fail("the host's memory was read"))
     gib = 1 << 30
     used = 3 * gib
     free = plan_cpu["kv_cache"] + plan_cpu["staging"] + plan_cpu["reserve"] + 5 * plan_cpu["slot_set"] + 7
@@ -218,9 +220,14 @@ def test_generate_command_takes_auto(monkeypatch, capsys):
     assert cache["cache_size"] == "auto" and cache["capacity"] >= 1
     assert generate.main(base + ["--cache-size", "auto"]) != 0
     assert "offloaded model" in capsys.readouterr().err
-    _free(monkeypatch, 0)
+    rest, largest = weights.placed_nbytes(checkpoint.open_params(api.resolve_model_path("default"))[0], "lazy",
+                                          "serving")
+    _free(monkeypatch, rest + largest)  # the other weights fit, the slots do not
     assert generate.main(base + ["--offload", "--cache-size", "4"]) != 0
     assert "cache size '4' needs" in capsys.readouterr().err
+    _free(monkeypatch, 0)  # not even the other weights: refused at load, before a byte is read
+    assert generate.main(base + ["--offload", "--cache-size", "4"]) == 1
+    assert "the weights other than the routed experts need" in capsys.readouterr().err
 
 
 # ------------------------------------------------------------------ memory limits (moejax.base.memory)
@@ -256,12 +263,22 @@ def test_cgroup_headrooms_read_every_limiting_ancestor_v1_and_v2(tmp_path):
 def test_headroom_is_the_tightest_limit(monkeypatch, tmp_path):
     _write(tmp_path / "meminfo", "MemTotal: 100 kB\nMemAvailable:    2048 kB\n")
     assert memory.meminfo_available(str(tmp_path / "meminfo")) == 2048 * 1024
+    _write(tmp_path / "swap", "MemAvailable:    2048 kB\nSwapTotal: 9000 kB\nSwapFree:  1024 kB\n")
+    assert memory.meminfo_available(str(tmp_path / "swap"), key="SwapFree") == 1024 * 1024
     monkeypatch.setattr(memory, "meminfo_available", lambda: 5 << 30)
     monkeypatch.setattr(memory, "cgroup_headrooms", lambda: [("/cg/a", 12 << 30, 3 << 30), ("/cg", 16 << 30, 4 << 30)])
     assert memory.headroom() == (3 << 30, "the memory cgroup /cg/a (limit 12.0 GiB)")
     monkeypatch.setattr(memory, "cgroup_headrooms", lambda: [])
     assert memory.headroom() == (5 << 30, "the machine's available memory")
-    monkeypatch.setattr(memory, "meminfo_available", lambda: None)
+    # what a load may hold without being killed counts free swap; a plan for speed does not
+    monkeypatch.setattr(memory, "meminfo_available", lambda key="MemAvailable": {"MemAvailable": 5 << 30,
+                                                                                 "SwapFree": 2 << 30}[key])
+    assert memory.headroom() == (5 << 30, "the machine's available memory")
+    assert memory.headroom(swap=True) == (7 << 30, "the machine's available memory, free swap included")
+    monkeypatch.setattr(memory, "cgroup_headrooms", lambda: [("/cg/a", 12 << 30, 3 << 30)])
+    assert memory.headroom(swap=True) == (3 << 30, "the memory cgroup /cg/a (limit 12.0 GiB)")
+    monkeypatch.setattr(memory, "cgroup_headrooms", lambda: [])
+    monkeypatch.setattr(memory, "meminfo_available", lambda key="MemAvailable": None)
     assert memory.headroom() is None
     assert [memory.format_bytes(n) for n in (512, 3400, 12_600_000, 1_250_000_000)] == [
         "512 B", "3.4 kB", "12.6 MB", "1.25 GB"]

@@ -293,3 +293,49 @@ def test_cascade_and_in_jit_paging_with_experts_left_in_the_files(how):
     got = moejax.load("default", offload=load).generate(PROMPT, max_new_tokens=4, stop_at_eos=False, cache=cache,
                                                         routing="original")
     assert got.token_ids == ref.token_ids
+
+
+def _device_bytes(params) -> int:
+    return sum(a.nbytes for a in jax.tree.leaves(params) if isinstance(a, jax.Array))
+
+
+@pytest.mark.parametrize("preset", ["qwen1.5-moe-a2.7b", "deepseek-v2-lite", "phi-3.5-moe"])
+def test_the_bytes_a_load_is_checked_for_are_the_bytes_it_places(preset, tiny):
+    """``placed_nbytes`` (what ``moejax.load`` compares with the free memory before reading) equals what
+    ``place`` then holds, for every placement, layout and int8 setting; with a tied embedding too."""
+    extra = {"tie_word_embeddings": True} if preset == "qwen1.5-moe-a2.7b" else {}
+    folder = tiny(preset, **extra)
+    int8 = layout.Quantization(experts=True, matrices=True)
+    for experts, arrangement, q in [("device", "canonical", None), ("device", "serving", None),
+                                    ("lazy", "serving", None), ("device", "serving", layout.Quantization(experts=True)),
+                                    ("device", "serving", int8), ("lazy", "serving", int8)]:
+        tree, _ = checkpoint.open_params(folder)
+        expected, largest = weights.placed_nbytes(tree, experts, arrangement, q)
+        placed = weights.place(tree, experts, arrangement, q)
+        assert _device_bytes(placed) == expected, (experts, arrangement, q)
+        assert 0 < largest < expected
+
+
+def test_a_model_larger_than_the_memory_left_is_refused_before_a_byte_is_read(tiny, monkeypatch, capsys):
+    from moejax.runtime import api
+    folder = tiny("qwen3-30b-a3b")
+    tree, _ = checkpoint.open_params(folder)
+    whole, whole_largest = weights.placed_nbytes(tree, "device", "serving")
+    rest, rest_largest = weights.placed_nbytes(tree, "lazy", "serving")
+    placed = []
+    monkeypatch.setattr(weights, "place", lambda *a, **k: placed.append(a) or pytest.fail("placed"))
+    monkeypatch.setattr(api, "device_headroom", lambda swap=False: (whole + whole_largest - 1, "the test's memory"))
+    with pytest.raises(moejax.ModelTooLargeError, match=r"the model's weights need .* the test's memory leaves "
+                                                     r".*--offload.*the rest needs"):
+        moejax.load(folder)
+    assert generate.main(["--model", folder, "--prompt-ids", "1,2", "--max-new-tokens", "2"]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and "--offload" in err and "Traceback" not in err
+    # offloaded, only the other weights count; when even they do not fit, that is said too
+    monkeypatch.setattr(api, "device_headroom", lambda swap=False: (rest + rest_largest - 1, "the test's memory"))
+    with pytest.raises(api.ModelTooLargeError, match=r"the weights other than the routed experts need"):
+        moejax.load(folder, offload="flash")
+    assert not placed
+    monkeypatch.undo()
+    monkeypatch.setattr(api, "device_headroom", lambda swap=False: (whole + whole_largest, "the test's memory"))
+    assert moejax.load(folder).cfg.n_experts == 8  # exactly enough loads

@@ -45,10 +45,10 @@ def _stat(path: str) -> dict[str, int]:
     return out
 
 
-def meminfo_available(path: str = "/proc/meminfo") -> int | None:
-    """``MemAvailable`` in bytes, or None."""
+def meminfo_available(path: str = "/proc/meminfo", key: str = "MemAvailable") -> int | None:
+    """``MemAvailable`` (or another ``key`` of ``/proc/meminfo``, e.g. ``SwapFree``) in bytes, or None."""
     for line in (_read(path) or "").splitlines():
-        if line.startswith("MemAvailable:"):
+        if line.startswith(key + ":"):
             parts = line.split()
             if len(parts) >= 2 and parts[1].isdigit():
                 return int(parts[1]) * 1024
@@ -96,14 +96,18 @@ def cgroup_headrooms(proc_cgroup: str = "/proc/self/cgroup", root: str = CGROUP_
     return out
 
 
-def headroom() -> tuple[int, str] | None:
+def headroom(swap: bool = False) -> tuple[int, str] | None:
     """The most host memory this process can still allocate — the smaller of the machine's available memory
-    and every limiting cgroup's headroom — and which limit that is, in words; None when neither is known."""
+    and every limiting cgroup's headroom — and which limit that is, in words; None when neither is known.
+    ``swap``: the machine's free swap counts too (what a process can hold without being killed, however slowly;
+    a plan for speed leaves it out)."""
     candidates = [(h, f"the memory cgroup {folder} (limit {limit / 2**30:.1f} GiB)")
                   for folder, limit, h in cgroup_headrooms()]
     machine = meminfo_available()
     if machine is not None:
-        candidates.append((machine, "the machine's available memory"))
+        swap_free = (meminfo_available(key="SwapFree") or 0) if swap else 0
+        candidates.append((machine + swap_free, "the machine's available memory" + (", free swap included"
+                                                                                     if swap_free else "")))
     if not candidates:
         return None
     free, where = min(candidates)

@@ -326,6 +326,62 @@ def place(tree, experts: str = "device", arrangement: str = "canonical",
     return layout.arrange(tree, read_out_in, arrange_experts, one, quantization)
 
 
+def placed_nbytes(tree, experts: str = "device", arrangement: str = "canonical",
+                  quantization: "layout.Quantization | None" = None) -> tuple[int, int]:
+    """What ``place(tree, experts, arrangement, quantization)`` will hold on the device, in bytes, and the most it
+    holds on the host at once while placing (one tensor's copy; the canonical layout reads an expert stack whole,
+    the serving layout one expert): enough to refuse a model that cannot fit before a byte is read. Leaves
+    already on a device count nothing; int8 matrices count one byte a weight and a float32 scale per row."""
+    q = quantization if arrangement == "serving" and quantization is not None else layout.Quantization()
+
+    def nbytes(x, int8: bool = False) -> int:
+        if isinstance(x, jax.Array) or not hasattr(x, "shape"):
+            return 0
+        n = int(np.prod(x.shape, dtype=np.int64))
+        if int8 and len(x.shape) >= 2:
+            return n + 4 * (n // max(int(x.shape[-2]), 1))  # canonical [.., in, out]: a scale per output row
+        return n * np.dtype(x.dtype).itemsize
+
+    total = largest = 0
+
+    def add(x, int8: bool = False, whole: bool = True) -> None:
+        nonlocal total, largest
+        for leaf in leaves(x):
+            b = nbytes(leaf, int8)
+            total += b
+            if isinstance(leaf, ExpertStack) and not whole:
+                b //= max(leaf.n_experts, 1)
+            largest = max(largest, b)
+
+    def matrices(p: dict, names) -> None:
+        for k, v in p.items():
+            add(v, q.matrices and k in names)
+
+    for lp in tree["layers"]:
+        for k, v in lp.items():
+            if k == "attn":
+                matrices(v, layout.ATTENTION_MATRICES)
+            elif k == "mlp":
+                matrices(v, layout.MLP_MATRICES)
+            elif k == "moe":
+                for mk, mv in v.items():
+                    if mk in layout.EXPERT_MATRICES:
+                        if experts == "device":
+                            add(mv, q.experts or isinstance(mv, QuantizedExpertStack), arrangement != "serving")
+                    elif mk == "shared":
+                        matrices(mv, layout.MLP_MATRICES)
+                    else:
+                        add(mv)
+            else:
+                add(v)
+    for k, v in tree.items():
+        if k != "layers":
+            add(v, q.matrices and k == "lm_head")
+    if q.matrices and "lm_head" not in tree:  # a tied head gets an int8 copy of the embedding, [V, D] + [V, 1]
+        total += int(np.prod(tree["embed"].shape, dtype=np.int64)) + 4 * int(tree["embed"].shape[0])
+    return total, largest
+
+
 def _sharded_stack(stack, mesh) -> jax.Array:
     """One expert stack ``[N, a, b]`` (lazy or an array) split along N over ``mesh``'s devices: each device's
     experts are read (from the files, for a lazy stack) straight into that device's shard."""

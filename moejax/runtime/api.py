@@ -15,6 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from moejax.base import distributed, memory as host_memory, seeds, textproc
+from moejax.base.errors import Failure
 from moejax.base.typecheck import is_integer, is_number
 from moejax.models import assets, checkpoint, gating, layout as layout_lib, weights
 from moejax.models import config as config_lib
@@ -274,18 +275,11 @@ class Model:
         if offload is None or not isinstance(cache, simulate.CacheConfig):
             raise TypeError("memory_plan(cache, offload) plans an offloaded run: cache must be a simulate.CacheConfig "
                             f"and offload an offload.OffloadConfig (or True), got cache={cache!r}, offload={offload!r}")
+        free = device_headroom()
+        if free is None:
+            return None
+        headroom, where = free
         device = distributed.local_device()
-        if device.platform == "cpu":
-            free = host_memory.headroom()
-            if free is None:
-                return None
-            headroom, where = free
-        else:
-            stats = device.memory_stats() or {}
-            if "bytes_limit" not in stats:
-                return None
-            headroom = int(stats["bytes_limit"]) - int(stats.get("bytes_in_use", 0))
-            where = f"{device.device_kind} memory ({int(stats['bytes_limit']) / 2**30:.1f} GiB)"
         slot = self.cached_expert_bytes(offload)
         positions = min(tokens or offload_lib.DEFAULT_FIT_POSITIONS, self.cfg.max_position_embeddings)
         kv = expert_store.tree_nbytes(jax.eval_shape(lambda: init_kv(self.cfg, positions, self.params["embed"].dtype)))
@@ -569,6 +563,58 @@ def offload_config(offload) -> "offload_lib.OffloadConfig | None":
 SHARDINGS = ("experts",)
 
 
+class ModelTooLargeError(Failure):
+    """The weights ``load`` would place do not fit in the memory the device has left."""
+
+
+def device_headroom(swap: bool = False) -> tuple[int, str] | None:
+    """What the device can still allocate, in bytes, and that limit in words; on the CPU the host's (machine and
+    cgroups; ``swap``: free swap counts, what a process can hold without being killed however slowly). None when
+    the device does not say."""
+    device = distributed.local_device()
+    if device.platform == "cpu":
+        return host_memory.headroom(swap=swap)
+    stats = device.memory_stats() or {}
+    if "bytes_limit" not in stats:
+        return None
+    return (int(stats["bytes_limit"]) - int(stats.get("bytes_in_use", 0)),
+            f"{device.device_kind} memory ({int(stats['bytes_limit']) / 2**30:.1f} GiB)")
+
+
+def check_fits_in_memory(tree, experts: str, layout: str, quantization, path: str) -> None:
+    """Refuse, before a byte is read, weights that cannot fit in what the device has left (a model larger than
+    memory, loaded without offload, was read until the kernel killed the process), naming what would fit."""
+    free = device_headroom(swap=True)
+    if free is None:
+        return
+    headroom, where = free
+    on_cpu = distributed.local_device().platform == "cpu"
+
+    def need(experts, quantization) -> int:
+        total, largest = weights.placed_nbytes(tree, experts, layout, quantization)
+        return total + (largest if on_cpu else 0)  # on the CPU a tensor's host copy sits beside the placed one
+
+    needed = need(experts, quantization)
+    if needed <= headroom:
+        return
+    gb = host_memory.format_bytes
+    offloaded = experts == "lazy"
+    int8 = layout_lib.Quantization(experts=True, matrices=True)
+    options = []
+    if not offloaded and need("lazy", quantization) <= headroom:
+        options.append(f"offload the routed experts (--offload; Python: moejax.load(path, offload=\"flash\")): they "
+                       f"stay in the checkpoint's files and a cache of them is paged in; the rest needs "
+                       f"{gb(need('lazy', quantization))}")
+    if layout == "serving" and quantization != int8 and need(experts, int8) <= headroom:
+        options.append(f"hold every matrix as int8 (--weight-dtype int8): {gb(need(experts, int8))}")
+    if not options and layout == "serving" and need("lazy", int8) <= headroom:
+        options.append(f"offload the routed experts and hold the other matrices as int8 (--offload --weight-dtype "
+                       f"int8): {gb(need('lazy', int8))}")
+    what = "the weights other than the routed experts" if offloaded else "the model's weights"
+    raise ModelTooLargeError(f"{path}: {what} need {gb(needed)} in memory, and {where} leaves {gb(headroom)}"
+                             + (": " + "; or ".join(options) if options else ": nothing moejax offers fits there"))
+
+
 def load(path: str, dtype=None, offload=None, layout: str = "serving", weight_dtype: str | None = None,
          expert_dtype: str | None = None, shard: str | None = None, devices: int | None = None) -> Model:
     """Load a moejax checkpoint folder, a Hugging Face folder (read in place), or ``"default"``.
@@ -626,8 +672,11 @@ def load(path: str, dtype=None, offload=None, layout: str = "serving", weight_dt
         raise ValueError(f"int8 weights (weight_dtype/expert_dtype) need layout='serving', got layout={layout!r}")
     if quantization is not None and quantization.experts and offload is not None:
         offload = dataclasses.replace(offload, slot_dtype="int8")  # the experts stay in the files; slots hold int8
-    params, cfg = checkpoint.load_params(path, dtype, "lazy" if offload is not None else "device", layout,
-                                         quantization, mesh)
+    tree, cfg = checkpoint.open_params(path, dtype)
+    experts = "lazy" if offload is not None else "device"
+    if mesh is None:  # spread over devices, each holds a part (forced CPU devices share one memory)
+        check_fits_in_memory(tree, experts, layout, quantization, path)
+    params = weights.place(tree, experts, layout, quantization, mesh)
     folder = os.path.abspath(os.path.expanduser(path))
     tokenizer = Tokenizer(folder) if os.path.isfile(os.path.join(folder, "tokenizer.json")) else None
     gen_path = os.path.join(folder, "generation_config.json")
