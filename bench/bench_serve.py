@@ -47,6 +47,9 @@ import urllib.request
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+# the tree this script is in, last: the results are written with moejax's atomic writer after every run, and a
+# moejax that only the runs' working directory provides would lose them all at the end
+sys.path.append(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from bench_teacher_forced import cpu_model  # noqa: E402  (stdlib + numpy at import time)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -37,6 +37,9 @@ import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
+# the tree this script is in, last: the results are written with moejax's atomic writer after every run, and a
+# moejax that only the runs' working directory provides would lose them all at the end
+sys.path.append(os.path.dirname(HERE))
 
 import memlimit  # noqa: E402
 
