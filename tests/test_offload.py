@@ -401,6 +401,7 @@ def test_emulated_bandwidth_slows_decoding_down():
         o = stats["offload"]
         assert 0 < o["sync_s"] < o["step_s"] <= stats["total_time_s"]
         assert 0 < o["page_s"] and o["sync_s"] + o["page_s"] <= o["step_s"]
+        assert o["setup_s"] > 0  # the store and zeroed slots, timed apart from compile and generation
     # a prompt fed token by token pages inside the steps too: every wait on the link is step time
     tok = m.generate(PROMPT, 3, cache=cc, offload=offload.OffloadConfig(bandwidth_gbps=0.002, prefill="token"),
                      stop_at_eos=False).stats["offload"]
@@ -429,7 +430,7 @@ def test_kept_slots_continue_the_cache_across_calls_without_paging_it_again():
     for prefill in ("token", "batched"):  # token: bytes are exactly the loads; batched: never more
         sim_state = m.router_state("cache-prior", cc)
         off_state = m.router_state("cache-prior", cc)
-        pagers = set()
+        pagers, setups = set(), []
         for prompt in (PROMPT, PROMPT[:3], PROMPT[2:]):
             before = simulate.summarize(off_state, m.params, m.cfg)["loads"]
             ref = m.generate(prompt, NEW, state=sim_state, stop_at_eos=False, bucketed=True)
@@ -444,7 +445,9 @@ def test_kept_slots_continue_the_cache_across_calls_without_paging_it_again():
             else:
                 assert o["bytes_moved"] <= loads * o["expert_bytes"] and o["bytes_moved"] % o["expert_bytes"] == 0
             pagers.add(id(m._stores[host_paging.KEPT_PAGER]))
+            setups.append(o["setup_s"])
         assert len(pagers) == 1  # one pager, its slots carried on
+        assert setups[0] > 0 and setups[1:] == [0.0, 0.0]  # its slots were made once, by the first call
     # a call that does not continue from it (a fresh state) pages from scratch and drops the kept pager
     m.generate(PROMPT, NEW, routing="cache-prior", cache=cc, offload=offload.OffloadConfig())
     assert host_paging.KEPT_PAGER not in m._stores

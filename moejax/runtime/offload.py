@@ -124,7 +124,7 @@ def check_cache(cfg: ModelConfig, capacity: int, eviction: str) -> None:
 # recombined from a summary (per decode token, achieved GB/s) are dropped, tokens/s and bytes/token recomputed.
 OFFLOAD_ADDITIVE = ("bytes_moved", "demand_loads", "prefetch_loads", "low_bit_loads", "transfer_s", "compute_wait_s",
                     "step_s", "sync_s", "page_s", "host_reads", "prefill_pages", "pages_in_place", "overlapped_steps",
-                    "bytes_moved_prefill", "storage_read_bytes_prefill")
+                    "setup_s", "bytes_moved_prefill", "storage_read_bytes_prefill")
 OFFLOAD_PER_CALL_RATES = ("bytes_per_token", "achieved_gbps", "tokens_per_s", "bytes_per_decode_token",
                           "storage_read_per_decode_token")
 
