@@ -258,7 +258,8 @@ def test_wide_models_page_into_blocked_slots_in_place_as_by_copy(which, tmp_path
 
 
 def test_wide_int8_slots_equal_the_int8_model_in_memory(tmp_path_factory):
-    """int8 slots in column blocks: pages quantised on the device (a float folder) and pages of an int8 folder
+    """int8 slots in column blocks: pages of a float folder quantised as they arrive (on the host, then cut into
+    the blocks, when written in place; by a program on the copy path: the same bits) and pages of an int8 folder
     read in place give the tokens of the same model loaded whole with int8 experts."""
     folder = _wide_folder("hidden", tmp_path_factory)
     cache = CacheConfig(size="2")
@@ -267,6 +268,11 @@ def test_wide_int8_slots_equal_the_int8_model_in_memory(tmp_path_factory):
                                                             stop_at_eos=False)
     m = moejax.load(folder, offload=offload.OffloadConfig(store="flash", slot_dtype="int8"))
     assert m.generate(prompt, 5, routing="cache-prior", cache=cache, stop_at_eos=False).token_ids == ref.token_ids
+    copied, in_place = (page_writes._generate(folder, pw, cache, prompt=prompt, new=5, expert_dtype="int8")
+                        for pw in ("copy", "auto"))
+    assert in_place[1].in_place and _has_blocked_slots(in_place[1]) and layout.is_int8(in_place[1].slots[0].down[0])
+    page_writes._assert_same(copied, in_place)
+    assert in_place[0].token_ids == ref.token_ids
     dst = str(tmp_path_factory.mktemp("int8") / "mj")
     checkpoint.convert_to_moejax(folder, dst, expert_dtype="int8")
     copied, in_place = (page_writes._generate(dst, pw, cache, prompt=prompt, new=5) for pw in ("copy", "auto"))

@@ -27,8 +27,8 @@ pytestmark = pytest.mark.skipif(jax.default_backend() != "cpu",
 PROMPT = np.arange(3, 40, dtype=np.int32)
 
 
-def _generate(folder: str, page_writes: str, cache: CacheConfig, prompt=PROMPT, new: int = 6):
-    m = moejax.load(folder, offload=offload.OffloadConfig(store="flash", page_writes=page_writes))
+def _generate(folder: str, page_writes: str, cache: CacheConfig, prompt=PROMPT, new: int = 6, **load_kw):
+    m = moejax.load(folder, offload=offload.OffloadConfig(store="flash", page_writes=page_writes), **load_kw)
     out = m.generate(prompt, new, routing="cache-prior", cache=cache, stop_at_eos=False, keep_slots=True)
     return out, m._stores[host_paging.KEPT_PAGER]
 
@@ -71,6 +71,23 @@ def test_int8_folder_pages_in_place_equal_copied_pages(tmp_path):
     cache = CacheConfig(size="0.5", prefetch=1.0)
     copied, in_place = _generate(dst, "copy", cache), _generate(dst, "auto", cache)
     assert in_place[1].in_place and layout.is_int8(in_place[1].slots[0].gate_up[0])
+    _assert_same(copied, in_place)
+
+
+@pytest.mark.parametrize("name,cache", [
+    ("qwen2_moe", CacheConfig(size="0.5", prefetch=1.0)),  # shared experts, batched prompt, prefetch in place
+    ("olmoe_clip", CacheConfig(size="0.3", scope="global")),  # one pool: pages evicted and quantised again
+])
+def test_int8_slots_of_a_16_bit_folder_quantise_pages_in_place_as_the_copy_path_does(name, cache):
+    """``expert_dtype="int8"`` with the experts in a 16-bit folder: every page is quantised as it arrives. In place
+    that is done on the host, into the slot's memory (``quant.quantize_rows_into``), on the copy path by a device
+    program; the slots must hold the same bits and the tokens, routing and bytes be the same."""
+    folder = get_hf_model(name).folder
+    copied, in_place = (_generate(folder, pw, cache, expert_dtype="int8") for pw in ("copy", "auto"))
+    assert not copied[1].in_place and in_place[1].in_place
+    slots = in_place[1].slots if in_place[1].global_scope else in_place[1].slots[0]
+    assert layout.is_int8(slots.gate_up[0])
+    assert copied[0].stats["offload"]["pages_in_place"] == 0 < in_place[0].stats["offload"]["pages_in_place"]
     _assert_same(copied, in_place)
 
 

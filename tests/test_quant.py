@@ -359,3 +359,26 @@ def test_a_nan_row_quantises_to_a_nan_scale(k):
     x = jnp.ones((2, k), jnp.float32).at[0, k - 1].set(jnp.nan)
     _, scale = jax.jit(layout.quantize_rows)(x)
     assert np.isnan(np.asarray(scale)[0, 0]) and np.isfinite(np.asarray(scale)[1, 0])
+
+
+@pytest.mark.numerics
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(rows=st.integers(1, 70), cols=st.integers(1, 40), seed=st.integers(0, 2**31 - 1),
+       magnitude=st.sampled_from([1e-30, 1e-3, 0.02, 1.0, 3e4]), dtype=st.sampled_from(["float32", "bfloat16"]),
+       zero_rows=st.integers(0, 3))
+def test_host_quantisation_gives_the_device_programs_bits(rows, cols, seed, magnitude, dtype, zero_rows):
+    """``quantize_rows_into`` (numpy, on the host: what an int8 slot's page is quantised with in place) is
+    ``layout.quantize_matrix`` bit for bit: values, scales, ties, all-zero rows, tiny and large magnitudes, both
+    ISAs (the numerics pass runs under AVX2 too). The wide case covers more rows than one host block."""
+    rng = np.random.default_rng(seed)
+    for shape in ((rows, cols), (rows + Q.ROWS_PER_CHUNK, 2048)):
+        w = (rng.standard_normal(shape) * magnitude).astype(jnp.dtype(dtype))
+        w[: min(zero_rows, shape[0])] = 0
+        w.flat[:: 7] = np.asarray(np.round(w.flat[:: 7].astype(np.float32) * 4) / 4, w.dtype)  # ties at .5 steps
+        q, scale = np.full(shape, 99, np.int8), np.full((shape[0], 1), -1, np.float32)
+        Q.quantize_rows_into(w, q, scale)
+        ref = layout.quantize_matrix(jnp.asarray(w))
+        np.testing.assert_array_equal(q, np.asarray(ref.q))
+        np.testing.assert_array_equal(scale, np.asarray(ref.scale))
+    with pytest.raises(ValueError, match="quantize_rows_into"):
+        Q.quantize_rows_into(w, q[:-1], scale)

@@ -202,7 +202,9 @@ class ExpertStore:
             return {k: stacks[k].read_stored(expert) for k in EXPERT_KEYS}
         if not self.reads_serving:
             raise ValueError("this store's files do not hold the experts in the serving layout")
-        if out is not None and any(isinstance(m, layout.ColumnBlocks) for m in out):  # blocked slots: cut here
+        blocked = out is not None and any(isinstance(m, layout.ColumnBlocks) for m in out)
+        quantising = out is not None and not self.int8 and layout.is_int8(out[0])
+        if blocked or quantising:  # blocked slots are cut here, int8 slots of a 16-bit store quantised here
             if self._scratch is None:  # one buffer kept for it (a new one page-faults in: ms per MB)
                 self._scratch = self.serving_buffers()
             _copy_page(out, self._read(moe_index, expert, serving, out=self._scratch))
@@ -238,8 +240,17 @@ class ExpertStore:
 
 
 def _copy_page(out: tuple, page: tuple) -> None:
-    """Copy a page read into buffers of its own (serving layout, host) into the slot views ``out``."""
+    """Copy a page read into buffers of its own (serving layout, host) into the slot views ``out``; a 16-bit
+    page into int8 slots is quantised on the way (``quant.quantize_rows_into``: the bits ``write_slot`` gives)."""
     for dst, src in zip(out, page):
+        if layout.is_int8(dst) and not isinstance(src, quant.QuantizedTensor):
+            if not isinstance(dst, layout.ColumnBlocks):
+                quant.quantize_rows_into(src, dst.q, dst.scale)
+                continue
+            q = quant.QuantizedTensor(q=np.empty(src.shape, np.int8), scale=np.empty((src.shape[0], 1), np.float32),
+                                      bits=8, group_size=None, axis=-1, dtype=np.dtype(src.dtype))
+            quant.quantize_rows_into(src, q.q, q.scale)
+            src = q
         if isinstance(dst, layout.ColumnBlocks):
             layout.copy_into_blocks(dst, src)
         else:
@@ -391,8 +402,11 @@ def write_slot(buf, data, s: int, flip: tuple[str, ...] = ()):
     ``ExpertList``, or written in place into stacked slots. ``data`` already in the serving layout, a
     ``(gate_up, down)`` pair on the device, becomes the slot's buffers as it is (no copy; the old ones are freed)."""
     if isinstance(data, tuple):  # already the serving layout (``ExpertStore.get(..., serving=True)``): swap it in
-        if not isinstance(buf, layout.ExpertList) or layout.is_int8(buf.gate_up[0]) != layout.is_int8(data[0]):
-            raise ValueError("a serving-layout page goes into serving-layout slots of its own dtype (int8 or not)")
+        if not isinstance(buf, layout.ExpertList) or (layout.is_int8(data[0]) and not layout.is_int8(buf.gate_up[0])):
+            raise ValueError("a serving-layout page goes into serving-layout slots of its own dtype, or a 16-bit "
+                             "one into int8 slots")
+        if layout.is_int8(buf.gate_up[0]) and not layout.is_int8(data[0]):  # quantised as it arrives
+            data = tuple(_quantized_out_in(m, True, np.dtype(buf.gate_up[0].dtype)) for m in data)
         return buf.replace(s, *_like_slot(buf.expert(s), tuple(data)))
     stored_int8 = all(layout.is_int8(data[k]) for k in EXPERT_KEYS)  # paged from an int8 folder: [out, in]
     if isinstance(buf, layout.ExpertList):

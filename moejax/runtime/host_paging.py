@@ -236,8 +236,10 @@ class HostPager:
         self.global_scope = cs.scope == "global"
         slots = init_slots(cfg, cs, self.dtype, int8=offload.slot_dtype == "int8")
         self.slots = fill_slots(self.committed(slots), self.store, cs)
-        # pages read from the files straight into the serving layout of slots of the stored dtype (no program)
-        self.serving_pages = self.store.reads_serving and self.store.int8 == (offload.slot_dtype == "int8")
+        # pages read from the files straight into the serving layout (no program): into slots of the stored dtype,
+        # or 16-bit pages into int8 slots, quantised on the way (on the host when written in place)
+        int8_slots = offload.slot_dtype == "int8"
+        self.serving_pages = self.store.reads_serving and (self.store.int8 == int8_slots or int8_slots)
         # ... and into the slots' own memory where that is host memory (CPU): the one copy a page needs
         self.in_place = (offload.page_writes == "auto" and self.serving_pages
                          and expert_store_lib.distinct_host_buffers(self.slots))
