@@ -636,7 +636,8 @@ def load(path: str, dtype=None, offload=None, layout: str = "serving", weight_dt
     requantising (and pages half the bytes from storage when offloading). Serving layout only;
     see ``moejax.models.layout`` for the scheme and its error bound. With ``offload`` the experts stay in the files
     and int8 experts mean int8 device slots (``offload.OffloadConfig.slot_dtype``): every page is quantised
-    on the device as it arrives, so the cache holds twice the experts in the same memory.
+    as it arrives (on the CPU on the host, into the slot's memory), so the cache holds twice the experts in the
+    same memory.
 
     ``shard="experts"``: for models larger than one device, each MoE layer's experts are split over the first
     ``devices`` devices (default all; N must divide evenly), every device reading only its own experts from
