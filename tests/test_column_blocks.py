@@ -284,7 +284,8 @@ def test_wide_int8_slots_equal_the_int8_model_in_memory(tmp_path_factory):
 
 def test_the_memory_plan_counts_the_page_buffer_of_blocked_slots(monkeypatch, tmp_path_factory):
     """Pages read in place into blocked slots pass through one page buffer the store keeps: a flash-store plan
-    for a wide model counts it in ``fixed`` (one slot's bytes); a narrow model's plan has none."""
+    for a wide model counts it in ``fixed`` (one slot's bytes); a narrow model's plan has none, unless its int8
+    slots take the pages of a 16-bit folder (quantised on the host from that buffer)."""
     from test_cache_memory import _on_host
 
     _on_host(monkeypatch)
@@ -294,3 +295,8 @@ def test_the_memory_plan_counts_the_page_buffer_of_blocked_slots(monkeypatch, tm
     assert plan["fixed"] == plan["kv_cache"] + plan["staging"] + plan["page_scratch"] + plan["reserve"]
     narrow = moejax.load(get_hf_model("qwen3_moe").folder, offload="flash")
     assert narrow.memory_plan(CacheConfig(), None, 64)["page_scratch"] == 0
+    # int8 slots of a float folder: every page passes through the buffer, in the stored dtype
+    int8_slots = moejax.load(get_hf_model("qwen3_moe").folder, offload="flash", expert_dtype="int8")
+    float_slot = narrow.cached_expert_bytes()
+    assert int8_slots.cached_expert_bytes() < float_slot
+    assert int8_slots.memory_plan(CacheConfig(), None, 64)["page_scratch"] == float_slot

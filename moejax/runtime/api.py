@@ -291,9 +291,15 @@ class Model:
         if (device.platform == "cpu" and offload.store == "host" and weights.has_lazy_experts(self.params)
                 and not self._stores):  # the host store will read every expert into this memory
             store = self.cfg.n_moe_layers * self.cfg.n_experts * simulate.expert_bytes(self.params, self.cfg)
-        # pages read in place into column-blocked slots pass through one page buffer the store keeps
-        scratch = slot if (device.platform == "cpu" and offload.store == "flash"
-                           and expert_store.blocked_slots(self.cfg)) else 0
+        # pages read in place into column-blocked slots, or into int8 slots from a 16-bit folder (quantised on the
+        # host), pass through one page buffer the store keeps, of the page's stored dtype
+        quantising = offload.slot_dtype == "int8" and not any(
+            weights.is_int8_stack(x) for x in weights.leaves(self.params))
+        scratch = 0
+        if device.platform == "cpu" and offload.store == "flash" and (expert_store.blocked_slots(self.cfg)
+                                                                      or quantising):
+            scratch = expert_store.slot_nbytes(self.cfg, self.params["embed"].dtype,
+                                               offload.slot_dtype == "int8" and not quantising)
         return {"headroom": headroom, "where": where, "kv_cache": kv, "staging": staging, "host_store": store,
                 "page_scratch": scratch, "logits": logits, "reserve": reserve, "prompt_reserve": prompt_reserve,
                 "fixed": kv + staging + store + scratch + logits + reserve,
