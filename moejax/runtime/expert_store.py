@@ -192,9 +192,7 @@ class ExpertStore:
         d, f = self.cfg.hidden_size, self.cfg.moe_intermediate_size
         if not self.int8:
             return np.empty((2 * f, d), self.dtype), np.empty((d, f), self.dtype)
-        return tuple(quant.QuantizedTensor(q=np.empty((rows, cols), np.int8), scale=np.empty((rows, 1), np.float32),
-                                           bits=8, group_size=None, axis=-1, dtype=np.dtype(self.dtype))
-                     for rows, cols in ((2 * f, d), (d, f)))
+        return _host_int8((2 * f, d), self.dtype), _host_int8((d, f), self.dtype)
 
     def _read(self, moe_index: int, expert: int, serving: bool = False, out: tuple | None = None):
         stacks = self._stacks[moe_index]
@@ -239,6 +237,12 @@ class ExpertStore:
         return self.expert_bytes if bits == 0 else self.low_bytes[bits]
 
 
+def _host_int8(shape: tuple[int, int], dtype) -> quant.QuantizedTensor:
+    """An empty host ``[rows, cols]`` int8 matrix with a float32 scale per row (``layout.quantize_matrix``'s form)."""
+    return quant.QuantizedTensor(q=np.empty(shape, np.int8), scale=np.empty((shape[0], 1), np.float32), bits=8,
+                                 group_size=None, axis=-1, dtype=np.dtype(dtype))
+
+
 def _copy_page(out: tuple, page: tuple) -> None:
     """Copy a page read into buffers of its own (serving layout, host) into the slot views ``out``; a 16-bit
     page into int8 slots is quantised on the way (``quant.quantize_rows_into``: the bits ``write_slot`` gives)."""
@@ -247,8 +251,7 @@ def _copy_page(out: tuple, page: tuple) -> None:
             if not isinstance(dst, layout.ColumnBlocks):
                 quant.quantize_rows_into(src, dst.q, dst.scale)
                 continue
-            q = quant.QuantizedTensor(q=np.empty(src.shape, np.int8), scale=np.empty((src.shape[0], 1), np.float32),
-                                      bits=8, group_size=None, axis=-1, dtype=np.dtype(src.dtype))
+            q = _host_int8(src.shape, src.dtype)
             quant.quantize_rows_into(src, q.q, q.scale)
             src = q
         if isinstance(dst, layout.ColumnBlocks):
