@@ -155,6 +155,9 @@ _YARN = dict(rope_type="yarn", rope_theta=10000.0, factor=4.0, mscale=1.0, mscal
              original_max_position_embeddings=64, beta_fast=32, beta_slow=1)
 
 
+_GRANITE = dict(embedding_multiplier=12.0, residual_multiplier=0.22, attention_multiplier=0.125, logits_scaling=6.0)
+
+
 @dataclasses.dataclass(frozen=True)
 class HFSpec:
     model_type: str
@@ -235,9 +238,28 @@ HF_CONFIGS: dict[str, HFSpec] = {
     "deepseek_v2_norm": HFSpec("deepseek_v2", _deepseek(norm_topk_prob=True, routed_scaling_factor=3.0,
                                                         num_experts_per_tok=3),
                                note="norm_topk_prob (HF 5.x ignores it: not comparable to HF as saved)"),
+    # ---------------------------------------------------------------- Granite MoE (multipliers unlike 1 and 1/sqrt(d))
+    # tied: with Granite's own ×12 embeddings a tiny random model's tied head repeats the last token (greedy tests
+    # need varied continuations), so this one multiplies by 0.5 and 2 instead
+    "granitemoe": HFSpec("granitemoe", _cfg(intermediate_size=16, num_local_experts=8, num_experts_per_tok=2,
+                                            **{**_GRANITE, "embedding_multiplier": 0.5, "residual_multiplier": 2.0},
+                                            tie_word_embeddings=True, initializer_range=0.2),
+                         note="embedding/residual/attention multipliers, logits_scaling, tied embeddings",
+                         router_scale=3.0),
+    "granitemoe_bias": HFSpec("granitemoe", _cfg(num_hidden_layers=3, intermediate_size=16, num_local_experts=16,
+                                                 num_experts_per_tok=4, attention_bias=True, **_GRANITE),
+                              note="attention_bias, top-4 of 16"),
+    "granitemoeshared": HFSpec("granitemoeshared", _cfg(intermediate_size=16, num_local_experts=8,
+                                                        num_experts_per_tok=2, shared_intermediate_size=24,
+                                                        **_GRANITE),
+                               note="shared MLP (fused input_linear)"),
+    "granitemoeshared_none": HFSpec("granitemoeshared", _cfg(intermediate_size=16, num_local_experts=8,
+                                                             num_experts_per_tok=3, shared_intermediate_size=0,
+                                                             **_GRANITE),
+                                    note="shared_intermediate_size 0 (no shared MLP), top-3"),
 }
 
-FAMILIES = ("mixtral", "phimoe", "qwen2_moe", "qwen3_moe", "olmoe", "deepseek_v2")
+FAMILIES = ("mixtral", "phimoe", "qwen2_moe", "qwen3_moe", "olmoe", "deepseek_v2", "granitemoe", "granitemoeshared")
 
 
 def _config_class(model_type: str):
@@ -247,6 +269,7 @@ def _config_class(model_type: str):
         "mixtral": transformers.MixtralConfig, "phimoe": transformers.PhimoeConfig,
         "qwen2_moe": transformers.Qwen2MoeConfig, "qwen3_moe": transformers.Qwen3MoeConfig,
         "olmoe": transformers.OlmoeConfig, "deepseek_v2": transformers.DeepseekV2Config,
+        "granitemoe": transformers.GraniteMoeConfig, "granitemoeshared": transformers.GraniteMoeSharedConfig,
     }[model_type]
 
 

@@ -41,11 +41,11 @@ PARITY = [n for n in HF_CONFIGS if n != "deepseek_v2_norm"]
 ONE_PER_FAMILY = list(FAMILIES)
 # the configs with the most options on: decode-loop tests run on these by default, on the rest with -m slow
 DECODE_FAST = ("mixtral_swa", "phimoe_longrope", "qwen2_moe_sparse_step", "qwen3_moe", "olmoe_clip",
-               "deepseek_v2_lite", "deepseek_v2_group", "deepseek_v2_freq2")
+               "deepseek_v2_lite", "deepseek_v2_group", "deepseek_v2_freq2", "granitemoeshared")
 DECODE = [n if n in DECODE_FAST else pytest.param(n, marks=pytest.mark.slow) for n in PARITY]
 # incremental == full: one config per family by default (greedy-vs-HF already decodes through the cache)
 INCR_FAST = ("mixtral_swa", "phimoe_longrope", "qwen2_moe_sparse_step", "qwen3_moe", "olmoe_clip",
-             "deepseek_v2_group")
+             "deepseek_v2_group", "granitemoeshared")
 INCREMENTAL = [n if n in INCR_FAST else pytest.param(n, marks=pytest.mark.slow) for n in PARITY]
 _jit_forward = jax.jit(model_forward, static_argnames=("cfg",))
 
@@ -160,6 +160,13 @@ def _drop_shared_gate(params, cfg):
     return params, cfg
 
 
+def _drop_shared(params, cfg):
+    params = jax.tree.map(lambda x: x, params)
+    for layer in params["layers"]:
+        layer.get("moe", {}).pop("shared", None)
+    return params, cfg
+
+
 def _replace_gating(**kw):
     return lambda params, cfg: (params, dataclasses.replace(cfg, gating=dataclasses.replace(cfg.gating, **kw)))
 
@@ -185,6 +192,11 @@ PERTURBATIONS = {
     "deepseek routed_scaling_factor": ("deepseek_v2_lite", 20, _replace_gating(scale=1.0)),
     "deepseek yarn mscale_all_dim": ("deepseek_v2_lite", 20, _replace(attn_scale=16**-0.5)),
     "deepseek group_limited_greedy": ("deepseek_v2_group", 20, _ungrouped),
+    "granite embedding_multiplier": ("granitemoe", 20, _replace(embedding_multiplier=1.0)),
+    "granite residual_multiplier": ("granitemoe", 20, _replace(residual_multiplier=1.0)),
+    "granite attention_multiplier": ("granitemoe", 20, _replace(attn_scale=8**-0.5)),
+    "granite logits_scaling": ("granitemoe", 20, _replace(logits_scaling=1.0)),
+    "granite shared MLP": ("granitemoeshared", 20, _drop_shared),
 }
 
 

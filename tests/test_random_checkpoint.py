@@ -34,6 +34,8 @@ TINY = {  # per preset: small dimensions that keep every structural option of th
                          "num_attention_heads": 4, "kv_lora_rank": 16, "qk_nope_head_dim": 16,
                          "qk_rope_head_dim": 8, "v_head_dim": 16, "n_routed_experts": 8,
                          "num_experts_per_tok": 2, "n_shared_experts": 1},
+    "granite-3.0-1b-a400m": {"hidden_size": 64, "intermediate_size": 32, "num_attention_heads": 4,
+                             "num_key_value_heads": 2, "num_local_experts": 8, "num_experts_per_tok": 2},
 }
 EXPECTED = {  # (model_type, layers, routed experts, top-k, hidden): the real models' shapes
     "mixtral-8x7b": ("mixtral", 32, 8, 2, 4096),
@@ -42,6 +44,8 @@ EXPECTED = {  # (model_type, layers, routed experts, top-k, hidden): the real mo
     "qwen3-30b-a3b": ("qwen3_moe", 48, 128, 8, 2048),
     "olmoe-1b-7b": ("olmoe", 16, 64, 8, 2048),
     "deepseek-v2-lite": ("deepseek_v2", 27, 64, 6, 2048),
+    "granite-3.0-1b-a400m": ("granitemoe", 24, 32, 8, 1024),
+    "granite-3.0-3b-a800m": ("granitemoe", 32, 40, 8, 1536),
 }
 
 
@@ -53,6 +57,9 @@ def test_every_preset_is_there_with_the_real_shapes():
             (model_type, layers, n, k, d), name
     olmoe = sum(int(np.prod(s)) for _, s, _ in rc.tensor_plan(rc.preset_config("olmoe-1b-7b")))
     assert 6.9e9 < olmoe < 6.95e9  # OLMoE-1B-7B: 6.92B parameters
+    granite = [sum(int(np.prod(s)) for _, s, _ in rc.tensor_plan(rc.preset_config(f"granite-3.0-{n}")))
+               for n in ("1b-a400m", "3b-a800m")]
+    assert 1.3e9 < granite[0] < 1.4e9 and 3.25e9 < granite[1] < 3.35e9  # Granite-3.0 1B-A400M and 3B-A800M
 
 
 @pytest.mark.parametrize("name", sorted(TINY))

@@ -51,7 +51,8 @@ def _reference_tree(folder: str, cfg) -> dict:
     tree: dict = {}
     stacks: dict = {}
     for e in hf_keys.entries(cfg):
-        value = tensors[e.hf_key].T if e.transpose else tensors[e.hf_key]
+        value = hf_keys.piece_of(tensors[e.hf_key], e)
+        value = value.T if e.transpose else value
         if e.expert is None:
             checkpoint._set(tree, e.path, value)
         else:
@@ -83,8 +84,8 @@ def _simulated(folder, cache, **kw):
 
 
 # CI time (issue 20): three families in the main suite (hub layout with and without shared experts, MLA),
-# all six with `pytest -m slow`
-CI_PRESETS = ("olmoe-1b-7b", "qwen1.5-moe-a2.7b", "deepseek-v2-lite")
+# and Granite (experts fused in the files); all with `pytest -m slow`
+CI_PRESETS = ("olmoe-1b-7b", "qwen1.5-moe-a2.7b", "deepseek-v2-lite", "granite-3.0-1b-a400m")
 
 
 @pytest.mark.parametrize("preset", [p if p in CI_PRESETS else pytest.param(p, marks=pytest.mark.slow)

@@ -349,21 +349,23 @@ def hf_tree(folder: str, cfg: ModelConfig) -> dict:
     used, missing = set(), []
     tree: dict = {}
     parts: dict[tuple, list] = {}
-    for e in hf_keys.entries(cfg):
-        if e.expert is not None and e.path[1] in fused:
+    for hf_key, pieces in hf_keys.by_tensor(hf_keys.entries(cfg)).items():
+        if pieces[0].expert is not None and pieces[0].path[1] in fused:
             continue
-        key = next((k for k in _hf_candidates(e.hf_key) if k in tensors), None)
+        key = next((k for k in _hf_candidates(hf_key) if k in tensors), None)
         if key is None:
-            missing.append(e.hf_key)
+            missing.append(hf_key)
             continue
         used.add(key)
-        _check_shape(key, tensors[key].shape(key), e.shape)
+        _check_shape(key, tensors[key].shape(key), hf_keys.tensor_shape(pieces, n))
         file = tensors[key]
         _check_float(file, key)
-        if e.expert is None:
-            _set(tree, e.path, weights.LazyTensor(file, file.get(key), e.transpose))
-        else:
-            parts.setdefault(e.path, [None] * n)[e.expert] = (file, file.get(key))
+        view = file.get(key)
+        for e in pieces:
+            if e.expert is None:
+                _set(tree, e.path, weights.LazyTensor(file, hf_keys.piece_of(view, e), e.transpose))
+            else:
+                parts.setdefault(e.path, [None] * n)[e.expert] = (file, hf_keys.piece_of(view, e))
     if missing:
         raise CheckpointError(f"{folder}: missing tensors: " + ", ".join(missing[:10])
                               + (f" ... ({len(missing)} in all)" if len(missing) > 10 else ""))
@@ -435,6 +437,13 @@ def _hf_value(params: dict, e: hf_keys.Entry) -> np.ndarray:
     return np.ascontiguousarray(value.T if e.transpose else value)
 
 
+def _hf_pieces(params: dict, pieces: list[hf_keys.Entry]):
+    """One HF tensor's bytes in file order, a matrix at a time: each expert's (fused) rows in turn."""
+    for expert in sorted({e.expert for e in pieces}, key=lambda x: -1 if x is None else x):
+        yield from (_hf_value(params, e) for e in sorted((p for p in pieces if p.expert == expert),
+                                                          key=lambda p: (p.rows or (0, 0))[0]))
+
+
 def save_hf(params: dict, cfg: ModelConfig, folder: str, *, tokenizer_from: str | None = None,
             overwrite: bool = False, max_shard_bytes: int = 4 << 30, protect: tuple[str, ...] = ()) -> str:
     """Write a Hugging Face folder (safetensors shards + index, config.json) that transformers loads,
@@ -442,10 +451,10 @@ def save_hf(params: dict, cfg: ModelConfig, folder: str, *, tokenizer_from: str 
     ``tokenizer_from``: a folder whose tokenizer and model card (``CARD_FILES``) come along."""
     params = layout.canonical_view(params)
     dtype = _leaf_dtype(params["embed"])
-    table = {e.hf_key: e for e in hf_keys.entries(cfg)}
-    specs = [(key, dtype, e.shape) for key, e in table.items()]
+    table = hf_keys.by_tensor(hf_keys.entries(cfg))
+    specs = [(key, dtype, hf_keys.tensor_shape(pieces, cfg.n_experts)) for key, pieces in table.items()]
     with atomic_folder(folder, overwrite, protect) as tmp:
-        write_sharded(tmp, "model", specs, lambda key: [_hf_value(params, table[key])], max_shard_bytes)
+        write_sharded(tmp, "model", specs, lambda key: _hf_pieces(params, table[key]), max_shard_bytes)
         hf = cfg.hf
         hf["torch_dtype"] = hf["dtype"] = str(dtype)
         atomic.write_json(os.path.join(tmp, "config.json"), hf)

@@ -18,7 +18,9 @@ from moejax.base.errors import Failure
 from moejax.base.typecheck import is_integer, is_number
 from moejax.models.gating import Gating, GroupLimited, SoftmaxTopK, SparseMixer
 
-SUPPORTED_MODEL_TYPES = ("mixtral", "phimoe", "qwen2_moe", "qwen3_moe", "olmoe", "deepseek_v2")
+SUPPORTED_MODEL_TYPES = ("mixtral", "phimoe", "qwen2_moe", "qwen3_moe", "olmoe", "deepseek_v2", "granitemoe",
+                         "granitemoeshared")
+GRANITE = ("granitemoe", "granitemoeshared")
 
 _DEFAULT_THETA = {"mixtral": 1e6, "phimoe": 1e6}
 
@@ -73,6 +75,11 @@ class ModelConfig:
     max_position_embeddings: int
     bos_token_id: int | None
     eos_token_ids: tuple[int, ...]
+    # Granite's multipliers (1 everywhere else): embeddings × embedding_multiplier, each block's output ×
+    # residual_multiplier before it joins the residual stream, logits ÷ logits_scaling
+    embedding_multiplier: float = 1.0
+    residual_multiplier: float = 1.0
+    logits_scaling: float = 1.0
     hf_json: str = dataclasses.field(repr=False, compare=False, default="{}")
 
     @property
@@ -198,7 +205,7 @@ def _rope_frequencies(rp: dict[str, Any], dim: int, max_pos: int) -> tuple[np.nd
 
 
 def _moe_layer_pattern(hf: dict[str, Any], mt: str, n_layers: int) -> tuple[bool, ...]:
-    if mt in ("mixtral", "phimoe", "olmoe"):
+    if mt in ("mixtral", "phimoe", "olmoe", *GRANITE):
         return (True,) * n_layers
     if mt in ("qwen2_moe", "qwen3_moe"):
         step = hf.get("decoder_sparse_step", 1) or 1
@@ -253,7 +260,7 @@ _POSITIVE_INT_KEYS = ("vocab_size", "hidden_size", "num_attention_heads", "num_h
                       "n_routed_experts", "num_experts_per_tok", "max_position_embeddings", "qk_nope_head_dim",
                       "qk_rope_head_dim", "v_head_dim", "kv_lora_rank")
 _NON_NEGATIVE_INT_KEYS = ("shared_expert_intermediate_size", "n_shared_experts", "first_k_dense_replace",
-                          "q_lora_rank", "decoder_sparse_step")
+                          "q_lora_rank", "decoder_sparse_step", "shared_intermediate_size")
 
 
 # switches read with ``bool()``: a string such as "false" would silently mean true
@@ -305,6 +312,16 @@ def _check_sizes(hf: dict[str, Any]) -> None:
             raise UnsupportedModelError(f"config.json: {k} = {v} is implausible (at most {limit}): a damaged config?")
 
 
+def _multiplier(hf: dict[str, Any], key: str) -> float:
+    """One of Granite's scale factors: a finite number > 0 (HF's default 1 where absent or null)."""
+    v = hf.get(key)
+    if v is None:
+        return 1.0
+    if not is_number(v) or not math.isfinite(v) or v <= 0:
+        raise UnsupportedModelError(f"config.json: {key} must be a finite number > 0, got {v!r}")
+    return float(v)
+
+
 def _first(hf: dict[str, Any], *keys: str) -> Any:
     """The first of several spellings HF has used for one field (transformers' attribute maps)."""
     for k in keys:
@@ -334,10 +351,12 @@ def _from_hf(hf: dict[str, Any], mt: str) -> ModelConfig:
         if rp["rope_type"] != "default" and rp.get("mscale_all_dim"):
             m = _yarn_mscale(rp["factor"], rp["mscale_all_dim"])
             attn_scale *= m * m
+    elif mt in GRANITE:
+        attn_scale = _multiplier(hf, "attention_multiplier")  # replaces 1/sqrt(head_dim); HF's default is 1
     else:
         attn_scale = head_dim**-0.5
 
-    if mt in ("mixtral", "phimoe"):
+    if mt in ("mixtral", "phimoe", *GRANITE):
         n_experts, top_k = hf["num_local_experts"], hf.get("num_experts_per_tok", 2)
         moe_ff = hf["intermediate_size"]
     elif mt == "deepseek_v2":
@@ -351,7 +370,7 @@ def _from_hf(hf: dict[str, Any], mt: str) -> ModelConfig:
         if top_k != 2:
             raise UnsupportedModelError(f"phimoe sparsemixer routing needs num_experts_per_tok=2, got {top_k}")
         gating: Gating = SparseMixer(n_experts, top_k, float(hf.get("router_jitter_noise", 0.01)))
-    elif mt == "mixtral":
+    elif mt in ("mixtral", *GRANITE):  # Granite: a softmax over the top-k logits, the same weights
         gating = SoftmaxTopK(n_experts, top_k, normalize=True)
     elif mt == "deepseek_v2":
         # reference DeepSeek-V2: renormalise (with +1e-20) when norm_topk_prob, else scale.
@@ -374,6 +393,8 @@ def _from_hf(hf: dict[str, Any], mt: str) -> ModelConfig:
         shared = hf.get("shared_expert_intermediate_size", 0) or 0
     elif mt == "deepseek_v2":
         shared = (hf.get("n_shared_experts") or 0) * moe_ff
+    elif mt == "granitemoeshared":
+        shared = hf.get("shared_intermediate_size", 0) or 0
 
     eos_ids = eos_token_ids_of(hf.get("eos_token_id"), "config.json")
     act = hf.get("hidden_act", "silu")
@@ -421,5 +442,8 @@ def _from_hf(hf: dict[str, Any], mt: str) -> ModelConfig:
         max_position_embeddings=max_pos,
         bos_token_id=hf.get("bos_token_id"),
         eos_token_ids=eos_ids,
+        embedding_multiplier=_multiplier(hf, "embedding_multiplier") if mt in GRANITE else 1.0,
+        residual_multiplier=_multiplier(hf, "residual_multiplier") if mt in GRANITE else 1.0,
+        logits_scaling=_multiplier(hf, "logits_scaling") if mt in GRANITE else 1.0,
         hf_json=json.dumps(hf, sort_keys=True),
     )

@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Iterator
 
-from moejax.models.config import ModelConfig
+from moejax.models.config import GRANITE, ModelConfig
 
 # hub names of the three expert projections, per family: (gate, up, down)
 _EXPERT_NAMES = {
@@ -29,10 +29,39 @@ class Entry:
     shape: tuple[int, ...]  # shape of the HF tensor
     transpose: bool = False  # Linear weight: HF [out, in] -> moejax [in, out]
     expert: int | None = None  # index in the stacked expert axis
+    # Granite fuses matrices in the file: ``rows`` is where this one sits in the HF tensor's rows (gate rows,
+    # then up rows of ``input_linear`` [2F, D]); ``stacked``: the HF tensor holds every expert, [N, rows, in]
+    rows: tuple[int, int] | None = None
+    stacked: bool = False
 
     @property
     def param_shape(self) -> tuple[int, ...]:
         return tuple(reversed(self.shape)) if self.transpose else self.shape
+
+
+def tensor_shape(pieces: list[Entry], n_experts: int) -> tuple[int, ...]:
+    """The shape of the HF tensor that ``pieces`` (the entries sharing one ``hf_key``) make up together."""
+    e = pieces[0]
+    if e.rows is None and not e.stacked:
+        return e.shape
+    rows = max(p.rows[1] for p in pieces) if e.rows is not None else e.shape[0]
+    return ((n_experts,) if e.stacked else ()) + (rows, *e.shape[1:])
+
+
+def by_tensor(table: list[Entry]) -> dict[str, list[Entry]]:
+    """The entries grouped by the HF tensor they live in (table order; one entry per tensor except where the
+    file fuses matrices)."""
+    out: dict[str, list[Entry]] = {}
+    for e in table:
+        out.setdefault(e.hf_key, []).append(e)
+    return out
+
+
+def piece_of(view, e: Entry):
+    """The part of HF tensor ``view`` (an array or a lazy view of one) that entry ``e`` describes."""
+    if e.stacked:
+        view = view[e.expert]
+    return view if e.rows is None else view[e.rows[0]:e.rows[1]]
 
 
 def _linear(key: str, path: tuple, n_in: int, n_out: int, bias: bool = False) -> Iterator[Entry]:
@@ -84,8 +113,30 @@ def _attention(cfg: ModelConfig, pre: str, path: tuple) -> Iterator[Entry]:
         yield Entry(f"{pre}.k_norm.weight", path + ("k_norm",), (Hk * hd,))
 
 
+def _fused_mlp(key: str, path: tuple, d: int, f: int, expert: int | None = None) -> Iterator[Entry]:
+    """Granite's MLP: ``input_linear`` [2F, D] (gate rows, then up rows) and ``output_linear`` [D, F]; per
+    expert of ``[N, ...]`` tensors when ``expert`` is given."""
+    stacked = expert is not None
+    yield Entry(f"{key}.input_linear.weight", path + ("gate",), (f, d), True, expert, (0, f), stacked)
+    yield Entry(f"{key}.input_linear.weight", path + ("up",), (f, d), True, expert, (f, 2 * f), stacked)
+    yield Entry(f"{key}.output_linear.weight", path + ("down",), (d, f), True, expert, None, stacked)
+
+
+def _granite_moe(cfg: ModelConfig, pre: str, path: tuple) -> Iterator[Entry]:
+    d, f = cfg.hidden_size, cfg.moe_intermediate_size
+    block = f"{pre}.block_sparse_moe"
+    yield from _linear(f"{block}.router.layer", path + ("router",), d, cfg.n_experts)
+    for e in range(cfg.n_experts):
+        yield from _fused_mlp(block, path, d, f, e)
+    if cfg.shared_intermediate_size:
+        yield from _fused_mlp(f"{pre}.shared_mlp", path + ("shared",), d, cfg.shared_intermediate_size)
+
+
 def _moe(cfg: ModelConfig, pre: str, path: tuple) -> Iterator[Entry]:
     d, f, mt = cfg.hidden_size, cfg.moe_intermediate_size, cfg.model_type
+    if mt in GRANITE:
+        yield from _granite_moe(cfg, pre, path)
+        return
     block = f"{pre}.{_MOE_PREFIX.get(mt, 'mlp')}"
     yield from _linear(f"{block}.gate", path + ("router",), d, cfg.n_experts)
     gate, up, down = _EXPERT_NAMES.get(mt, ("gate_proj", "up_proj", "down_proj"))

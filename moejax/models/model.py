@@ -830,6 +830,26 @@ def embed(params: Params, tokens: jax.Array) -> jax.Array:
     return table[tokens]
 
 
+def embed_scaled(params: Params, cfg: ModelConfig, tokens: jax.Array) -> jax.Array:
+    """The embeddings a model's first layer reads: ``embed`` × Granite's ``embedding_multiplier`` (in the
+    table's dtype, as HF multiplies)."""
+    x = embed(params, tokens)
+    return x if cfg.embedding_multiplier == 1.0 else x * cfg.embedding_multiplier
+
+
+def residual(cfg: ModelConfig, x: jax.Array, y: jax.Array) -> jax.Array:
+    """The residual stream after a block whose output is ``y``: x + y (Granite: x + y × residual_multiplier).
+    A multiplier of 1 adds nothing to the program, so the other families keep their bits."""
+    return x + (y if cfg.residual_multiplier == 1.0 else y * cfg.residual_multiplier)
+
+
+def output_logits(params: Params, cfg: ModelConfig, x: jax.Array) -> jax.Array:
+    """Float32 logits of the final-normed hidden states ``x``: the LM head (+ Phi-MoE's bias), ÷ Granite's
+    ``logits_scaling`` in the head's dtype (as HF divides)."""
+    logits = linear(x, lm_head(params, cfg), params.get("lm_head_bias"))
+    return (logits if cfg.logits_scaling == 1.0 else logits / cfg.logits_scaling).astype(jnp.float32)
+
+
 def lm_head(params: Params, cfg: ModelConfig):
     """The output projection: ``lm_head``, or the embedding (``[V, D]``, already ``[out, in]``) when tied
     (or its int8 copy, when the serving layout quantised the matrices)."""
@@ -887,7 +907,7 @@ def forward(
     T = tokens.shape[0]
     positions = jnp.asarray(pos0, jnp.int32) + jnp.arange(T, dtype=jnp.int32)
     cos, sin = rope_tables(cfg, positions)
-    x = embed(params, tokens)
+    x = embed_scaled(params, cfg, tokens)
     attend = mla_attention if cfg.mla else gqa_attention
     new_kv, zs, es, ws, recs = [], [], [], [], []
     moe_index = 0
@@ -900,7 +920,7 @@ def forward(
         a, layer_kv = attend(lp["attn"], cfg, i, norm(x, lp["attn_norm"], cfg), cos, sin, positions,
                              None if kv is None else kv[i], pos0)
         new_kv.append(layer_kv)
-        x = x + a
+        x = residual(cfg, x, a)
         h = norm(x, lp["mlp_norm"], cfg)
         if cfg.moe_layers[i]:
             p = lp["moe"]
@@ -922,9 +942,9 @@ def forward(
             moe_index += 1
         else:
             y = dense_mlp(lp["mlp"], cfg, h)
-        x = x + y
+        x = residual(cfg, x, y)
     x = norm(x[-1:] if last_logits_only else x, params["final_norm"], cfg)
-    logits = linear(x, lm_head(params, cfg), params.get("lm_head_bias")).astype(jnp.float32)
+    logits = output_logits(params, cfg, x)
     records = jax.tree.map(lambda *r: jnp.stack(r), *recs) if recs and recs[0] else {}
     return ForwardOutput(
         logits=logits,

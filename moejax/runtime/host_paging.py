@@ -137,22 +137,20 @@ def _low_bit_and_residual(p, cfg: ModelConfig, x, h, y, staging, experts, weight
     if "shared" in p:  # the gate is applied here also when the rest came early: XLA fuses the product into the
         # sum (one rounding, not two: seen on float32 Qwen2-MoE), so it must be in this program either way
         y = y + model_lib.combine_shared(*(model_lib.shared_expert_parts(p, cfg, h) if shared is None else shared))
-    return x + y
+    return model_lib.residual(cfg, x, y)
 
 
 @functools.partial(jax.jit, static_argnames=("cfg",))
 def _logits(params, cfg: ModelConfig, x):
     """Logits [T, V] (float32) of every row of hidden states x."""
-    x = model_lib.norm(x, params["final_norm"], cfg)
-    return model_lib.linear(x, model_lib.lm_head(params, cfg), params.get("lm_head_bias")).astype(jnp.float32)
+    return model_lib.output_logits(params, cfg, model_lib.norm(x, params["final_norm"], cfg))
 
 
 @functools.partial(jax.jit, static_argnames=("cfg",))
 def _head(params, cfg: ModelConfig, x, key, sampling, seen=None):
     """Sample the token after the last row of x (one split of the key, as ``decode.prefill``; ``seen``: the
     tokens so far, with a repetition penalty)."""
-    x = model_lib.norm(x[-1:], params["final_norm"], cfg)
-    logits = model_lib.linear(x, model_lib.lm_head(params, cfg), params.get("lm_head_bias")).astype(jnp.float32)
+    logits = model_lib.output_logits(params, cfg, model_lib.norm(x[-1:], params["final_norm"], cfg))
     key, sub = jax.random.split(key)
     return decode.sample(logits[0], sub, sampling, seen), logits[0], key
 
@@ -523,7 +521,7 @@ class HostPager:
         cfg = self.cfg
         pos = np.int32(pos)  # host values, not eager device ops: each of those is a dispatch of its own
         layer_records = []
-        x = prefill_paging.embed_tokens(self.params["embed"], np.asarray([token], np.int32))
+        x = prefill_paging.embed_tokens(self.params["embed"], self.cfg, np.asarray([token], np.int32))
         prediction = None
         pending = ([], 0.0, 0.0)  # prefetch batch for the next MoE layer: (issued, done, t_issue)
         moe_index = 0

@@ -138,14 +138,14 @@ def attention(lp, cfg: ModelConfig, layer: int, x, pos0, kv):
     positions, cos, sin = _rope(cfg, pos0, x.shape[0])
     attend = model_lib.mla_attention if cfg.mla else model_lib.gqa_attention
     a, kv = attend(lp["attn"], cfg, layer, model_lib.norm(x, lp["attn_norm"], cfg), cos, sin, positions, kv, pos0)
-    return x + a, kv
+    return model_lib.residual(cfg, x, a), kv
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "layer"), donate_argnames=("kv",))
 def dense_layer(lp, cfg: ModelConfig, layer: int, x, pos0, kv):
     """A dense (non-MoE) layer on x [T, D] at positions pos0.. (T = 1: a decode step)."""
     x, kv = attention(lp, cfg, layer, x, pos0, kv)
-    return x + model_lib.dense_mlp(lp["mlp"], cfg, model_lib.norm(x, lp["mlp_norm"], cfg)), kv
+    return model_lib.residual(cfg, x, model_lib.dense_mlp(lp["mlp"], cfg, model_lib.norm(x, lp["mlp_norm"], cfg))), kv
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "layer"), donate_argnames=("kv",))
@@ -184,7 +184,7 @@ def finish_layer(p, cfg: ModelConfig, x, h, rows, experts, weights):
     y = model_lib.combine_expert_rows(rows, experts, weights, h.dtype)
     if "shared" in p:
         y = y + model_lib.shared_experts(p, cfg, h)
-    return x + y
+    return model_lib.residual(cfg, x, y)
 
 
 @functools.partial(jax.jit, static_argnames=("n", "d"))
@@ -192,9 +192,9 @@ def zero_rows(n: int, d: int):
     return jnp.zeros((n, d), jnp.float32)
 
 
-@jax.jit
-def embed_tokens(table, tokens):
-    return table[tokens]
+@functools.partial(jax.jit, static_argnames=("cfg",))
+def embed_tokens(table, cfg: ModelConfig, tokens):
+    return model_lib.embed_scaled({"embed": table}, cfg, tokens)
 
 
 # ------------------------------------------------------------------------------------------ the driver
@@ -209,7 +209,7 @@ def run_piece(pager, tokens: np.ndarray, pos0: int, kv: list, record: list | Non
     T = int(tokens.size)
     block_rows = model_lib.grouped_block_rows(T, cfg.top_k, cfg.n_experts)  # the simulation's chunk size
     pos = jnp.int32(pos0)
-    x = embed_tokens(pager.params["embed"], jax.device_put(np.asarray(tokens, np.int32), pager.device))
+    x = embed_tokens(pager.params["embed"], cfg, jax.device_put(np.asarray(tokens, np.int32), pager.device))
     z_pred, blocks, moe_index = None, [], 0
     for i, lp in enumerate(pager.params["layers"]):
         program = pager.layer_program(i)
@@ -277,7 +277,7 @@ def compile_piece(pager, n_tokens: int, kv: list) -> None:
         return shaped(lowered.out_info)
 
     block_rows = model_lib.grouped_block_rows(n_tokens, cfg.top_k, cfg.n_experts)
-    x = compiled(embed_tokens, pager.params["embed"], shaped(jax.ShapeDtypeStruct((n_tokens,), jnp.int32)))
+    x = compiled(embed_tokens, pager.params["embed"], cfg, shaped(jax.ShapeDtypeStruct((n_tokens,), jnp.int32)))
     pos, state, z_pred, moe_index = jnp.int32(0), shaped(pager.state), None, 0
     rows = compiled(zero_rows, n=n_tokens * cfg.top_k, d=cfg.hidden_size)
     for i, lp in enumerate(pager.params["layers"]):

@@ -249,18 +249,17 @@ def _experts_and_residual(p, cfg: ModelConfig, x, h, experts, weights, tier, mis
     y = expert_output(p, cfg, h, experts, weights, tier, miss)
     if "shared" in p:
         y = y + model_lib.shared_experts(p, cfg, h)
-    return x + y
+    return model_lib.residual(cfg, x, y)
 
 
-@jax.jit
-def _embed(table, tokens):
-    return model_lib.embed({"embed": table}, tokens)
+@functools.partial(jax.jit, static_argnames=("cfg",))
+def _embed(table, cfg: ModelConfig, tokens):
+    return model_lib.embed_scaled({"embed": table}, cfg, tokens)
 
 
 @functools.partial(jax.jit, static_argnames=("cfg",))
 def _logits(head: dict, cfg: ModelConfig, x):
-    x = model_lib.norm(x, head["final_norm"], cfg)
-    return model_lib.linear(x, model_lib.lm_head(head, cfg), head.get("lm_head_bias")).astype(jnp.float32)
+    return model_lib.output_logits(head, cfg, model_lib.norm(x, head["final_norm"], cfg))
 
 
 def forward_routed_on_host(params, cfg: ModelConfig, tokens, router_state: dict,
@@ -284,7 +283,7 @@ def forward_routed_on_host(params, cfg: ModelConfig, tokens, router_state: dict,
     predict = bool(state["cache"].prefetcher.enabled)
     programs = prefill_paging.layer_programs(cfg)
     moe_ids = [i for i in range(cfg.num_layers) if cfg.moe_layers[i]]
-    x = _embed(params["embed"], jax.device_put(jnp.asarray(tokens, jnp.int32), device))
+    x = _embed(params["embed"], cfg, jax.device_put(jnp.asarray(tokens, jnp.int32), device))
     zs, es, ws, recs = [], [], [], []
     z_pred, moe_index = None, 0
     for i, lp in enumerate(params["layers"]):

@@ -117,10 +117,11 @@ def tensor_plan(config: dict) -> list[tuple[str, tuple[int, ...], str]]:
     zeros) or "random"; from moejax's key table, which is also what import checks against."""
     cfg = from_hf(config)
     plan = []
-    for e in hf_keys.entries(cfg):
+    for key, pieces in hf_keys.by_tensor(hf_keys.entries(cfg)).items():
+        e = pieces[0]
         norm = len(e.path) >= 2 and isinstance(e.path[-2], str) and "norm" in e.path[-2]
         kind = "scale" if e.path[-1] == "scale" else "shift" if norm and e.path[-1] == "bias" else "random"
-        plan.append((e.hf_key, tuple(e.shape), kind))
+        plan.append((key, tuple(hf_keys.tensor_shape(pieces, cfg.n_experts)), kind))
     return plan
 
 

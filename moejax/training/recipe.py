@@ -144,26 +144,29 @@ def sparse_batch_forward(params, cfg: ModelConfig, tokens: jax.Array, capacity_f
     positions = jnp.arange(T, dtype=jnp.int32)
     cos, sin = M.rope_tables(cfg, positions)
     x = params["embed"][tokens]  # [B, T, D]
+    x = x if cfg.embedding_multiplier == 1.0 else x * cfg.embedding_multiplier
     zs, es, drops = [], [], []
     fused = attention != "model"
     if fused and (cfg.mla or any(cfg.sliding_windows)):
         raise ValueError("batched attention supports full causal grouped-query attention only")
     for i, lp in enumerate(params["layers"]):
         if fused:
-            x = x + batched_attention(lp["attn"], cfg, M.norm(x, lp["attn_norm"], cfg), cos, sin,
-                                      None if attention == "auto" else attention)
+            x = M.residual(cfg, x, batched_attention(lp["attn"], cfg, M.norm(x, lp["attn_norm"], cfg), cos, sin,
+                                                     None if attention == "auto" else attention))
         else:
             attend = lambda h: M.gqa_attention(lp["attn"], cfg, i, h, cos, sin, positions, None, 0)[0]  # noqa: E731,B023
-            x = x + jax.vmap(attend)(M.norm(x, lp["attn_norm"], cfg))
+            x = M.residual(cfg, x, jax.vmap(attend)(M.norm(x, lp["attn_norm"], cfg)))
         h = M.norm(x, lp["mlp_norm"], cfg).reshape(S, -1)
         z = M.router_logits(lp["moe"], h)
         e, w = original_routing(cfg.gating, z)
         y, drop = M.capacity_experts(lp["moe"], cfg, h, e, w, capacity)
-        x = x + y.reshape(B, T, -1)
+        x = M.residual(cfg, x, y.reshape(B, T, -1))
         zs.append(z.reshape(B, T, -1)), es.append(e.reshape(B, T, -1)), drops.append(drop)
     x = M.norm(x, params["final_norm"], cfg)
     head = params["embed"].T if cfg.tie_word_embeddings else params["lm_head"]
-    return (x @ head).astype(jnp.float32), jnp.stack(zs), jnp.stack(es), jnp.stack(drops).mean()
+    logits = x @ head
+    logits = logits if cfg.logits_scaling == 1.0 else logits / cfg.logits_scaling
+    return logits.astype(jnp.float32), jnp.stack(zs), jnp.stack(es), jnp.stack(drops).mean()
 
 
 def loss_fn(params, cfg: ModelConfig, batch: jax.Array, aux_coef: float, capacity_factor: float = 0.0,
