@@ -302,7 +302,7 @@ def sweep_vmapped(model, chunks, policies, cache_cfg) -> list[tuple[float, float
     from moejax.evaluation import sweep
     from moejax.runtime import simulate
 
-    states = [simulate.init_router_state(model.cfg, p, cache_cfg) for p in policies]
+    states = [simulate.init_router_state(model.cfg, p, cache_cfg, model.selection_biases) for p in policies]
     stacked = jax.device_put(jax.tree.map(lambda *xs: jnp.stack(xs), *states), jax.devices()[0])
     nll_sum = np.zeros(len(policies))
     misses = np.zeros(len(policies))

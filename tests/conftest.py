@@ -148,6 +148,15 @@ def _deepseek(**kw) -> dict[str, Any]:
     return _cfg(**base)
 
 
+def _deepseek_v3(**kw) -> dict[str, Any]:
+    base = dict(num_hidden_layers=3, num_key_value_heads=4, intermediate_size=48, moe_intermediate_size=16,
+                kv_lora_rank=16, q_lora_rank=None, qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=8,
+                n_routed_experts=8, num_experts_per_tok=2, n_shared_experts=1, first_k_dense_replace=1,
+                n_group=4, topk_group=2, routed_scaling_factor=1.5, norm_topk_prob=True)
+    base.update(kw)
+    return _cfg(**base)
+
+
 _LONGROPE = dict(rope_type="longrope", rope_theta=10000.0, original_max_position_embeddings=16,
                  short_factor=[1.0, 1.1, 1.3, 1.6], long_factor=[1.0, 2.0, 4.0, 8.0],
                  short_mscale=1.15, long_mscale=1.4)
@@ -238,6 +247,14 @@ HF_CONFIGS: dict[str, HFSpec] = {
     "deepseek_v2_norm": HFSpec("deepseek_v2", _deepseek(norm_topk_prob=True, routed_scaling_factor=3.0,
                                                         num_experts_per_tok=3),
                                note="norm_topk_prob (HF 5.x ignores it: not comparable to HF as saved)"),
+    # ---------------------------------------------------------------- DeepSeek-V3 (selection biases set at random)
+    "deepseek_v3": HFSpec("deepseek_v3", _deepseek_v3(),
+                          note="noaux_tc: sigmoid + selection bias, 4 groups / top 2, interleaved rope"),
+    "deepseek_v3_flat": HFSpec("deepseek_v3", _deepseek_v3(q_lora_rank=24, n_routed_experts=16, num_experts_per_tok=4,
+                                                           n_group=1, topk_group=1, norm_topk_prob=False,
+                                                           routed_scaling_factor=2.5, rope_interleave=False,
+                                                           rope_parameters=_YARN, max_position_embeddings=256),
+                               note="one group, top-4 of 16 unnormalised x 2.5, q_lora_rank 24, rotate-half yarn"),
     # ---------------------------------------------------------------- Granite MoE (multipliers unlike 1 and 1/sqrt(d))
     # tied: with Granite's own ×12 embeddings a tiny random model's tied head repeats the last token (greedy tests
     # need varied continuations), so this one multiplies by 0.5 and 2 instead
@@ -259,7 +276,8 @@ HF_CONFIGS: dict[str, HFSpec] = {
                                     note="shared_intermediate_size 0 (no shared MLP), top-3"),
 }
 
-FAMILIES = ("mixtral", "phimoe", "qwen2_moe", "qwen3_moe", "olmoe", "deepseek_v2", "granitemoe", "granitemoeshared")
+FAMILIES = ("mixtral", "phimoe", "qwen2_moe", "qwen3_moe", "olmoe", "deepseek_v2", "deepseek_v3", "granitemoe",
+            "granitemoeshared")
 
 
 def _config_class(model_type: str):
@@ -269,6 +287,7 @@ def _config_class(model_type: str):
         "mixtral": transformers.MixtralConfig, "phimoe": transformers.PhimoeConfig,
         "qwen2_moe": transformers.Qwen2MoeConfig, "qwen3_moe": transformers.Qwen3MoeConfig,
         "olmoe": transformers.OlmoeConfig, "deepseek_v2": transformers.DeepseekV2Config,
+        "deepseek_v3": transformers.DeepseekV3Config,
         "granitemoe": transformers.GraniteMoeConfig, "granitemoeshared": transformers.GraniteMoeSharedConfig,
     }[model_type]
 
@@ -300,6 +319,8 @@ def build_hf_model(spec: HFSpec, seed: int = 0, router_scale: float | None = Non
         assert routers, f"no router modules found in {type(model).__name__}"
         for r in routers:
             r.weight.mul_(spec.router_scale if router_scale is None else router_scale)
+            if hasattr(r, "e_score_correction_bias"):  # a buffer, zero at init: a bias that changes choices
+                r.e_score_correction_bias.copy_(0.3 * torch.randn_like(r.e_score_correction_bias))
         # random init leaves some weights (norms, biases) at trivial values: perturb them so a mapping that
         # swaps or drops them cannot pass
         for name, p in model.named_parameters():

@@ -153,11 +153,11 @@ def test_dispatcher_picks_the_sparse_path_for_long_inputs_unless_n_is_at_most_2k
     assert not any(op in jaxpr(p, x, e, w) for op in loops)
 
 
-def _forced_router(cfg, path: str):
+def _forced_router(cfg, path: str, params):
     """The architecture's routing, with the routed experts computed by one given path in small blocks
     (the hook's ``compute`` attribute is the model's documented extension point): the canonical layout's
     sorted blocks, or the serving layout's grouped chunks."""
-    hook = original_router(cfg)
+    hook = original_router(cfg, M.selection_biases(params, cfg))
 
     def compute(moe_index, p, cfg, h, experts, weights, record, state):
         if path == "sorted":
@@ -175,6 +175,6 @@ def test_every_family_through_the_sparse_paths_matches_hf(name, path):
     params = layout.to_canonical(mj.params) if path == "sorted" else mj.params
     ids = np.random.default_rng(7).integers(3, VOCAB, size=24).astype(np.int32)
     ref = hf_forward(hm.model, ids)
-    run = jax.jit(lambda params, ids: model_forward(params, mj.cfg, ids, router=_forced_router(mj.cfg, path)).logits)
+    run = jax.jit(lambda params, ids: model_forward(params, mj.cfg, ids, router=_forced_router(mj.cfg, path, params)).logits)
     got = np.asarray(run(params, jnp.asarray(ids)))
     np.testing.assert_allclose(got, ref.logits, atol=1e-4, rtol=1e-4)

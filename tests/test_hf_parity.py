@@ -41,11 +41,11 @@ PARITY = [n for n in HF_CONFIGS if n != "deepseek_v2_norm"]
 ONE_PER_FAMILY = list(FAMILIES)
 # the configs with the most options on: decode-loop tests run on these by default, on the rest with -m slow
 DECODE_FAST = ("mixtral_swa", "phimoe_longrope", "qwen2_moe_sparse_step", "qwen3_moe", "olmoe_clip",
-               "deepseek_v2_lite", "deepseek_v2_group", "deepseek_v2_freq2", "granitemoeshared")
+               "deepseek_v2_lite", "deepseek_v2_group", "deepseek_v2_freq2", "deepseek_v3", "granitemoeshared")
 DECODE = [n if n in DECODE_FAST else pytest.param(n, marks=pytest.mark.slow) for n in PARITY]
 # incremental == full: one config per family by default (greedy-vs-HF already decodes through the cache)
 INCR_FAST = ("mixtral_swa", "phimoe_longrope", "qwen2_moe_sparse_step", "qwen3_moe", "olmoe_clip",
-             "deepseek_v2_group", "granitemoeshared")
+             "deepseek_v2_group", "deepseek_v3", "granitemoeshared")
 INCREMENTAL = [n if n in INCR_FAST else pytest.param(n, marks=pytest.mark.slow) for n in PARITY]
 _jit_forward = jax.jit(model_forward, static_argnames=("cfg",))
 
@@ -167,6 +167,14 @@ def _drop_shared(params, cfg):
     return params, cfg
 
 
+def _zero_selection_bias(params, cfg):
+    params = jax.tree.map(lambda x: x, params)
+    for layer in params["layers"]:
+        if "score_bias" in layer.get("moe", {}):
+            layer["moe"]["score_bias"] = jnp.zeros_like(layer["moe"]["score_bias"])
+    return params, cfg
+
+
 def _replace_gating(**kw):
     return lambda params, cfg: (params, dataclasses.replace(cfg, gating=dataclasses.replace(cfg.gating, **kw)))
 
@@ -192,6 +200,9 @@ PERTURBATIONS = {
     "deepseek routed_scaling_factor": ("deepseek_v2_lite", 20, _replace_gating(scale=1.0)),
     "deepseek yarn mscale_all_dim": ("deepseek_v2_lite", 20, _replace(attn_scale=16**-0.5)),
     "deepseek group_limited_greedy": ("deepseek_v2_group", 20, _ungrouped),
+    "deepseek_v3 selection bias": ("deepseek_v3", 20, _zero_selection_bias),
+    "deepseek_v3 groups (noaux_tc)": ("deepseek_v3", 20, _replace_gating(n_group=1, topk_group=1)),
+    "deepseek_v3 rotate-half rope": ("deepseek_v3_flat", 20, _replace(rope_interleaved=True)),
     "granite embedding_multiplier": ("granitemoe", 20, _replace(embedding_multiplier=1.0)),
     "granite residual_multiplier": ("granitemoe", 20, _replace(residual_multiplier=1.0)),
     "granite attention_multiplier": ("granitemoe", 20, _replace(attn_scale=8**-0.5)),

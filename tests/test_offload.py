@@ -464,3 +464,17 @@ def test_host_pager_compiles_each_stage_once_while_the_cache_fills():
     grown = host_paging._stage_a._cache_size() - before[0], host_paging._stage_b._cache_size() - before[1]
     assert grown[1] <= 1, grown  # one expert stage for this slot count (every MoE layer has the same structure)
     assert grown[0] <= 2, grown  # attention + router: with and without a prefetch prediction at most
+
+
+def test_deepseek_v3_selection_biases_route_every_offload_path_as_the_simulation():
+    """DeepSeek-V3's experts are chosen by score + a per-layer bias held in the routing state: host paging (the
+    batched prompt, prefetch of the next layer with its own bias, substitution by rank) and in-jit paging must
+    choose what the simulation chooses."""
+    m = _model("deepseek_v3")
+    assert m.selection_biases is not None and np.abs(m.selection_biases).max() > 0.1
+    for cc, paging in ((CacheConfig(size="5", prefetch=1.0, miss="substitute"), "host"),
+                       (CacheConfig(size="4", prefetch=1.0), "jit")):
+        ref, off = _both(m, cc, offload_cfg=offload.OffloadConfig(paging=paging))
+        assert off.token_ids == ref.token_ids, paging
+        for key in ("misses", "loads", "prefetch_loads", "substituted", "prefetch_precision", "bytes_moved"):
+            assert off.stats["cache"][key] == ref.stats["cache"][key], (paging, key)

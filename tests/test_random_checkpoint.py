@@ -34,6 +34,10 @@ TINY = {  # per preset: small dimensions that keep every structural option of th
                          "num_attention_heads": 4, "kv_lora_rank": 16, "qk_nope_head_dim": 16,
                          "qk_rope_head_dim": 8, "v_head_dim": 16, "n_routed_experts": 8,
                          "num_experts_per_tok": 2, "n_shared_experts": 1},
+    "moonlight-16b-a3b": {"hidden_size": 64, "intermediate_size": 64, "moe_intermediate_size": 32,
+                          "num_attention_heads": 4, "num_key_value_heads": 4, "kv_lora_rank": 16,
+                          "qk_nope_head_dim": 16, "qk_rope_head_dim": 8, "v_head_dim": 16, "n_routed_experts": 8,
+                          "num_experts_per_tok": 2},
     "granite-3.0-1b-a400m": {"hidden_size": 64, "intermediate_size": 32, "num_attention_heads": 4,
                              "num_key_value_heads": 2, "num_local_experts": 8, "num_experts_per_tok": 2},
 }
@@ -45,6 +49,8 @@ EXPECTED = {  # (model_type, layers, routed experts, top-k, hidden): the real mo
     "olmoe-1b-7b": ("olmoe", 16, 64, 8, 2048),
     "deepseek-v2-lite": ("deepseek_v2", 27, 64, 6, 2048),
     "granite-3.0-1b-a400m": ("granitemoe", 24, 32, 8, 1024),
+    "moonlight-16b-a3b": ("deepseek_v3", 27, 64, 6, 2048),
+    "deepseek-v3": ("deepseek_v3", 61, 256, 8, 7168),
     "granite-3.0-3b-a800m": ("granitemoe", 32, 40, 8, 1536),
 }
 
@@ -60,6 +66,9 @@ def test_every_preset_is_there_with_the_real_shapes():
     granite = [sum(int(np.prod(s)) for _, s, _ in rc.tensor_plan(rc.preset_config(f"granite-3.0-{n}")))
                for n in ("1b-a400m", "3b-a800m")]
     assert 1.3e9 < granite[0] < 1.4e9 and 3.25e9 < granite[1] < 3.35e9  # Granite-3.0 1B-A400M and 3B-A800M
+    deepseek = [sum(int(np.prod(s)) for _, s, _ in rc.tensor_plan(rc.preset_config(n)))
+                for n in ("moonlight-16b-a3b", "deepseek-v3")]
+    assert 15.9e9 < deepseek[0] < 16.0e9 and 671.0e9 < deepseek[1] < 671.1e9  # without DeepSeek-V3's MTP layer
 
 
 @pytest.mark.parametrize("name", sorted(TINY))

@@ -23,7 +23,8 @@ from moejax.experts import routing, trace as trace_lib
 from moejax.runtime import api, simulate
 from moejax.evaluation import perplexity
 
-FAMILIES = ["mixtral", "phimoe", "qwen2_moe", "qwen3_moe", "olmoe", "deepseek_v2_group", "granitemoeshared"]
+FAMILIES = ["mixtral", "phimoe", "qwen2_moe", "qwen3_moe", "olmoe", "deepseek_v2_group", "deepseek_v3",
+            "granitemoeshared"]
 POLICIES = [("original", {}), ("pruning", {"prune_h": 2}), ("max-rank", {"max_rank": 4}),
             ("cumsum", {"cumsum_p": 0.8}), ("cache-prior", {"lam": 0.6})]
 
@@ -32,9 +33,12 @@ def _tokens(n: int, seed: int = 0) -> np.ndarray:
     return np.random.RandomState(seed).randint(3, 96, size=n).astype(np.int32)
 
 
-# CI time (issue 20): two families in the main suite (softmax top-k and DeepSeek's group-limited gating),
-# every family with `pytest -m slow`
-@pytest.mark.parametrize("family", [f if f in ("qwen3_moe", "deepseek_v2_group") else pytest.param(f, marks=pytest.mark.slow)
+# CI time (issue 20): three families in the main suite (softmax top-k, DeepSeek-V2's group-limited gating and
+# DeepSeek-V3's biased sigmoid one), every family with `pytest -m slow`
+MAIN_SUITE = ("qwen3_moe", "deepseek_v2_group", "deepseek_v3")
+
+
+@pytest.mark.parametrize("family", [f if f in MAIN_SUITE else pytest.param(f, marks=pytest.mark.slow)
                                     for f in FAMILIES])
 def test_every_policy_runs_on_every_family_and_paths_agree(family):
     """Issue 3: every policy from the API on every architecture; layer-parallel == token-sequential."""
@@ -60,7 +64,7 @@ def test_every_policy_runs_on_every_family_and_paths_agree(family):
 
 
 @pytest.mark.numerics
-@pytest.mark.parametrize("family", ["qwen3_moe", "phimoe", "deepseek_v2_group"])
+@pytest.mark.parametrize("family", ["qwen3_moe", "phimoe", "deepseek_v2_group", "deepseek_v3"])
 def test_lambda_zero_is_bit_identical_to_plain_forward(family):
     m = get_moejax_model(family)
     toks = _tokens(20, 1)

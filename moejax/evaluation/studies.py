@@ -60,6 +60,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from moejax.base import atomic, compile_cache, distributed, errors, interrupts, paths, seeds
+from moejax.models import model as model_lib
 from moejax.models.gating import descending_order
 from moejax.experts import routing as routing_lib
 from moejax.runtime import api, cli_options, simulate
@@ -103,19 +104,21 @@ class RankHook:
         if self.mode not in ("drop", "random"):
             raise ValueError(f"RankHook mode must be 'drop' or 'random', got {self.mode!r}")
 
-    def init_state(self, rank: int) -> dict:
+    def init_state(self, rank: int, bias=None) -> dict:
+        """``bias``: the model's selection biases [L, N] (``model.selection_biases``; DeepSeek-V3), or None."""
         k = self.gating.top_k
         if not 1 <= int(rank) <= k:
             raise ValueError(f"rank k must be in 1..K={k}, got {rank}")
-        return {"pos": jnp.asarray(0, jnp.int32), "rank": jnp.asarray(rank, jnp.int32)}
+        state = {"pos": jnp.asarray(0, jnp.int32), "rank": jnp.asarray(rank, jnp.int32)}
+        return state if bias is None else {**state, "bias": jnp.asarray(bias, jnp.float32)}
 
-    def choose(self, moe_index: int, z: jax.Array, pos: jax.Array, rank: jax.Array):
+    def choose(self, moe_index: int, z: jax.Array, pos: jax.Array, rank: jax.Array, bias=None):
         """(experts [T, K] highest weight first, -1 = dropped; weights [T, K]) for logits z [T, N] at
-        token positions ``pos`` [T]."""
+        token positions ``pos`` [T] (``bias``: this layer's selection bias)."""
         g = self.gating
         t_len, n = z.shape
         k = g.top_k
-        ranking = g.ranking(z).astype(jnp.int32)  # [T, N]
+        ranking = g.ranking(z, bias).astype(jnp.int32)  # [T, N]
         chosen = ranking[:, :k]
         slot = jnp.arange(k, dtype=jnp.int32)[None, :]
         if self.mode == "drop":
@@ -139,7 +142,8 @@ class RankHook:
     def __call__(self, moe_index: int, z: jax.Array, state: dict):
         t_len = z.shape[0]
         pos = state["pos"] + jnp.arange(t_len, dtype=jnp.int32)
-        experts, weights = self.choose(moe_index, z, pos, state["rank"])
+        experts, weights = self.choose(moe_index, z, pos, state["rank"],
+                                       state["bias"][moe_index] if "bias" in state else None)
         if moe_index == self.n_layers - 1:
             state = {**state, "pos": state["pos"] + t_len}
         return experts, weights, state, {}
@@ -215,7 +219,9 @@ class Context:
     def hook_point(self, study: str, hook: RankHook | None, rank: int | None, extra: dict) -> sweep_points.Point:
         routing = sweep_points.routing_record("original", self.cfg.top_k, **extra)
         p = sweep_points.make_point(self.model, self.label, routing=routing, sweep=dict(extra), hook=hook,
-                                    hook_state=None if hook is None else hook.init_state(rank), **self._base(study))
+                                    hook_state=None if hook is None else hook.init_state(
+                                        rank, model_lib.selection_biases(self.model.params, self.cfg)),
+                                    **self._base(study))
         return p
 
     def runner(self, study: str) -> sweep.Runner:

@@ -34,7 +34,7 @@ import numpy as np
 
 from moejax.base import atomic, distributed, errors
 from moejax.models import gating
-from moejax.models.model import forward
+from moejax.models.model import forward, selection_biases
 from moejax.experts import trace as trace_lib
 from moejax.runtime import simulate
 from moejax.evaluation import perplexity, results as results_file, tasks
@@ -185,7 +185,8 @@ def _stack(trees: list):
 
 def _initial_state(model, point: Point) -> dict:
 
-    return simulate.init_router_state(model.cfg, point.policy, point.cache)
+    return simulate.init_router_state(model.cfg, point.policy, point.cache,
+                                      selection_biases(model.params, model.cfg))
 
 
 def run_forward_batch(model, chunks: list[np.ndarray], text: str, ids: np.ndarray, context: int,
@@ -259,7 +260,7 @@ def run_forward_single(model, chunks, text, ids, context, point: Point, keep_tra
     if keep_trace:
 
         tr = trace_lib.validate_trace(np.concatenate(acc.trace_e), np.concatenate(acc.trace_w).astype(np.float32),
-                                  None, cfg.n_experts, gating.spec(cfg.gating))
+                                  None, cfg.n_experts, gating.spec(cfg.gating), model.selection_biases)
     return res, tr
 
 
@@ -360,7 +361,7 @@ class Runner:
             res = results_file.as_json(res)
             if path:
                 atomic.write_json(path[:-4] + ".json", res, indent=None, sort_keys=False, make_parents=True)
-                trace_lib.save_trace(path, tr.experts, tr.weights, None, tr.n_experts, tr.gating)
+                trace_lib.save_trace(path, tr.experts, tr.weights, None, tr.n_experts, tr.gating, tr.score_bias)
         self._traces[k] = (tr, res)
         return tr, res
 

@@ -46,7 +46,7 @@ def choose(z: jax.Array, cache_mask: jax.Array, routing_state: RoutingState, pol
     # The policy picks a SET; weigh it in the original ranking's order, so order-dependent gatings
     # (sparsemixer's c1, c2) see the chosen experts exactly as the architecture would rank them.
     n = z.shape[-1]
-    original = gating.ranking(z).astype(jnp.int32)
+    original = gating.ranking(z, routing_lib.layer_bias(routing_state, layer)).astype(jnp.int32)
     original_pos = jnp.zeros((n,), jnp.int32).at[original].set(jnp.arange(n, dtype=jnp.int32))
     by_original = descending_order(-jnp.where(valid, original_pos[jnp.maximum(chosen, 0)], n))
     chosen, valid = chosen[by_original], valid[by_original]
@@ -56,10 +56,11 @@ def choose(z: jax.Array, cache_mask: jax.Array, routing_state: RoutingState, pol
     return chosen[order], weights[order], valid[order]
 
 
-def predicted_experts(z_pred: jax.Array, prefetcher: cache_lib.PrefetchConfig, gating: Any):
-    """The prefetcher's guess for one token: (ids [E] most likely first, valid [E])."""
+def predicted_experts(z_pred: jax.Array, prefetcher: cache_lib.PrefetchConfig, gating: Any, bias=None):
+    """The prefetcher's guess for one token: (ids [E] most likely first, valid [E]); ``bias``: the predicted
+    layer's selection bias."""
     n = z_pred.shape[-1]
-    ranking = gating.ranking(z_pred).astype(jnp.int32)
+    ranking = gating.ranking(z_pred, bias).astype(jnp.int32)
     count = prefetcher.count(gating.top_k, n)
     if prefetcher.percentile is not None:
         probs = gating.probs(z_pred).astype(jnp.float32)
@@ -69,7 +70,7 @@ def predicted_experts(z_pred: jax.Array, prefetcher: cache_lib.PrefetchConfig, g
 
 
 def handle_misses(z: jax.Array, experts: jax.Array, weights: jax.Array, valid: jax.Array, cache_mask: jax.Array,
-                  miss: cache_lib.MissConfig, gating: Any):
+                  miss: cache_lib.MissConfig, gating: Any, bias=None):
     """Apply the miss handling to the low-importance misses (positions >= ``miss.rank[0]`` not cached).
 
     Returns (experts, weights, valid, tier [K] (8/4 = served from that low-bit copy, else 0), counts)."""
@@ -88,7 +89,7 @@ def handle_misses(z: jax.Array, experts: jax.Array, weights: jax.Array, valid: j
         weights = jnp.where(kept, weights * scale, 0.0)
         return jnp.where(kept, experts, -1), weights, kept, tier, {"dropped": low.sum()}
     if miss.mode == "substitute":
-        original = gating.ranking(z).astype(jnp.int32)
+        original = gating.ranking(z, bias).astype(jnp.int32)
         rank_of = jnp.zeros((n,), jnp.int32).at[original].set(jnp.arange(n, dtype=jnp.int32))
         chosen = jnp.zeros((n + 1,), bool).at[jnp.where(valid, experts, n)].set(True)[:n]
         avail = cache_mask & ~chosen
@@ -105,10 +106,11 @@ def handle_misses(z: jax.Array, experts: jax.Array, weights: jax.Array, valid: j
     return experts, weights, valid, tier, {}
 
 
-def prefetch_step(cache_state: CacheState, layer, z_pred: jax.Array, gating: Any):
-    """Load the prefetcher's guess for ``layer`` (from its router on the previous layer's hidden state).
-    Returns (cache_state', prediction = (ids [E], valid [E])) for ``router_step(prediction=...)``."""
-    pred_ids, pred_valid = predicted_experts(z_pred, cache_state.prefetcher, gating)
+def prefetch_step(cache_state: CacheState, layer, z_pred: jax.Array, gating: Any, bias=None):
+    """Load the prefetcher's guess for ``layer`` (from its router on the previous layer's hidden state; ``bias``:
+    that layer's selection bias). Returns (cache_state', prediction = (ids [E], valid [E])) for
+    ``router_step(prediction=...)``."""
+    pred_ids, pred_valid = predicted_experts(z_pred, cache_state.prefetcher, gating, bias)
     cache_state, _ = cache_lib.prefetch(cache_state, layer, pred_ids, pred_valid)
     return cache_state, (pred_ids, pred_valid)
 
@@ -126,14 +128,16 @@ def router_step(z: jax.Array, cache_state: CacheState, routing_state: RoutingSta
     ``probs``: ``gating.probs(z)`` when the caller computed it for all its tokens at once (``route_tokens``):
     the weights are then bit-identical to the plain batched pass's."""
     routing_state = routing_lib.observe(routing_state, layer, z)
+    bias = routing_lib.layer_bias(routing_state, layer)
     if z_pred is not None and cache_state.prefetcher.enabled:
-        cache_state, prediction = prefetch_step(cache_state, layer, z_pred, gating)
+        cache_state, prediction = prefetch_step(cache_state, layer, z_pred, gating, bias)
     predicting = prediction is not None
     if predicting:
         pred_ids, pred_valid = prediction
     mask = cache_lib.resident_mask(cache_state, layer)
     experts, weights, valid = choose(z, mask, routing_state, policy, gating, layer, probs)
-    experts, weights, valid, tier, counts = handle_misses(z, experts, weights, valid, mask, cache_state.miss, gating)
+    experts, weights, valid, tier, counts = handle_misses(z, experts, weights, valid, mask, cache_state.miss, gating,
+                                                          bias)
     cache_state, hits = cache_lib.access(cache_state, layer, experts, weights, valid, tier=tier)
     if predicting:
         used = pred_valid & jnp.isin(pred_ids, jnp.where(valid, experts, -1))
@@ -225,6 +229,6 @@ def route_layers_parallel(z: jax.Array, cache_state: CacheState, routing_state: 
     return experts, weights, hits, cache_lib.merge_layers(cs), jax.tree.map(lambda a: a[:, 0], rs)
 
 
-def route_no_cache(z: jax.Array, gating: Any) -> tuple[jax.Array, jax.Array]:
+def route_no_cache(z: jax.Array, gating: Any, bias=None) -> tuple[jax.Array, jax.Array]:
     """Original routing with no cache at all: (experts [..., K] highest weight first, weights [..., K])."""
-    return original_routing(gating, z)
+    return original_routing(gating, z, bias)

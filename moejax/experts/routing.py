@@ -240,14 +240,27 @@ def split_policy_layers(policy: RoutingPolicy) -> dict:
 
 @flax.struct.dataclass
 class RoutingState:
-    """Per-layer running statistics of the router logits: ``delta_sum``/``delta_count`` are [L] float32."""
+    """Per-layer running statistics of the router logits: ``delta_sum``/``delta_count`` are [L] float32.
+    ``bias`` [L, N] float32: the model's selection biases (DeepSeek-V3, ``model.selection_biases``), which its
+    gating adds to the scores it chooses by; None for the other families. It lives here because this state is
+    what every routing path already slices per layer (one-row views, the vmap over layers)."""
 
     delta_sum: jax.Array
     delta_count: jax.Array
+    bias: jax.Array | None = None
 
 
-def init_routing_state(n_layers: int) -> RoutingState:
-    return RoutingState(jnp.zeros((n_layers,), jnp.float32), jnp.zeros((n_layers,), jnp.float32))
+def init_routing_state(n_layers: int, bias=None) -> RoutingState:
+    if bias is not None:
+        bias = jnp.asarray(bias, jnp.float32)
+        if bias.ndim != 2 or bias.shape[0] != n_layers:
+            raise ValueError(f"selection biases must be [{n_layers}, N] (one row per MoE layer), got {bias.shape}")
+    return RoutingState(jnp.zeros((n_layers,), jnp.float32), jnp.zeros((n_layers,), jnp.float32), bias)
+
+
+def layer_bias(state: RoutingState, layer) -> jax.Array | None:
+    """``layer``'s row of the selection biases (None without them)."""
+    return None if state.bias is None else state.bias[layer]
 
 
 def logit_range(z: jax.Array) -> jax.Array:
@@ -261,7 +274,7 @@ def logit_range(z: jax.Array) -> jax.Array:
 
 def observe(state: RoutingState, layer, z: jax.Array) -> RoutingState:
     """Fold one token's logit range into the running mean of ``layer``."""
-    return RoutingState(
+    return state.replace(
         delta_sum=state.delta_sum.at[layer].add(logit_range(z)),
         delta_count=state.delta_count.at[layer].add(1.0),
     )
@@ -314,7 +327,8 @@ def rerank(z: jax.Array, cache_mask: jax.Array, routing_state: RoutingState, pol
     n_valid int32): K for every kind but pruning, where it is h-1.
     """
     k = gating.top_k
-    ranking = gating.ranking(z).astype(jnp.int32)
+    bias = layer_bias(routing_state, layer)
+    ranking = gating.ranking(z, bias).astype(jnp.int32)
     n_valid = jnp.asarray(k, jnp.int32)
     if policy.kind == "original":
         return ranking, n_valid
@@ -332,11 +346,11 @@ def rerank(z: jax.Array, cache_mask: jax.Array, routing_state: RoutingState, pol
             fixed = fixed[layer]
         delta = jnp.where(fixed >= 0, fixed, running_delta(routing_state, layer))  # NaN >= 0 is False
         z_prior = cache_prior_logits(z, ranking, cache_mask, policy.lam, delta, policy.top_j)
-        return gating.ranking(z_prior).astype(jnp.int32), n_valid
+        return gating.ranking(z_prior, bias).astype(jnp.int32), n_valid
     if policy.kind == "learned-prior":
         # the prior has as many layer rows as the routing state: both are one-row views in the layer-parallel
         # router (``layer`` is then 0 and the rows are already the true layer's, see ``policy_row``)
         prior_lib.check_compatible(policy.prior, routing_state.delta_sum.shape[0], z.shape[-1])
         z_prior = prior_lib.biased_logits(policy.prior, layer, z, cache_mask)
-        return gating.ranking(z_prior).astype(jnp.int32), n_valid
+        return gating.ranking(z_prior, bias).astype(jnp.int32), n_valid
     raise ValueError(f"unknown routing kind {policy.kind!r}")

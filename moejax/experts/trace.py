@@ -8,7 +8,10 @@ Trace file (``.npz``, loaded with ``allow_pickle=False``):
   gating     str   []         optional: JSON of the gating that produced the trace, e.g.
                               {"kind": "softmax", "top_k": 2, "normalize": true, "scale": 1.0}
                               kinds: softmax | group-limited (+ n_group, topk_group) | sparsemixer
-                              (+ jitter_eps); n_experts defaults to the trace's N. CLI flags override it.
+                              (+ jitter_eps) | sigmoid-group-limited (DeepSeek-V3: + n_group, topk_group);
+                              n_experts defaults to the trace's N. CLI flags override it.
+  score_bias float [L, N]     optional: the model's selection biases (DeepSeek-V3's e_score_correction_bias),
+                              which its gating adds to the scores it chooses by; re-routing uses them
 
 Replay walks the trace in token-sequential order (token t: layers 0..L-1). Per-layer caches are independent
 across layers, so their replay is ``vmap`` over layers of a ``lax.scan`` over tokens; global caches are one
@@ -45,7 +48,7 @@ from moejax.models import gating as gating_lib
 from moejax.models.config import MAX_EXPERTS
 from moejax.experts import cache as cache_lib, prior as prior_lib, router as router_lib, routing as routing_lib
 
-TRACE_KEYS = ("experts", "weights", "logits", "n_experts", "gating")
+TRACE_KEYS = ("experts", "weights", "logits", "n_experts", "gating", "score_bias")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -55,6 +58,7 @@ class Trace:
     logits: np.ndarray | None  # [T, L, N] float32
     n_experts: int
     gating: dict | None  # gating spec (see module docstring)
+    score_bias: np.ndarray | None = None  # [L, N] float32 selection biases (DeepSeek-V3), or None
 
     @property
     def shape(self) -> tuple[int, int, int]:
@@ -69,7 +73,7 @@ def _shape(a) -> str:
     return str(tuple(int(s) for s in a.shape))
 
 
-def validate_trace(experts, weights=None, logits=None, n_experts=None, gating=None) -> Trace:
+def validate_trace(experts, weights=None, logits=None, n_experts=None, gating=None, score_bias=None) -> Trace:
     """Check shapes, dtypes and values; return a normalised ``Trace`` or raise ``TraceError``."""
     experts = np.asarray(experts)
     if experts.ndim != 3:
@@ -122,13 +126,21 @@ def validate_trace(experts, weights=None, logits=None, n_experts=None, gating=No
             raise TraceError(f"trace 'gating' is not valid JSON: {err}") from None
         if not isinstance(gating, dict):
             raise TraceError("trace 'gating' must be a JSON object")
+    if score_bias is not None:
+        score_bias = np.asarray(score_bias)
+        if score_bias.shape != (n_layers, n):
+            raise TraceError(f"trace 'score_bias' has shape {_shape(score_bias)}; expected [L, N] = {(n_layers, n)}")
+        if not np.issubdtype(score_bias.dtype, np.floating) or not np.all(np.isfinite(score_bias)):
+            raise TraceError(f"trace 'score_bias' must be finite floats (dtype {score_bias.dtype})")
+        score_bias = score_bias.astype(np.float32)
     return Trace(experts.astype(np.int32), None if weights is None else weights.astype(np.float32),
-                 None if logits is None else logits.astype(np.float32), n, gating)
+                 None if logits is None else logits.astype(np.float32), n, gating, score_bias)
 
 
-def save_trace(path, experts, weights=None, logits=None, n_experts=None, gating: dict | None = None) -> Trace:
+def save_trace(path, experts, weights=None, logits=None, n_experts=None, gating: dict | None = None,
+               score_bias=None) -> Trace:
     """Validate and write a trace (uncompressed npz: replay is I/O bound otherwise)."""
-    tr = validate_trace(experts, weights, logits, n_experts, gating)
+    tr = validate_trace(experts, weights, logits, n_experts, gating, score_bias)
     arrays = {"experts": tr.experts, "n_experts": np.asarray(tr.n_experts, np.int64)}
     if tr.weights is not None:
         arrays["weights"] = tr.weights
@@ -136,6 +148,8 @@ def save_trace(path, experts, weights=None, logits=None, n_experts=None, gating:
         arrays["logits"] = tr.logits
     if tr.gating is not None:
         arrays["gating"] = np.asarray(json.dumps(tr.gating))
+    if tr.score_bias is not None:
+        arrays["score_bias"] = tr.score_bias
     atomic.save_npz(trace_path(path), **arrays)
     return tr
 
@@ -186,14 +200,17 @@ def load_trace(path) -> Trace:
         raise TraceError(f"{path}: {err}") from None
 
 
+GATING_KINDS = ("softmax", "group-limited", "sparsemixer", "sigmoid-group-limited")
+
+
 def gating_from_spec(spec: dict, n_experts: int):
     """Build a moejax.models.gating object from a trace's gating spec, checked against the trace's N experts
     (a damaged spec raises ``TraceError`` naming the field, not a shape error deep inside re-routing)."""
 
     spec = dict(spec)
     kind = spec.pop("kind", "softmax")
-    if kind not in ("softmax", "group-limited", "sparsemixer"):
-        raise ValueError(f"unknown gating kind {kind!r}; expected softmax, group-limited or sparsemixer")
+    if kind not in GATING_KINDS:
+        raise ValueError(f"unknown gating kind {kind!r}; expected one of {', '.join(GATING_KINDS)}")
 
     def count(key, default=None, low=1, high=None):
         v = spec.get(key, default)
@@ -213,12 +230,16 @@ def gating_from_spec(spec: dict, n_experts: int):
                   norm_eps=number("norm_eps", 0.0))
     if kind == "softmax":
         return gating_lib.SoftmaxTopK(n, count("top_k", high=n), **common)
-    if kind == "group-limited":
-        n_group = count("n_group", high=n)
-        if n % n_group:
-            raise TraceError(f"trace 'gating' n_group {n_group} must divide the {n} experts")
-        return gating_lib.GroupLimited(n, count("top_k", high=n), **common, n_group=n_group,
-                                       topk_group=count("topk_group", high=n_group))
+    if kind in ("group-limited", "sigmoid-group-limited"):
+        n_group = count("n_group", 1, high=n)
+        if n % n_group or (kind == "sigmoid-group-limited" and n_group > 1 and n // n_group < 2):
+            raise TraceError(f"trace 'gating' n_group {n_group} must divide the {n} experts"
+                             + (" into groups of at least 2" if kind == "sigmoid-group-limited" else ""))
+        groups = dict(n_group=n_group, topk_group=count("topk_group", 1, high=n_group))
+        if kind == "sigmoid-group-limited":
+            return gating_lib.SigmoidGroupLimited(n, count("top_k", high=n), common["normalize"], common["scale"],
+                                                  **groups)
+        return gating_lib.GroupLimited(n, count("top_k", high=n), **common, **groups)
     return gating_lib.SparseMixer(n, count("top_k", 2, high=n), number("jitter_eps", 0.01))
 
 
@@ -310,8 +331,8 @@ def replay_state(trace: Trace, cache_size, scope: str = "layer", eviction: str =
             if trace.gating is None:
                 raise ValueError("re-routing needs a gating: store 'gating' in the trace or pass --gating")
             gating = gating_from_spec(trace.gating, trace.n_experts)
-        experts, state = _reroute(state, routing_lib.init_routing_state(n_layers), jnp.asarray(trace.logits),
-                                  policy, gating)
+        experts, state = _reroute(state, routing_lib.init_routing_state(n_layers, trace.score_bias),
+                                  jnp.asarray(trace.logits), policy, gating)
         return state, np.asarray(experts)
     if eviction == "score" and trace.weights is None:
         raise TraceError("score-based eviction needs trace 'weights' [T, L, K]; this trace has none")
@@ -418,8 +439,8 @@ def _check_replay_args(args) -> None:
     if args.seed != 0 and args.cache_init != "random":
         raise ValueError("--seed only applies with --cache-init random")
     prior_lib.check_prior_flag(args.routing, args.prior)
-    for name, kinds in (("n_group", ("group-limited",)), ("topk_group", ("group-limited",)),
-                        ("jitter_eps", ("sparsemixer",))):
+    grouped = ("group-limited", "sigmoid-group-limited")
+    for name, kinds in (("n_group", grouped), ("topk_group", grouped), ("jitter_eps", ("sparsemixer",))):
         if getattr(args, name) is not None and args.gating not in kinds:
             raise ValueError(f"{_flag(name)} only applies to --gating {' / '.join(kinds)}")
     for name in ("scale", "jitter_eps"):
@@ -478,7 +499,7 @@ MAX_SYNTH_VALUES = 1 << 30
 def _synth(args) -> int:
     _check_synth_args(args)
     tr = synthetic_trace(args.tokens, args.layers, args.experts, args.top_k, args.seed, args.rho, args.logits)
-    save_trace(args.out, tr.experts, tr.weights, tr.logits, tr.n_experts, tr.gating)
+    save_trace(args.out, tr.experts, tr.weights, tr.logits, tr.n_experts, tr.gating, tr.score_bias)
     print(f"wrote {trace_path(args.out)}: experts {tr.shape}")  # np.savez naming: .npz appended
     return 0
 
@@ -527,8 +548,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="fixed Δ for cache-prior (default: running mean); comma-separated: one per MoE layer")
     rp.add_argument("--prior", default=None, metavar="PATH",
                     help="learned-prior: checkpoint folder written by `python -m moejax.train_prior`")
-    rp.add_argument("--gating", choices=("softmax", "group-limited", "sparsemixer"), default=None,
-                    help="gating for re-routing (default: the trace's stored 'gating')")
+    rp.add_argument("--gating", choices=GATING_KINDS, default=None,
+                    help="gating for re-routing (default: the trace's stored 'gating'; sigmoid-group-limited "
+                         "ranks with the trace's 'score_bias' where it has one)")
     rp.add_argument("--top-k", type=int, default=None)
     rp.add_argument("--normalize", action=argparse.BooleanOptionalAction, default=None)
     rp.add_argument("--scale", type=float, default=None)

@@ -376,7 +376,7 @@ def hf_tree(folder: str, cfg: ModelConfig) -> dict:
         parts[path + ("gate",)] = [(tensors[gate_up], gu[e, :f]) for e in range(n)]
         parts[path + ("up",)] = [(tensors[gate_up], gu[e, f:]) for e in range(n)]
         parts[path + ("down",)] = [(tensors[down], dn[e]) for e in range(n)]
-    unexpected = sorted(k for k in tensors if k not in used and not k.endswith(hf_keys.IGNORED_SUFFIXES))
+    unexpected = sorted(k for k in tensors if k not in used and not hf_keys.ignored(k, cfg))
     if unexpected:
         raise CheckpointError(f"{folder}: tensors not in the {cfg.model_type} key table: "
                               + ", ".join(unexpected[:10]) + (" ..." if len(unexpected) > 10 else ""))
@@ -452,7 +452,8 @@ def save_hf(params: dict, cfg: ModelConfig, folder: str, *, tokenizer_from: str 
     params = layout.canonical_view(params)
     dtype = _leaf_dtype(params["embed"])
     table = hf_keys.by_tensor(hf_keys.entries(cfg))
-    specs = [(key, dtype, hf_keys.tensor_shape(pieces, cfg.n_experts)) for key, pieces in table.items()]
+    specs = [(key, np.dtype(np.float32) if weights.is_float32_param(pieces[0].path) else dtype,
+              hf_keys.tensor_shape(pieces, cfg.n_experts)) for key, pieces in table.items()]
     with atomic_folder(folder, overwrite, protect) as tmp:
         write_sharded(tmp, "model", specs, lambda key: _hf_pieces(params, table[key]), max_shard_bytes)
         hf = cfg.hf

@@ -16,10 +16,11 @@ import numpy as np
 
 from moejax.base.errors import Failure
 from moejax.base.typecheck import is_integer, is_number
-from moejax.models.gating import Gating, GroupLimited, SoftmaxTopK, SparseMixer
+from moejax.models.gating import Gating, GroupLimited, SigmoidGroupLimited, SoftmaxTopK, SparseMixer
 
-SUPPORTED_MODEL_TYPES = ("mixtral", "phimoe", "qwen2_moe", "qwen3_moe", "olmoe", "deepseek_v2", "granitemoe",
-                         "granitemoeshared")
+SUPPORTED_MODEL_TYPES = ("mixtral", "phimoe", "qwen2_moe", "qwen3_moe", "olmoe", "deepseek_v2", "deepseek_v3",
+                         "granitemoe", "granitemoeshared")
+DEEPSEEK = ("deepseek_v2", "deepseek_v3")  # multi-head latent attention, shared experts, first_k_dense_replace
 GRANITE = ("granitemoe", "granitemoeshared")
 
 _DEFAULT_THETA = {"mixtral": 1e6, "phimoe": 1e6}
@@ -312,6 +313,38 @@ def _check_sizes(hf: dict[str, Any]) -> None:
             raise UnsupportedModelError(f"config.json: {k} = {v} is implausible (at most {limit}): a damaged config?")
 
 
+def _check_unquantised(hf: dict[str, Any], mt: str) -> None:
+    """Quantised hub checkpoints (DeepSeek-V3's fp8 blocks with ``weight_scale_inv``) hold weights moejax does not
+    read: refuse them by name rather than fail on the first fp8 tensor."""
+    q = hf.get("quantization_config")
+    if q is not None:
+        method = q.get("quant_method", "?") if isinstance(q, dict) else q
+        raise UnsupportedModelError(
+            f"config.json: this {mt} checkpoint is quantised (quantization_config, quant_method {method!r}); moejax "
+            "reads floating-point weights: use a bf16 copy (for DeepSeek-V3's fp8 release, the reference repository's "
+            "fp8_cast_bf16.py writes one), then --weight-dtype/--expert-dtype int8 if it must be smaller")
+
+
+def _noaux_gating(hf: dict[str, Any], n_experts: int, top_k: int) -> SigmoidGroupLimited:
+    """DeepSeek-V3's router: sigmoid scores with a selection bias (``noaux_tc``), group-limited."""
+    method, scoring = hf.get("topk_method", "noaux_tc"), hf.get("scoring_func", "sigmoid")
+    if method != "noaux_tc" or scoring != "sigmoid":
+        raise UnsupportedModelError(f"deepseek_v3 topk_method {method!r} with scoring_func {scoring!r} is not "
+                                    "supported (supported: noaux_tc with sigmoid, as transformers runs it)")
+    n_group, topk_group = hf.get("n_group") or 1, hf.get("topk_group") or 1
+    for key, v in (("n_group", n_group), ("topk_group", topk_group)):
+        if not is_integer(v) or v < 1:
+            raise UnsupportedModelError(f"config.json: {key} must be an integer >= 1, got {v!r}")
+    if n_experts % n_group or topk_group > n_group or (n_group > 1 and n_experts // n_group < 2):
+        raise UnsupportedModelError(f"config.json: n_group {n_group} must divide the {n_experts} routed experts "
+                                    f"into groups of at least 2, and topk_group {topk_group} be at most n_group")
+    scale = hf.get("routed_scaling_factor", 1.0)
+    if not is_number(scale) or not math.isfinite(scale):
+        raise UnsupportedModelError(f"config.json: routed_scaling_factor must be a finite number, got {scale!r}")
+    return SigmoidGroupLimited(n_experts, top_k, bool(hf.get("norm_topk_prob", True)) and top_k > 1, float(scale),
+                               n_group, topk_group)
+
+
 def _multiplier(hf: dict[str, Any], key: str) -> float:
     """One of Granite's scale factors: a finite number > 0 (HF's default 1 where absent or null)."""
     v = hf.get(key)
@@ -334,7 +367,8 @@ def _from_hf(hf: dict[str, Any], mt: str) -> ModelConfig:
     d, n_heads, n_layers = hf["hidden_size"], hf["num_attention_heads"], hf["num_hidden_layers"]
     n_kv = hf.get("num_key_value_heads") or n_heads
     head_dim = hf.get("head_dim") or d // n_heads
-    mla = mt == "deepseek_v2"
+    mla = mt in DEEPSEEK
+    _check_unquantised(hf, mt)
     rp = _rope_parameters(hf, mt)
     max_pos = hf.get("max_position_embeddings", 4096)
     rope_dim = hf["qk_rope_head_dim"] if mla else head_dim
@@ -359,7 +393,7 @@ def _from_hf(hf: dict[str, Any], mt: str) -> ModelConfig:
     if mt in ("mixtral", "phimoe", *GRANITE):
         n_experts, top_k = hf["num_local_experts"], hf.get("num_experts_per_tok", 2)
         moe_ff = hf["intermediate_size"]
-    elif mt == "deepseek_v2":
+    elif mt in DEEPSEEK:
         n_experts, top_k = _first(hf, "n_routed_experts", "num_local_experts"), hf["num_experts_per_tok"]
         moe_ff = hf["moe_intermediate_size"]
     else:
@@ -385,13 +419,15 @@ def _from_hf(hf: dict[str, Any], mt: str) -> ModelConfig:
         else:
             raise UnsupportedModelError(f"deepseek_v2 topk_method {method!r} is not supported "
                                         "(supported: greedy, group_limited_greedy)")
+    elif mt == "deepseek_v3":
+        gating = _noaux_gating(hf, n_experts, top_k)
     else:
         gating = SoftmaxTopK(n_experts, top_k, normalize=bool(hf.get("norm_topk_prob", False)))
 
     shared = 0
     if mt == "qwen2_moe":
         shared = hf.get("shared_expert_intermediate_size", 0) or 0
-    elif mt == "deepseek_v2":
+    elif mt in DEEPSEEK:
         shared = (hf.get("n_shared_experts") or 0) * moe_ff
     elif mt == "granitemoeshared":
         shared = hf.get("shared_intermediate_size", 0) or 0
@@ -417,7 +453,7 @@ def _from_hf(hf: dict[str, Any], mt: str) -> ModelConfig:
         sliding_windows=_sliding_windows(hf, mt, n_layers),
         rope_inv_freq=tuple(float(x) for x in inv_freq),
         rope_scale=float(rope_scale),
-        rope_interleaved=mla,
+        rope_interleaved=mla and (mt == "deepseek_v2" or hf.get("rope_interleave", True) is not False),
         rope_long_scale=float(long_scale),
         rope_long_after=long_after,
         attn_scale=float(attn_scale),

@@ -9,6 +9,10 @@ Each gating here therefore offers three pure functions:
 - ``probs(z)``: the router probabilities (what cumsum thresholds accumulate);
 - ``weights(z, chosen, valid)``: the mixing weights the architecture gives ``chosen`` from logits ``z``.
 
+DeepSeek-V3's gating also ranks by a per-layer *selection bias* (``e_score_correction_bias``, a weight of the
+model, not of the configuration): ``ranking(z, bias)`` takes that layer's [N] bias, which changes which
+experts are chosen but never their weights. The other gatings take ``bias=None`` and have none.
+
 Gatings are frozen dataclasses so they can be static arguments of ``jax.jit``.
 """
 
@@ -31,24 +35,26 @@ from moejax.base.errors import Failure
 PAIRWISE_LIMIT = 1 << 24
 
 
-def descending_order(scores: jax.Array) -> jax.Array:
+def descending_order(scores: jax.Array, first: jax.Array | None = None) -> jax.Array:
     """Indices that sort ``scores`` from highest to lowest; ties go to the lower index (like torch.topk);
-    NaN ranks last, so the result is always a permutation.
+    NaN ranks last, so the result is always a permutation. ``first`` (bool, like ``scores``): those entries
+    rank ahead of all others, each part by score (a two-key order, exact where adding an offset to the scores
+    would round close ones together).
 
     Computed by pairwise comparison instead of ``argsort`` where that is small: N is at most a few hundred
     experts, and inside the per-token routing scan a sort costs ~50 µs on XLA:CPU while N² compares cost
     ~1 µs. Large batches on the CPU, and every batch elsewhere, sort: the same order (tested), without an
     N² intermediate."""
     scores = jnp.where(jnp.isnan(scores), -jnp.inf, scores)
-    return jax.lax.platform_dependent(scores, cpu=_order_on_cpu, default=order_by_sort)
+    return jax.lax.platform_dependent(scores, first, cpu=_order_on_cpu, default=order_by_sort)
 
 
-def _order_on_cpu(scores: jax.Array) -> jax.Array:
+def _order_on_cpu(scores: jax.Array, first: jax.Array | None = None) -> jax.Array:
     rows, n = int(np.prod(scores.shape[:-1], dtype=np.int64)), scores.shape[-1]
-    return order_by_sort(scores) if rows * n * n > PAIRWISE_LIMIT else order_by_comparison(scores)
+    return order_by_sort(scores, first) if rows * n * n > PAIRWISE_LIMIT else order_by_comparison(scores, first)
 
 
-def order_by_comparison(scores: jax.Array) -> jax.Array:
+def order_by_comparison(scores: jax.Array, first: jax.Array | None = None) -> jax.Array:
     """``descending_order`` of NaN-free ``scores`` by N² comparisons.
 
     The scores are read from a buffer (``xla.materialised``): fused into the comparison, the expression that
@@ -60,16 +66,22 @@ def order_by_comparison(scores: jax.Array) -> jax.Array:
     idx = jnp.arange(scores.shape[-1])
     s_i, s_j = scores[..., :, None], scores[..., None, :]
     ahead = (s_j > s_i) | ((s_j == s_i) & (idx[None, :] < idx[:, None]))  # [.., i, j]: j ranks before i
+    if first is not None:
+        f_i, f_j = first[..., :, None], first[..., None, :]
+        ahead = (f_j & ~f_i) | ((f_j == f_i) & ahead)
     position = jnp.sum(ahead, axis=-1)  # rank of expert i
     onehot = position[..., None, :] == idx[:, None]  # [.., r, i]: expert i sits at rank r
     return jnp.sum(jnp.where(onehot, idx[None, :], 0), axis=-1).astype(jnp.int32)
 
 
-def order_by_sort(scores: jax.Array) -> jax.Array:
+def order_by_sort(scores: jax.Array, first: jax.Array | None = None) -> jax.Array:
     """``descending_order`` of NaN-free ``scores`` by one stable sort of the negated scores (-0.0 made 0.0
     first: the comparison above finds them equal, a sort's total order need not)."""
     neg = -jnp.where(scores == 0, 0.0, scores).astype(jnp.float32)
     idx = jnp.broadcast_to(jnp.arange(scores.shape[-1], dtype=jnp.int32), scores.shape)
+    if first is not None:
+        keys = (jnp.where(first, 0, 1).astype(jnp.int32), neg, idx)
+        return jax.lax.sort(keys, dimension=scores.ndim - 1, num_keys=2, is_stable=True)[2]
     return jax.lax.sort((neg, idx), dimension=scores.ndim - 1, num_keys=1, is_stable=True)[1]
 
 
@@ -104,7 +116,7 @@ class _RankByLogits:
     def probs(self, z: jax.Array) -> jax.Array:
         return jax.nn.softmax(z.astype(jnp.float32), axis=-1)
 
-    def ranking(self, z: jax.Array) -> jax.Array:
+    def ranking(self, z: jax.Array, bias: jax.Array | None = None) -> jax.Array:
         return descending_order(z.astype(jnp.float32))
 
 
@@ -144,7 +156,7 @@ class GroupLimited(SoftmaxTopK):
     n_group: int = 1
     topk_group: int = 1
 
-    def ranking(self, z: jax.Array) -> jax.Array:
+    def ranking(self, z: jax.Array, bias: jax.Array | None = None) -> jax.Array:
         p = self.probs(z)
         grouped = p.reshape(*p.shape[:-1], self.n_group, self.n_experts // self.n_group)
         group_best = grouped.max(axis=-1)
@@ -187,7 +199,55 @@ class SparseMixer(_RankByLogits):
         return jnp.where(valid, jnp.stack([w1, w2], axis=-1), 0.0)
 
 
-Gating = SoftmaxTopK | GroupLimited | SparseMixer
+@dataclasses.dataclass(frozen=True)
+class SigmoidGroupLimited:
+    """DeepSeek-V3 ``noaux_tc``: sigmoid scores; experts are chosen by score + the layer's selection bias,
+    only from the ``topk_group`` groups whose two best biased scores sum highest; the weights are the chosen
+    experts' *unbiased* scores, renormalised (+1e-20) when ``normalize``, times ``scale``
+    (``routed_scaling_factor``, applied either way as the reference and HF do).
+
+    ``ranking(z, bias)`` lists the experts of the chosen groups first, then the rest, each by biased score, so
+    its first K is HF's choice; ``probs`` are the scores normalised to sum 1 (what cumsum thresholds and a
+    percentile prefetcher read)."""
+
+    n_experts: int
+    top_k: int
+    normalize: bool
+    scale: float = 1.0
+    n_group: int = 1
+    topk_group: int = 1
+    needs_bias = True  # a model's routing without its selection biases is not the model's (``original_router``)
+
+    def scores(self, z: jax.Array) -> jax.Array:
+        return jax.nn.sigmoid(z.astype(jnp.float32))
+
+    def probs(self, z: jax.Array) -> jax.Array:
+        s = self.scores(z)
+        return s / jnp.sum(s, axis=-1, keepdims=True)
+
+    def ranking(self, z: jax.Array, bias: jax.Array | None = None) -> jax.Array:
+        choice = self.scores(z) if bias is None else self.scores(z) + bias.astype(jnp.float32)
+        if self.n_group == 1 or self.topk_group >= self.n_group:
+            return descending_order(choice)
+        size = self.n_experts // self.n_group
+        grouped = choice.reshape(*choice.shape[:-1], self.n_group, size)
+        group_score = jnp.sum(jax.lax.top_k(grouped, min(2, size))[0], axis=-1)
+        top_groups = descending_order(group_score)[..., : self.topk_group]
+        in_top = jnp.any(jnp.arange(self.n_group) == top_groups[..., :, None], axis=-2)
+        return descending_order(choice, first=jnp.repeat(in_top, size, axis=-1))
+
+    def weights(self, z: jax.Array, chosen: jax.Array, valid: jax.Array | None = None,
+                probs: jax.Array | None = None) -> jax.Array:
+        """``probs`` is ignored: the weights are sigmoid scores (elementwise, the same bits in every program)."""
+        if valid is None:
+            valid = chosen >= 0
+        w = jnp.where(valid, _take(self.scores(z), chosen), 0.0)
+        if self.normalize:
+            w = w / (jnp.sum(w, axis=-1, keepdims=True) + 1e-20)
+        return w * self.scale
+
+
+Gating = SoftmaxTopK | GroupLimited | SparseMixer | SigmoidGroupLimited
 
 
 def fenced_probs(gating: Gating, z: jax.Array) -> jax.Array:
@@ -198,9 +258,10 @@ def fenced_probs(gating: Gating, z: jax.Array) -> jax.Array:
     return lax.optimization_barrier(gating.probs(lax.optimization_barrier(z)))
 
 
-def original_routing(gating: Gating, z: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """The architecture's own top-K: expert ids [..., K] (highest weight first) and their weights."""
-    chosen = gating.ranking(z)[..., : gating.top_k]
+def original_routing(gating: Gating, z: jax.Array, bias: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
+    """The architecture's own top-K: expert ids [..., K] (highest weight first) and their weights (``bias``:
+    the layer's selection bias, for the gatings that have one)."""
+    chosen = gating.ranking(z, bias)[..., : gating.top_k]
     return sort_by_weight(chosen, gating.weights(z, chosen, probs=fenced_probs(gating, z)))
 
 
@@ -215,6 +276,10 @@ def spec(gating: Gating) -> dict:
     if isinstance(gating, SparseMixer):
         return {"kind": "sparsemixer", "n_experts": gating.n_experts, "top_k": gating.top_k,
                 "jitter_eps": gating.jitter_eps}
+    if isinstance(gating, SigmoidGroupLimited):
+        return {"kind": "sigmoid-group-limited", "n_experts": gating.n_experts, "top_k": gating.top_k,
+                "normalize": gating.normalize, "scale": gating.scale, "n_group": gating.n_group,
+                "topk_group": gating.topk_group}
     out = {"kind": "softmax", "n_experts": gating.n_experts, "top_k": gating.top_k,
            "normalize": gating.normalize, "scale": gating.scale, "norm_eps": gating.norm_eps}
     if isinstance(gating, GroupLimited):

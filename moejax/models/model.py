@@ -305,7 +305,8 @@ def mla_attention(p: dict, cfg: ModelConfig, layer: int, x: jax.Array, cos, sin,
     ckv = linear(x, p["kv_a"], p.get("kv_a_bias"))
     latent = rms(ckv[:, :r], p["kv_a_norm"], 1e-6)
     k_pe = ckv[:, None, r:]
-    q_pe, k_pe = apply_rope(q_pe, cos, sin, True), apply_rope(k_pe, cos, sin, True)[:, 0]
+    pairs = cfg.rope_interleaved  # DeepSeek-V2 and V3 by default; V3 with rope_interleave false rotates halves
+    q_pe, k_pe = apply_rope(q_pe, cos, sin, pairs), apply_rope(k_pe, cos, sin, pairs)[:, 0]
     if kv is not None:
         kv = {"latent": _write(kv["latent"], latent, pos0), "k_pe": _write(kv["k_pe"], k_pe, pos0)}
         k_pos = jnp.arange(kv["latent"].shape[0])
@@ -859,11 +860,24 @@ def lm_head(params: Params, cfg: ModelConfig):
 
 
 # ------------------------------------------------------------------------------------------- forward
-def original_router(cfg: ModelConfig) -> RouterHook:
-    """The architecture's own routing, with no cache: the reference every policy is compared with."""
+def selection_biases(params: Params, cfg: ModelConfig) -> jax.Array | None:
+    """The MoE layers' selection biases [L, N] float32 (DeepSeek-V3's ``e_score_correction_bias``), None for the
+    families without one. Cache routers carry them in their routing state (``routing.RoutingState.bias``)."""
+    layers = [params["layers"][i]["moe"] for i in cfg.moe_layer_ids]
+    if not layers or "score_bias" not in layers[0]:
+        return None
+    return jnp.stack([jnp.asarray(p["score_bias"], jnp.float32) for p in layers])
+
+
+def original_router(cfg: ModelConfig, biases: jax.Array | None = None) -> RouterHook:
+    """The architecture's own routing, with no cache: the reference every policy is compared with
+    (``biases``: ``selection_biases``, for the gatings that have them)."""
+    if biases is None and getattr(cfg.gating, "needs_bias", False):
+        raise ValueError(f"{cfg.model_type} chooses experts with per-layer selection biases: "
+                         "original_router(cfg, selection_biases(params, cfg))")
 
     def hook(moe_index: int, z: jax.Array, state: Any):
-        experts, weights = original_routing(cfg.gating, z)
+        experts, weights = original_routing(cfg.gating, z, None if biases is None else biases[moe_index])
         return experts, weights, state, {}
 
     return hook
@@ -903,7 +917,7 @@ def forward(
     cache; without it attention covers ``tokens`` alone (teacher-forced pass). ``last_logits_only``: the
     logits of the last position only ([1, V]; a prefill needs no more, and the LM head is the largest
     matrix)."""
-    router = router or original_router(cfg)
+    router = router or original_router(cfg, selection_biases(params, cfg))
     T = tokens.shape[0]
     positions = jnp.asarray(pos0, jnp.int32) + jnp.arange(T, dtype=jnp.int32)
     cos, sin = rope_tables(cfg, positions)

@@ -272,11 +272,24 @@ def has_lazy_experts(params: dict) -> bool:
     return any(isinstance(x, ExpertStack) for x in leaves(params))
 
 
+#: parameters held in float32 whatever the model's dtype: DeepSeek-V3's selection bias, whose differences of
+#: 1e-4 between experts decide the choice and would vanish in bf16's 8 bits (HF keeps it in fp32 too)
+FLOAT32_PARAMS = ("score_bias",)
+
+
+def is_float32_param(path) -> bool:
+    """Whether the leaf at ``path`` (a tree path: keys, or jax path entries) is one of ``FLOAT32_PARAMS``."""
+    last = path[-1] if path else None
+    return getattr(last, "key", last) in FLOAT32_PARAMS
+
+
 def with_dtype(tree, dtype):
-    """Every leaf as ``dtype`` (lazy leaves convert when read; arrays now); None keeps the stored dtypes."""
+    """Every leaf as ``dtype`` (lazy leaves convert when read; arrays now) but ``FLOAT32_PARAMS``, which are
+    float32; None keeps the stored dtypes."""
     if dtype is None:
         return tree
-    return tree_map(lambda x: x.astype(dtype), tree)
+    return jax.tree_util.tree_map_with_path(
+        lambda path, x: x.astype(np.float32 if is_float32_param(path) else dtype), tree, is_leaf=is_lazy)
 
 
 def place(tree, experts: str = "device", arrangement: str = "canonical",

@@ -20,7 +20,7 @@ from moejax.base.typecheck import is_integer, is_number
 from moejax.models import assets, checkpoint, gating, layout as layout_lib, weights
 from moejax.models import config as config_lib
 from moejax.models.config import ModelConfig
-from moejax.models.model import forward as model_forward, init_kv
+from moejax.models.model import forward as model_forward, init_kv, selection_biases as layer_selection_biases
 from moejax.experts import cache as cache_lib, routing as routing_lib
 from moejax.runtime import (decode, expert_store, host_paging, jit_paging, offload as offload_lib, prefill_paging,
                             simulate)
@@ -161,6 +161,13 @@ class Model:
                              "experts are in the checkpoint files, not on the device; pass offload=... to this "
                              "call, or load the model without offload to simulate")
         return offload
+
+    @property
+    def selection_biases(self) -> np.ndarray | None:
+        """The MoE layers' selection biases [L, N] float32 on the host (DeepSeek-V3's ``e_score_correction_bias``:
+        added to the scores experts are chosen by, never to their weights); None for the other families."""
+        b = layer_selection_biases(self.params, self.cfg)
+        return None if b is None else np.asarray(b)
 
     @property
     def fingerprint(self) -> str:
@@ -360,7 +367,8 @@ class Model:
         the model's own setting) and a run of ``tokens`` positions (``logits_rows`` of them returned)."""
         cache = self.resolve_cache(cache or simulate.CacheConfig(), offload, tokens, shrink_to_fit=cache is None,
                                    logits_rows=logits_rows)
-        return simulate.init_router_state(self.cfg, self._policy(routing), cache)
+        return simulate.init_router_state(self.cfg, self._policy(routing), cache,
+                                          layer_selection_biases(self.params, self.cfg))
 
     def _resolve_state(self, routing, cache, state: dict | None, offload, tokens: int | None = None,
                        logits_rows: int = 0) -> dict:

@@ -202,7 +202,7 @@ def run(args: argparse.Namespace) -> tuple[dict, OSError | None]:
         tr = result.trace()
         try:  # a full disk is found only now: the generation is still printed, then the failure is the error
             trace_lib.save_trace(args.trace_out, tr["experts"], tr["weights"], tr["logits"], model.cfg.n_experts,
-                                 gating.spec(model.cfg.gating))
+                                 gating.spec(model.cfg.gating), model.selection_biases)
         except OSError as e:
             trace_failure = e
     if not args.json:

@@ -23,6 +23,7 @@ import numpy as np
 from moejax.base import seeds
 from moejax.models import layout, model as model_lib, quant
 from moejax.models.config import ModelConfig
+from moejax.experts import routing as routing_lib
 from moejax.experts.router import prefetch_step, router_step
 from moejax.runtime import decode, prefill_paging
 from moejax.runtime import expert_store as expert_store_lib
@@ -92,7 +93,8 @@ def _stage_a(lp, next_lp, cfg: ModelConfig, layer: int, moe_index, x, pos, kv, s
     next_prediction = None
     if next_lp is not None and cs.prefetcher.enabled:
         z_pred = model_lib.router_logits(next_lp["moe"], model_lib.norm(x, next_lp["mlp_norm"], cfg))[0]
-        cs, next_prediction = prefetch_step(cs, moe_index + 1, z_pred, cfg.gating)
+        cs, next_prediction = prefetch_step(cs, moe_index + 1, z_pred, cfg.gating,
+                                            routing_lib.layer_bias(rs, moe_index + 1))
     state = {**state, "cache": cs, "routing": rs}
     return x, h, kv, state, next_prediction, (experts, weights, hits, tier, slot_ids, slot_mid, z)
 

@@ -15,6 +15,7 @@ import jax.numpy as jnp
 
 from moejax.models import model as model_lib, weights
 from moejax.models.config import ModelConfig
+from moejax.experts import routing as routing_lib
 from moejax.experts.router import prefetch_step, router_step
 from moejax.runtime import decode
 from moejax.runtime.expert_store import (EXPERT_KEYS, ExpertStore, _host_sharding, expert_stacks, fill_slots,
@@ -78,7 +79,8 @@ class JitPager:
         slot0 = cs.slot
         prediction = None
         if z_pred is not None and cs.prefetcher.enabled:
-            cs, prediction = prefetch_step(cs, moe_index, z_pred[0], self.gating)
+            cs, prediction = prefetch_step(cs, moe_index, z_pred[0], self.gating,
+                                           routing_lib.layer_bias(rs, moe_index))
         slot1 = cs.slot
         e, w, h, tier, cs, rs = router_step(z[0], cs, rs, policy, self.gating, moe_index, prediction=prediction,
                                             with_tier=True)

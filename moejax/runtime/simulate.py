@@ -158,11 +158,16 @@ def expert_output(p: dict, cfg: ModelConfig, h, experts, weights, tier, miss: ca
     return compute_tiers(p, cfg, h, experts, weights, tier, miss)
 
 
-def init_router_state(cfg: ModelConfig, policy: routing_lib.RoutingPolicy, cache: CacheConfig) -> dict:
+def init_router_state(cfg: ModelConfig, policy: routing_lib.RoutingPolicy, cache: CacheConfig,
+                      bias=None) -> dict:
+    """A fresh router state; ``bias``: the model's selection biases (``model.selection_biases``; DeepSeek-V3)."""
+    if bias is None and getattr(cfg.gating, "needs_bias", False):
+        raise ValueError(f"{cfg.model_type} chooses experts with per-layer selection biases: pass "
+                         "bias=selection_biases(params, cfg)")
     cache_state = cache_lib.init_cache(cfg.n_moe_layers, cfg.n_experts, cache.capacity(cfg), cache.scope,
                                        cache.eviction, cache.init, cache.seed, cache.miss_config(),
                                        cache.prefetch_config())
-    return {"cache": cache_state, "routing": routing_lib.init_routing_state(cfg.n_moe_layers), "policy": policy}
+    return {"cache": cache_state, "routing": routing_lib.init_routing_state(cfg.n_moe_layers, bias), "policy": policy}
 
 
 def expert_bytes(params: dict, cfg: ModelConfig) -> int:

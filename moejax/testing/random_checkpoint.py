@@ -5,8 +5,8 @@
     python -m moejax.testing.random_checkpoint --list
 
 Presets (``moejax/testing/presets/*.json``, the models' own ``config.json``): mixtral-8x7b, phi-3.5-moe,
-qwen1.5-moe-a2.7b, qwen3-30b-a3b, olmoe-1b-7b, deepseek-v2-lite, granite-3.0-1b-a400m, granite-3.0-3b-a800m;
-PRESET may also be a config.json path.
+qwen1.5-moe-a2.7b, qwen3-30b-a3b, olmoe-1b-7b, deepseek-v2-lite, moonlight-16b-a3b, deepseek-v3 (671B:
+``--layers`` cuts it), granite-3.0-1b-a400m, granite-3.0-3b-a800m; PRESET may also be a config.json path.
 ``--layers`` keeps the first L decoder layers (a cut with the real per-layer shapes), ``--set`` overrides
 config values (JSON values: ``--set hidden_size=64 --set vocab_size=512`` makes a tiny test model).
 
@@ -141,6 +141,11 @@ def tensor_chunks(key: str, shape: tuple[int, ...], kind: str, seed: int, dtype,
         yield part.astype(dtype)
 
 
+def _dtype_of(key: str, dtype: np.dtype) -> np.dtype:
+    """DeepSeek-V3's selection bias is float32 in the released files (and kept so by HF and moejax)."""
+    return np.dtype(np.float32) if key.endswith(".e_score_correction_bias") else dtype
+
+
 def shard_plan(plan: list, itemsize: int, shard_bytes: int) -> list[list]:
     """Consecutive tensors grouped into shards of at most ``shard_bytes`` (one tensor may exceed it)."""
     shards, size = [[]], 0
@@ -164,7 +169,7 @@ def write_checkpoint(config: dict, out: str, *, dtype: str = "bfloat16", seed: i
     if not (math.isfinite(std) and 0 <= std * 10 <= largest):  # normal samples reach ~6.5 σ in a big tensor
         raise ValueError(f"--std {std} would overflow {dtype} (at most {largest / 10:.3g})")
     plan = tensor_plan(config)
-    total = sum(int(np.prod(s, dtype=np.int64)) for _, s, _ in plan) * np_dtype.itemsize
+    total = sum(int(np.prod(s, dtype=np.int64)) * _dtype_of(k, np_dtype).itemsize for k, s, _ in plan)
     out = os.path.abspath(os.path.expanduser(out))
     checkpoint.check_replaceable(out, overwrite)
     parent = atomic.existing_ancestor(os.path.dirname(out))  # folders are made (and removed on failure) by the write
@@ -179,7 +184,7 @@ def write_checkpoint(config: dict, out: str, *, dtype: str = "bfloat16", seed: i
         for i, shard in enumerate(shards):
             name = ("model.safetensors" if len(shards) == 1
                     else f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors")
-            specs = [(k, np_dtype, s) for k, s, _ in shard]
+            specs = [(k, _dtype_of(k, np_dtype), s) for k, s, _ in shard]
             safetensors_io.write_stream(
                 os.path.join(tmp, name), specs,
                 lambda key: tensor_chunks(key, shapes[key][0], shapes[key][1], seed, np_dtype, std),

@@ -158,7 +158,7 @@ def sparse_batch_forward(params, cfg: ModelConfig, tokens: jax.Array, capacity_f
             x = M.residual(cfg, x, jax.vmap(attend)(M.norm(x, lp["attn_norm"], cfg)))
         h = M.norm(x, lp["mlp_norm"], cfg).reshape(S, -1)
         z = M.router_logits(lp["moe"], h)
-        e, w = original_routing(cfg.gating, z)
+        e, w = original_routing(cfg.gating, z, lp["moe"].get("score_bias"))
         y, drop = M.capacity_experts(lp["moe"], cfg, h, e, w, capacity)
         x = M.residual(cfg, x, y.reshape(B, T, -1))
         zs.append(z.reshape(B, T, -1)), es.append(e.reshape(B, T, -1)), drops.append(drop)

@@ -48,6 +48,7 @@ from jax import lax
 
 from moejax.base import atomic, errors, interrupts, seeds
 from moejax.experts import cache as cache_lib, prior as prior_lib, router as router_lib, routing as routing_lib
+from moejax.models import model as model_lib
 from moejax.experts.trace import json_safe
 from moejax.runtime import api, simulate
 from moejax.training import data
@@ -136,10 +137,11 @@ def record(model: api.Model, ids: np.ndarray, context: int, cache: simulate.Cach
 # -------------------------------------------------------------------------------------------- train
 
 
-def targets(z: jax.Array, m: jax.Array, gating) -> tuple[jax.Array, jax.Array]:
-    """(up, down) [..., N]: cached but not in the original top-K / in the top-K but not cached."""
+def targets(z: jax.Array, m: jax.Array, gating, bias=None) -> tuple[jax.Array, jax.Array]:
+    """(up, down) [..., N]: cached but not in the original top-K / in the top-K but not cached (``bias``: the
+    model's selection biases [L, N], for the gatings that have them)."""
     k = gating.top_k
-    ranking = gating.ranking(z)
+    ranking = gating.ranking(z, bias)
     top = jnp.any(jnp.arange(z.shape[-1]) == ranking[..., :k, None], axis=-2)
     return m & ~top, top & ~m
 
@@ -204,14 +206,14 @@ def evaluate_loss(params, weight, z, up, down, m, batch: int = 4096) -> dict:
 
 
 @functools.partial(jax.jit, static_argnames=("gating",))
-def _static_choice(params, z, m, gating):
+def _static_choice(params, z, m, gating, bias=None):
     """Top-K of z + b against the recorded (fixed) cache masks: share cached, share changed vs original."""
     b = prior_lib.bias_all_layers(params, z, m)
     zb = jnp.where(jnp.isfinite(z), z + b, z)
     k = gating.top_k
     n = z.shape[-1]
-    top_new = jnp.any(jnp.arange(n) == gating.ranking(zb)[..., :k, None], axis=-2)
-    top_old = jnp.any(jnp.arange(n) == gating.ranking(z)[..., :k, None], axis=-2)
+    top_new = jnp.any(jnp.arange(n) == gating.ranking(zb, bias)[..., :k, None], axis=-2)
+    top_old = jnp.any(jnp.arange(n) == gating.ranking(z, bias)[..., :k, None], axis=-2)
     return (jnp.sum(top_new & m) / jnp.sum(top_new), jnp.sum(top_old & m) / jnp.sum(top_old),
             jnp.sum(top_new & ~top_old) / jnp.sum(top_old))
 
@@ -359,7 +361,8 @@ def run(args: argparse.Namespace, log=print) -> dict:
     n_train = max(1, int(round(n_tok * (1.0 - args.holdout))))
     z_all = jnp.asarray(rec["z"])
     m_all = jnp.asarray(rec["m"])
-    up_all, down_all = jax.jit(targets, static_argnames=("gating",))(z_all, m_all, gating=cfg.gating)
+    bias = model_lib.selection_biases(model.params, cfg)
+    up_all, down_all = jax.jit(targets, static_argnames=("gating",))(z_all, m_all, gating=cfg.gating, bias=bias)
     tr = (z_all[:n_train], up_all[:n_train], down_all[:n_train], m_all[:n_train])
     ho = (z_all[n_train:], up_all[n_train:], down_all[n_train:], m_all[n_train:]) if n_train < n_tok else tr
 
@@ -384,7 +387,8 @@ def run(args: argparse.Namespace, log=print) -> dict:
         params = jax.block_until_ready(params)
         seconds = time.perf_counter() - t0
         after = {"train": evaluate_loss(params, weight, *tr), "holdout": evaluate_loss(params, weight, *ho)}
-        share_new, share_old, changed = (float(x) for x in _static_choice(params, ho[0], ho[3], gating=cfg.gating))
+        share_new, share_old, changed = (float(x) for x in _static_choice(params, ho[0], ho[3], gating=cfg.gating,
+                                                                                 bias=bias))
         meta = {
             "model": model.path, "top_k": cfg.top_k, "n_experts": cfg.n_experts, "n_layers": cfg.n_moe_layers,
             "cache": {"size": str(args.cache_size), "capacity": capacity, "eviction": args.eviction,
