@@ -143,8 +143,13 @@ def test_a_size_that_cannot_fit_is_refused_and_the_default_shrinks(monkeypatch, 
     # the prompt's part of the reserve is kept for a size given (a long prompt without it was OOM-killed)
     _free(monkeypatch, plan["fixed"] - base + 3 * plan["slot_set"] - 1)
     with pytest.raises(ValueError, match=r"cache size '3' needs .* \(3 slots per layer of .*, the KV cache, staging "
-                                         r"and a .* reserve for the prompt\), but .* leaves .*: not even K=2 fit"):
+                                         r"and a .* reserve for the prompt\), but .* leaves .*: --cache-size 2 fits "
+                                         r"\(auto, which also keeps a margin for the runtime, finds fewer than K=2\)"):
         m.resolve_cache(CacheConfig(size="3"), tokens=64)
+    assert m.resolve_cache(CacheConfig(size="2"), tokens=64).size == "2"  # what the message says fits, fits
+    _free(monkeypatch, plan["fixed"] - base + 2 * plan["slot_set"] - 1)
+    with pytest.raises(ValueError, match=r"cache size '2' needs .*: not even K=2 fit"):
+        m.resolve_cache(CacheConfig(size="2"), tokens=64)
     _free(monkeypatch, plan["fixed"] + 3 * plan["slot_set"] + plan["slot_set"] // 2)
     default = m.resolve_cache(CacheConfig(), tokens=64, shrink_to_fit=True)  # a default size keeps all of it
     assert default.size == "3" and "using 3 (--cache-size auto)" in capsys.readouterr().err

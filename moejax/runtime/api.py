@@ -348,8 +348,17 @@ class Model:
             sys.stderr.write(f"note: a cache of {count} experts {per} needs {gb(need)} and {plan['where']} leaves "
                              f"{gb(plan['headroom'])}: using {fit} (--cache-size auto)\n")
             return dataclasses.replace(cache, size=str(fit), memory="auto", fit_checked=True)
-        hint = (f"--cache-size auto picks {fit}" if fit >= self.cfg.top_k
-                else f"not even K={self.cfg.top_k} fit{smaller}")
+        # what a size given could be (held to the same reserve as this one); auto also keeps the runtime's margin
+        given_fit = offload_lib.slots_that_fit(plan["headroom"], plan["fixed"] - plan["reserve"] + reserve,
+                                               plan["slot_set"], limit)
+        k = self.cfg.top_k
+        if given_fit == fit and fit >= k:
+            hint = f"--cache-size auto picks {fit}"
+        elif given_fit >= k:
+            hint = (f"--cache-size {given_fit} fits (auto, which also keeps a margin for the runtime, "
+                    + (f"picks {fit})" if fit >= k else f"finds fewer than K={k})"))
+        else:
+            hint = f"not even K={k} fit{smaller}"
         raise ValueError(f"cache size {cache.memory or cache.size!r} needs {gb(need)} ({count} slots {per} of "
                          f"{gb(plan['slot'])}, the KV cache, staging and a {gb(reserve)} reserve for the "
                          f"{reserved_for}), but {plan['where']} leaves {gb(plan['headroom'])}{store_note}: {hint}")
