@@ -362,3 +362,32 @@ def test_deepseek_norm_topk_prob_logits_match_reference_router(monkeypatch):
     assert err < TOL, err
     assert np.abs(out.logits - unpatched).max() > 1e-3  # HF as shipped (scaling, no renorm) really differs
     record_parity("deepseek_v2", "logits", err)
+
+
+@pytest.mark.parametrize("bias_std", [0.0, 0.02, 1.0])
+@pytest.mark.parametrize("n, k, groups, top_groups", [(256, 8, 8, 4), (64, 6, 1, 1), (160, 6, 8, 3)])
+def test_deepseek_v3_router_at_real_expert_counts_matches_hf(n, k, groups, top_groups, bias_std):
+    """DeepSeek-V3's (256 experts, 8 groups, top 4 groups, top-8), Moonlight's (64, one group, top-6) and a
+    DeepSeek-V2-sized grouping through HF's own router module on random hidden states: the same experts and
+    weights, with biases absent, of the released size (~0.02) and large enough to decide alone."""
+    from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3TopkRouter
+
+    from moejax.models.gating import SigmoidGroupLimited, original_routing
+
+    config = transformers.DeepseekV3Config(hidden_size=64, n_routed_experts=n, num_experts_per_tok=k, n_group=groups,
+                                           topk_group=top_groups, routed_scaling_factor=2.5, norm_topk_prob=True)
+    router = DeepseekV3TopkRouter(config)
+    gen = torch.Generator().manual_seed(n + k)
+    with torch.no_grad():
+        router.weight.copy_(torch.randn(n, 64, generator=gen) * 0.3)
+        router.e_score_correction_bias.copy_(torch.randn(n, generator=gen) * bias_std)
+        logits, weights, idx = router(torch.randn(256, 64, generator=gen))
+    gating = SigmoidGroupLimited(n, k, True, 2.5, groups, top_groups)
+    experts, got = original_routing(gating, jnp.asarray(logits.numpy()), jnp.asarray(router.e_score_correction_bias.numpy()))
+    got_e, got_w = _by_expert(np.asarray(experts), np.asarray(got))
+    ref_e, ref_w = _by_expert(idx.numpy(), weights.numpy())
+    np.testing.assert_array_equal(got_e, ref_e)
+    np.testing.assert_allclose(got_w, ref_w, atol=1e-6, rtol=0)
+    if bias_std == 1.0:  # the bias decides: unbiased routing would choose differently
+        plain = _by_expert(*[np.asarray(a) for a in original_routing(gating, jnp.asarray(logits.numpy()))])[0]
+        assert (plain != ref_e).any()
