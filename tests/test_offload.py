@@ -466,15 +466,15 @@ def test_host_pager_compiles_each_stage_once_while_the_cache_fills():
     assert grown[0] <= 2, grown  # attention + router: with and without a prefetch prediction at most
 
 
-def test_deepseek_v3_selection_biases_route_every_offload_path_as_the_simulation():
+@pytest.mark.parametrize("paging", ["host", pytest.param("jit", marks=pytest.mark.slow)])
+def test_deepseek_v3_selection_biases_route_every_offload_path_as_the_simulation(paging):
     """DeepSeek-V3's experts are chosen by score + a per-layer bias held in the routing state: host paging (the
     batched prompt, prefetch of the next layer with its own bias, substitution by rank) and in-jit paging must
     choose what the simulation chooses."""
     m = _model("deepseek_v3")
     assert m.selection_biases is not None and np.abs(m.selection_biases).max() > 0.1
-    for cc, paging in ((CacheConfig(size="5", prefetch=1.0, miss="substitute"), "host"),
-                       (CacheConfig(size="4", prefetch=1.0), "jit")):
-        ref, off = _both(m, cc, offload_cfg=offload.OffloadConfig(paging=paging))
-        assert off.token_ids == ref.token_ids, paging
-        for key in ("misses", "loads", "prefetch_loads", "substituted", "prefetch_precision", "bytes_moved"):
-            assert off.stats["cache"][key] == ref.stats["cache"][key], (paging, key)
+    cc = {"host": CacheConfig(size="5", prefetch=1.0, miss="substitute"), "jit": CacheConfig(size="4", prefetch=1.0)}[paging]
+    ref, off = _both(m, cc, offload_cfg=offload.OffloadConfig(paging=paging))
+    assert off.token_ids == ref.token_ids
+    for key in ("misses", "loads", "prefetch_loads", "substituted", "prefetch_precision", "bytes_moved"):
+        assert off.stats["cache"][key] == ref.stats["cache"][key], key
