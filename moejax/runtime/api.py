@@ -348,15 +348,18 @@ class Model:
             sys.stderr.write(f"note: a cache of {count} experts {per} needs {gb(need)} and {plan['where']} leaves "
                              f"{gb(plan['headroom'])}: using {fit} (--cache-size auto)\n")
             return dataclasses.replace(cache, size=str(fit), memory="auto", fit_checked=True)
-        # what a size given could be (held to the same reserve as this one); auto also keeps the runtime's margin
+        # the sizes this check lets through (held to the same reserve as this one), and auto's, which also keeps
+        # the runtime's margin: Granite-1B under 1.5 GiB ran at C = 8 (auto: 7), thrashed at C = 14 (this check: 14)
         given_fit = offload_lib.slots_that_fit(plan["headroom"], plan["fixed"] - plan["reserve"] + reserve,
                                                plan["slot_set"], limit)
         k = self.cfg.top_k
         if given_fit == fit and fit >= k:
             hint = f"--cache-size auto picks {fit}"
         elif given_fit >= k:
-            hint = (f"--cache-size {given_fit} fits (auto, which also keeps a margin for the runtime, "
-                    + (f"picks {fit})" if fit >= k else f"finds fewer than K={k})"))
+            margin = gb(plan["reserve"] - plan["prompt_reserve"])
+            hint = (f"sizes up to {given_fit} pass this check, which keeps no margin for the runtime; --cache-size "
+                    f"auto keeps {margin} and " + (f"picks {fit}" if fit >= k else
+                                                   f"finds room for {fit}, fewer than K={k}{smaller}"))
         else:
             hint = f"not even K={k} fit{smaller}"
         raise ValueError(f"cache size {cache.memory or cache.size!r} needs {gb(need)} ({count} slots {per} of "
