@@ -705,6 +705,8 @@ CASES = [
     Case("studies-model-missing", "studies", ("--model", "{tmp}/nope", "--out", "{tmp}/s"), FAILURE, ("{tmp}/nope",)),
     Case("studies-model-without-tokenizer", "studies", ("--model", "{tiny}", "--only", "pareto", "--out", "{tmp}/s"),
          FAILURE, ("tokenizer.json",)),
+    Case("evaluate-model-without-tokenizer", "evaluate", ("--model", "{tiny}", "--max-tokens", "16"), FAILURE,
+         ("tokenizer.json",)),
     Case("evaluate-mmlu-dev-file-missing", "evaluate", ("--model", "default", "--task", "mmlu", "--data", "{tmp}/mmlu",
                                                         "--shots", "1"), FAILURE, ("dev",), _mmlu_without_one_dev),
     Case("studies-out-is-a-file", "studies", ("--model", "{tiny}", "--only", "pareto", "--out",

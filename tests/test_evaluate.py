@@ -313,3 +313,18 @@ def test_a_perplexity_past_the_largest_float_is_an_error_naming_it():
     for nll_sum, per in ((8 * 800.0, "token"), (8 * 400.0, "word")):  # 4 words of 8 tokens: twice the NLL
         with pytest.raises(gating.NonFiniteError, match=f"perplexity per {per} overflows"):
             perplexity.perplexity_result("a b c d", np.arange(8), 8, 1, nll_sum, 8, counts)
+
+
+def test_a_model_without_a_tokenizer_is_refused_before_it_is_loaded(tmp_path, capsys, monkeypatch):
+    """evaluate and studies score text: a folder without tokenizer.json is named before any weight is read (the
+    61 GB Qwen3-30B-A3B folder was loaded first: 3 s and 4.8 GB, then the error)."""
+    from moejax.evaluation import studies
+    from moejax.runtime import api
+
+    folder = shutil.copytree(get_hf_model("qwen3_moe").folder, str(tmp_path / "m"))
+    assert not os.path.exists(os.path.join(folder, "tokenizer.json"))
+    monkeypatch.setattr(api, "load", lambda *a, **k: pytest.fail("the model was loaded"))
+    assert evaluate.main(["--model", folder, "--max-tokens", "16"]) == 1
+    assert studies.main(["--model", folder, "--only", "pareto", "--out", str(tmp_path / "s")]) == 1
+    err = capsys.readouterr().err
+    assert err.count(f"{folder} has no tokenizer.json") == 2 and "Traceback" not in err

@@ -212,6 +212,7 @@ def main(argv: list[str] | None = None) -> int:
     compile_cache.enable()
     try:
         _check_args(args)
+        api.refuse_without_tokenizer(args.model, "WikiText and the tasks are scored as text")
         mesh = cli_options.start_distributed(args)
         model = api.load(args.model, dtype=None if args.dtype is None else getattr(jnp, args.dtype),
                          offload=offload_from_args(args), **cli_options.weight_kwargs(args),

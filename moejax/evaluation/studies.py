@@ -615,10 +615,10 @@ def main(argv: list[str] | None = None) -> int:
     compile_cache.enable()
     try:
         chosen, evictions = check_args(args)
+        # every study scores text: say so before loading, not in each study
+        api.refuse_without_tokenizer(args.model, "the studies score WikiText and task text")
         mesh = cli_options.start_distributed(args)
         model = api.load(args.model, dtype=getattr(jnp, args.dtype))
-        if model.tokenizer is None:  # every study scores text: say so before the first one, not in each
-            raise errors.Failure(f"{args.model} has no tokenizer.json: the studies score WikiText and task text")
         read_manifest(manifest_path(args.out))  # one the run cannot merge into is refused before computing
     except errors.HANDLED as e:
         return errors.report(e)

@@ -641,6 +641,15 @@ def check_fits_in_memory(tree, experts: str, layout: str, quantization, path: st
                              + (": " + "; or ".join(options) if options else ": nothing moejax offers fits there"))
 
 
+def refuse_without_tokenizer(path: str, why: str) -> None:
+    """A ``Failure`` before loading when the model folder holds a checkpoint but no ``tokenizer.json`` (commands
+    that score text: loading first cost the 61 GB Qwen3-30B-A3B folder 3 s and 4.8 GB to be told). Anything else
+    wrong with ``path`` is left to ``load``, which names it."""
+    folder = resolve_model_path(path)
+    if os.path.isfile(os.path.join(folder, "config.json")) and not os.path.isfile(os.path.join(folder, "tokenizer.json")):
+        raise Failure(f"{path} has no tokenizer.json: {why}")
+
+
 def load(path: str, dtype=None, offload=None, layout: str = "serving", weight_dtype: str | None = None,
          expert_dtype: str | None = None, shard: str | None = None, devices: int | None = None) -> Model:
     """Load a moejax checkpoint folder, a Hugging Face folder (read in place), or ``"default"``.
