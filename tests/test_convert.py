@@ -643,3 +643,27 @@ def test_a_fused_granite_tensor_of_the_wrong_shape_is_named(tmp_path):
     _rewrite(folder, lambda t: t.pop(key))
     with pytest.raises(CheckpointError, match=rf"missing tensors: {re.escape(key)}"):
         moejax.load(folder)
+
+
+def test_a_quantised_hub_checkpoint_is_refused_by_name(tmp_path):
+    """DeepSeek-V3's fp8 release (and GPTQ/AWQ folders) declare quantization_config: named, not read as floats."""
+    folder = _copy_hf("deepseek_v3", tmp_path / "m")
+    cfg = read_config(folder)
+    cfg["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": [128, 128]}
+    with open(os.path.join(folder, "config.json"), "w") as f:
+        json.dump(cfg, f)
+    with pytest.raises(UnsupportedModelError, match=r"quantised \(quantization_config, quant_method 'fp8'\).*bf16 copy"):
+        moejax.load(folder)
+
+
+def test_deepseek_v3_multi_token_prediction_layers_are_skipped_and_nothing_else(tmp_path):
+    """The hub's DeepSeek-V3 folders carry layer 61, the multi-token-prediction module (num_nextn_predict_layers):
+    skipped as transformers skips it; any other stray tensor is still refused."""
+    folder = _copy_hf("deepseek_v3", tmp_path / "m")
+    n = read_config(folder)["num_hidden_layers"]
+    _rewrite(folder, lambda t: t.__setitem__(f"model.layers.{n}.eh_proj.weight", np.zeros((4, 8), np.float32)))
+    ref = get_moejax_model("deepseek_v3").forward(IDS).logits
+    np.testing.assert_array_equal(moejax.load(folder).forward(IDS).logits, ref)
+    _rewrite(folder, lambda t: t.__setitem__("model.layers.0.mlp.gate.stray", np.zeros((2,), np.float32)))
+    with pytest.raises(CheckpointError, match=r"not in the deepseek_v3 key table.*model\.layers\.0\.mlp\.gate\.stray"):
+        moejax.load(folder)

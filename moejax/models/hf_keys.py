@@ -26,7 +26,7 @@ _SHARED_NAME = {"qwen2_moe": "shared_expert", "deepseek_v2": "shared_experts", "
 class Entry:
     hf_key: str
     path: tuple  # path in the moejax tree, e.g. ("layers", 3, "moe", "gate")
-    shape: tuple[int, ...]  # shape of the HF tensor
+    shape: tuple[int, ...]  # shape of this matrix as HF stores it (of one expert; of its rows where fused)
     transpose: bool = False  # Linear weight: HF [out, in] -> moejax [in, out]
     expert: int | None = None  # index in the stacked expert axis
     # Granite fuses matrices in the file: ``rows`` is where this one sits in the HF tensor's rows (gate rows,
