@@ -343,3 +343,32 @@ def test_large_batches_sort_to_the_same_order(rows):
         return jax.jit(gating.descending_order).trace(a).lower(lowering_platforms=(platform,)).as_text()
 
     assert "sort" not in lowered(x, "cpu") and "sort" in lowered(big, "cpu") and "sort" in lowered(x, "cuda")
+
+
+@settings(max_examples=30, deadline=None)
+@given(rows=st.lists(st.lists(st.sampled_from([0.0, -0.0, 1.0, 1e-30, 3.0, float("nan"), float("-inf")]),
+                              min_size=6, max_size=6), min_size=1, max_size=4),
+       first=st.lists(st.lists(st.booleans(), min_size=6, max_size=6), min_size=4, max_size=4))
+def test_an_order_with_some_entries_first_is_the_two_key_sort(rows, first):
+    """``descending_order(scores, first)``: the marked entries ahead, each part by score, ties by index; the
+    pairwise and the sorting paths agree (group-limited gatings rank their chosen groups first so)."""
+    from moejax.models import gating
+
+    x = jnp.asarray(rows, jnp.float32)
+    f = jnp.asarray(first[: len(rows)])
+    got = np.asarray(gating.descending_order(x, f))
+    clean = np.where(np.isnan(rows), -np.inf, rows)
+    ref = [sorted(range(6), key=lambda i: (not first[r][i], -clean[r][i], i)) for r in range(len(rows))]
+    np.testing.assert_array_equal(got, ref)
+    np.testing.assert_array_equal(gating.order_by_sort(jnp.asarray(clean, jnp.float32), f), got)
+
+
+def test_group_limited_ranks_close_probabilities_in_the_chosen_groups_by_value():
+    """Adding 2 to the chosen groups' probabilities (the old way to put them first) rounded 0.01 and 0.01 + 1e-8
+    to one float and ranked them by index; the two-key order ranks the larger first, as HF's top-k does."""
+    p = np.array([0.01, 0.01 + 1e-8, 0.3, 0.2, 0.001, 0.001, 0.05, 0.0778], np.float64)
+    g = GroupLimited(8, 2, False, 1.0, n_group=2, topk_group=1)  # groups 0-3 (best 0.3, chosen) and 4-7
+    z = jnp.asarray(np.log(p / p.sum()), jnp.float32)
+    probs = np.asarray(g.probs(z))
+    assert probs[1] > probs[0] and np.float32(probs[1] + 2.0) == np.float32(probs[0] + 2.0)  # the old tie
+    assert np.asarray(g.ranking(z)).tolist() == [2, 3, 1, 0, 7, 6, 4, 5]

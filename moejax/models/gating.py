@@ -150,7 +150,9 @@ class GroupLimited(SoftmaxTopK):
     """DeepSeek-V2 ``group_limited_greedy``: only experts of the ``topk_group`` best groups compete.
 
     A group's score is the best probability inside it. The ranking lists the experts of the chosen groups
-    first (by probability), then the rest (by probability), so its first K is exactly HF's choice.
+    first (by probability), then the rest (by probability), so its first K is exactly HF's choice (a two-key
+    order: adding 2 to the chosen groups' probabilities, as before, rounded ones within 2.4e-7 of each other
+    together and ordered them by index).
     """
 
     n_group: int = 1
@@ -163,7 +165,7 @@ class GroupLimited(SoftmaxTopK):
         top_groups = descending_order(group_best)[..., : self.topk_group]
         in_top = jnp.any(jnp.arange(self.n_group) == top_groups[..., :, None], axis=-2)
         expert_in_top = jnp.repeat(in_top, self.n_experts // self.n_group, axis=-1)
-        return descending_order(jnp.where(expert_in_top, p + 2.0, p))
+        return descending_order(p, first=expert_in_top)
 
 
 @dataclasses.dataclass(frozen=True)
