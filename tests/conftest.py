@@ -255,6 +255,19 @@ HF_CONFIGS: dict[str, HFSpec] = {
                                                            routed_scaling_factor=2.5, rope_interleave=False,
                                                            rope_parameters=_YARN, max_position_embeddings=256),
                                note="one group, top-4 of 16 unnormalised x 2.5, q_lora_rank 24, rotate-half yarn"),
+    # ---------------------------------------------------------------- GLM-4.5 (V3's routing, GQA, partial rotary)
+    "glm4_moe": HFSpec("glm4_moe", _cfg(num_hidden_layers=3, head_dim=16, intermediate_size=48, moe_intermediate_size=16,
+                                        n_routed_experts=8, num_experts_per_tok=2, n_shared_experts=1,
+                                        first_k_dense_replace=1, n_group=2, topk_group=1, routed_scaling_factor=1.5,
+                                        norm_topk_prob=True, use_qk_norm=True, attention_bias=True,
+                                        partial_rotary_factor=0.5),
+                       note="qk norm, qkv bias, half the head rotated, 2 groups / top 1, selection biases"),
+    "glm4_moe_full": HFSpec("glm4_moe", _cfg(intermediate_size=48, moe_intermediate_size=16, n_routed_experts=16,
+                                             num_experts_per_tok=4, n_shared_experts=0, first_k_dense_replace=0,
+                                             norm_topk_prob=False, partial_rotary_factor=1.0, tie_word_embeddings=True,
+                                             initializer_range=0.15),
+                            note="every layer MoE, no shared expert, whole head rotated, unnormalised, tied",
+                            router_scale=4.0),
     # ---------------------------------------------------------------- Granite MoE (multipliers unlike 1 and 1/sqrt(d))
     # tied: with Granite's own ×12 embeddings a tiny random model's tied head repeats the last token (greedy tests
     # need varied continuations), so this one multiplies by 0.5 and 2 instead
@@ -276,8 +289,8 @@ HF_CONFIGS: dict[str, HFSpec] = {
                                     note="shared_intermediate_size 0 (no shared MLP), top-3"),
 }
 
-FAMILIES = ("mixtral", "phimoe", "qwen2_moe", "qwen3_moe", "olmoe", "deepseek_v2", "deepseek_v3", "granitemoe",
-            "granitemoeshared")
+FAMILIES = ("mixtral", "phimoe", "qwen2_moe", "qwen3_moe", "olmoe", "deepseek_v2", "deepseek_v3", "glm4_moe",
+            "granitemoe", "granitemoeshared")
 
 
 def _config_class(model_type: str):
@@ -287,7 +300,7 @@ def _config_class(model_type: str):
         "mixtral": transformers.MixtralConfig, "phimoe": transformers.PhimoeConfig,
         "qwen2_moe": transformers.Qwen2MoeConfig, "qwen3_moe": transformers.Qwen3MoeConfig,
         "olmoe": transformers.OlmoeConfig, "deepseek_v2": transformers.DeepseekV2Config,
-        "deepseek_v3": transformers.DeepseekV3Config,
+        "deepseek_v3": transformers.DeepseekV3Config, "glm4_moe": transformers.Glm4MoeConfig,
         "granitemoe": transformers.GraniteMoeConfig, "granitemoeshared": transformers.GraniteMoeSharedConfig,
     }[model_type]
 

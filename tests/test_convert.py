@@ -667,3 +667,15 @@ def test_deepseek_v3_multi_token_prediction_layers_are_skipped_and_nothing_else(
     _rewrite(folder, lambda t: t.__setitem__("model.layers.0.mlp.gate.stray", np.zeros((2,), np.float32)))
     with pytest.raises(CheckpointError, match=r"not in the deepseek_v3 key table.*model\.layers\.0\.mlp\.gate\.stray"):
         moejax.load(folder)
+
+
+@pytest.mark.parametrize("factor", [0, 1.5, "half", 0.01])
+def test_a_bad_partial_rotary_factor_is_named(tmp_path, factor):
+    folder = _copy_hf("glm4_moe", tmp_path / "m")
+    cfg = read_config(folder)
+    cfg["partial_rotary_factor"] = factor
+    cfg.get("rope_parameters", {}).pop("partial_rotary_factor", None)
+    with open(os.path.join(folder, "config.json"), "w") as f:
+        json.dump(cfg, f)
+    with pytest.raises(UnsupportedModelError, match="partial_rotary_factor"):
+        moejax.load(folder)

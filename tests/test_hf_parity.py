@@ -41,11 +41,12 @@ PARITY = [n for n in HF_CONFIGS if n != "deepseek_v2_norm"]
 ONE_PER_FAMILY = list(FAMILIES)
 # the configs with the most options on: decode-loop tests run on these by default, on the rest with -m slow
 DECODE_FAST = ("mixtral_swa", "phimoe_longrope", "qwen2_moe_sparse_step", "qwen3_moe", "olmoe_clip",
-               "deepseek_v2_lite", "deepseek_v2_group", "deepseek_v2_freq2", "deepseek_v3", "granitemoeshared")
+               "deepseek_v2_lite", "deepseek_v2_group", "deepseek_v2_freq2", "deepseek_v3", "glm4_moe",
+               "granitemoeshared")
 DECODE = [n if n in DECODE_FAST else pytest.param(n, marks=pytest.mark.slow) for n in PARITY]
 # incremental == full: one config per family by default (greedy-vs-HF already decodes through the cache)
 INCR_FAST = ("mixtral_swa", "phimoe_longrope", "qwen2_moe_sparse_step", "qwen3_moe", "olmoe_clip",
-             "deepseek_v2_group", "deepseek_v3", "granitemoeshared")
+             "deepseek_v2_group", "deepseek_v3", "glm4_moe", "granitemoeshared")
 INCREMENTAL = [n if n in INCR_FAST else pytest.param(n, marks=pytest.mark.slow) for n in PARITY]
 _jit_forward = jax.jit(model_forward, static_argnames=("cfg",))
 
@@ -203,6 +204,10 @@ PERTURBATIONS = {
     "deepseek_v3 selection bias": ("deepseek_v3", 20, _zero_selection_bias),
     "deepseek_v3 groups (noaux_tc)": ("deepseek_v3", 20, _replace_gating(n_group=1, topk_group=1)),
     "deepseek_v3 rotate-half rope": ("deepseek_v3_flat", 20, _replace(rope_interleaved=True)),
+    "glm4 partial rotary": ("glm4_moe", 20, lambda p, c: (p, dataclasses.replace(
+        c, rope_inv_freq=tuple(float(x) for x in 1.0 / 10000.0 ** (np.arange(0, 16, 2) / 16))))),
+    "glm4 qk norm": ("glm4_moe", 20, _replace(qk_norm="none")),
+    "glm4 selection bias": ("glm4_moe", 20, _zero_selection_bias),
     "granite embedding_multiplier": ("granitemoe", 20, _replace(embedding_multiplier=1.0)),
     "granite residual_multiplier": ("granitemoe", 20, _replace(residual_multiplier=1.0)),
     "granite attention_multiplier": ("granitemoe", 20, _replace(attn_scale=8**-0.5)),

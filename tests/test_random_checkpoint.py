@@ -38,6 +38,9 @@ TINY = {  # per preset: small dimensions that keep every structural option of th
                           "num_attention_heads": 4, "num_key_value_heads": 4, "kv_lora_rank": 16,
                           "qk_nope_head_dim": 16, "qk_rope_head_dim": 8, "v_head_dim": 16, "n_routed_experts": 8,
                           "num_experts_per_tok": 2},
+    "glm-4.5-air": {"hidden_size": 64, "head_dim": 16, "intermediate_size": 64, "moe_intermediate_size": 32,
+                    "num_attention_heads": 4, "num_key_value_heads": 2, "n_routed_experts": 8, "num_experts_per_tok": 2,
+                    "pad_token_id": 0, "eos_token_id": 2},
     "granite-3.0-1b-a400m": {"hidden_size": 64, "intermediate_size": 32, "num_attention_heads": 4,
                              "num_key_value_heads": 2, "num_local_experts": 8, "num_experts_per_tok": 2},
 }
@@ -51,6 +54,7 @@ EXPECTED = {  # (model_type, layers, routed experts, top-k, hidden): the real mo
     "granite-3.0-1b-a400m": ("granitemoe", 24, 32, 8, 1024),
     "moonlight-16b-a3b": ("deepseek_v3", 27, 64, 6, 2048),
     "deepseek-v3": ("deepseek_v3", 61, 256, 8, 7168),
+    "glm-4.5-air": ("glm4_moe", 46, 128, 8, 4096),
     "granite-3.0-3b-a800m": ("granitemoe", 32, 40, 8, 1536),
 }
 
@@ -69,6 +73,8 @@ def test_every_preset_is_there_with_the_real_shapes():
     deepseek = [sum(int(np.prod(s)) for _, s, _ in rc.tensor_plan(rc.preset_config(n)))
                 for n in ("moonlight-16b-a3b", "deepseek-v3")]
     assert 15.9e9 < deepseek[0] < 16.0e9 and 671.0e9 < deepseek[1] < 671.1e9  # without DeepSeek-V3's MTP layer
+    glm = sum(int(np.prod(s)) for _, s, _ in rc.tensor_plan(rc.preset_config("glm-4.5-air")))
+    assert 106.8e9 < glm < 106.9e9  # GLM-4.5-Air: "106B", without its MTP layer
 
 
 @pytest.mark.parametrize("name", sorted(TINY))

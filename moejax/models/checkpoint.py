@@ -376,7 +376,9 @@ def hf_tree(folder: str, cfg: ModelConfig) -> dict:
         parts[path + ("gate",)] = [(tensors[gate_up], gu[e, :f]) for e in range(n)]
         parts[path + ("up",)] = [(tensors[gate_up], gu[e, f:]) for e in range(n)]
         parts[path + ("down",)] = [(tensors[down], dn[e]) for e in range(n)]
-    unexpected = sorted(k for k in tensors if k not in used and not hf_keys.ignored(k, cfg))
+    # tensors with no elements carry nothing: transformers writes a zero-width shared expert for n_shared_experts 0
+    unexpected = sorted(k for k in tensors if k not in used and not hf_keys.ignored(k, cfg)
+                        and 0 not in tensors[k].shape(k))
     if unexpected:
         raise CheckpointError(f"{folder}: tensors not in the {cfg.model_type} key table: "
                               + ", ".join(unexpected[:10]) + (" ..." if len(unexpected) > 10 else ""))

@@ -19,8 +19,11 @@ from moejax.base.typecheck import is_integer, is_number
 from moejax.models.gating import Gating, GroupLimited, SigmoidGroupLimited, SoftmaxTopK, SparseMixer
 
 SUPPORTED_MODEL_TYPES = ("mixtral", "phimoe", "qwen2_moe", "qwen3_moe", "olmoe", "deepseek_v2", "deepseek_v3",
-                         "granitemoe", "granitemoeshared")
+                         "glm4_moe", "granitemoe", "granitemoeshared")
 DEEPSEEK = ("deepseek_v2", "deepseek_v3")  # multi-head latent attention, shared experts, first_k_dense_replace
+#: DeepSeek-V3's routing (sigmoid + per-layer selection biases, noaux_tc), shared experts and dense first layers
+#: (GLM-4.5 with grouped-query attention); their checkpoints may carry multi-token-prediction layers past the last
+SELECTION_BIASED = ("deepseek_v3", "glm4_moe")
 GRANITE = ("granitemoe", "granitemoeshared")
 
 _DEFAULT_THETA = {"mixtral": 1e6, "phimoe": 1e6}
@@ -213,8 +216,8 @@ def _moe_layer_pattern(hf: dict[str, Any], mt: str, n_layers: int) -> tuple[bool
         only_mlp = set(hf.get("mlp_only_layers") or [])
         n = hf.get("num_experts", hf.get("num_local_experts", 0))
         return tuple(i not in only_mlp and n > 0 and (i + 1) % step == 0 for i in range(n_layers))
-    # deepseek_v2: the reference implementation's rule (HF 5.x drops moe_layer_freq; it defaults to 1)
-    first_dense = hf.get("first_k_dense_replace", 0) or 0
+    # DeepSeek-V2/V3, GLM-4.5: the reference DeepSeek-V2 rule (HF 5.x drops moe_layer_freq; it defaults to 1)
+    first_dense = hf.get("first_k_dense_replace", _NOAUX_DEFAULTS.get(mt, {}).get("first_k_dense_replace", 0)) or 0
     freq = hf.get("moe_layer_freq", 1) or 1
     return tuple(i >= first_dense and i % freq == 0 for i in range(n_layers))
 
@@ -266,7 +269,7 @@ _NON_NEGATIVE_INT_KEYS = ("shared_expert_intermediate_size", "n_shared_experts",
 
 # switches read with ``bool()``: a string such as "false" would silently mean true
 _BOOL_KEYS = ("norm_topk_prob", "use_sliding_window", "qkv_bias", "attention_bias", "mlp_bias", "tie_word_embeddings",
-              "lm_head_bias")
+              "lm_head_bias", "use_qk_norm")
 
 
 #: counts far beyond any released model (DeepSeek-V3: 61 layers of 256 experts): a damaged config.json, which
@@ -325,24 +328,45 @@ def _check_unquantised(hf: dict[str, Any], mt: str) -> None:
             "fp8_cast_bf16.py writes one), then --weight-dtype/--expert-dtype int8 if it must be smaller")
 
 
-def _noaux_gating(hf: dict[str, Any], n_experts: int, top_k: int) -> SigmoidGroupLimited:
-    """DeepSeek-V3's router: sigmoid scores with a selection bias (``noaux_tc``), group-limited."""
+#: transformers' defaults for what a config.json of these families may leave out
+_NOAUX_DEFAULTS = {"deepseek_v3": {"n_group": 8, "topk_group": 4, "routed_scaling_factor": 2.5, "first_k_dense_replace": 3},
+                   "glm4_moe": {"n_group": 1, "topk_group": 1, "routed_scaling_factor": 1.0, "first_k_dense_replace": 1}}
+
+
+def _noaux_gating(hf: dict[str, Any], mt: str, n_experts: int, top_k: int) -> SigmoidGroupLimited:
+    """DeepSeek-V3's router (also GLM-4.5's): sigmoid scores with a selection bias (``noaux_tc``), group-limited."""
     method, scoring = hf.get("topk_method", "noaux_tc"), hf.get("scoring_func", "sigmoid")
     if method != "noaux_tc" or scoring != "sigmoid":
-        raise UnsupportedModelError(f"deepseek_v3 topk_method {method!r} with scoring_func {scoring!r} is not "
+        raise UnsupportedModelError(f"{mt} topk_method {method!r} with scoring_func {scoring!r} is not "
                                     "supported (supported: noaux_tc with sigmoid, as transformers runs it)")
-    n_group, topk_group = hf.get("n_group") or 1, hf.get("topk_group") or 1
+    default = _NOAUX_DEFAULTS[mt]
+    n_group, topk_group = (hf.get(k) if hf.get(k) is not None else default[k] for k in ("n_group", "topk_group"))
     for key, v in (("n_group", n_group), ("topk_group", topk_group)):
         if not is_integer(v) or v < 1:
             raise UnsupportedModelError(f"config.json: {key} must be an integer >= 1, got {v!r}")
     if n_experts % n_group or topk_group > n_group or (n_group > 1 and n_experts // n_group < 2):
         raise UnsupportedModelError(f"config.json: n_group {n_group} must divide the {n_experts} routed experts "
                                     f"into groups of at least 2, and topk_group {topk_group} be at most n_group")
-    scale = hf.get("routed_scaling_factor", 1.0)
+    scale = hf.get("routed_scaling_factor", default["routed_scaling_factor"])
     if not is_number(scale) or not math.isfinite(scale):
         raise UnsupportedModelError(f"config.json: routed_scaling_factor must be a finite number, got {scale!r}")
     return SigmoidGroupLimited(n_experts, top_k, bool(hf.get("norm_topk_prob", True)) and top_k > 1, float(scale),
                                n_group, topk_group)
+
+
+def _rotary_dim(hf: dict[str, Any], rp: dict[str, Any], mt: str, head_dim: int) -> int:
+    """The dimensions of a head that rotary embedding turns: all, or GLM-4.5's first ``partial_rotary_factor``
+    (0.5 where its config leaves it out, as transformers assumes); the rest pass through unrotated."""
+    factor = hf.get("partial_rotary_factor", rp.get("partial_rotary_factor"))
+    if factor is None:
+        factor = 0.5 if mt == "glm4_moe" else 1.0
+    if not is_number(factor) or not 0 < factor <= 1:
+        raise UnsupportedModelError(f"config.json: partial_rotary_factor must be in (0, 1], got {factor!r}")
+    dim = int(head_dim * factor)
+    if dim < 2 or dim % 2:
+        raise UnsupportedModelError(f"config.json: partial_rotary_factor {factor} turns {dim} of the {head_dim} "
+                                    "dimensions of a head; rotary embedding needs an even number >= 2")
+    return dim
 
 
 def _multiplier(hf: dict[str, Any], key: str) -> float:
@@ -371,7 +395,7 @@ def _from_hf(hf: dict[str, Any], mt: str) -> ModelConfig:
     _check_unquantised(hf, mt)
     rp = _rope_parameters(hf, mt)
     max_pos = hf.get("max_position_embeddings", 4096)
-    rope_dim = hf["qk_rope_head_dim"] if mla else head_dim
+    rope_dim = hf["qk_rope_head_dim"] if mla else _rotary_dim(hf, rp, mt, head_dim)
     inv_freq, rope_scale = _rope_frequencies(rp, rope_dim, max_pos)
     long_scale, long_after = rope_scale, 2**31 - 1
     if mt == "phimoe" and rp["rope_type"] != "default":
@@ -393,7 +417,7 @@ def _from_hf(hf: dict[str, Any], mt: str) -> ModelConfig:
     if mt in ("mixtral", "phimoe", *GRANITE):
         n_experts, top_k = hf["num_local_experts"], hf.get("num_experts_per_tok", 2)
         moe_ff = hf["intermediate_size"]
-    elif mt in DEEPSEEK:
+    elif mt in (*DEEPSEEK, "glm4_moe"):
         n_experts, top_k = _first(hf, "n_routed_experts", "num_local_experts"), hf["num_experts_per_tok"]
         moe_ff = hf["moe_intermediate_size"]
     else:
@@ -419,15 +443,15 @@ def _from_hf(hf: dict[str, Any], mt: str) -> ModelConfig:
         else:
             raise UnsupportedModelError(f"deepseek_v2 topk_method {method!r} is not supported "
                                         "(supported: greedy, group_limited_greedy)")
-    elif mt == "deepseek_v3":
-        gating = _noaux_gating(hf, n_experts, top_k)
+    elif mt in SELECTION_BIASED:
+        gating = _noaux_gating(hf, mt, n_experts, top_k)
     else:
         gating = SoftmaxTopK(n_experts, top_k, normalize=bool(hf.get("norm_topk_prob", False)))
 
     shared = 0
     if mt == "qwen2_moe":
         shared = hf.get("shared_expert_intermediate_size", 0) or 0
-    elif mt in DEEPSEEK:
+    elif mt in (*DEEPSEEK, "glm4_moe"):
         shared = (hf.get("n_shared_experts") or 0) * moe_ff
     elif mt == "granitemoeshared":
         shared = hf.get("shared_intermediate_size", 0) or 0
@@ -447,8 +471,9 @@ def _from_hf(hf: dict[str, Any], mt: str) -> ModelConfig:
         norm_type="layer" if mt == "phimoe" else "rms",
         norm_eps=float(hf.get("rms_norm_eps", 1e-5 if mt in ("phimoe", "olmoe") else 1e-6)),
         qkv_bias=bool(hf.get("qkv_bias", True)) if mt == "qwen2_moe" else bool(hf.get("attention_bias", False)),
-        o_bias=False if mt == "qwen2_moe" else bool(hf.get("attention_bias", False)),
-        qk_norm={"qwen3_moe": "head", "olmoe": "proj"}.get(mt, "none"),
+        o_bias=False if mt in ("qwen2_moe", "glm4_moe") else bool(hf.get("attention_bias", False)),
+        qk_norm=("head" if mt == "qwen3_moe" or (mt == "glm4_moe" and hf.get("use_qk_norm")) else
+                 "proj" if mt == "olmoe" else "none"),
         clip_qkv=hf.get("clip_qkv") if mt == "olmoe" else None,
         sliding_windows=_sliding_windows(hf, mt, n_layers),
         rope_inv_freq=tuple(float(x) for x in inv_freq),

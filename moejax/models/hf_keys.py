@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Iterator
 
-from moejax.models.config import GRANITE, ModelConfig
+from moejax.models.config import GRANITE, SELECTION_BIASED, ModelConfig
 
 # hub names of the three expert projections, per family: (gate, up, down)
 _EXPERT_NAMES = {
@@ -19,7 +19,8 @@ _EXPERT_NAMES = {
     "phimoe": ("w1", "w3", "w2"),
 }
 _MOE_PREFIX = {"mixtral": "block_sparse_moe", "phimoe": "block_sparse_moe"}
-_SHARED_NAME = {"qwen2_moe": "shared_expert", "deepseek_v2": "shared_experts", "deepseek_v3": "shared_experts"}
+_SHARED_NAME = {"qwen2_moe": "shared_expert", "deepseek_v2": "shared_experts", "deepseek_v3": "shared_experts",
+                "glm4_moe": "shared_experts"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -139,7 +140,7 @@ def _moe(cfg: ModelConfig, pre: str, path: tuple) -> Iterator[Entry]:
         return
     block = f"{pre}.{_MOE_PREFIX.get(mt, 'mlp')}"
     yield from _linear(f"{block}.gate", path + ("router",), d, cfg.n_experts)
-    if mt == "deepseek_v3":  # the selection bias (float32 in the files and in moejax: weights.FLOAT32_PARAMS)
+    if mt in SELECTION_BIASED:  # the selection bias (float32 in the files and in moejax: weights.FLOAT32_PARAMS)
         yield Entry(f"{block}.gate.e_score_correction_bias", path + ("score_bias",), (cfg.n_experts,))
     gate, up, down = _EXPERT_NAMES.get(mt, ("gate_proj", "up_proj", "down_proj"))
     for e in range(cfg.n_experts):
@@ -180,12 +181,12 @@ IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
 
 def ignored(key: str, cfg: ModelConfig) -> bool:
-    """Tensors of a checkpoint that moejax does not use: recomputed ones (``IGNORED_SUFFIXES``) and DeepSeek-V3's
-    multi-token-prediction layers (``model.layers.{L}...`` past the decoder's L layers: a training and
+    """Tensors of a checkpoint that moejax does not use: recomputed ones (``IGNORED_SUFFIXES``) and DeepSeek-V3's and
+    GLM-4.5's multi-token-prediction layers (``model.layers.{L}...`` past the decoder's L layers: a training and
     speculative-decoding head, which transformers skips too)."""
     if key.endswith(IGNORED_SUFFIXES):
         return True
-    if cfg.model_type == "deepseek_v3" and key.startswith("model.layers."):
+    if cfg.model_type in SELECTION_BIASED and key.startswith("model.layers."):
         layer = key.split(".")[2]
         return layer.isdigit() and int(layer) >= cfg.num_layers
     return False

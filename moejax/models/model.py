@@ -82,7 +82,11 @@ def rope_tables(cfg: ModelConfig, positions: jax.Array) -> tuple[jax.Array, jax.
 
 
 def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array, interleaved: bool) -> jax.Array:
-    """x [T, H, dim]. Half rotation (Llama style) or (even, odd) pairs (DeepSeek's complex form)."""
+    """x [T, H, dim]. Half rotation (Llama style) or (even, odd) pairs (DeepSeek's complex form). Tables for
+    fewer dimensions than ``dim`` (GLM-4.5's partial rotary) turn the first 2·cos.shape[-1] and pass the rest."""
+    turned = 2 * cos.shape[-1]
+    if turned < x.shape[-1]:
+        return jnp.concatenate([apply_rope(x[..., :turned], cos, sin, interleaved), x[..., turned:]], axis=-1)
     c, s = cos[:, None, :], sin[:, None, :]
     xf = x.astype(jnp.float32)
     if interleaved:
