@@ -212,9 +212,9 @@ def main(argv: list[str] | None = None) -> int:
     compile_cache.enable()
     try:
         _check_args(args)
-        api.refuse_without_tokenizer(args.model, "WikiText and the tasks are scored as text")
+        folder = api.text_model_folder(args.model, "WikiText and the tasks are scored as text")
         mesh = cli_options.start_distributed(args)
-        model = api.load(args.model, dtype=None if args.dtype is None else getattr(jnp, args.dtype),
+        model = api.load(folder, dtype=None if args.dtype is None else getattr(jnp, args.dtype),
                          offload=offload_from_args(args), **cli_options.weight_kwargs(args),
                          **cli_options.shard_kwargs(args))
         if args.context is None:

@@ -60,7 +60,6 @@ import jax.numpy as jnp
 import numpy as np
 
 from moejax.base import atomic, compile_cache, distributed, errors, interrupts, paths, seeds
-from moejax.models import model as model_lib
 from moejax.models.gating import descending_order
 from moejax.experts import routing as routing_lib
 from moejax.runtime import api, cli_options, simulate
@@ -220,8 +219,7 @@ class Context:
         routing = sweep_points.routing_record("original", self.cfg.top_k, **extra)
         p = sweep_points.make_point(self.model, self.label, routing=routing, sweep=dict(extra), hook=hook,
                                     hook_state=None if hook is None else hook.init_state(
-                                        rank, model_lib.selection_biases(self.model.params, self.cfg)),
-                                    **self._base(study))
+                                        rank, self.model.selection_biases), **self._base(study))
         return p
 
     def runner(self, study: str) -> sweep.Runner:
@@ -616,9 +614,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         chosen, evictions = check_args(args)
         # every study scores text: say so before loading, not in each study
-        api.refuse_without_tokenizer(args.model, "the studies score WikiText and task text")
+        folder = api.text_model_folder(args.model, "the studies score WikiText and task text")
         mesh = cli_options.start_distributed(args)
-        model = api.load(args.model, dtype=getattr(jnp, args.dtype))
+        model = api.load(folder, dtype=getattr(jnp, args.dtype))
         read_manifest(manifest_path(args.out))  # one the run cannot merge into is refused before computing
     except errors.HANDLED as e:
         return errors.report(e)

@@ -379,8 +379,7 @@ class Model:
         the model's own setting) and a run of ``tokens`` positions (``logits_rows`` of them returned)."""
         cache = self.resolve_cache(cache or simulate.CacheConfig(), offload, tokens, shrink_to_fit=cache is None,
                                    logits_rows=logits_rows)
-        return simulate.init_router_state(self.cfg, self._policy(routing), cache,
-                                          layer_selection_biases(self.params, self.cfg))
+        return simulate.init_router_state(self.cfg, self._policy(routing), cache, self.selection_biases)
 
     def _resolve_state(self, routing, cache, state: dict | None, offload, tokens: int | None = None,
                        logits_rows: int = 0) -> dict:
@@ -641,13 +640,15 @@ def check_fits_in_memory(tree, experts: str, layout: str, quantization, path: st
                              + (": " + "; or ".join(options) if options else ": nothing moejax offers fits there"))
 
 
-def refuse_without_tokenizer(path: str, why: str) -> None:
-    """A ``Failure`` before loading when the model folder holds a checkpoint but no ``tokenizer.json`` (commands
-    that score text: loading first cost the 61 GB Qwen3-30B-A3B folder 3 s and 4.8 GB to be told). Anything else
-    wrong with ``path`` is left to ``load``, which names it."""
+def text_model_folder(path: str, why: str) -> str:
+    """The folder of model argument ``path`` (``resolve_model_path``: a hub id is fetched once, here), for commands
+    that score text: a ``Failure`` before loading when it holds a checkpoint but no ``tokenizer.json`` (loading
+    first cost the 61 GB Qwen3-30B-A3B folder 3 s and 4.8 GB to be told). Anything else wrong with it is left to
+    ``load``, which names it; the folder loads as ``path`` would."""
     folder = resolve_model_path(path)
     if os.path.isfile(os.path.join(folder, "config.json")) and not os.path.isfile(os.path.join(folder, "tokenizer.json")):
         raise Failure(f"{path} has no tokenizer.json: {why}")
+    return folder
 
 
 def load(path: str, dtype=None, offload=None, layout: str = "serving", weight_dtype: str | None = None,
