@@ -34,7 +34,7 @@ import numpy as np
 
 from moejax.base import atomic, distributed, errors
 from moejax.models import gating
-from moejax.models.model import forward, selection_biases
+from moejax.models.model import forward
 from moejax.experts import trace as trace_lib
 from moejax.runtime import simulate
 from moejax.evaluation import perplexity, results as results_file, tasks
@@ -185,8 +185,7 @@ def _stack(trees: list):
 
 def _initial_state(model, point: Point) -> dict:
 
-    return simulate.init_router_state(model.cfg, point.policy, point.cache,
-                                      selection_biases(model.params, model.cfg))
+    return simulate.init_router_state(model.cfg, point.policy, point.cache, model.selection_biases)
 
 
 def run_forward_batch(model, chunks: list[np.ndarray], text: str, ids: np.ndarray, context: int,

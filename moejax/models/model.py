@@ -835,11 +835,19 @@ def embed(params: Params, tokens: jax.Array) -> jax.Array:
     return table[tokens]
 
 
-def embed_scaled(params: Params, cfg: ModelConfig, tokens: jax.Array) -> jax.Array:
-    """The embeddings a model's first layer reads: ``embed`` × Granite's ``embedding_multiplier`` (in the
-    table's dtype, as HF multiplies)."""
-    x = embed(params, tokens)
+def scale_embeddings(cfg: ModelConfig, x: jax.Array) -> jax.Array:
+    """Embedding rows × Granite's ``embedding_multiplier``, in the table's dtype as HF multiplies (1: unchanged)."""
     return x if cfg.embedding_multiplier == 1.0 else x * cfg.embedding_multiplier
+
+
+def scale_logits(cfg: ModelConfig, logits: jax.Array) -> jax.Array:
+    """LM-head outputs ÷ Granite's ``logits_scaling``, in the head's dtype as HF divides (1: unchanged)."""
+    return logits if cfg.logits_scaling == 1.0 else logits / cfg.logits_scaling
+
+
+def embed_scaled(params: Params, cfg: ModelConfig, tokens: jax.Array) -> jax.Array:
+    """The embeddings a model's first layer reads (``embed``, ``scale_embeddings``)."""
+    return scale_embeddings(cfg, embed(params, tokens))
 
 
 def residual(cfg: ModelConfig, x: jax.Array, y: jax.Array) -> jax.Array:
@@ -849,10 +857,8 @@ def residual(cfg: ModelConfig, x: jax.Array, y: jax.Array) -> jax.Array:
 
 
 def output_logits(params: Params, cfg: ModelConfig, x: jax.Array) -> jax.Array:
-    """Float32 logits of the final-normed hidden states ``x``: the LM head (+ Phi-MoE's bias), ÷ Granite's
-    ``logits_scaling`` in the head's dtype (as HF divides)."""
-    logits = linear(x, lm_head(params, cfg), params.get("lm_head_bias"))
-    return (logits if cfg.logits_scaling == 1.0 else logits / cfg.logits_scaling).astype(jnp.float32)
+    """Float32 logits of the final-normed hidden states ``x``: the LM head (+ Phi-MoE's bias), ``scale_logits``."""
+    return scale_logits(cfg, linear(x, lm_head(params, cfg), params.get("lm_head_bias"))).astype(jnp.float32)
 
 
 def lm_head(params: Params, cfg: ModelConfig):
@@ -873,12 +879,18 @@ def selection_biases(params: Params, cfg: ModelConfig) -> jax.Array | None:
     return jnp.stack([jnp.asarray(p["score_bias"], jnp.float32) for p in layers])
 
 
+def require_selection_biases(cfg: ModelConfig, biases) -> None:
+    """Refuse to route a model whose gating chooses with selection biases without them: unbiased routing would
+    silently be another model (``original_router``, ``simulate.init_router_state``)."""
+    if biases is None and getattr(cfg.gating, "needs_bias", False):
+        raise ValueError(f"{cfg.model_type} chooses experts with per-layer selection biases: pass them "
+                         "(model.selection_biases(params, cfg))")
+
+
 def original_router(cfg: ModelConfig, biases: jax.Array | None = None) -> RouterHook:
     """The architecture's own routing, with no cache: the reference every policy is compared with
     (``biases``: ``selection_biases``, for the gatings that have them)."""
-    if biases is None and getattr(cfg.gating, "needs_bias", False):
-        raise ValueError(f"{cfg.model_type} chooses experts with per-layer selection biases: "
-                         "original_router(cfg, selection_biases(params, cfg))")
+    require_selection_biases(cfg, biases)
 
     def hook(moe_index: int, z: jax.Array, state: Any):
         experts, weights = original_routing(cfg.gating, z, None if biases is None else biases[moe_index])

@@ -143,8 +143,7 @@ def sparse_batch_forward(params, cfg: ModelConfig, tokens: jax.Array, capacity_f
     capacity = min(S, int(np.ceil(capacity_factor * S * cfg.top_k / cfg.n_experts)))
     positions = jnp.arange(T, dtype=jnp.int32)
     cos, sin = M.rope_tables(cfg, positions)
-    x = params["embed"][tokens]  # [B, T, D]
-    x = x if cfg.embedding_multiplier == 1.0 else x * cfg.embedding_multiplier
+    x = M.scale_embeddings(cfg, params["embed"][tokens])  # [B, T, D]
     zs, es, drops = [], [], []
     fused = attention != "model"
     if fused and (cfg.mla or any(cfg.sliding_windows)):
@@ -164,9 +163,7 @@ def sparse_batch_forward(params, cfg: ModelConfig, tokens: jax.Array, capacity_f
         zs.append(z.reshape(B, T, -1)), es.append(e.reshape(B, T, -1)), drops.append(drop)
     x = M.norm(x, params["final_norm"], cfg)
     head = params["embed"].T if cfg.tie_word_embeddings else params["lm_head"]
-    logits = x @ head
-    logits = logits if cfg.logits_scaling == 1.0 else logits / cfg.logits_scaling
-    return logits.astype(jnp.float32), jnp.stack(zs), jnp.stack(es), jnp.stack(drops).mean()
+    return M.scale_logits(cfg, x @ head).astype(jnp.float32), jnp.stack(zs), jnp.stack(es), jnp.stack(drops).mean()
 
 
 def loss_fn(params, cfg: ModelConfig, batch: jax.Array, aux_coef: float, capacity_factor: float = 0.0,

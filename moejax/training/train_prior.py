@@ -48,7 +48,6 @@ from jax import lax
 
 from moejax.base import atomic, errors, interrupts, seeds
 from moejax.experts import cache as cache_lib, prior as prior_lib, router as router_lib, routing as routing_lib
-from moejax.models import model as model_lib
 from moejax.experts.trace import json_safe
 from moejax.runtime import api, simulate
 from moejax.training import data
@@ -361,7 +360,7 @@ def run(args: argparse.Namespace, log=print) -> dict:
     n_train = max(1, int(round(n_tok * (1.0 - args.holdout))))
     z_all = jnp.asarray(rec["z"])
     m_all = jnp.asarray(rec["m"])
-    bias = model_lib.selection_biases(model.params, cfg)
+    bias = model.selection_biases
     up_all, down_all = jax.jit(targets, static_argnames=("gating",))(z_all, m_all, gating=cfg.gating, bias=bias)
     tr = (z_all[:n_train], up_all[:n_train], down_all[:n_train], m_all[:n_train])
     ho = (z_all[n_train:], up_all[n_train:], down_all[n_train:], m_all[n_train:]) if n_train < n_tok else tr
