@@ -439,13 +439,6 @@ def _hf_value(params: dict, e: hf_keys.Entry) -> np.ndarray:
     return np.ascontiguousarray(value.T if e.transpose else value)
 
 
-def _hf_pieces(params: dict, pieces: list[hf_keys.Entry]):
-    """One HF tensor's bytes in file order, a matrix at a time: each expert's (fused) rows in turn."""
-    for expert in sorted({e.expert for e in pieces}, key=lambda x: -1 if x is None else x):
-        yield from (_hf_value(params, e) for e in sorted((p for p in pieces if p.expert == expert),
-                                                          key=lambda p: (p.rows or (0, 0))[0]))
-
-
 def save_hf(params: dict, cfg: ModelConfig, folder: str, *, tokenizer_from: str | None = None,
             overwrite: bool = False, max_shard_bytes: int = 4 << 30, protect: tuple[str, ...] = ()) -> str:
     """Write a Hugging Face folder (safetensors shards + index, config.json) that transformers loads,
@@ -457,7 +450,7 @@ def save_hf(params: dict, cfg: ModelConfig, folder: str, *, tokenizer_from: str 
     specs = [(key, np.dtype(np.float32) if weights.is_float32_param(pieces[0].path) else dtype,
               hf_keys.tensor_shape(pieces, cfg.n_experts)) for key, pieces in table.items()]
     with atomic_folder(folder, overwrite, protect) as tmp:
-        write_sharded(tmp, "model", specs, lambda key: _hf_pieces(params, table[key]), max_shard_bytes)
+        write_sharded(tmp, "model", specs, lambda key: (_hf_value(params, e) for e in table[key]), max_shard_bytes)
         hf = cfg.hf
         hf["torch_dtype"] = hf["dtype"] = str(dtype)
         atomic.write_json(os.path.join(tmp, "config.json"), hf)

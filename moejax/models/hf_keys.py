@@ -50,8 +50,8 @@ def tensor_shape(pieces: list[Entry], n_experts: int) -> tuple[int, ...]:
 
 
 def by_tensor(table: list[Entry]) -> dict[str, list[Entry]]:
-    """The entries grouped by the HF tensor they live in (table order; one entry per tensor except where the
-    file fuses matrices)."""
+    """The entries grouped by the HF tensor they live in (one entry per tensor except where the file fuses
+    matrices), in the table's order, which is the file's: expert by expert, each one's rows top down."""
     out: dict[str, list[Entry]] = {}
     for e in table:
         out.setdefault(e.hf_key, []).append(e)

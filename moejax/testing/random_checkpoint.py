@@ -34,7 +34,7 @@ import numpy as np
 from moejax.base import atomic, errors, interrupts
 from moejax.base.memory import format_bytes
 from moejax.base.typecheck import is_integer
-from moejax.models import checkpoint, hf_keys, safetensors_io
+from moejax.models import checkpoint, hf_keys, safetensors_io, weights
 from moejax.models.config import from_hf
 
 PRESETS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "presets")
@@ -117,14 +117,22 @@ def with_overrides(config: dict, layers: int | None = None, sets: dict | None = 
 def tensor_plan(config: dict) -> list[tuple[str, tuple[int, ...], str]]:
     """(hub key, shape, kind) of every tensor, kind "scale" (norm weight: ones), "shift" (norm bias:
     zeros) or "random"; from moejax's key table, which is also what import checks against."""
+    return _plan(config)[0]
+
+
+def _plan(config: dict) -> tuple[list[tuple[str, tuple[int, ...], str]], set[str]]:
+    """``tensor_plan`` and the keys written float32 whatever the dtype (``weights.FLOAT32_PARAMS``: DeepSeek-V3's
+    selection bias, float32 in the released files too)."""
     cfg = from_hf(config)
-    plan = []
+    plan, float32 = [], set()
     for key, pieces in hf_keys.by_tensor(hf_keys.entries(cfg)).items():
         e = pieces[0]
         norm = len(e.path) >= 2 and isinstance(e.path[-2], str) and "norm" in e.path[-2]
         kind = "scale" if e.path[-1] == "scale" else "shift" if norm and e.path[-1] == "bias" else "random"
         plan.append((key, tuple(hf_keys.tensor_shape(pieces, cfg.n_experts)), kind))
-    return plan
+        if weights.is_float32_param(e.path):
+            float32.add(key)
+    return plan, float32
 
 
 def tensor_chunks(key: str, shape: tuple[int, ...], kind: str, seed: int, dtype, std: float = STD):
@@ -140,11 +148,6 @@ def tensor_chunks(key: str, shape: tuple[int, ...], kind: str, seed: int, dtype,
         part = rng.standard_normal(min(CHUNK, n - start), dtype=np.float32)
         part *= std
         yield part.astype(dtype)
-
-
-def _dtype_of(key: str, dtype: np.dtype) -> np.dtype:
-    """DeepSeek-V3's selection bias is float32 in the released files (and kept so by HF and moejax)."""
-    return np.dtype(np.float32) if key.endswith(".e_score_correction_bias") else dtype
 
 
 def shard_plan(plan: list, itemsize: int, shard_bytes: int) -> list[list]:
@@ -169,8 +172,9 @@ def write_checkpoint(config: dict, out: str, *, dtype: str = "bfloat16", seed: i
     largest = float(ml_dtypes.finfo(np_dtype).max)
     if not (math.isfinite(std) and 0 <= std * 10 <= largest):  # normal samples reach ~6.5 σ in a big tensor
         raise ValueError(f"--std {std} would overflow {dtype} (at most {largest / 10:.3g})")
-    plan = tensor_plan(config)
-    total = sum(int(np.prod(s, dtype=np.int64)) * _dtype_of(k, np_dtype).itemsize for k, s, _ in plan)
+    plan, float32 = _plan(config)
+    dtype_of = {k: np.dtype(np.float32) if k in float32 else np_dtype for k, _, _ in plan}
+    total = sum(int(np.prod(s, dtype=np.int64)) * dtype_of[k].itemsize for k, s, _ in plan)
     out = os.path.abspath(os.path.expanduser(out))
     checkpoint.check_replaceable(out, overwrite)
     parent = atomic.existing_ancestor(os.path.dirname(out))  # folders are made (and removed on failure) by the write
@@ -185,7 +189,7 @@ def write_checkpoint(config: dict, out: str, *, dtype: str = "bfloat16", seed: i
         for i, shard in enumerate(shards):
             name = ("model.safetensors" if len(shards) == 1
                     else f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors")
-            specs = [(k, _dtype_of(k, np_dtype), s) for k, s, _ in shard]
+            specs = [(k, dtype_of[k], s) for k, s, _ in shard]
             safetensors_io.write_stream(
                 os.path.join(tmp, name), specs,
                 lambda key: tensor_chunks(key, shapes[key][0], shapes[key][1], seed, np_dtype, std),
