@@ -287,10 +287,23 @@ HF_CONFIGS: dict[str, HFSpec] = {
                                                              num_experts_per_tok=3, shared_intermediate_size=0,
                                                              **_GRANITE),
                                     note="shared_intermediate_size 0 (no shared MLP), top-3"),
+    # ---------------------------------------------------------------- ERNIE-4.5 (softmax + selection biases on probs)
+    "ernie4_5_moe": HFSpec("ernie4_5_moe", _cfg(num_hidden_layers=3, intermediate_size=48, moe_intermediate_size=16,
+                                                moe_num_experts=8, moe_k=2, moe_num_shared_experts=1,
+                                                moe_layer_start_index=1, use_bias=True, tie_word_embeddings=False),
+                           note="first layer dense, a shared expert, biases everywhere (lm_head too)"),
+    "ernie4_5_moe_interval": HFSpec("ernie4_5_moe", _cfg(num_hidden_layers=4, intermediate_size=48,
+                                                         moe_intermediate_size=16, moe_num_experts=16, moe_k=3,
+                                                         moe_num_shared_experts=0, moe_layer_start_index=0,
+                                                         moe_layer_end_index=2, moe_layer_interval=2,
+                                                         moe_norm_min=0.6),
+                                    note="MoE every 2nd layer up to layer 2, no shared expert, top-3 of 16 with "
+                                         "norm_min 0.6 (clamps most sums), tied (ERNIE's default), no biases",
+                                    router_scale=1.0),
 }
 
 FAMILIES = ("mixtral", "phimoe", "qwen2_moe", "qwen3_moe", "olmoe", "deepseek_v2", "deepseek_v3", "glm4_moe",
-            "granitemoe", "granitemoeshared")
+            "granitemoe", "granitemoeshared", "ernie4_5_moe")
 
 
 def _config_class(model_type: str):
@@ -302,6 +315,7 @@ def _config_class(model_type: str):
         "olmoe": transformers.OlmoeConfig, "deepseek_v2": transformers.DeepseekV2Config,
         "deepseek_v3": transformers.DeepseekV3Config, "glm4_moe": transformers.Glm4MoeConfig,
         "granitemoe": transformers.GraniteMoeConfig, "granitemoeshared": transformers.GraniteMoeSharedConfig,
+        "ernie4_5_moe": transformers.Ernie4_5_MoeConfig,
     }[model_type]
 
 
@@ -334,6 +348,9 @@ def build_hf_model(spec: HFSpec, seed: int = 0, router_scale: float | None = Non
             r.weight.mul_(spec.router_scale if router_scale is None else router_scale)
             if hasattr(r, "e_score_correction_bias"):  # a buffer, zero at init: a bias that changes choices
                 r.e_score_correction_bias.copy_(0.3 * torch.randn_like(r.e_score_correction_bias))
+            if hasattr(r, "moe_statics"):  # ERNIE-4.5's, added to probabilities (1/N on average)
+                bias = r.moe_statics.e_score_correction_bias
+                bias.copy_(0.5 / r.num_experts * torch.randn_like(bias))
         # random init leaves some weights (norms, biases) at trivial values: perturb them so a mapping that
         # swaps or drops them cannot pass
         for name, p in model.named_parameters():

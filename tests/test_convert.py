@@ -679,3 +679,42 @@ def test_a_bad_partial_rotary_factor_is_named(tmp_path, factor):
         json.dump(cfg, f)
     with pytest.raises(UnsupportedModelError, match="partial_rotary_factor"):
         moejax.load(folder)
+
+
+def test_ernie_keeps_router_and_selection_bias_float32_in_bf16_and_skips_its_mtp_tensors(tmp_path):
+    """ERNIE-4.5's hub files hold the router weight and the [1, N] selection bias in float32 (transformers keeps them
+    so): loaded as bf16 they stay float32 and exact, export writes them float32 again in their [1, N] shape, and the
+    multi-token-prediction tensors (``model.mtp_*``) are skipped, as transformers skips them."""
+    src = get_hf_model("ernie4_5_moe").folder
+    m = moejax.load(src, dtype="bfloat16")
+    ref = read_tensors(src)
+    moe = m.params["layers"][1]["moe"]
+    assert moe["router"].dtype == moe["score_bias"].dtype == np.float32 and m.params["embed"].dtype == jnp.bfloat16
+    np.testing.assert_array_equal(np.asarray(moe["router"]).T, ref["model.layers.1.mlp.gate.weight"])
+    back = read_tensors(checkpoint.convert_moejax_to_hf(checkpoint.convert_to_moejax(src, str(tmp_path / "mj"),
+                                                                                     dtype=jnp.bfloat16),
+                                                        str(tmp_path / "hf")))
+    for key in ("model.layers.1.mlp.gate.weight", "model.layers.1.mlp.moe_statics.e_score_correction_bias"):
+        assert back[key].dtype == np.float32 and back[key].shape == ref[key].shape, key
+        np.testing.assert_array_equal(back[key], ref[key])
+    assert back["model.layers.1.mlp.experts.0.up_proj.weight"].dtype == ml_dtypes.bfloat16
+    folder = _copy_hf("ernie4_5_moe", tmp_path / "m")
+    _rewrite(folder, lambda t: t.update({"model.mtp_block.0.self_attn.q_proj.weight": np.zeros((4, 8), np.float32),
+                                         "model.mtp_linear_proj.0.weight": np.zeros((4, 8), np.float32)}))
+    np.testing.assert_array_equal(moejax.load(folder).forward(IDS).logits, get_moejax_model("ernie4_5_moe").forward(IDS).logits)
+    _rewrite(folder, lambda t: t.__setitem__("model.layers.1.mlp.gate.stray", np.zeros((2,), np.float32)))
+    with pytest.raises(CheckpointError, match=r"not in the ernie4_5_moe key table.*model\.layers\.1\.mlp\.gate\.stray"):
+        moejax.load(folder)
+
+
+@pytest.mark.parametrize("key, value", [("moe_layer_interval", 0), ("moe_layer_start_index", -1),
+                                        ("moe_norm_min", -1.0), ("moe_norm_min", "tiny"), ("use_bias", "yes"),
+                                        ("moe_k", 0), ("moe_num_shared_experts", -2)])
+def test_a_bad_ernie_moe_field_is_named(tmp_path, key, value):
+    folder = _copy_hf("ernie4_5_moe", tmp_path / "m")
+    cfg = read_config(folder)
+    cfg[key] = value
+    with open(os.path.join(folder, "config.json"), "w") as f:
+        json.dump(cfg, f)
+    with pytest.raises(UnsupportedModelError, match=key):
+        moejax.load(folder)

@@ -42,11 +42,11 @@ ONE_PER_FAMILY = list(FAMILIES)
 # the configs with the most options on: decode-loop tests run on these by default, on the rest with -m slow
 DECODE_FAST = ("mixtral_swa", "phimoe_longrope", "qwen2_moe_sparse_step", "qwen3_moe", "olmoe_clip",
                "deepseek_v2_lite", "deepseek_v2_group", "deepseek_v2_freq2", "deepseek_v3", "glm4_moe",
-               "granitemoeshared")
+               "granitemoeshared", "ernie4_5_moe")
 DECODE = [n if n in DECODE_FAST else pytest.param(n, marks=pytest.mark.slow) for n in PARITY]
 # incremental == full: one config per family by default (greedy-vs-HF already decodes through the cache)
 INCR_FAST = ("mixtral_swa", "phimoe_longrope", "qwen2_moe_sparse_step", "qwen3_moe", "olmoe_clip",
-             "deepseek_v2_group", "deepseek_v3", "glm4_moe", "granitemoeshared")
+             "deepseek_v2_group", "deepseek_v3", "glm4_moe", "granitemoeshared", "ernie4_5_moe")
 INCREMENTAL = [n if n in INCR_FAST else pytest.param(n, marks=pytest.mark.slow) for n in PARITY]
 _jit_forward = jax.jit(model_forward, static_argnames=("cfg",))
 
@@ -152,6 +152,8 @@ def test_every_family_and_option_is_covered():
     assert any(get_moejax_model(n).cfg.tie_word_embeddings for n in PARITY)
     ds = [get_moejax_model(n).cfg for n in PARITY if HF_CONFIGS[n].model_type == "deepseek_v2"]
     assert {c.q_lora_rank is None for c in ds} == {True, False}
+    assert get_moejax_model("ernie4_5_moe").cfg.moe_layers == (False, True, True)
+    assert get_moejax_model("ernie4_5_moe_interval").cfg.moe_layers == (False, True, False, False)
 
 
 def _drop_shared_gate(params, cfg):
@@ -213,6 +215,10 @@ PERTURBATIONS = {
     "granite attention_multiplier": ("granitemoe", 20, _replace(attn_scale=8**-0.5)),
     "granite logits_scaling": ("granitemoe", 20, _replace(logits_scaling=1.0)),
     "granite shared MLP": ("granitemoeshared", 20, _drop_shared),
+    "ernie selection bias": ("ernie4_5_moe", 20, _zero_selection_bias),
+    "ernie rope pairs": ("ernie4_5_moe", 20, _replace(rope_interleaved=False)),
+    "ernie norm_min": ("ernie4_5_moe_interval", 20, _replace_gating(norm_min=0.0)),
+    "ernie lm_head bias": ("ernie4_5_moe", 20, lambda p, c: ({k: v for k, v in p.items() if k != "lm_head_bias"}, c)),
 }
 
 
@@ -396,3 +402,34 @@ def test_deepseek_v3_router_at_real_expert_counts_matches_hf(n, k, groups, top_g
     if bias_std == 1.0:  # the bias decides: unbiased routing would choose differently
         plain = _by_expert(*[np.asarray(a) for a in original_routing(gating, jnp.asarray(logits.numpy()))])[0]
         assert (plain != ref_e).any()
+
+
+@pytest.mark.parametrize("bias_std", [0.0, 0.003, 0.1])
+@pytest.mark.parametrize("n, k, norm_min", [(64, 6, 1e-12), (64, 8, 0.7), (16, 2, 1e-12)])
+def test_ernie_router_at_real_expert_counts_matches_hf(n, k, norm_min, bias_std):
+    """ERNIE-4.5-21B-A3B's router (64 experts, top-6) through HF's own module on random hidden states: the same
+    experts and weights with no bias, a small one (probabilities are ~1/64) and one that decides alone; and with a
+    ``moe_norm_min`` that clamps most sums."""
+    from transformers.models.ernie4_5_moe.modeling_ernie4_5_moe import Ernie4_5_MoeTopKRouter
+
+    from moejax.models.gating import BiasedSoftmaxTopK, original_routing
+
+    config = transformers.Ernie4_5_MoeConfig(hidden_size=64, moe_num_experts=n, moe_k=k, moe_norm_min=norm_min)
+    router = Ernie4_5_MoeTopKRouter(config)
+    gen = torch.Generator().manual_seed(n + k)
+    with torch.no_grad():
+        router.weight.copy_(torch.randn(n, 64, generator=gen) * 0.3)
+        bias = router.moe_statics.e_score_correction_bias
+        bias.copy_(torch.randn(bias.shape, generator=gen) * bias_std)
+        logits, weights, idx = router(torch.randn(256, 64, generator=gen))
+    gating = BiasedSoftmaxTopK(n, k, True, norm_min=norm_min)
+    experts, got = original_routing(gating, jnp.asarray(logits.numpy()), jnp.asarray(bias[0].numpy()))
+    got_e, got_w = _by_expert(np.asarray(experts), np.asarray(got))
+    ref_e, ref_w = _by_expert(idx.numpy(), weights.numpy())
+    np.testing.assert_array_equal(got_e, ref_e)
+    np.testing.assert_allclose(got_w, ref_w, atol=1e-6, rtol=0)
+    if bias_std == 0.1:  # the bias decides: unbiased routing would choose differently
+        plain = _by_expert(*[np.asarray(a) for a in original_routing(gating, jnp.asarray(logits.numpy()))])[0]
+        assert (plain != ref_e).any()
+    if norm_min == 0.7:  # the clamp is used: plain renormalised weights would differ
+        assert (ref_w.sum(-1) < 0.99).any()

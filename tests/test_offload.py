@@ -466,13 +466,15 @@ def test_host_pager_compiles_each_stage_once_while_the_cache_fills():
     assert grown[0] <= 2, grown  # attention + router: with and without a prefetch prediction at most
 
 
-@pytest.mark.parametrize("paging", ["host", pytest.param("jit", marks=pytest.mark.slow)])
-def test_deepseek_v3_selection_biases_route_every_offload_path_as_the_simulation(paging):
-    """DeepSeek-V3's experts are chosen by score + a per-layer bias held in the routing state: host paging (the
-    batched prompt, prefetch of the next layer with its own bias, substitution by rank) and in-jit paging must
-    choose what the simulation chooses."""
-    m = _model("deepseek_v3")
-    assert m.selection_biases is not None and np.abs(m.selection_biases).max() > 0.1
+@pytest.mark.parametrize("name, paging", [("deepseek_v3", "host"), ("ernie4_5_moe", "host"),
+                                          pytest.param("deepseek_v3", "jit", marks=pytest.mark.slow),
+                                          pytest.param("ernie4_5_moe", "jit", marks=pytest.mark.slow)])
+def test_selection_biases_route_every_offload_path_as_the_simulation(name, paging):
+    """DeepSeek-V3's experts are chosen by score + a per-layer bias held in the routing state (ERNIE-4.5's by
+    probability + bias): host paging (the batched prompt, prefetch of the next layer with its own bias,
+    substitution by rank) and in-jit paging must choose what the simulation chooses."""
+    m = _model(name)
+    assert m.selection_biases is not None and np.abs(m.selection_biases).max() > 0.05
     cc = {"host": CacheConfig(size="5", prefetch=1.0, miss="substitute"), "jit": CacheConfig(size="4", prefetch=1.0)}[paging]
     ref, off = _both(m, cc, offload_cfg=offload.OffloadConfig(paging=paging))
     assert off.token_ids == ref.token_ids

@@ -43,6 +43,9 @@ TINY = {  # per preset: small dimensions that keep every structural option of th
                     "pad_token_id": 0, "eos_token_id": 2},
     "granite-3.0-1b-a400m": {"hidden_size": 64, "intermediate_size": 32, "num_attention_heads": 4,
                              "num_key_value_heads": 2, "num_local_experts": 8, "num_experts_per_tok": 2},
+    "ernie-4.5-21b-a3b": {"hidden_size": 64, "intermediate_size": 64, "moe_intermediate_size": 32,
+                          "num_attention_heads": 4, "num_key_value_heads": 2, "moe_num_experts": 8, "moe_k": 2,
+                          "moe_layer_end_index": 1},
 }
 EXPECTED = {  # (model_type, layers, routed experts, top-k, hidden): the real models' shapes
     "mixtral-8x7b": ("mixtral", 32, 8, 2, 4096),
@@ -56,6 +59,7 @@ EXPECTED = {  # (model_type, layers, routed experts, top-k, hidden): the real mo
     "deepseek-v3": ("deepseek_v3", 61, 256, 8, 7168),
     "glm-4.5-air": ("glm4_moe", 46, 128, 8, 4096),
     "granite-3.0-3b-a800m": ("granitemoe", 32, 40, 8, 1536),
+    "ernie-4.5-21b-a3b": ("ernie4_5_moe", 28, 64, 6, 2560),
 }
 
 
@@ -75,6 +79,8 @@ def test_every_preset_is_there_with_the_real_shapes():
     assert 15.9e9 < deepseek[0] < 16.0e9 and 671.0e9 < deepseek[1] < 671.1e9  # without DeepSeek-V3's MTP layer
     glm = sum(int(np.prod(s)) for _, s, _ in rc.tensor_plan(rc.preset_config("glm-4.5-air")))
     assert 106.8e9 < glm < 106.9e9  # GLM-4.5-Air: "106B", without its MTP layer
+    ernie = sum(int(np.prod(s)) for _, s, _ in rc.tensor_plan(rc.preset_config("ernie-4.5-21b-a3b")))
+    assert 21.8e9 < ernie < 21.9e9  # ERNIE-4.5-21B-A3B: "21B", 21.8B counted, without its MTP layer
 
 
 @pytest.mark.parametrize("name", sorted(TINY))

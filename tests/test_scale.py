@@ -84,10 +84,10 @@ def _simulated(folder, cache, **kw):
 
 
 # CI time (issue 20): three families in the main suite (hub layout with and without shared experts, MLA),
-# DeepSeek-V3 and GLM-4.5 (selection biases, float32 in bf16 files) and Granite (experts fused in the files); all with
-# `pytest -m slow`
+# DeepSeek-V3 and GLM-4.5 (selection biases, float32 in bf16 files), ERNIE-4.5 ([1, N] biases, float32 routers) and
+# Granite (experts fused in the files); all with `pytest -m slow`
 CI_PRESETS = ("olmoe-1b-7b", "qwen1.5-moe-a2.7b", "deepseek-v2-lite", "moonlight-16b-a3b", "glm-4.5-air",
-              "granite-3.0-1b-a400m")
+              "granite-3.0-1b-a400m", "ernie-4.5-21b-a3b")
 
 
 @pytest.mark.parametrize("preset", [p if p in CI_PRESETS else pytest.param(p, marks=pytest.mark.slow)

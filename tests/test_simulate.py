@@ -24,7 +24,7 @@ from moejax.runtime import api, simulate
 from moejax.evaluation import perplexity
 
 FAMILIES = ["mixtral", "phimoe", "qwen2_moe", "qwen3_moe", "olmoe", "deepseek_v2_group", "deepseek_v3", "glm4_moe",
-            "granitemoeshared"]
+            "granitemoeshared", "ernie4_5_moe"]
 POLICIES = [("original", {}), ("pruning", {"prune_h": 2}), ("max-rank", {"max_rank": 4}),
             ("cumsum", {"cumsum_p": 0.8}), ("cache-prior", {"lam": 0.6})]
 
@@ -34,8 +34,8 @@ def _tokens(n: int, seed: int = 0) -> np.ndarray:
 
 
 # CI time (issue 20): three families in the main suite (softmax top-k, DeepSeek-V2's group-limited gating and
-# DeepSeek-V3's biased sigmoid one), every family with `pytest -m slow`
-MAIN_SUITE = ("qwen3_moe", "deepseek_v2_group", "deepseek_v3")
+# DeepSeek-V3's biased sigmoid one, ERNIE-4.5's biased softmax), every family with `pytest -m slow`
+MAIN_SUITE = ("qwen3_moe", "deepseek_v2_group", "deepseek_v3", "ernie4_5_moe")
 
 
 @pytest.mark.parametrize("family", [f if f in MAIN_SUITE else pytest.param(f, marks=pytest.mark.slow)

@@ -171,25 +171,27 @@ def test_replay_reroutes_with_a_learned_prior(tmp_path, capsys):
     assert "--prior only applies" in capsys.readouterr().err
 
 
-def test_a_deepseek_v3_trace_carries_its_selection_biases_and_replays_the_live_routing(tmp_path):
-    """DeepSeek-V3 chooses by sigmoid score + a per-layer bias that is a weight of the model: its traces store the
-    biases (``score_bias``), and re-routing the recorded logits through the same cache and policy reproduces the
-    live pass's experts and misses. Without the biases the same replay chooses differently (the test can fail)."""
+@pytest.mark.parametrize("name, kind", [("deepseek_v3", "sigmoid-group-limited"), ("ernie4_5_moe", "softmax-biased")])
+def test_a_selection_biased_trace_carries_its_biases_and_replays_the_live_routing(tmp_path, name, kind):
+    """DeepSeek-V3 chooses by sigmoid score + a per-layer bias that is a weight of the model (ERNIE-4.5 by softmax
+    probability + bias): its traces store the biases (``score_bias``), and re-routing the recorded logits through
+    the same cache and policy reproduces the live pass's experts and misses. Without the biases the same replay
+    chooses differently (the test can fail)."""
     from conftest import get_moejax_model
 
     from moejax.models import gating as gating_lib
     from moejax.runtime import simulate as simulate_lib
 
-    m = get_moejax_model("deepseek_v3")
+    m = get_moejax_model(name)
     toks = np.random.RandomState(3).randint(3, 96, size=32).astype(np.int32)
     policy = routing.make_policy("cache-prior", m.cfg.top_k, lam=0.5)
     live = m.forward(toks, routing=policy, cache=simulate_lib.CacheConfig("0.5", "layer", "lru"))
     swap = lambda a: np.swapaxes(np.asarray(a), 0, 1)  # noqa: E731  [L, T, ...] -> [T, L, ...]
-    path = tmp_path / "v3.npz"
+    path = tmp_path / f"{name}.npz"
     trace.save_trace(path, swap(live.experts), swap(live.weights), swap(live.router_logits), m.cfg.n_experts,
                      gating_lib.spec(m.cfg.gating), m.selection_biases)
     tr = trace.load_trace(path)
-    assert tr.gating["kind"] == "sigmoid-group-limited" and tr.score_bias.shape == (m.cfg.n_moe_layers, m.cfg.n_experts)
+    assert tr.gating["kind"] == kind and tr.score_bias.shape == (m.cfg.n_moe_layers, m.cfg.n_experts)
     state, experts = trace.replay_state(tr, "0.5", "layer", "lru", policy=policy)
     np.testing.assert_array_equal(experts, swap(live.experts))
     assert int(np.asarray(state.stats.misses).sum()) == live.stats["misses"]

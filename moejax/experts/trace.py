@@ -8,10 +8,12 @@ Trace file (``.npz``, loaded with ``allow_pickle=False``):
   gating     str   []         optional: JSON of the gating that produced the trace, e.g.
                               {"kind": "softmax", "top_k": 2, "normalize": true, "scale": 1.0}
                               kinds: softmax | group-limited (+ n_group, topk_group) | sparsemixer
-                              (+ jitter_eps) | sigmoid-group-limited (DeepSeek-V3: + n_group, topk_group);
+                              (+ jitter_eps) | sigmoid-group-limited (DeepSeek-V3: + n_group, topk_group) |
+                              softmax-biased (ERNIE-4.5: + norm_min);
                               n_experts defaults to the trace's N. CLI flags override it.
-  score_bias float [L, N]     optional: the model's selection biases (DeepSeek-V3's e_score_correction_bias),
-                              which its gating adds to the scores it chooses by; re-routing uses them
+  score_bias float [L, N]     optional: the model's selection biases (DeepSeek-V3's and ERNIE-4.5's
+                              e_score_correction_bias), which its gating adds to the scores it chooses by;
+                              re-routing uses them
 
 Replay walks the trace in token-sequential order (token t: layers 0..L-1). Per-layer caches are independent
 across layers, so their replay is ``vmap`` over layers of a ``lax.scan`` over tokens; global caches are one
@@ -200,7 +202,7 @@ def load_trace(path) -> Trace:
         raise TraceError(f"{path}: {err}") from None
 
 
-GATING_KINDS = ("softmax", "group-limited", "sparsemixer", "sigmoid-group-limited")
+GATING_KINDS = ("softmax", "group-limited", "sparsemixer", "sigmoid-group-limited", "softmax-biased")
 
 
 def gating_from_spec(spec: dict, n_experts: int):
@@ -230,6 +232,11 @@ def gating_from_spec(spec: dict, n_experts: int):
                   norm_eps=number("norm_eps", 0.0))
     if kind == "softmax":
         return gating_lib.SoftmaxTopK(n, count("top_k", high=n), **common)
+    if kind == "softmax-biased":
+        norm_min = number("norm_min", 1e-12)
+        if norm_min < 0:
+            raise TraceError(f"trace 'gating' norm_min must be >= 0, got {norm_min!r}")
+        return gating_lib.BiasedSoftmaxTopK(n, count("top_k", high=n), True, common["scale"], norm_min=norm_min)
     if kind in ("group-limited", "sigmoid-group-limited"):
         n_group = count("n_group", 1, high=n)
         if n % n_group or (kind == "sigmoid-group-limited" and n_group > 1 and n // n_group < 2):
@@ -427,7 +434,7 @@ def _check_replay_args(args) -> None:
     given = [_flag(n) for n in GATING_FLAGS if getattr(args, n) is not None]
     if given and args.gating is None:
         raise ValueError(f"{' '.join(given)} given without --gating: name the re-routing gating with --gating "
-                         "(softmax, group-limited or sparsemixer)")
+                         "(" + ", ".join(GATING_KINDS) + ")")
     if args.gating is not None and args.routing is None:
         raise ValueError("--gating only applies to re-routing: pass --routing too")
     unread = routing_lib.unread_param(args.routing, {name: getattr(args, name) for name in routing_lib.PARAM_DEFAULTS},
@@ -550,7 +557,7 @@ def main(argv: list[str] | None = None) -> int:
                     help="learned-prior: checkpoint folder written by `python -m moejax.train_prior`")
     rp.add_argument("--gating", choices=GATING_KINDS, default=None,
                     help="gating for re-routing (default: the trace's stored 'gating'; sigmoid-group-limited "
-                         "ranks with the trace's 'score_bias' where it has one)")
+                         "and softmax-biased rank with the trace's 'score_bias' where it has one)")
     rp.add_argument("--top-k", type=int, default=None)
     rp.add_argument("--normalize", action=argparse.BooleanOptionalAction, default=None)
     rp.add_argument("--scale", type=float, default=None)

@@ -396,7 +396,7 @@ def read_hf_params(folder: str, cfg: ModelConfig, dtype=None, experts: str = "de
     """Load a hub checkpoint into the moejax tree (every key and shape checked first), one tensor at a
     time; ``experts="lazy"`` leaves the routed experts in the files (``weights.place``)."""
     tree = hf_tree(folder, cfg)
-    return weights.place(weights.with_dtype(tree, dtype or stored_dtype(tree)), experts)
+    return weights.place(weights.with_dtype(tree, dtype or stored_dtype(tree), cfg.model_type), experts)
 
 
 # ----------------------------------------------------------------------------------- streaming writer
@@ -447,7 +447,7 @@ def save_hf(params: dict, cfg: ModelConfig, folder: str, *, tokenizer_from: str 
     params = layout.canonical_view(params)
     dtype = _leaf_dtype(params["embed"])
     table = hf_keys.by_tensor(hf_keys.entries(cfg))
-    specs = [(key, np.dtype(np.float32) if weights.is_float32_param(pieces[0].path) else dtype,
+    specs = [(key, np.dtype(np.float32) if weights.is_float32_param(pieces[0].path, cfg.model_type) else dtype,
               hf_keys.tensor_shape(pieces, cfg.n_experts)) for key, pieces in table.items()]
     with atomic_folder(folder, overwrite, protect) as tmp:
         write_sharded(tmp, "model", specs, lambda key: (_hf_value(params, e) for e in table[key]), max_shard_bytes)
@@ -665,7 +665,7 @@ def open_params(folder: str, dtype=None) -> tuple[dict, ModelConfig]:
     else:
         cfg = from_hf(read_hf_config(folder))
         tree = hf_tree(folder, cfg)
-    return weights.with_dtype(tree, dtype or stored_dtype(tree)), cfg
+    return weights.with_dtype(tree, dtype or stored_dtype(tree), cfg.model_type), cfg
 
 
 def load_params(folder: str, dtype=None, experts: str = "device",

@@ -16,17 +16,21 @@ import numpy as np
 
 from moejax.base.errors import Failure
 from moejax.base.typecheck import is_integer, is_number
-from moejax.models.gating import Gating, GroupLimited, SigmoidGroupLimited, SoftmaxTopK, SparseMixer
+from moejax.models.gating import (BiasedSoftmaxTopK, Gating, GroupLimited, SigmoidGroupLimited, SoftmaxTopK,
+                                  SparseMixer)
 
 SUPPORTED_MODEL_TYPES = ("mixtral", "phimoe", "qwen2_moe", "qwen3_moe", "olmoe", "deepseek_v2", "deepseek_v3",
-                         "glm4_moe", "granitemoe", "granitemoeshared")
+                         "glm4_moe", "granitemoe", "granitemoeshared", "ernie4_5_moe")
 DEEPSEEK = ("deepseek_v2", "deepseek_v3")  # multi-head latent attention, shared experts, first_k_dense_replace
 #: DeepSeek-V3's routing (sigmoid + per-layer selection biases, noaux_tc), shared experts and dense first layers
 #: (GLM-4.5 with grouped-query attention); their checkpoints may carry multi-token-prediction layers past the last
 SELECTION_BIASED = ("deepseek_v3", "glm4_moe")
 GRANITE = ("granitemoe", "granitemoeshared")
+#: ERNIE-4.5: softmax routing with per-layer selection biases added to the probabilities it chooses by (stored
+#: [1, N] as ``mlp.moe_statics.e_score_correction_bias``), shared experts, (even, odd) rope pairs, ``use_bias``
+ERNIE = "ernie4_5_moe"
 
-_DEFAULT_THETA = {"mixtral": 1e6, "phimoe": 1e6}
+_DEFAULT_THETA = {"mixtral": 1e6, "phimoe": 1e6, ERNIE: 5e5}
 
 
 class UnsupportedModelError(Failure):
@@ -52,7 +56,7 @@ class ModelConfig:
     # rotary embedding: inverse frequencies and cos/sin scale, precomputed from the HF rope parameters
     rope_inv_freq: tuple[float, ...]
     rope_scale: float
-    rope_interleaved: bool  # DeepSeek applies rope to (even, odd) pairs; the others rotate halves
+    rope_interleaved: bool  # DeepSeek and ERNIE-4.5 apply rope to (even, odd) pairs; the others rotate halves
     rope_long_scale: float  # Phi-MoE longrope: cos/sin scale once a call reaches past rope_long_after
     rope_long_after: int
     attn_scale: float  # softmax scaling of q·k
@@ -216,6 +220,12 @@ def _moe_layer_pattern(hf: dict[str, Any], mt: str, n_layers: int) -> tuple[bool
         only_mlp = set(hf.get("mlp_only_layers") or [])
         n = hf.get("num_experts", hf.get("num_local_experts", 0))
         return tuple(i not in only_mlp and n > 0 and (i + 1) % step == 0 for i in range(n_layers))
+    if mt == ERNIE:  # transformers' rule: every interval-th layer from start to end (-1: the last)
+        start, end, step = (_count(hf, k, d, low) for k, d, low in (("moe_layer_start_index", 1, 0),
+                                                                     ("moe_layer_end_index", -1, -1),
+                                                                     ("moe_layer_interval", 1, 1)))
+        end = n_layers - 1 if end == -1 else end
+        return tuple((i + 1) % step == 0 and start <= i <= end for i in range(n_layers))
     # DeepSeek-V2/V3, GLM-4.5: the reference DeepSeek-V2 rule (HF 5.x drops moe_layer_freq; it defaults to 1)
     first_dense = hf.get("first_k_dense_replace", _NOAUX_DEFAULTS.get(mt, {}).get("first_k_dense_replace", 0)) or 0
     freq = hf.get("moe_layer_freq", 1) or 1
@@ -261,7 +271,7 @@ def from_hf(hf: dict[str, Any]) -> ModelConfig:
 # a part off), so that a damaged config.json is blamed, not the first tensor whose shape it gets wrong
 _POSITIVE_INT_KEYS = ("vocab_size", "hidden_size", "num_attention_heads", "num_hidden_layers", "num_key_value_heads",
                       "head_dim", "intermediate_size", "moe_intermediate_size", "num_experts", "num_local_experts",
-                      "n_routed_experts", "num_experts_per_tok", "max_position_embeddings", "qk_nope_head_dim",
+                      "n_routed_experts", "num_experts_per_tok", "moe_num_experts", "moe_k", "max_position_embeddings", "qk_nope_head_dim",
                       "qk_rope_head_dim", "v_head_dim", "kv_lora_rank")
 _NON_NEGATIVE_INT_KEYS = ("shared_expert_intermediate_size", "n_shared_experts", "first_k_dense_replace",
                           "q_lora_rank", "decoder_sparse_step", "shared_intermediate_size")
@@ -269,7 +279,7 @@ _NON_NEGATIVE_INT_KEYS = ("shared_expert_intermediate_size", "n_shared_experts",
 
 # switches read with ``bool()``: a string such as "false" would silently mean true
 _BOOL_KEYS = ("norm_topk_prob", "use_sliding_window", "qkv_bias", "attention_bias", "mlp_bias", "tie_word_embeddings",
-              "lm_head_bias", "use_qk_norm")
+              "lm_head_bias", "use_qk_norm", "use_bias")
 
 
 #: counts far beyond any released model (DeepSeek-V3: 61 layers of 256 experts): a damaged config.json, which
@@ -309,7 +319,7 @@ def _check_sizes(hf: dict[str, Any]) -> None:
                              or any(not is_integer(i) or i < 0 for i in only)):
         raise UnsupportedModelError(f"config.json: mlp_only_layers must be a list of layer indices, got {only!r}")
     layers = hf.get("num_hidden_layers") or 1
-    experts = max(hf.get(k) or 1 for k in ("num_experts", "num_local_experts", "n_routed_experts"))
+    experts = max(hf.get(k) or 1 for k in ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts"))
     for k, v, limit in (("num_hidden_layers", layers, MAX_LAYERS), ("the number of experts", experts, MAX_EXPERTS),
                         ("layers × experts", layers * experts, MAX_EXPERT_TENSORS)):
         if v > limit:
@@ -369,6 +379,26 @@ def _rotary_dim(hf: dict[str, Any], rp: dict[str, Any], mt: str, head_dim: int) 
     return dim
 
 
+def _count(hf: dict[str, Any], key: str, default: int, low: int) -> int:
+    """An integer field >= ``low`` (``default`` where absent or null)."""
+    v = hf.get(key)
+    if v is None:
+        return default
+    if not is_integer(v) or v < low:
+        raise UnsupportedModelError(f"config.json: {key} must be an integer >= {low}, got {v!r}")
+    return int(v)
+
+
+def _ernie_gating(hf: dict[str, Any], n_experts: int, top_k: int) -> BiasedSoftmaxTopK:
+    """ERNIE-4.5's router (transformers' ``Ernie4_5_MoeTopKRouter``): weights normalised by max(sum, moe_norm_min)."""
+    norm_min = hf.get("moe_norm_min", 1e-12)
+    if norm_min is None:
+        norm_min = 1e-12
+    if not is_number(norm_min) or not math.isfinite(norm_min) or norm_min < 0:
+        raise UnsupportedModelError(f"config.json: moe_norm_min must be a finite number >= 0, got {norm_min!r}")
+    return BiasedSoftmaxTopK(n_experts, top_k, True, norm_min=float(norm_min))
+
+
 def _multiplier(hf: dict[str, Any], key: str) -> float:
     """One of Granite's scale factors: a finite number > 0 (HF's default 1 where absent or null)."""
     v = hf.get(key)
@@ -394,7 +424,7 @@ def _from_hf(hf: dict[str, Any], mt: str) -> ModelConfig:
     mla = mt in DEEPSEEK
     _check_unquantised(hf, mt)
     rp = _rope_parameters(hf, mt)
-    max_pos = hf.get("max_position_embeddings", 4096)
+    max_pos = hf.get("max_position_embeddings", 131072 if mt == ERNIE else 4096)
     rope_dim = hf["qk_rope_head_dim"] if mla else _rotary_dim(hf, rp, mt, head_dim)
     inv_freq, rope_scale = _rope_frequencies(rp, rope_dim, max_pos)
     long_scale, long_after = rope_scale, 2**31 - 1
@@ -420,6 +450,9 @@ def _from_hf(hf: dict[str, Any], mt: str) -> ModelConfig:
     elif mt in (*DEEPSEEK, "glm4_moe"):
         n_experts, top_k = _first(hf, "n_routed_experts", "num_local_experts"), hf["num_experts_per_tok"]
         moe_ff = hf["moe_intermediate_size"]
+    elif mt == ERNIE:  # transformers' defaults: 64 experts, top-6, 1536 wide
+        n_experts, top_k = hf.get("moe_num_experts", 64), hf.get("moe_k", 6)
+        moe_ff = hf.get("moe_intermediate_size", 1536)
     else:
         n_experts, top_k = _first(hf, "num_experts", "num_local_experts"), hf["num_experts_per_tok"]
         moe_ff = hf["moe_intermediate_size"] if mt != "olmoe" else hf["intermediate_size"]
@@ -445,6 +478,8 @@ def _from_hf(hf: dict[str, Any], mt: str) -> ModelConfig:
                                         "(supported: greedy, group_limited_greedy)")
     elif mt in SELECTION_BIASED:
         gating = _noaux_gating(hf, mt, n_experts, top_k)
+    elif mt == ERNIE:
+        gating = _ernie_gating(hf, n_experts, top_k)
     else:
         gating = SoftmaxTopK(n_experts, top_k, normalize=bool(hf.get("norm_topk_prob", False)))
 
@@ -455,6 +490,8 @@ def _from_hf(hf: dict[str, Any], mt: str) -> ModelConfig:
         shared = (hf.get("n_shared_experts") or 0) * moe_ff
     elif mt == "granitemoeshared":
         shared = hf.get("shared_intermediate_size", 0) or 0
+    elif mt == ERNIE:
+        shared = _count(hf, "moe_num_shared_experts", 2, 0) * moe_ff
 
     eos_ids = eos_token_ids_of(hf.get("eos_token_id"), "config.json")
     act = hf.get("hidden_act", "silu")
@@ -469,16 +506,18 @@ def _from_hf(hf: dict[str, Any], mt: str) -> ModelConfig:
         num_kv_heads=n_kv,
         head_dim=head_dim,
         norm_type="layer" if mt == "phimoe" else "rms",
-        norm_eps=float(hf.get("rms_norm_eps", 1e-5 if mt in ("phimoe", "olmoe") else 1e-6)),
-        qkv_bias=bool(hf.get("qkv_bias", True)) if mt == "qwen2_moe" else bool(hf.get("attention_bias", False)),
-        o_bias=False if mt in ("qwen2_moe", "glm4_moe") else bool(hf.get("attention_bias", False)),
+        norm_eps=float(hf.get("rms_norm_eps", 1e-5 if mt in ("phimoe", "olmoe", ERNIE) else 1e-6)),
+        qkv_bias=(bool(hf.get("qkv_bias", True)) if mt == "qwen2_moe" else bool(hf.get("use_bias")) if mt == ERNIE
+                  else bool(hf.get("attention_bias", False))),
+        o_bias=(False if mt in ("qwen2_moe", "glm4_moe") else bool(hf.get("use_bias")) if mt == ERNIE
+                else bool(hf.get("attention_bias", False))),
         qk_norm=("head" if mt == "qwen3_moe" or (mt == "glm4_moe" and hf.get("use_qk_norm")) else
                  "proj" if mt == "olmoe" else "none"),
         clip_qkv=hf.get("clip_qkv") if mt == "olmoe" else None,
         sliding_windows=_sliding_windows(hf, mt, n_layers),
         rope_inv_freq=tuple(float(x) for x in inv_freq),
         rope_scale=float(rope_scale),
-        rope_interleaved=mla and (mt == "deepseek_v2" or hf.get("rope_interleave", True) is not False),
+        rope_interleaved=mt == ERNIE or mla and (mt == "deepseek_v2" or hf.get("rope_interleave", True) is not False),
         rope_long_scale=float(long_scale),
         rope_long_after=long_after,
         attn_scale=float(attn_scale),
@@ -490,7 +529,7 @@ def _from_hf(hf: dict[str, Any], mt: str) -> ModelConfig:
         v_head_dim=hf.get("v_head_dim", 0) if mla else 0,
         hidden_act=act,
         intermediate_size=hf.get("intermediate_size", moe_ff),
-        mlp_bias=bool(hf.get("mlp_bias", False)) if mla else False,
+        mlp_bias=bool(hf.get("mlp_bias", False)) if mla else bool(hf.get("use_bias")) if mt == ERNIE else False,
         moe_layers=_moe_layer_pattern(hf, mt, n_layers),
         n_experts=n_experts,
         top_k=top_k,
@@ -498,8 +537,9 @@ def _from_hf(hf: dict[str, Any], mt: str) -> ModelConfig:
         shared_intermediate_size=shared,
         shared_expert_gate=mt == "qwen2_moe",
         gating=gating,
-        tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
-        lm_head_bias=bool(hf.get("lm_head_bias", False)) if mt == "phimoe" else False,
+        tie_word_embeddings=bool(hf.get("tie_word_embeddings", mt == ERNIE)),  # ERNIE's config class ties by default
+        lm_head_bias=(bool(hf.get("lm_head_bias", False)) if mt == "phimoe" else bool(hf.get("use_bias")) if mt == ERNIE
+                      else False),
         max_position_embeddings=max_pos,
         bos_token_id=hf.get("bos_token_id"),
         eos_token_ids=eos_ids,

@@ -9,9 +9,9 @@ Each gating here therefore offers three pure functions:
 - ``probs(z)``: the router probabilities (what cumsum thresholds accumulate);
 - ``weights(z, chosen, valid)``: the mixing weights the architecture gives ``chosen`` from logits ``z``.
 
-DeepSeek-V3's gating also ranks by a per-layer *selection bias* (``e_score_correction_bias``, a weight of the
-model, not of the configuration): ``ranking(z, bias)`` takes that layer's [N] bias, which changes which
-experts are chosen but never their weights. The other gatings take ``bias=None`` and have none.
+DeepSeek-V3's and ERNIE-4.5's gatings also rank by a per-layer *selection bias* (``e_score_correction_bias``, a
+weight of the model, not of the configuration): ``ranking(z, bias)`` takes that layer's [N] bias, which changes
+which experts are chosen but never their weights. The other gatings take ``bias=None`` and have none.
 
 Gatings are frozen dataclasses so they can be static arguments of ``jax.jit``.
 """
@@ -169,6 +169,27 @@ class GroupLimited(SoftmaxTopK):
 
 
 @dataclasses.dataclass(frozen=True)
+class BiasedSoftmaxTopK(SoftmaxTopK):
+    """ERNIE-4.5's router: float32 softmax over all experts; experts are chosen by probability + the layer's
+    selection bias (``moe_statics.e_score_correction_bias``, added to the *probabilities*); the weights are the
+    chosen experts' unbiased probabilities divided by their sum, clamped below at ``norm_min``."""
+
+    norm_min: float = 1e-12
+    needs_bias = True  # a model's routing without its selection biases is not the model's (``original_router``)
+
+    def ranking(self, z: jax.Array, bias: jax.Array | None = None) -> jax.Array:
+        p = self.probs(z)
+        return descending_order(p if bias is None else p + bias.astype(jnp.float32))
+
+    def weights(self, z: jax.Array, chosen: jax.Array, valid: jax.Array | None = None,
+                probs: jax.Array | None = None) -> jax.Array:
+        if valid is None:
+            valid = chosen >= 0
+        w = jnp.where(valid, _take(self.probs(z) if probs is None else probs, chosen), 0.0)
+        return w / jnp.maximum(jnp.sum(w, axis=-1, keepdims=True), self.norm_min) * self.scale
+
+
+@dataclasses.dataclass(frozen=True)
 class SparseMixer(_RankByLogits):
     """Phi-3.5-MoE ``sparsemixer`` as Hugging Face runs it in eval mode (top-2).
 
@@ -249,7 +270,7 @@ class SigmoidGroupLimited:
         return w * self.scale
 
 
-Gating = SoftmaxTopK | GroupLimited | SparseMixer | SigmoidGroupLimited
+Gating = SoftmaxTopK | GroupLimited | BiasedSoftmaxTopK | SparseMixer | SigmoidGroupLimited
 
 
 def fenced_probs(gating: Gating, z: jax.Array) -> jax.Array:
@@ -282,6 +303,9 @@ def spec(gating: Gating) -> dict:
         return {"kind": "sigmoid-group-limited", "n_experts": gating.n_experts, "top_k": gating.top_k,
                 "normalize": gating.normalize, "scale": gating.scale, "n_group": gating.n_group,
                 "topk_group": gating.topk_group}
+    if isinstance(gating, BiasedSoftmaxTopK):
+        return {"kind": "softmax-biased", "n_experts": gating.n_experts, "top_k": gating.top_k,
+                "scale": gating.scale, "norm_min": gating.norm_min}
     out = {"kind": "softmax", "n_experts": gating.n_experts, "top_k": gating.top_k,
            "normalize": gating.normalize, "scale": gating.scale, "norm_eps": gating.norm_eps}
     if isinstance(gating, GroupLimited):

@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Iterator
 
-from moejax.models.config import GRANITE, SELECTION_BIASED, ModelConfig
+from moejax.models.config import ERNIE, GRANITE, SELECTION_BIASED, ModelConfig
 
 # hub names of the three expert projections, per family: (gate, up, down)
 _EXPERT_NAMES = {
@@ -20,7 +20,7 @@ _EXPERT_NAMES = {
 }
 _MOE_PREFIX = {"mixtral": "block_sparse_moe", "phimoe": "block_sparse_moe"}
 _SHARED_NAME = {"qwen2_moe": "shared_expert", "deepseek_v2": "shared_experts", "deepseek_v3": "shared_experts",
-                "glm4_moe": "shared_experts"}
+                "glm4_moe": "shared_experts", ERNIE: "shared_experts"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -34,6 +34,7 @@ class Entry:
     # then up rows of ``input_linear`` [2F, D]); ``stacked``: the HF tensor holds every expert, [N, rows, in]
     rows: tuple[int, int] | None = None
     stacked: bool = False
+    lead_one: bool = False  # the HF tensor has a leading axis of 1 that moejax drops (ERNIE's [1, N] selection bias)
 
     @property
     def param_shape(self) -> tuple[int, ...]:
@@ -43,6 +44,8 @@ class Entry:
 def tensor_shape(pieces: list[Entry], n_experts: int) -> tuple[int, ...]:
     """The shape of the HF tensor that ``pieces`` (the entries sharing one ``hf_key``) make up together."""
     e = pieces[0]
+    if e.lead_one:
+        return (1, *e.shape)
     if e.rows is None and not e.stacked:
         return e.shape
     rows = max(p.rows[1] for p in pieces) if e.rows is not None else e.shape[0]
@@ -62,6 +65,8 @@ def piece_of(view, e: Entry):
     """The part of HF tensor ``view`` (an array or a lazy view of one) that entry ``e`` describes."""
     if e.stacked:
         view = view[e.expert]
+    if e.lead_one:
+        return view[0]
     return view if e.rows is None else view[e.rows[0]:e.rows[1]]
 
 
@@ -142,6 +147,9 @@ def _moe(cfg: ModelConfig, pre: str, path: tuple) -> Iterator[Entry]:
     yield from _linear(f"{block}.gate", path + ("router",), d, cfg.n_experts)
     if mt in SELECTION_BIASED:  # the selection bias (float32 in the files and in moejax: weights.FLOAT32_PARAMS)
         yield Entry(f"{block}.gate.e_score_correction_bias", path + ("score_bias",), (cfg.n_experts,))
+    elif mt == ERNIE:  # ERNIE-4.5's, [1, N] in the files (one "group" of experts)
+        yield Entry(f"{block}.moe_statics.e_score_correction_bias", path + ("score_bias",), (cfg.n_experts,),
+                    lead_one=True)
     gate, up, down = _EXPERT_NAMES.get(mt, ("gate_proj", "up_proj", "down_proj"))
     for e in range(cfg.n_experts):
         ex = f"{block}.experts.{e}"
@@ -181,11 +189,13 @@ IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
 
 def ignored(key: str, cfg: ModelConfig) -> bool:
-    """Tensors of a checkpoint that moejax does not use: recomputed ones (``IGNORED_SUFFIXES``) and DeepSeek-V3's and
-    GLM-4.5's multi-token-prediction layers (``model.layers.{L}...`` past the decoder's L layers: a training and
-    speculative-decoding head, which transformers skips too)."""
+    """Tensors of a checkpoint that moejax does not use: recomputed ones (``IGNORED_SUFFIXES``) and the
+    multi-token-prediction layers (a training and speculative-decoding head, which transformers skips too) of
+    DeepSeek-V3 and GLM-4.5 (``model.layers.{L}...`` past the decoder's L layers) and ERNIE-4.5 (``mtp_*``)."""
     if key.endswith(IGNORED_SUFFIXES):
         return True
+    if cfg.model_type == ERNIE:
+        return any(part.startswith("mtp") for part in key.split("."))
     if cfg.model_type in SELECTION_BIASED and key.startswith("model.layers."):
         layer = key.split(".")[2]
         return layer.isdigit() and int(layer) >= cfg.num_layers

@@ -139,7 +139,8 @@ def gqa_qkv(p: dict, cfg: ModelConfig, x: jax.Array, cos, sin) -> tuple[jax.Arra
     q, k, v = q.reshape(*lead, H, hd), k.reshape(*lead, Hk, hd), v.reshape(*lead, Hk, hd)
     if cfg.qk_norm == "head":
         q, k = rms(q, p["q_norm"], cfg.norm_eps), rms(k, p["k_norm"], cfg.norm_eps)
-    return apply_rope(q, cos, sin, False), apply_rope(k, cos, sin, False), v
+    pairs = cfg.rope_interleaved  # ERNIE-4.5 turns (even, odd) pairs; the other GQA families rotate halves
+    return apply_rope(q, cos, sin, pairs), apply_rope(k, cos, sin, pairs), v
 
 
 ATTENTION_BLOCK = 256  # query rows per block of a long teacher-forced pass (causal key ranges shrink)

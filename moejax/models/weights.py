@@ -26,6 +26,7 @@ import numpy as np
 
 from moejax.base import distributed
 from moejax.models import layout, quant
+from moejax.models.config import ERNIE
 from moejax.models.safetensors_io import SafetensorsFile
 
 EXPERTS_PLACEMENTS = ("device", "lazy")
@@ -275,21 +276,26 @@ def has_lazy_experts(params: dict) -> bool:
 #: parameters held in float32 whatever the model's dtype: DeepSeek-V3's selection bias, whose differences of
 #: 1e-4 between experts decide the choice and would vanish in bf16's 8 bits (HF keeps it in fp32 too)
 FLOAT32_PARAMS = ("score_bias",)
+#: families whose router weight is float32 whatever the model's dtype, as transformers keeps it
+#: (``_keep_in_fp32_modules_strict``): ERNIE-4.5
+FLOAT32_ROUTERS = (ERNIE,)
 
 
-def is_float32_param(path) -> bool:
-    """Whether the leaf at ``path`` (a tree path: keys, or jax path entries) is one of ``FLOAT32_PARAMS``."""
+def is_float32_param(path, model_type: str | None = None) -> bool:
+    """Whether the leaf at ``path`` (a tree path: keys, or jax path entries) is one of ``FLOAT32_PARAMS``, or the
+    router of a ``FLOAT32_ROUTERS`` family."""
     last = path[-1] if path else None
-    return getattr(last, "key", last) in FLOAT32_PARAMS
+    name = getattr(last, "key", last)
+    return name in FLOAT32_PARAMS or (name == "router" and model_type in FLOAT32_ROUTERS)
 
 
-def with_dtype(tree, dtype):
-    """Every leaf as ``dtype`` (lazy leaves convert when read; arrays now) but ``FLOAT32_PARAMS``, which are
-    float32; None keeps the stored dtypes."""
+def with_dtype(tree, dtype, model_type: str | None = None):
+    """Every leaf as ``dtype`` (lazy leaves convert when read; arrays now) but the float32 ones
+    (``is_float32_param`` for ``model_type``); None keeps the stored dtypes."""
     if dtype is None:
         return tree
     return jax.tree_util.tree_map_with_path(
-        lambda path, x: x.astype(np.float32 if is_float32_param(path) else dtype), tree, is_leaf=is_lazy)
+        lambda path, x: x.astype(np.float32 if is_float32_param(path, model_type) else dtype), tree, is_leaf=is_lazy)
 
 
 def place(tree, experts: str = "device", arrangement: str = "canonical",

@@ -6,8 +6,8 @@
 
 Presets (``moejax/testing/presets/*.json``, the models' own ``config.json``): mixtral-8x7b, phi-3.5-moe,
 qwen1.5-moe-a2.7b, qwen3-30b-a3b, olmoe-1b-7b, deepseek-v2-lite, moonlight-16b-a3b, deepseek-v3 (671B:
-``--layers`` cuts it), glm-4.5-air, granite-3.0-1b-a400m, granite-3.0-3b-a800m; PRESET may also be a config.json
-path.
+``--layers`` cuts it), glm-4.5-air, granite-3.0-1b-a400m, granite-3.0-3b-a800m, ernie-4.5-21b-a3b; PRESET may also
+be a config.json path.
 ``--layers`` keeps the first L decoder layers (a cut with the real per-layer shapes), ``--set`` overrides
 config values (JSON values: ``--set hidden_size=64 --set vocab_size=512`` makes a tiny test model).
 
@@ -121,8 +121,8 @@ def tensor_plan(config: dict) -> list[tuple[str, tuple[int, ...], str]]:
 
 
 def _plan(config: dict) -> tuple[list[tuple[str, tuple[int, ...], str]], set[str]]:
-    """``tensor_plan`` and the keys written float32 whatever the dtype (``weights.FLOAT32_PARAMS``: DeepSeek-V3's
-    selection bias, float32 in the released files too)."""
+    """``tensor_plan`` and the keys written float32 whatever the dtype (``weights.is_float32_param``: DeepSeek-V3's
+    selection bias, float32 in the released files too; ERNIE-4.5's router)."""
     cfg = from_hf(config)
     plan, float32 = [], set()
     for key, pieces in hf_keys.by_tensor(hf_keys.entries(cfg)).items():
@@ -130,7 +130,7 @@ def _plan(config: dict) -> tuple[list[tuple[str, tuple[int, ...], str]], set[str
         norm = len(e.path) >= 2 and isinstance(e.path[-2], str) and "norm" in e.path[-2]
         kind = "scale" if e.path[-1] == "scale" else "shift" if norm and e.path[-1] == "bias" else "random"
         plan.append((key, tuple(hf_keys.tensor_shape(pieces, cfg.n_experts)), kind))
-        if weights.is_float32_param(e.path):
+        if weights.is_float32_param(e.path, cfg.model_type):
             float32.add(key)
     return plan, float32
 
