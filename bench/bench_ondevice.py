@@ -34,6 +34,7 @@ sys.path.insert(0, HERE)
 sys.path.append(os.path.dirname(HERE))
 
 import memlimit  # noqa: E402
+from moejax.models.config import from_hf  # noqa: E402
 
 GiB = 1 << 30
 
@@ -48,10 +49,8 @@ def model_config(folder: str) -> dict:
 
 
 def n_experts(cfg: dict) -> int:
-    for key in ("num_experts", "num_local_experts", "n_routed_experts"):
-        if cfg.get(key):
-            return int(cfg[key])
-    raise ValueError("config.json names no expert count")
+    """The routed experts per MoE layer, as moejax reads the config (each family spells the count its own way)."""
+    return from_hf(cfg).n_experts
 
 
 def moejax_run(model: str, size: int, routing: str, budget: int | None, prompt: list[int], new_tokens: int,

@@ -132,7 +132,9 @@ def ensure_tokenizer(hf_dir: str, vocab_size: int = 1000, text_path: str | None 
 # Runs llama.cpp's convert_hf_to_gguf.py with get_vocab_base_pre() patched to return "default": the hash of
 # our small tokenizer's pre-tokenizer is not in the converter's table ("BPE pre-tokenizer was not
 # recognized"). In this llama.cpp the method lives on TextModel in conversion/base.py; older versions had
-# it on a class inside convert_hf_to_gguf.py itself. Every class that defines it is patched.
+# it on a class inside convert_hf_to_gguf.py itself. Every class that defines it is patched. Families whose
+# converter reads a sentencepiece tokenizer.model (ERNIE-4.5) get the BPE vocabulary path instead when the
+# folder has only the tokenizer.json written here (token ids are all a speed benchmark needs).
 _CONVERT_WRAPPER = r"""
 import importlib, importlib.util, inspect, os, pkgutil, runpy, sys
 llama_dir = sys.argv[1]
@@ -142,12 +144,22 @@ if "NO_LOCAL_GGUF" not in os.environ:
     sys.path.insert(1, os.path.join(llama_dir, "gguf-py"))
 def default_pre(self, tokenizer):
     return "default"
+def bpe_without_sentencepiece(original):
+    def vocab(self, *args, **kwargs):
+        if not (self.dir_model / "tokenizer.model").is_file() and (self.dir_model / "tokenizer.json").is_file():
+            return self._set_vocab_gpt2()
+        return original(self, *args, **kwargs)
+    return vocab
 def patch(mod):
     n = 0
     for _, cls in inspect.getmembers(mod, inspect.isclass):
-        if "get_vocab_base_pre" in vars(cls) and cls.__module__ == mod.__name__:
+        if cls.__module__ != mod.__name__:
+            continue
+        if "get_vocab_base_pre" in vars(cls):
             cls.get_vocab_base_pre = default_pre
             n += 1
+        if "_set_vocab_sentencepiece" in vars(cls):
+            cls._set_vocab_sentencepiece = bpe_without_sentencepiece(cls._set_vocab_sentencepiece)
     return n
 sys.argv = [script] + sys.argv[2:]
 if os.path.isfile(os.path.join(llama_dir, "conversion", "base.py")):
