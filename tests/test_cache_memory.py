@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import json
 
+import re
+
 import pytest
 
 import moejax
@@ -137,6 +139,12 @@ def test_a_size_that_cannot_fit_is_refused_and_the_default_shrinks(monkeypatch, 
     _free(monkeypatch, plan["fixed"] - base + 3 * plan["slot_set"])
     checked = m.resolve_cache(CacheConfig(size="3"), tokens=64)
     assert checked.size == "3" and checked.fit_checked  # slots, KV cache, staging and the prompt's reserve fit
+    # ... but not the runtime's margin too: allowed (it ran under 12 GiB), with a note (it thrashed under 1.5 GiB)
+    assert re.search(r"note: a cache of 3 experts per layer leaves 0 B of what .* leaves; --cache-size auto keeps "
+                     r".* for the runtime and finds room for 0, fewer than K=2: under a small budget", capsys.readouterr().err)
+    _free(monkeypatch, plan["fixed"] + 3 * plan["slot_set"])
+    assert m.resolve_cache(CacheConfig(size="3"), tokens=64).size == "3" and "note" not in capsys.readouterr().err
+    _free(monkeypatch, plan["fixed"] - base + 3 * plan["slot_set"])
     _free(monkeypatch, 0)  # later (slots allocated, say), a checked cache is not measured again
     assert m.resolve_cache(checked).size == "3" and m.cache_memory_bytes(checked) == 3 * plan["slot_set"]
     assert m.generate(PROMPT, 2, stop_at_eos=False, cache=checked).stats["cache"]["tokens"] == 5

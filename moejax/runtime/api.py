@@ -343,6 +343,16 @@ class Model:
                                  else (plan["reserve"], "runtime and the prompt"))
         need = count * plan["slot_set"] + plan["fixed"] - plan["reserve"] + reserve  # ``fixed`` holds all of it
         if need <= plan["headroom"]:
+            if mode == "check" and count > fit:
+                # inside the runtime's margin: ran under 12 GiB (ERNIE-4.5-21B, C = 14 of auto's 13), thrashed
+                # under 1.5 GiB (Granite-1B, C = 14 of auto's 7); where it lands depends on the budget's size
+                sys.stderr.write(f"note: a cache of {count} experts {per} leaves {gb(plan['headroom'] - need)} of "
+                                 f"what {plan['where']} leaves; --cache-size auto keeps "
+                                 f"{gb(plan['reserve'] - plan['prompt_reserve'])} for the runtime and "
+                                 + (f"picks {fit}" if fit >= self.cfg.top_k else
+                                    f"finds room for {fit}, fewer than K={self.cfg.top_k}")
+                                 + ": under a small budget a size this close can thrash (compiling and paging "
+                                 "need room too)\n")
             return dataclasses.replace(cache, fit_checked=True)
         if mode == "shrink" and fit >= self.cfg.top_k:
             sys.stderr.write(f"note: a cache of {count} experts {per} needs {gb(need)} and {plan['where']} leaves "
