@@ -287,6 +287,16 @@ HF_CONFIGS: dict[str, HFSpec] = {
                                                              num_experts_per_tok=3, shared_intermediate_size=0,
                                                              **_GRANITE),
                                     note="shared_intermediate_size 0 (no shared MLP), top-3"),
+    # ---------------------------------------------------------------- dots.llm1 (V3's routing, Qwen3's attention)
+    "dots1": HFSpec("dots1", _cfg(num_hidden_layers=3, intermediate_size=48, moe_intermediate_size=16, n_routed_experts=8,
+                                  num_experts_per_tok=2, n_shared_experts=1, first_k_dense_replace=1, n_group=2,
+                                  topk_group=1, routed_scaling_factor=1.5, norm_topk_prob=True, attention_bias=True),
+                    note="per-head qk norm, attention bias, first layer dense, 2 groups / top 1, selection biases"),
+    "dots1_swa": HFSpec("dots1", _cfg(num_hidden_layers=3, intermediate_size=48, moe_intermediate_size=16,
+                                      n_routed_experts=16, num_experts_per_tok=4, n_shared_experts=2,
+                                      first_k_dense_replace=0, sliding_window=4, max_window_layers=1),
+                        note="sliding window 4 from layer 1 (max_window_layers), every layer MoE, 2 shared, "
+                             "unnormalised (dots1's default)"),
     # ---------------------------------------------------------------- ERNIE-4.5 (softmax + selection biases on probs)
     "ernie4_5_moe": HFSpec("ernie4_5_moe", _cfg(num_hidden_layers=3, intermediate_size=48, moe_intermediate_size=16,
                                                 moe_num_experts=8, moe_k=2, moe_num_shared_experts=1,
@@ -303,7 +313,7 @@ HF_CONFIGS: dict[str, HFSpec] = {
 }
 
 FAMILIES = ("mixtral", "phimoe", "qwen2_moe", "qwen3_moe", "olmoe", "deepseek_v2", "deepseek_v3", "glm4_moe",
-            "granitemoe", "granitemoeshared", "ernie4_5_moe")
+            "dots1", "granitemoe", "granitemoeshared", "ernie4_5_moe")
 
 
 def _config_class(model_type: str):
@@ -314,6 +324,7 @@ def _config_class(model_type: str):
         "qwen2_moe": transformers.Qwen2MoeConfig, "qwen3_moe": transformers.Qwen3MoeConfig,
         "olmoe": transformers.OlmoeConfig, "deepseek_v2": transformers.DeepseekV2Config,
         "deepseek_v3": transformers.DeepseekV3Config, "glm4_moe": transformers.Glm4MoeConfig,
+        "dots1": transformers.Dots1Config,
         "granitemoe": transformers.GraniteMoeConfig, "granitemoeshared": transformers.GraniteMoeSharedConfig,
         "ernie4_5_moe": transformers.Ernie4_5_MoeConfig,
     }[model_type]

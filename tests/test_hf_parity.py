@@ -153,6 +153,7 @@ def test_every_family_and_option_is_covered():
     ds = [get_moejax_model(n).cfg for n in PARITY if HF_CONFIGS[n].model_type == "deepseek_v2"]
     assert {c.q_lora_rank is None for c in ds} == {True, False}
     assert get_moejax_model("ernie4_5_moe").cfg.moe_layers == (False, True, True)
+    assert get_moejax_model("dots1_swa").cfg.sliding_windows == (0, 4, 4)
     assert get_moejax_model("ernie4_5_moe_interval").cfg.moe_layers == (False, True, False, False)
 
 
@@ -215,6 +216,9 @@ PERTURBATIONS = {
     "granite attention_multiplier": ("granitemoe", 20, _replace(attn_scale=8**-0.5)),
     "granite logits_scaling": ("granitemoe", 20, _replace(logits_scaling=1.0)),
     "granite shared MLP": ("granitemoeshared", 20, _drop_shared),
+    "dots1 qk norm": ("dots1", 20, _replace(qk_norm="none")),
+    "dots1 sliding window": ("dots1_swa", 20, _replace(sliding_windows=(0, 0, 0))),
+    "dots1 selection bias": ("dots1", 20, _zero_selection_bias),
     "ernie selection bias": ("ernie4_5_moe", 20, _zero_selection_bias),
     "ernie rope pairs": ("ernie4_5_moe", 20, _replace(rope_interleaved=False)),
     "ernie norm_min": ("ernie4_5_moe_interval", 20, _replace_gating(norm_min=0.0)),

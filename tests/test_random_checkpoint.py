@@ -43,6 +43,8 @@ TINY = {  # per preset: small dimensions that keep every structural option of th
                     "pad_token_id": 0, "eos_token_id": 2},
     "granite-3.0-1b-a400m": {"hidden_size": 64, "intermediate_size": 32, "num_attention_heads": 4,
                              "num_key_value_heads": 2, "num_local_experts": 8, "num_experts_per_tok": 2},
+    "dots.llm1": {"hidden_size": 64, "intermediate_size": 64, "moe_intermediate_size": 32, "num_attention_heads": 4,
+                  "num_key_value_heads": 4, "n_routed_experts": 8, "num_experts_per_tok": 2, "eos_token_id": 2},
     "ernie-4.5-21b-a3b": {"hidden_size": 64, "intermediate_size": 64, "moe_intermediate_size": 32,
                           "num_attention_heads": 4, "num_key_value_heads": 2, "moe_num_experts": 8, "moe_k": 2,
                           "moe_layer_end_index": 1},
@@ -60,6 +62,7 @@ EXPECTED = {  # (model_type, layers, routed experts, top-k, hidden): the real mo
     "glm-4.5-air": ("glm4_moe", 46, 128, 8, 4096),
     "granite-3.0-3b-a800m": ("granitemoe", 32, 40, 8, 1536),
     "ernie-4.5-21b-a3b": ("ernie4_5_moe", 28, 64, 6, 2560),
+    "dots.llm1": ("dots1", 62, 128, 6, 4096),
 }
 
 
@@ -81,6 +84,8 @@ def test_every_preset_is_there_with_the_real_shapes():
     assert 106.8e9 < glm < 106.9e9  # GLM-4.5-Air: "106B", without its MTP layer
     ernie = sum(int(np.prod(s)) for _, s, _ in rc.tensor_plan(rc.preset_config("ernie-4.5-21b-a3b")))
     assert 21.8e9 < ernie < 21.9e9  # ERNIE-4.5-21B-A3B: "21B", 21.8B counted, without its MTP layer
+    dots = sum(int(np.prod(s)) for _, s, _ in rc.tensor_plan(rc.preset_config("dots.llm1")))
+    assert 142.7e9 < dots < 142.8e9  # dots.llm1: "142B"
 
 
 @pytest.mark.parametrize("name", sorted(TINY))

@@ -20,11 +20,13 @@ from moejax.models.gating import (BiasedSoftmaxTopK, Gating, GroupLimited, Sigmo
                                   SparseMixer)
 
 SUPPORTED_MODEL_TYPES = ("mixtral", "phimoe", "qwen2_moe", "qwen3_moe", "olmoe", "deepseek_v2", "deepseek_v3",
-                         "glm4_moe", "granitemoe", "granitemoeshared", "ernie4_5_moe")
+                         "glm4_moe", "dots1", "granitemoe", "granitemoeshared", "ernie4_5_moe")
 DEEPSEEK = ("deepseek_v2", "deepseek_v3")  # multi-head latent attention, shared experts, first_k_dense_replace
 #: DeepSeek-V3's routing (sigmoid + per-layer selection biases, noaux_tc), shared experts and dense first layers
-#: (GLM-4.5 with grouped-query attention); their checkpoints may carry multi-token-prediction layers past the last
-SELECTION_BIASED = ("deepseek_v3", "glm4_moe")
+#: (GLM-4.5 and dots.llm1 with grouped-query attention)
+SELECTION_BIASED = ("deepseek_v3", "glm4_moe", "dots1")
+#: checkpoints that may carry multi-token-prediction layers past the last decoder layer (skipped on import)
+MTP_LAYERS = ("deepseek_v3", "glm4_moe")
 GRANITE = ("granitemoe", "granitemoeshared")
 #: ERNIE-4.5: softmax routing with per-layer selection biases added to the probabilities it chooses by (stored
 #: [1, N] as ``mlp.moe_statics.e_score_correction_bias``), shared experts, (even, odd) rope pairs, ``use_bias``
@@ -246,6 +248,12 @@ def _sliding_windows(hf: dict[str, Any], mt: str, n_layers: int) -> tuple[int, .
         return tuple(window if t == "sliding_attention" else 0 for t in types)
     if mt in ("mixtral", "phimoe"):
         return (window,) * n_layers
+    if mt == "dots1":  # Qwen3's attention: sliding where layer_types says (default: from max_window_layers on)
+        types = hf.get("layer_types")
+        if types is None:
+            first = _count(hf, "max_window_layers", n_layers, 0)
+            types = ["sliding_attention" if window and i >= first else "full_attention" for i in range(n_layers)]
+        return tuple(window if t == "sliding_attention" else 0 for t in types)
     return (0,) * n_layers
 
 
@@ -339,12 +347,16 @@ def _check_unquantised(hf: dict[str, Any], mt: str) -> None:
 
 
 #: transformers' defaults for what a config.json of these families may leave out
-_NOAUX_DEFAULTS = {"deepseek_v3": {"n_group": 8, "topk_group": 4, "routed_scaling_factor": 2.5, "first_k_dense_replace": 3},
-                   "glm4_moe": {"n_group": 1, "topk_group": 1, "routed_scaling_factor": 1.0, "first_k_dense_replace": 1}}
+_NOAUX_DEFAULTS = {"deepseek_v3": {"n_group": 8, "topk_group": 4, "routed_scaling_factor": 2.5, "first_k_dense_replace": 3,
+                                   "norm_topk_prob": True},
+                   "glm4_moe": {"n_group": 1, "topk_group": 1, "routed_scaling_factor": 1.0, "first_k_dense_replace": 1,
+                                "norm_topk_prob": True},
+                   "dots1": {"n_group": 1, "topk_group": 1, "routed_scaling_factor": 1.0, "first_k_dense_replace": 0,
+                             "norm_topk_prob": False}}
 
 
 def _noaux_gating(hf: dict[str, Any], mt: str, n_experts: int, top_k: int) -> SigmoidGroupLimited:
-    """DeepSeek-V3's router (also GLM-4.5's): sigmoid scores with a selection bias (``noaux_tc``), group-limited."""
+    """DeepSeek-V3's router (also GLM-4.5's and dots.llm1's): sigmoid scores with a selection bias (``noaux_tc``), group-limited."""
     method, scoring = hf.get("topk_method", "noaux_tc"), hf.get("scoring_func", "sigmoid")
     if method != "noaux_tc" or scoring != "sigmoid":
         raise UnsupportedModelError(f"{mt} topk_method {method!r} with scoring_func {scoring!r} is not "
@@ -360,7 +372,8 @@ def _noaux_gating(hf: dict[str, Any], mt: str, n_experts: int, top_k: int) -> Si
     scale = hf.get("routed_scaling_factor", default["routed_scaling_factor"])
     if not is_number(scale) or not math.isfinite(scale):
         raise UnsupportedModelError(f"config.json: routed_scaling_factor must be a finite number, got {scale!r}")
-    return SigmoidGroupLimited(n_experts, top_k, bool(hf.get("norm_topk_prob", True)) and top_k > 1, float(scale),
+    return SigmoidGroupLimited(n_experts, top_k, bool(hf.get("norm_topk_prob", default["norm_topk_prob"])) and top_k > 1,
+                               float(scale),
                                n_group, topk_group)
 
 
@@ -447,7 +460,7 @@ def _from_hf(hf: dict[str, Any], mt: str) -> ModelConfig:
     if mt in ("mixtral", "phimoe", *GRANITE):
         n_experts, top_k = hf["num_local_experts"], hf.get("num_experts_per_tok", 2)
         moe_ff = hf["intermediate_size"]
-    elif mt in (*DEEPSEEK, "glm4_moe"):
+    elif mt in (*DEEPSEEK, *SELECTION_BIASED):
         n_experts, top_k = _first(hf, "n_routed_experts", "num_local_experts"), hf["num_experts_per_tok"]
         moe_ff = hf["moe_intermediate_size"]
     elif mt == ERNIE:  # transformers' defaults: 64 experts, top-6, 1536 wide
@@ -486,7 +499,7 @@ def _from_hf(hf: dict[str, Any], mt: str) -> ModelConfig:
     shared = 0
     if mt == "qwen2_moe":
         shared = hf.get("shared_expert_intermediate_size", 0) or 0
-    elif mt in (*DEEPSEEK, "glm4_moe"):
+    elif mt in (*DEEPSEEK, *SELECTION_BIASED):
         shared = (hf.get("n_shared_experts") or 0) * moe_ff
     elif mt == "granitemoeshared":
         shared = hf.get("shared_intermediate_size", 0) or 0
@@ -511,7 +524,7 @@ def _from_hf(hf: dict[str, Any], mt: str) -> ModelConfig:
                   else bool(hf.get("attention_bias", False))),
         o_bias=(False if mt in ("qwen2_moe", "glm4_moe") else bool(hf.get("use_bias")) if mt == ERNIE
                 else bool(hf.get("attention_bias", False))),
-        qk_norm=("head" if mt == "qwen3_moe" or (mt == "glm4_moe" and hf.get("use_qk_norm")) else
+        qk_norm=("head" if mt in ("qwen3_moe", "dots1") or (mt == "glm4_moe" and hf.get("use_qk_norm")) else
                  "proj" if mt == "olmoe" else "none"),
         clip_qkv=hf.get("clip_qkv") if mt == "olmoe" else None,
         sliding_windows=_sliding_windows(hf, mt, n_layers),

@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Iterator
 
-from moejax.models.config import ERNIE, GRANITE, SELECTION_BIASED, ModelConfig
+from moejax.models.config import ERNIE, GRANITE, MTP_LAYERS, SELECTION_BIASED, ModelConfig
 
 # hub names of the three expert projections, per family: (gate, up, down)
 _EXPERT_NAMES = {
@@ -20,7 +20,7 @@ _EXPERT_NAMES = {
 }
 _MOE_PREFIX = {"mixtral": "block_sparse_moe", "phimoe": "block_sparse_moe"}
 _SHARED_NAME = {"qwen2_moe": "shared_expert", "deepseek_v2": "shared_experts", "deepseek_v3": "shared_experts",
-                "glm4_moe": "shared_experts", ERNIE: "shared_experts"}
+                "glm4_moe": "shared_experts", "dots1": "shared_experts", ERNIE: "shared_experts"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -196,7 +196,7 @@ def ignored(key: str, cfg: ModelConfig) -> bool:
         return True
     if cfg.model_type == ERNIE:
         return any(part.startswith("mtp") for part in key.split("."))
-    if cfg.model_type in SELECTION_BIASED and key.startswith("model.layers."):
+    if cfg.model_type in MTP_LAYERS and key.startswith("model.layers."):
         layer = key.split(".")[2]
         return layer.isdigit() and int(layer) >= cfg.num_layers
     return False
