@@ -156,3 +156,15 @@ def test_longrope_factors_of_another_rotary_size_are_named():
     from_hf(hf)
     with pytest.raises(UnsupportedModelError, match="short_factor has 64 values; the rotary dimension 8 needs 4"):
         from_hf({**hf, "head_dim": 8})
+
+
+@pytest.mark.parametrize("name, inner", [("qwen3-30b-a3b", "q_norm"), ("olmoe-1b-7b", "k_norm"),
+                                         ("moonlight-16b-a3b", "kv_a_layernorm"), ("phi-3.5-moe", None)])
+def test_every_norm_is_one_and_its_bias_zero(name, inner):
+    """Norm weights are written 1 (biases 0), the per-head q/k norms and MLA's latent norms included: drawn like the
+    matrices (N(0, 0.02²)) they scaled q·k by ~4e-4 and left the attention of every random checkpoint nearly uniform."""
+    plan = rc.tensor_plan(rc.with_overrides(rc.preset_config(name), 2))
+    norms = {key: kind for key, _, kind in plan if ".norm." in key or key.endswith(("norm.weight", "norm.bias"))}
+    assert norms and all(kind == ("scale" if key.endswith(".weight") else "shift") for key, kind in norms.items())
+    assert inner is None or inner in {k.split(".")[-2] for k in norms}
+    assert all(kind == "random" for key, _, kind in plan if key not in norms)

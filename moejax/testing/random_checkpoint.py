@@ -127,8 +127,9 @@ def _plan(config: dict) -> tuple[list[tuple[str, tuple[int, ...], str]], set[str
     plan, float32 = [], set()
     for key, pieces in hf_keys.by_tensor(hf_keys.entries(cfg)).items():
         e = pieces[0]
-        norm = len(e.path) >= 2 and isinstance(e.path[-2], str) and "norm" in e.path[-2]
-        kind = "scale" if e.path[-1] == "scale" else "shift" if norm and e.path[-1] == "bias" else "random"
+        # every norm's weight is 1 and its bias 0: the layer norms and the per-head q/k norms alike (those were
+        # drawn at random, N(0, 0.02²), which scaled q·k by ~4e-4 and left the attention nearly uniform)
+        kind = ("scale" if key.endswith("norm.weight") else "shift" if key.endswith("norm.bias") else "random")
         plan.append((key, tuple(hf_keys.tensor_shape(pieces, cfg.n_experts)), kind))
         if weights.is_float32_param(e.path, cfg.model_type):
             float32.add(key)
