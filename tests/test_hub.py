@@ -156,6 +156,19 @@ def test_hub_refusals_are_named_before_any_weights_are_fetched(serve_hub, tiny, 
     assert fake.fetched() <= {"config.json"}
 
 
+def test_a_text_command_refuses_a_repository_without_a_tokenizer_before_fetching_its_weights(serve_hub, tiny):
+    """evaluate and studies score text: a repository with no tokenizer.json is refused from the hub's listing,
+    before gigabytes of weights come (it was fetched first, then refused)."""
+    from moejax.runtime import api
+
+    fake = serve_hub({"org/tiny": tiny, "org/texty": {**tiny, "tokenizer.json": b"{}"}})
+    with pytest.raises(CheckpointError, match=r"org/tiny has no tokenizer.json: WikiText is scored as text"):
+        api.text_model_folder("org/tiny", "WikiText is scored as text")
+    assert fake.fetched() == set()
+    folder = api.text_model_folder("org/texty", "WikiText is scored as text")
+    assert os.path.isfile(os.path.join(folder, "tokenizer.json")) and "model.safetensors" in fake.fetched()
+
+
 def test_a_download_that_cannot_fit_is_refused_before_it_starts(serve_hub, tiny, monkeypatch):
     fake = serve_hub({"org/tiny": tiny})
     monkeypatch.setattr(hub.shutil, "disk_usage", lambda path: type("Usage", (), {"free": 1000})())

@@ -29,9 +29,10 @@ def default_model_path() -> str:
     return DEFAULT_MODEL_DIR
 
 
-def resolve_model_path(path: str) -> str:
+def resolve_model_path(path: str, needs: tuple[str, ...] = (), why: str = "") -> str:
     """The folder of a model argument: ``"default"`` is the embedded default model, a Hugging Face hub id
-    (``org/name[@revision]`` that is not a path here) its cached snapshot (``hub``), anything else a path."""
+    (``org/name[@revision]`` that is not a path here) its cached snapshot (``hub``; ``needs``/``why``: files a
+    repository must hold, checked before its weights are fetched), anything else a path."""
     if path == DEFAULT_MODEL_NAME:
         return default_model_path()
-    return hub.snapshot_folder(path) if hub.repo_of(path) else path
+    return hub.snapshot_folder(path, needs, why) if hub.repo_of(path) else path

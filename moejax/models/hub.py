@@ -49,8 +49,10 @@ def repo_of(model: str) -> tuple[str, str | None] | None:
     return match.group(1), match.group(2)
 
 
-def snapshot_folder(model: str) -> str:
-    """The local folder of hub model ``model`` (``repo_of``), fetching what moejax reads if needed."""
+def snapshot_folder(model: str, needs: tuple[str, ...] = (), why: str = "") -> str:
+    """The local folder of hub model ``model`` (``repo_of``), fetching what moejax reads if needed. ``needs``:
+    top-level files the caller cannot do without (``why``), refused before anything is fetched when the
+    repository lacks them (evaluate's tokenizer.json: a model's weights are gigabytes)."""
     hf = _library()
     repo, revision = repo_of(model)
     if hf.constants.is_offline_mode():
@@ -63,6 +65,9 @@ def snapshot_folder(model: str) -> str:
     top = {name: (size, fetch, path) for name, size, fetch, commit, path in asked["ok"] if "/" not in name}
     if "config.json" not in top:
         raise CheckpointError(f"the Hugging Face hub model {repo} has no config.json: not a model moejax can load")
+    for name in needs:
+        if name not in top:
+            raise CheckpointError(f"{model} has no {name}: {why}")
     commit = asked["ok"][0][3]  # later calls ask for this commit: a moving branch cannot mix two
     meta = [name for name in META_FILES if name in top]
     folder = os.path.dirname(top["config.json"][2])

@@ -653,9 +653,10 @@ def check_fits_in_memory(tree, experts: str, layout: str, quantization, path: st
 def text_model_folder(path: str, why: str) -> str:
     """The folder of model argument ``path`` (``resolve_model_path``: a hub id is fetched once, here), for commands
     that score text: a ``Failure`` before loading when it holds a checkpoint but no ``tokenizer.json`` (loading
-    first cost the 61 GB Qwen3-30B-A3B folder 3 s and 4.8 GB to be told). Anything else wrong with it is left to
+    first cost the 61 GB Qwen3-30B-A3B folder 3 s and 4.8 GB to be told; a hub repository without one is refused
+    before its weights are fetched). Anything else wrong with it is left to
     ``load``, which names it; the folder loads as ``path`` would."""
-    folder = resolve_model_path(path)
+    folder = resolve_model_path(path, needs=("tokenizer.json",), why=why)  # a hub id: refused before its weights
     if os.path.isfile(os.path.join(folder, "config.json")) and not os.path.isfile(os.path.join(folder, "tokenizer.json")):
         raise Failure(f"{path} has no tokenizer.json: {why}")
     return folder
