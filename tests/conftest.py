@@ -297,6 +297,15 @@ HF_CONFIGS: dict[str, HFSpec] = {
                                       first_k_dense_replace=0, sliding_window=4, max_window_layers=1),
                         note="sliding window 4 from layer 1 (max_window_layers), every layer MoE, 2 shared, "
                              "unnormalised (dots1's default)"),
+    # ---------------------------------------------------------------- Hunyuan-A13B (q/k norm after rope, NTK-alpha rope)
+    "hunyuan_v1_moe": HFSpec("hunyuan_v1_moe", _cfg(head_dim=8, intermediate_size=16, num_experts=8, moe_topk=2, attention_bias=True,
+                                                    rope_parameters=dict(rope_type="dynamic", alpha=1000.0, factor=1.0,
+                                                                         rope_theta=10000.0)),
+                             note="NTK-alpha rope (alpha 1000), q/k norm after rope, attention bias, shared MLP"),
+    "hunyuan_v1_moe_lists": HFSpec("hunyuan_v1_moe", _cfg(num_hidden_layers=3, head_dim=8, intermediate_size=16,
+                                                          num_experts=16, moe_topk=[3, 3, 3], tie_word_embeddings=True,
+                                                          initializer_range=0.15),
+                                   note="moe_topk as a per-layer list (top-3 of 16), default rope, tied"),
     # ---------------------------------------------------------------- ERNIE-4.5 (softmax + selection biases on probs)
     "ernie4_5_moe": HFSpec("ernie4_5_moe", _cfg(num_hidden_layers=3, intermediate_size=48, moe_intermediate_size=16,
                                                 moe_num_experts=8, moe_k=2, moe_num_shared_experts=1,
@@ -313,7 +322,7 @@ HF_CONFIGS: dict[str, HFSpec] = {
 }
 
 FAMILIES = ("mixtral", "phimoe", "qwen2_moe", "qwen3_moe", "olmoe", "deepseek_v2", "deepseek_v3", "glm4_moe",
-            "dots1", "granitemoe", "granitemoeshared", "ernie4_5_moe")
+            "dots1", "granitemoe", "granitemoeshared", "ernie4_5_moe", "hunyuan_v1_moe")
 
 
 def _config_class(model_type: str):
@@ -326,13 +335,13 @@ def _config_class(model_type: str):
         "deepseek_v3": transformers.DeepseekV3Config, "glm4_moe": transformers.Glm4MoeConfig,
         "dots1": transformers.Dots1Config,
         "granitemoe": transformers.GraniteMoeConfig, "granitemoeshared": transformers.GraniteMoeSharedConfig,
-        "ernie4_5_moe": transformers.Ernie4_5_MoeConfig,
+        "ernie4_5_moe": transformers.Ernie4_5_MoeConfig, "hunyuan_v1_moe": transformers.HunYuanMoEV1Config,
     }[model_type]
 
 
 def router_modules(model) -> list:
-    """The routers (gates) of a HF MoE model, in layer order."""
-    return [m for _, m in model.named_modules() if type(m).__name__.lower().endswith("topkrouter")]
+    """The routers (gates) of a HF MoE model, in layer order (Hunyuan's is a ``...Gate`` holding ``wg``)."""
+    return [m for _, m in model.named_modules() if type(m).__name__.lower().endswith(("topkrouter", "moev1gate"))]
 
 
 def build_hf_model(spec: HFSpec, seed: int = 0, router_scale: float | None = None):
@@ -356,7 +365,7 @@ def build_hf_model(spec: HFSpec, seed: int = 0, router_scale: float | None = Non
         routers = router_modules(model)
         assert routers, f"no router modules found in {type(model).__name__}"
         for r in routers:
-            r.weight.mul_(spec.router_scale if router_scale is None else router_scale)
+            getattr(r, "wg", r).weight.mul_(spec.router_scale if router_scale is None else router_scale)
             if hasattr(r, "e_score_correction_bias"):  # a buffer, zero at init: a bias that changes choices
                 r.e_score_correction_bias.copy_(0.3 * torch.randn_like(r.e_score_correction_bias))
             if hasattr(r, "moe_statics"):  # ERNIE-4.5's, added to probabilities (1/N on average)

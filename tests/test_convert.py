@@ -718,3 +718,30 @@ def test_a_bad_ernie_moe_field_is_named(tmp_path, key, value):
         json.dump(cfg, f)
     with pytest.raises(UnsupportedModelError, match=key):
         moejax.load(folder)
+
+
+@pytest.mark.parametrize("key, value, message", [
+    ("moe_topk", [2, 3], r"moe_topk \[2, 3\] differs between layers"),
+    ("use_cla", True, "use_cla"),
+    ("rope_parameters", {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0}, "fixed alpha"),
+])
+def test_hunyuan_fields_moejax_cannot_run_are_named(tmp_path, key, value, message):
+    folder = _copy_hf("hunyuan_v1_moe", tmp_path / "m")
+    cfg = read_config(folder)
+    cfg[key] = value
+    with open(os.path.join(folder, "config.json"), "w") as f:
+        json.dump(cfg, f)
+    with pytest.raises(UnsupportedModelError, match=message):
+        moejax.load(folder)
+
+
+def test_hunyuan_per_layer_lists_are_written_back_as_they_came():
+    """moe_topk given per layer (all equal) runs as one K, and export writes the list back."""
+    m = get_moejax_model("hunyuan_v1_moe_lists")
+    assert m.cfg.top_k == 3 and m.cfg.hf["moe_topk"] == [3, 3, 3]
+
+
+def test_hunyuan_router_stays_float32_in_bf16():
+    """transformers makes Hunyuan's ``gate.wg`` float32 and keeps it so in a bf16 model: so does moejax."""
+    m = moejax.load(get_hf_model("hunyuan_v1_moe").folder, dtype="bfloat16")
+    assert m.params["layers"][0]["moe"]["router"].dtype == np.float32 and m.params["embed"].dtype == jnp.bfloat16

@@ -219,6 +219,9 @@ PERTURBATIONS = {
     "dots1 qk norm": ("dots1", 20, _replace(qk_norm="none")),
     "dots1 sliding window": ("dots1_swa", 20, _replace(sliding_windows=(0, 0, 0))),
     "dots1 selection bias": ("dots1", 20, _zero_selection_bias),
+    "hunyuan qk norm after rope": ("hunyuan_v1_moe", 20, _replace(qk_norm="head")),
+    "hunyuan ntk-alpha rope": ("hunyuan_v1_moe", 20, lambda p, c: (p, dataclasses.replace(
+        c, rope_inv_freq=tuple(float(x) for x in 1.0 / 10000.0 ** (np.arange(0, 8, 2) / 8))))),
     "ernie selection bias": ("ernie4_5_moe", 20, _zero_selection_bias),
     "ernie rope pairs": ("ernie4_5_moe", 20, _replace(rope_interleaved=False)),
     "ernie norm_min": ("ernie4_5_moe_interval", 20, _replace_gating(norm_min=0.0)),

@@ -20,7 +20,7 @@ from moejax.models.gating import (BiasedSoftmaxTopK, Gating, GroupLimited, Sigmo
                                   SparseMixer)
 
 SUPPORTED_MODEL_TYPES = ("mixtral", "phimoe", "qwen2_moe", "qwen3_moe", "olmoe", "deepseek_v2", "deepseek_v3",
-                         "glm4_moe", "dots1", "granitemoe", "granitemoeshared", "ernie4_5_moe")
+                         "glm4_moe", "dots1", "granitemoe", "granitemoeshared", "ernie4_5_moe", "hunyuan_v1_moe")
 DEEPSEEK = ("deepseek_v2", "deepseek_v3")  # multi-head latent attention, shared experts, first_k_dense_replace
 #: DeepSeek-V3's routing (sigmoid + per-layer selection biases, noaux_tc), shared experts and dense first layers
 #: (GLM-4.5 and dots.llm1 with grouped-query attention)
@@ -31,6 +31,9 @@ GRANITE = ("granitemoe", "granitemoeshared")
 #: ERNIE-4.5: softmax routing with per-layer selection biases added to the probabilities it chooses by (stored
 #: [1, N] as ``mlp.moe_statics.e_score_correction_bias``), shared experts, (even, odd) rope pairs, ``use_bias``
 ERNIE = "ernie4_5_moe"
+#: Hunyuan-A13B: every layer MoE with a shared MLP (both ``intermediate_size`` wide, as transformers builds them),
+#: float32 router (``mlp.gate.wg``), per-head q/k norm applied after rope, NTK-alpha rope
+HUNYUAN = "hunyuan_v1_moe"
 
 _DEFAULT_THETA = {"mixtral": 1e6, "phimoe": 1e6, ERNIE: 5e5}
 
@@ -52,7 +55,7 @@ class ModelConfig:
     norm_eps: float
     qkv_bias: bool
     o_bias: bool
-    qk_norm: str  # "none" | "head" (Qwen3: per head) | "proj" (OLMoE: over the whole projection)
+    qk_norm: str  # "none" | "head" (Qwen3: per head) | "proj" (OLMoE: over the whole projection) | "head_after_rope"
     clip_qkv: float | None
     sliding_windows: tuple[int, ...]  # per layer; 0 = full causal attention
     # rotary embedding: inverse frequencies and cos/sin scale, precomputed from the HF rope parameters
@@ -215,7 +218,7 @@ def _rope_frequencies(rp: dict[str, Any], dim: int, max_pos: int) -> tuple[np.nd
 
 
 def _moe_layer_pattern(hf: dict[str, Any], mt: str, n_layers: int) -> tuple[bool, ...]:
-    if mt in ("mixtral", "phimoe", "olmoe", *GRANITE):
+    if mt in ("mixtral", "phimoe", "olmoe", HUNYUAN, *GRANITE):
         return (True,) * n_layers
     if mt in ("qwen2_moe", "qwen3_moe"):
         step = hf.get("decoder_sparse_step", 1) or 1
@@ -264,11 +267,14 @@ def from_hf(hf: dict[str, Any]) -> ModelConfig:
         raise UnsupportedModelError(
             f"model_type {mt!r} is not supported; supported model types: {', '.join(SUPPORTED_MODEL_TYPES)}"
         )
-    _check_sizes(hf)
+    parsed = _hunyuan_fields(hf) if mt == HUNYUAN else hf
+    _check_sizes(parsed)
     try:
-        cfg = _from_hf(hf, mt)
+        cfg = _from_hf(parsed, mt)
     except KeyError as e:
         raise UnsupportedModelError(f"config.json of a {mt} model lacks the key {e.args[0]!r}") from e
+    if parsed is not hf:
+        cfg = dataclasses.replace(cfg, hf_json=json.dumps(hf, sort_keys=True))  # export writes back what came in
     if not 1 <= cfg.gating.top_k <= cfg.gating.n_experts:
         raise UnsupportedModelError(f"config.json: num_experts_per_tok={cfg.gating.top_k} must be in "
                                     f"[1, {cfg.gating.n_experts}] (the number of routed experts)")
@@ -279,7 +285,7 @@ def from_hf(hf: dict[str, Any]) -> ModelConfig:
 # a part off), so that a damaged config.json is blamed, not the first tensor whose shape it gets wrong
 _POSITIVE_INT_KEYS = ("vocab_size", "hidden_size", "num_attention_heads", "num_hidden_layers", "num_key_value_heads",
                       "head_dim", "intermediate_size", "moe_intermediate_size", "num_experts", "num_local_experts",
-                      "n_routed_experts", "num_experts_per_tok", "moe_num_experts", "moe_k", "max_position_embeddings", "qk_nope_head_dim",
+                      "n_routed_experts", "num_experts_per_tok", "moe_num_experts", "moe_k", "moe_topk", "max_position_embeddings", "qk_nope_head_dim",
                       "qk_rope_head_dim", "v_head_dim", "kv_lora_rank")
 _NON_NEGATIVE_INT_KEYS = ("shared_expert_intermediate_size", "n_shared_experts", "first_k_dense_replace",
                           "q_lora_rank", "decoder_sparse_step", "shared_intermediate_size")
@@ -412,6 +418,36 @@ def _ernie_gating(hf: dict[str, Any], n_experts: int, top_k: int) -> BiasedSoftm
     return BiasedSoftmaxTopK(n_experts, top_k, True, norm_min=float(norm_min))
 
 
+def _hunyuan_fields(hf: dict[str, Any]) -> dict[str, Any]:
+    """Hunyuan-A13B's config as the rest of the parser reads it: its per-layer lists (``num_experts``,
+    ``moe_topk``) as one number where every layer has the same (moejax runs one expert count and one K), and
+    cross-layer attention (``use_cla``), which transformers' implementation does not run, refused."""
+    if hf.get("use_cla"):
+        raise UnsupportedModelError("config.json: use_cla (cross-layer KV sharing) is not supported; transformers' "
+                                    "hunyuan_v1_moe does not run it either")
+    out = dict(hf)
+    for key in ("num_experts", "moe_topk"):
+        v = hf.get(key)
+        if isinstance(v, list):
+            if not v or any(x != v[0] for x in v):
+                raise UnsupportedModelError(f"config.json: {key} {v!r} differs between layers; moejax runs one value "
+                                            "for every MoE layer")
+            out[key] = v[0]
+    return out
+
+
+def _ntk_alpha(rp: dict[str, Any], dim: int) -> dict[str, Any]:
+    """Hunyuan's "dynamic" rope with a fixed ``alpha``: NTK scaling of the base, rope_theta · alpha^(d / (d − 2)),
+    the same at every length (transformers' ``ntk_alpha``); without ``alpha`` it would depend on the length."""
+    alpha = rp.get("alpha")
+    if not is_number(alpha) or not math.isfinite(alpha) or alpha <= 0:
+        raise UnsupportedModelError(f"config.json: rope of type dynamic needs a fixed alpha > 0 (NTK-alpha); got "
+                                    f"alpha {alpha!r} (length-dependent dynamic scaling is not supported)")
+    if dim <= 2:
+        raise UnsupportedModelError(f"config.json: NTK-alpha rope needs a head dimension above 2, got {dim}")
+    return {**rp, "rope_type": "default", "rope_theta": float(rp["rope_theta"]) * float(alpha) ** (dim / (dim - 2))}
+
+
 def _multiplier(hf: dict[str, Any], key: str) -> float:
     """One of Granite's scale factors: a finite number > 0 (HF's default 1 where absent or null)."""
     v = hf.get(key)
@@ -437,8 +473,10 @@ def _from_hf(hf: dict[str, Any], mt: str) -> ModelConfig:
     mla = mt in DEEPSEEK
     _check_unquantised(hf, mt)
     rp = _rope_parameters(hf, mt)
-    max_pos = hf.get("max_position_embeddings", 131072 if mt == ERNIE else 4096)
+    max_pos = hf.get("max_position_embeddings", {ERNIE: 131072, HUNYUAN: 2048}.get(mt, 4096))
     rope_dim = hf["qk_rope_head_dim"] if mla else _rotary_dim(hf, rp, mt, head_dim)
+    if mt == HUNYUAN and rp["rope_type"] == "dynamic":
+        rp = _ntk_alpha(rp, rope_dim)
     inv_freq, rope_scale = _rope_frequencies(rp, rope_dim, max_pos)
     long_scale, long_after = rope_scale, 2**31 - 1
     if mt == "phimoe" and rp["rope_type"] != "default":
@@ -463,6 +501,9 @@ def _from_hf(hf: dict[str, Any], mt: str) -> ModelConfig:
     elif mt in (*DEEPSEEK, *SELECTION_BIASED):
         n_experts, top_k = _first(hf, "n_routed_experts", "num_local_experts"), hf["num_experts_per_tok"]
         moe_ff = hf["moe_intermediate_size"]
+    elif mt == HUNYUAN:  # experts as wide as the shared MLP: transformers builds both from intermediate_size
+        n_experts, top_k = hf.get("num_experts", 1), hf.get("moe_topk", 1)
+        moe_ff = hf["intermediate_size"]
     elif mt == ERNIE:  # transformers' defaults: 64 experts, top-6, 1536 wide
         n_experts, top_k = hf.get("moe_num_experts", 64), hf.get("moe_k", 6)
         moe_ff = hf.get("moe_intermediate_size", 1536)
@@ -474,7 +515,7 @@ def _from_hf(hf: dict[str, Any], mt: str) -> ModelConfig:
         if top_k != 2:
             raise UnsupportedModelError(f"phimoe sparsemixer routing needs num_experts_per_tok=2, got {top_k}")
         gating: Gating = SparseMixer(n_experts, top_k, float(hf.get("router_jitter_noise", 0.01)))
-    elif mt in ("mixtral", *GRANITE):  # Granite: a softmax over the top-k logits, the same weights
+    elif mt in ("mixtral", HUNYUAN, *GRANITE):  # Granite: a softmax over the top-k logits, the same weights
         gating = SoftmaxTopK(n_experts, top_k, normalize=True)
     elif mt == "deepseek_v2":
         # reference DeepSeek-V2: renormalise (with +1e-20) when norm_topk_prob, else scale.
@@ -505,6 +546,8 @@ def _from_hf(hf: dict[str, Any], mt: str) -> ModelConfig:
         shared = hf.get("shared_intermediate_size", 0) or 0
     elif mt == ERNIE:
         shared = _count(hf, "moe_num_shared_experts", 2, 0) * moe_ff
+    elif mt == HUNYUAN:
+        shared = moe_ff
 
     eos_ids = eos_token_ids_of(hf.get("eos_token_id"), "config.json")
     act = hf.get("hidden_act", "silu")
@@ -519,13 +562,13 @@ def _from_hf(hf: dict[str, Any], mt: str) -> ModelConfig:
         num_kv_heads=n_kv,
         head_dim=head_dim,
         norm_type="layer" if mt == "phimoe" else "rms",
-        norm_eps=float(hf.get("rms_norm_eps", 1e-5 if mt in ("phimoe", "olmoe", ERNIE) else 1e-6)),
+        norm_eps=float(hf.get("rms_norm_eps", 1e-5 if mt in ("phimoe", "olmoe", ERNIE, HUNYUAN) else 1e-6)),
         qkv_bias=(bool(hf.get("qkv_bias", True)) if mt == "qwen2_moe" else bool(hf.get("use_bias")) if mt == ERNIE
                   else bool(hf.get("attention_bias", False))),
         o_bias=(False if mt in ("qwen2_moe", "glm4_moe") else bool(hf.get("use_bias")) if mt == ERNIE
                 else bool(hf.get("attention_bias", False))),
         qk_norm=("head" if mt in ("qwen3_moe", "dots1") or (mt == "glm4_moe" and hf.get("use_qk_norm")) else
-                 "proj" if mt == "olmoe" else "none"),
+                 "proj" if mt == "olmoe" else "head_after_rope" if mt == HUNYUAN else "none"),
         clip_qkv=hf.get("clip_qkv") if mt == "olmoe" else None,
         sliding_windows=_sliding_windows(hf, mt, n_layers),
         rope_inv_freq=tuple(float(x) for x in inv_freq),

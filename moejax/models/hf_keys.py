@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Iterator
 
-from moejax.models.config import ERNIE, GRANITE, MTP_LAYERS, SELECTION_BIASED, ModelConfig
+from moejax.models.config import ERNIE, GRANITE, HUNYUAN, MTP_LAYERS, SELECTION_BIASED, ModelConfig
 
 # hub names of the three expert projections, per family: (gate, up, down)
 _EXPERT_NAMES = {
@@ -20,7 +20,7 @@ _EXPERT_NAMES = {
 }
 _MOE_PREFIX = {"mixtral": "block_sparse_moe", "phimoe": "block_sparse_moe"}
 _SHARED_NAME = {"qwen2_moe": "shared_expert", "deepseek_v2": "shared_experts", "deepseek_v3": "shared_experts",
-                "glm4_moe": "shared_experts", "dots1": "shared_experts", ERNIE: "shared_experts"}
+                "glm4_moe": "shared_experts", "dots1": "shared_experts", ERNIE: "shared_experts", HUNYUAN: "shared_mlp"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -114,6 +114,9 @@ def _attention(cfg: ModelConfig, pre: str, path: tuple) -> Iterator[Entry]:
     if cfg.qk_norm == "head":
         yield Entry(f"{pre}.q_norm.weight", path + ("q_norm",), (hd,))
         yield Entry(f"{pre}.k_norm.weight", path + ("k_norm",), (hd,))
+    elif cfg.qk_norm == "head_after_rope":  # Hunyuan's names
+        yield Entry(f"{pre}.query_layernorm.weight", path + ("q_norm",), (hd,))
+        yield Entry(f"{pre}.key_layernorm.weight", path + ("k_norm",), (hd,))
     elif cfg.qk_norm == "proj":
         yield Entry(f"{pre}.q_norm.weight", path + ("q_norm",), (H * hd,))
         yield Entry(f"{pre}.k_norm.weight", path + ("k_norm",), (Hk * hd,))
@@ -144,7 +147,7 @@ def _moe(cfg: ModelConfig, pre: str, path: tuple) -> Iterator[Entry]:
         yield from _granite_moe(cfg, pre, path)
         return
     block = f"{pre}.{_MOE_PREFIX.get(mt, 'mlp')}"
-    yield from _linear(f"{block}.gate", path + ("router",), d, cfg.n_experts)
+    yield from _linear(f"{block}.gate.wg" if mt == HUNYUAN else f"{block}.gate", path + ("router",), d, cfg.n_experts)
     if mt in SELECTION_BIASED:  # the selection bias (float32 in the files and in moejax: weights.FLOAT32_PARAMS)
         yield Entry(f"{block}.gate.e_score_correction_bias", path + ("score_bias",), (cfg.n_experts,))
     elif mt == ERNIE:  # ERNIE-4.5's, [1, N] in the files (one "group" of experts)

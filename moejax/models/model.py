@@ -140,7 +140,10 @@ def gqa_qkv(p: dict, cfg: ModelConfig, x: jax.Array, cos, sin) -> tuple[jax.Arra
     if cfg.qk_norm == "head":
         q, k = rms(q, p["q_norm"], cfg.norm_eps), rms(k, p["k_norm"], cfg.norm_eps)
     pairs = cfg.rope_interleaved  # ERNIE-4.5 turns (even, odd) pairs; the other GQA families rotate halves
-    return apply_rope(q, cos, sin, pairs), apply_rope(k, cos, sin, pairs), v
+    q, k = apply_rope(q, cos, sin, pairs), apply_rope(k, cos, sin, pairs)
+    if cfg.qk_norm == "head_after_rope":  # Hunyuan normalises the rotated heads
+        q, k = rms(q, p["q_norm"], cfg.norm_eps), rms(k, p["k_norm"], cfg.norm_eps)
+    return q, k, v
 
 
 ATTENTION_BLOCK = 256  # query rows per block of a long teacher-forced pass (causal key ranges shrink)

@@ -26,7 +26,7 @@ import numpy as np
 
 from moejax.base import distributed
 from moejax.models import layout, quant
-from moejax.models.config import ERNIE
+from moejax.models.config import ERNIE, HUNYUAN
 from moejax.models.safetensors_io import SafetensorsFile
 
 EXPERTS_PLACEMENTS = ("device", "lazy")
@@ -276,9 +276,9 @@ def has_lazy_experts(params: dict) -> bool:
 #: parameters held in float32 whatever the model's dtype: DeepSeek-V3's selection bias, whose differences of
 #: 1e-4 between experts decide the choice and would vanish in bf16's 8 bits (HF keeps it in fp32 too)
 FLOAT32_PARAMS = ("score_bias",)
-#: families whose router weight is float32 whatever the model's dtype, as transformers keeps it
-#: (``_keep_in_fp32_modules_strict``): ERNIE-4.5
-FLOAT32_ROUTERS = (ERNIE,)
+#: families whose router weight is float32 whatever the model's dtype, as transformers keeps it: ERNIE-4.5
+#: (``_keep_in_fp32_modules_strict``), Hunyuan (its ``gate.wg`` is made float32)
+FLOAT32_ROUTERS = (ERNIE, HUNYUAN)
 
 
 def is_float32_param(path, model_type: str | None = None) -> bool:
