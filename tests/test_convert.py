@@ -723,6 +723,9 @@ def test_a_bad_ernie_moe_field_is_named(tmp_path, key, value):
 @pytest.mark.parametrize("key, value, message", [
     ("moe_topk", [2, 3], r"moe_topk \[2, 3\] differs between layers"),
     ("use_cla", True, "use_cla"),
+    ("num_shared_expert", [2, 2], "builds one shared MLP"),
+    ("model_type", "hunyuan", "remote-code spelling of Hunyuan-A13B"),
+    ("moe_intermediate_size", [24, 24], "differs from intermediate_size"),
     ("rope_parameters", {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0}, "fixed alpha"),
 ])
 def test_hunyuan_fields_moejax_cannot_run_are_named(tmp_path, key, value, message):

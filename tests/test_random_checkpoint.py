@@ -45,6 +45,9 @@ TINY = {  # per preset: small dimensions that keep every structural option of th
                              "num_key_value_heads": 2, "num_local_experts": 8, "num_experts_per_tok": 2},
     "dots.llm1": {"hidden_size": 64, "intermediate_size": 64, "moe_intermediate_size": 32, "num_attention_heads": 4,
                   "num_key_value_heads": 4, "n_routed_experts": 8, "num_experts_per_tok": 2, "eos_token_id": 2},
+    "hunyuan-a13b": {"hidden_size": 64, "head_dim": 16, "intermediate_size": 32, "moe_intermediate_size": 32,
+                     "num_attention_heads": 4, "num_key_value_heads": 2, "num_experts": 8, "moe_topk": 2,
+                     "eos_token_id": 2, "pad_token_id": 0},
     "ernie-4.5-21b-a3b": {"hidden_size": 64, "intermediate_size": 64, "moe_intermediate_size": 32,
                           "num_attention_heads": 4, "num_key_value_heads": 2, "moe_num_experts": 8, "moe_k": 2,
                           "moe_layer_end_index": 1},
@@ -63,6 +66,7 @@ EXPECTED = {  # (model_type, layers, routed experts, top-k, hidden): the real mo
     "granite-3.0-3b-a800m": ("granitemoe", 32, 40, 8, 1536),
     "ernie-4.5-21b-a3b": ("ernie4_5_moe", 28, 64, 6, 2560),
     "dots.llm1": ("dots1", 62, 128, 6, 4096),
+    "hunyuan-a13b": ("hunyuan_v1_moe", 32, 64, 8, 4096),
 }
 
 
@@ -86,6 +90,8 @@ def test_every_preset_is_there_with_the_real_shapes():
     assert 21.8e9 < ernie < 21.9e9  # ERNIE-4.5-21B-A3B: "21B", 21.8B counted, without its MTP layer
     dots = sum(int(np.prod(s)) for _, s, _ in rc.tensor_plan(rc.preset_config("dots.llm1")))
     assert 142.7e9 < dots < 142.8e9  # dots.llm1: "142B"
+    hunyuan = sum(int(np.prod(s)) for _, s, _ in rc.tensor_plan(rc.preset_config("hunyuan-a13b")))
+    assert 80.3e9 < hunyuan < 80.4e9  # Hunyuan-A13B: "80B"
 
 
 @pytest.mark.parametrize("name", sorted(TINY))

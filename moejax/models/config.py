@@ -263,6 +263,11 @@ def _sliding_windows(hf: dict[str, Any], mt: str, n_layers: int) -> tuple[int, .
 def from_hf(hf: dict[str, Any]) -> ModelConfig:
     """Parse a Hugging Face config dict; raise ``UnsupportedModelError`` naming what is wrong."""
     mt = hf.get("model_type")
+    if mt == "hunyuan":  # Hunyuan-A13B's first upload, written for its own modelling code (auto_map)
+        raise UnsupportedModelError(
+            "model_type 'hunyuan' is the remote-code spelling of Hunyuan-A13B; transformers and moejax run it as "
+            "'hunyuan_v1_moe' (the hub's updated config.json says so): fetch the current files, or set model_type "
+            "to hunyuan_v1_moe")
     if mt not in SUPPORTED_MODEL_TYPES:
         raise UnsupportedModelError(
             f"model_type {mt!r} is not supported; supported model types: {', '.join(SUPPORTED_MODEL_TYPES)}"
@@ -426,13 +431,25 @@ def _hunyuan_fields(hf: dict[str, Any]) -> dict[str, Any]:
         raise UnsupportedModelError("config.json: use_cla (cross-layer KV sharing) is not supported; transformers' "
                                     "hunyuan_v1_moe does not run it either")
     out = dict(hf)
-    for key in ("num_experts", "moe_topk"):
+    for key in ("num_experts", "moe_topk", "moe_intermediate_size", "num_shared_expert"):
         v = hf.get(key)
         if isinstance(v, list):
             if not v or any(x != v[0] for x in v):
                 raise UnsupportedModelError(f"config.json: {key} {v!r} differs between layers; moejax runs one value "
                                             "for every MoE layer")
             out[key] = v[0]
+    # transformers builds the experts and the one shared MLP intermediate_size wide whatever these say: a file
+    # that says otherwise holds tensors of other shapes, which loading would name less clearly
+    if out.get("num_shared_expert") not in (None, 1):
+        raise UnsupportedModelError(f"config.json: num_shared_expert {hf['num_shared_expert']!r}: transformers' "
+                                    "hunyuan_v1_moe builds one shared MLP")
+    if out.get("moe_intermediate_size") is not None and out.get("intermediate_size") is not None \
+            and out["moe_intermediate_size"] != out["intermediate_size"]:
+        raise UnsupportedModelError(f"config.json: moe_intermediate_size {out['moe_intermediate_size']!r} differs from "
+                                    f"intermediate_size {out['intermediate_size']!r}; transformers' hunyuan_v1_moe builds "
+                                    "the experts intermediate_size wide")
+    if out.get("head_dim") is None and out.get("attention_head_dim") is not None:  # the release's spelling
+        out["head_dim"] = out["attention_head_dim"]
     return out
 
 
