@@ -241,9 +241,10 @@ def split_policy_layers(policy: RoutingPolicy) -> dict:
 @flax.struct.dataclass
 class RoutingState:
     """Per-layer running statistics of the router logits: ``delta_sum``/``delta_count`` are [L] float32.
-    ``bias`` [L, N] float32: the model's selection biases (DeepSeek-V3, GLM-4.5, ERNIE-4.5;
-    ``model.selection_biases``), which its gating adds to the scores it chooses by; None for the other families. It lives here because this state is
-    what every routing path already slices per layer (one-row views, the vmap over layers)."""
+    ``bias`` [L, N] float32: the model's selection biases (DeepSeek-V3, GLM-4.5, dots.llm1, ERNIE-4.5;
+    ``model.selection_biases``), which its gating adds to the scores it chooses by; None for the other families. It
+    lives here because this state is what every routing path already slices per layer (one-row views, the vmap over
+    layers)."""
 
     delta_sum: jax.Array
     delta_count: jax.Array

@@ -290,8 +290,8 @@ def from_hf(hf: dict[str, Any]) -> ModelConfig:
 # a part off), so that a damaged config.json is blamed, not the first tensor whose shape it gets wrong
 _POSITIVE_INT_KEYS = ("vocab_size", "hidden_size", "num_attention_heads", "num_hidden_layers", "num_key_value_heads",
                       "head_dim", "intermediate_size", "moe_intermediate_size", "num_experts", "num_local_experts",
-                      "n_routed_experts", "num_experts_per_tok", "moe_num_experts", "moe_k", "moe_topk", "max_position_embeddings", "qk_nope_head_dim",
-                      "qk_rope_head_dim", "v_head_dim", "kv_lora_rank")
+                      "n_routed_experts", "num_experts_per_tok", "moe_num_experts", "moe_k", "moe_topk",
+                      "max_position_embeddings", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "kv_lora_rank")
 _NON_NEGATIVE_INT_KEYS = ("shared_expert_intermediate_size", "n_shared_experts", "first_k_dense_replace",
                           "q_lora_rank", "decoder_sparse_step", "shared_intermediate_size")
 
@@ -358,16 +358,19 @@ def _check_unquantised(hf: dict[str, Any], mt: str) -> None:
 
 
 #: transformers' defaults for what a config.json of these families may leave out
-_NOAUX_DEFAULTS = {"deepseek_v3": {"n_group": 8, "topk_group": 4, "routed_scaling_factor": 2.5, "first_k_dense_replace": 3,
-                                   "norm_topk_prob": True},
-                   "glm4_moe": {"n_group": 1, "topk_group": 1, "routed_scaling_factor": 1.0, "first_k_dense_replace": 1,
-                                "norm_topk_prob": True},
-                   "dots1": {"n_group": 1, "topk_group": 1, "routed_scaling_factor": 1.0, "first_k_dense_replace": 0,
-                             "norm_topk_prob": False}}
+_NOAUX_DEFAULTS = {
+    "deepseek_v3": {"n_group": 8, "topk_group": 4, "routed_scaling_factor": 2.5, "first_k_dense_replace": 3,
+                    "norm_topk_prob": True},
+    "glm4_moe": {"n_group": 1, "topk_group": 1, "routed_scaling_factor": 1.0, "first_k_dense_replace": 1,
+                 "norm_topk_prob": True},
+    "dots1": {"n_group": 1, "topk_group": 1, "routed_scaling_factor": 1.0, "first_k_dense_replace": 0,
+              "norm_topk_prob": False},
+}
 
 
 def _noaux_gating(hf: dict[str, Any], mt: str, n_experts: int, top_k: int) -> SigmoidGroupLimited:
-    """DeepSeek-V3's router (also GLM-4.5's and dots.llm1's): sigmoid scores with a selection bias (``noaux_tc``), group-limited."""
+    """DeepSeek-V3's router (also GLM-4.5's and dots.llm1's): sigmoid scores with a selection bias (``noaux_tc``),
+    group-limited."""
     method, scoring = hf.get("topk_method", "noaux_tc"), hf.get("scoring_func", "sigmoid")
     if method != "noaux_tc" or scoring != "sigmoid":
         raise UnsupportedModelError(f"{mt} topk_method {method!r} with scoring_func {scoring!r} is not "
@@ -383,9 +386,8 @@ def _noaux_gating(hf: dict[str, Any], mt: str, n_experts: int, top_k: int) -> Si
     scale = hf.get("routed_scaling_factor", default["routed_scaling_factor"])
     if not is_number(scale) or not math.isfinite(scale):
         raise UnsupportedModelError(f"config.json: routed_scaling_factor must be a finite number, got {scale!r}")
-    return SigmoidGroupLimited(n_experts, top_k, bool(hf.get("norm_topk_prob", default["norm_topk_prob"])) and top_k > 1,
-                               float(scale),
-                               n_group, topk_group)
+    normalize = bool(hf.get("norm_topk_prob", default["norm_topk_prob"])) and top_k > 1
+    return SigmoidGroupLimited(n_experts, top_k, normalize, float(scale), n_group, topk_group)
 
 
 def _rotary_dim(hf: dict[str, Any], rp: dict[str, Any], mt: str, head_dim: int) -> int:
@@ -424,9 +426,10 @@ def _ernie_gating(hf: dict[str, Any], n_experts: int, top_k: int) -> BiasedSoftm
 
 
 def _hunyuan_fields(hf: dict[str, Any]) -> dict[str, Any]:
-    """Hunyuan-A13B's config as the rest of the parser reads it: its per-layer lists (``num_experts``,
-    ``moe_topk``) as one number where every layer has the same (moejax runs one expert count and one K), and
-    cross-layer attention (``use_cla``), which transformers' implementation does not run, refused."""
+    """Hunyuan-A13B's config as the rest of the parser reads it: its per-layer lists (``num_experts``, ``moe_topk``,
+    ``moe_intermediate_size``, ``num_shared_expert``) as one number where every layer has the same (moejax runs one
+    expert count and one K), ``attention_head_dim`` as ``head_dim``; cross-layer attention (``use_cla``), which
+    transformers' implementation does not run, refused."""
     if hf.get("use_cla"):
         raise UnsupportedModelError("config.json: use_cla (cross-layer KV sharing) is not supported; transformers' "
                                     "hunyuan_v1_moe does not run it either")
@@ -445,9 +448,9 @@ def _hunyuan_fields(hf: dict[str, Any]) -> dict[str, Any]:
                                     "hunyuan_v1_moe builds one shared MLP")
     if out.get("moe_intermediate_size") is not None and out.get("intermediate_size") is not None \
             and out["moe_intermediate_size"] != out["intermediate_size"]:
-        raise UnsupportedModelError(f"config.json: moe_intermediate_size {out['moe_intermediate_size']!r} differs from "
-                                    f"intermediate_size {out['intermediate_size']!r}; transformers' hunyuan_v1_moe builds "
-                                    "the experts intermediate_size wide")
+        raise UnsupportedModelError(f"config.json: moe_intermediate_size {out['moe_intermediate_size']!r} differs "
+                                    f"from intermediate_size {out['intermediate_size']!r}; transformers' hunyuan_v1_moe "
+                                    "builds the experts intermediate_size wide")
     if out.get("head_dim") is None and out.get("attention_head_dim") is not None:  # the release's spelling
         out["head_dim"] = out["attention_head_dim"]
     return out

@@ -875,8 +875,9 @@ def lm_head(params: Params, cfg: ModelConfig):
 
 # ------------------------------------------------------------------------------------------- forward
 def selection_biases(params: Params, cfg: ModelConfig) -> jax.Array | None:
-    """The MoE layers' selection biases [L, N] float32 (DeepSeek-V3's, GLM-4.5's and ERNIE-4.5's
-    ``e_score_correction_bias``), None for the families without one. Cache routers carry them in their routing state (``routing.RoutingState.bias``)."""
+    """The MoE layers' selection biases [L, N] float32 (the ``e_score_correction_bias`` of DeepSeek-V3, GLM-4.5,
+    dots.llm1 and ERNIE-4.5), None for the families without one. Cache routers carry them in their routing state
+    (``routing.RoutingState.bias``)."""
     layers = [params["layers"][i]["moe"] for i in cfg.moe_layer_ids]
     if not layers or "score_bias" not in layers[0]:
         return None

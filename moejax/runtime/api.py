@@ -164,8 +164,9 @@ class Model:
 
     @property
     def selection_biases(self) -> np.ndarray | None:
-        """The MoE layers' selection biases [L, N] float32 on the host (DeepSeek-V3's, GLM-4.5's and ERNIE-4.5's
-        ``e_score_correction_bias``: added to the scores experts are chosen by, never to their weights); None for the other families."""
+        """The MoE layers' selection biases [L, N] float32 on the host (the ``e_score_correction_bias`` of
+        DeepSeek-V3, GLM-4.5, dots.llm1 and ERNIE-4.5: added to the scores experts are chosen by, never to their
+        weights); None for the other families."""
         b = layer_selection_biases(self.params, self.cfg)
         return None if b is None else np.asarray(b)
 

@@ -161,7 +161,7 @@ def expert_output(p: dict, cfg: ModelConfig, h, experts, weights, tier, miss: ca
 def init_router_state(cfg: ModelConfig, policy: routing_lib.RoutingPolicy, cache: CacheConfig,
                       bias=None) -> dict:
     """A fresh router state; ``bias``: the model's selection biases (``model.selection_biases``; DeepSeek-V3,
-    GLM-4.5, ERNIE-4.5)."""
+    GLM-4.5, dots.llm1, ERNIE-4.5)."""
     model_lib.require_selection_biases(cfg, bias)
     cache_state = cache_lib.init_cache(cfg.n_moe_layers, cfg.n_experts, cache.capacity(cfg), cache.scope,
                                        cache.eviction, cache.init, cache.seed, cache.miss_config(),
