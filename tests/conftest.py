@@ -315,7 +315,7 @@ HF_CONFIGS: dict[str, HFSpec] = {
                                                          moe_intermediate_size=16, moe_num_experts=16, moe_k=3,
                                                          moe_num_shared_experts=0, moe_layer_start_index=0,
                                                          moe_layer_end_index=2, moe_layer_interval=2,
-                                                         moe_norm_min=0.6),
+                                                         moe_norm_min=0.6, initializer_range=0.15),
                                     note="MoE every 2nd layer up to layer 2, no shared expert, top-3 of 16 with "
                                          "norm_min 0.6 (clamps most sums), tied (ERNIE's default), no biases",
                                     router_scale=1.0),
