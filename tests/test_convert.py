@@ -231,6 +231,16 @@ def _copy_hf(name: str, dst) -> str:
     return shutil.copytree(get_hf_model(name).folder, str(dst))
 
 
+def _copy_hf_with(name: str, dst, **fields) -> str:
+    """A copy of test model ``name`` whose config.json has ``fields`` set."""
+    folder = _copy_hf(name, dst)
+    cfg = read_config(folder)
+    cfg.update(fields)
+    with open(os.path.join(folder, "config.json"), "w") as f:
+        json.dump(cfg, f)
+    return folder
+
+
 def _rewrite(folder: str, fn) -> None:
     """Apply ``fn`` to the tensor dict of a single-file HF folder and write it back."""
     path = os.path.join(folder, "model.safetensors")
@@ -255,11 +265,7 @@ def test_folder_without_config(tmp_path):
 
 
 def test_unsupported_model_type_lists_supported(tmp_path):
-    folder = _copy_hf("mixtral", tmp_path / "m")
-    cfg = read_config(folder)
-    cfg["model_type"] = "llama"
-    with open(os.path.join(folder, "config.json"), "w") as f:
-        json.dump(cfg, f)
+    folder = _copy_hf_with("mixtral", tmp_path / "m", model_type="llama")
     with pytest.raises(UnsupportedModelError) as e:
         moejax.load(folder)
     msg = str(e.value)
@@ -622,11 +628,7 @@ def test_the_model_card_and_licence_travel_with_every_conversion(tmp_path, capsy
 @pytest.mark.parametrize("key,value", [("logits_scaling", 0), ("embedding_multiplier", "12"),
                                        ("residual_multiplier", -0.2), ("attention_multiplier", float("inf"))])
 def test_a_bad_granite_multiplier_is_named(tmp_path, key, value):
-    folder = _copy_hf("granitemoe", tmp_path / "m")
-    cfg = read_config(folder)
-    cfg[key] = value
-    with open(os.path.join(folder, "config.json"), "w") as f:
-        json.dump(cfg, f)
+    folder = _copy_hf_with("granitemoe", tmp_path / "m", **{key: value})
     with pytest.raises(UnsupportedModelError, match=f"config.json: {key} must be a finite number > 0"):
         moejax.load(folder)
 
@@ -647,11 +649,8 @@ def test_a_fused_granite_tensor_of_the_wrong_shape_is_named(tmp_path):
 
 def test_a_quantised_hub_checkpoint_is_refused_by_name(tmp_path):
     """DeepSeek-V3's fp8 release (and GPTQ/AWQ folders) declare quantization_config: named, not read as floats."""
-    folder = _copy_hf("deepseek_v3", tmp_path / "m")
-    cfg = read_config(folder)
-    cfg["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": [128, 128]}
-    with open(os.path.join(folder, "config.json"), "w") as f:
-        json.dump(cfg, f)
+    folder = _copy_hf_with("deepseek_v3", tmp_path / "m", quantization_config={
+        "quant_method": "fp8", "fmt": "e4m3", "weight_block_size": [128, 128]})
     with pytest.raises(UnsupportedModelError, match=r"quantised \(quantization_config, quant_method 'fp8'\).*bf16 copy"):
         moejax.load(folder)
 
@@ -711,11 +710,7 @@ def test_ernie_keeps_router_and_selection_bias_float32_in_bf16_and_skips_its_mtp
                                         ("moe_norm_min", -1.0), ("moe_norm_min", "tiny"), ("use_bias", "yes"),
                                         ("moe_k", 0), ("moe_num_shared_experts", -2)])
 def test_a_bad_ernie_moe_field_is_named(tmp_path, key, value):
-    folder = _copy_hf("ernie4_5_moe", tmp_path / "m")
-    cfg = read_config(folder)
-    cfg[key] = value
-    with open(os.path.join(folder, "config.json"), "w") as f:
-        json.dump(cfg, f)
+    folder = _copy_hf_with("ernie4_5_moe", tmp_path / "m", **{key: value})
     with pytest.raises(UnsupportedModelError, match=key):
         moejax.load(folder)
 
@@ -729,11 +724,7 @@ def test_a_bad_ernie_moe_field_is_named(tmp_path, key, value):
     ("rope_parameters", {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0}, "fixed alpha"),
 ])
 def test_hunyuan_fields_moejax_cannot_run_are_named(tmp_path, key, value, message):
-    folder = _copy_hf("hunyuan_v1_moe", tmp_path / "m")
-    cfg = read_config(folder)
-    cfg[key] = value
-    with open(os.path.join(folder, "config.json"), "w") as f:
-        json.dump(cfg, f)
+    folder = _copy_hf_with("hunyuan_v1_moe", tmp_path / "m", **{key: value})
     with pytest.raises(UnsupportedModelError, match=message):
         moejax.load(folder)
 

@@ -390,7 +390,7 @@ def test_deepseek_v3_router_at_real_expert_counts_matches_hf(n, k, groups, top_g
     weights, with biases absent, of the released size (~0.02) and large enough to decide alone."""
     from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3TopkRouter
 
-    from moejax.models.gating import SigmoidGroupLimited, original_routing
+    from moejax.models.gating import SigmoidGroupLimited
 
     config = transformers.DeepseekV3Config(hidden_size=64, n_routed_experts=n, num_experts_per_tok=k, n_group=groups,
                                            topk_group=top_groups, routed_scaling_factor=2.5, norm_topk_prob=True)
@@ -401,14 +401,25 @@ def test_deepseek_v3_router_at_real_expert_counts_matches_hf(n, k, groups, top_g
         router.e_score_correction_bias.copy_(torch.randn(n, generator=gen) * bias_std)
         logits, weights, idx = router(torch.randn(256, 64, generator=gen))
     gating = SigmoidGroupLimited(n, k, True, 2.5, groups, top_groups)
-    experts, got = original_routing(gating, jnp.asarray(logits.numpy()), jnp.asarray(router.e_score_correction_bias.numpy()))
+    _assert_routes_as_hf(gating, (logits, weights, idx), router.e_score_correction_bias, bias_decides=bias_std == 1.0)
+
+
+def _assert_routes_as_hf(gating, hf_out, bias, bias_decides: bool) -> np.ndarray:
+    """moejax's ``gating`` on an HF router's logits and selection ``bias`` chooses the experts the router chose
+    (``hf_out``: its logits, weights, indices) with the same weights (1e-6); where ``bias_decides``, routing without
+    the bias chooses otherwise. Returns HF's weights, sorted by expert."""
+    from moejax.models.gating import original_routing
+
+    logits, weights, idx = (t.numpy() for t in hf_out)
+    experts, got = original_routing(gating, jnp.asarray(logits), jnp.asarray(bias.numpy().reshape(-1)))
     got_e, got_w = _by_expert(np.asarray(experts), np.asarray(got))
-    ref_e, ref_w = _by_expert(idx.numpy(), weights.numpy())
+    ref_e, ref_w = _by_expert(idx, weights)
     np.testing.assert_array_equal(got_e, ref_e)
     np.testing.assert_allclose(got_w, ref_w, atol=1e-6, rtol=0)
-    if bias_std == 1.0:  # the bias decides: unbiased routing would choose differently
-        plain = _by_expert(*[np.asarray(a) for a in original_routing(gating, jnp.asarray(logits.numpy()))])[0]
+    if bias_decides:  # unbiased routing would choose differently
+        plain = _by_expert(*[np.asarray(a) for a in original_routing(gating, jnp.asarray(logits))])[0]
         assert (plain != ref_e).any()
+    return ref_w
 
 
 @pytest.mark.parametrize("bias_std", [0.0, 0.003, 0.1])
@@ -419,7 +430,7 @@ def test_ernie_router_at_real_expert_counts_matches_hf(n, k, norm_min, bias_std)
     ``moe_norm_min`` that clamps most sums."""
     from transformers.models.ernie4_5_moe.modeling_ernie4_5_moe import Ernie4_5_MoeTopKRouter
 
-    from moejax.models.gating import BiasedSoftmaxTopK, original_routing
+    from moejax.models.gating import BiasedSoftmaxTopK
 
     config = transformers.Ernie4_5_MoeConfig(hidden_size=64, moe_num_experts=n, moe_k=k, moe_norm_min=norm_min)
     router = Ernie4_5_MoeTopKRouter(config)
@@ -430,13 +441,6 @@ def test_ernie_router_at_real_expert_counts_matches_hf(n, k, norm_min, bias_std)
         bias.copy_(torch.randn(bias.shape, generator=gen) * bias_std)
         logits, weights, idx = router(torch.randn(256, 64, generator=gen))
     gating = BiasedSoftmaxTopK(n, k, True, norm_min=norm_min)
-    experts, got = original_routing(gating, jnp.asarray(logits.numpy()), jnp.asarray(bias[0].numpy()))
-    got_e, got_w = _by_expert(np.asarray(experts), np.asarray(got))
-    ref_e, ref_w = _by_expert(idx.numpy(), weights.numpy())
-    np.testing.assert_array_equal(got_e, ref_e)
-    np.testing.assert_allclose(got_w, ref_w, atol=1e-6, rtol=0)
-    if bias_std == 0.1:  # the bias decides: unbiased routing would choose differently
-        plain = _by_expert(*[np.asarray(a) for a in original_routing(gating, jnp.asarray(logits.numpy()))])[0]
-        assert (plain != ref_e).any()
+    ref_w = _assert_routes_as_hf(gating, (logits, weights, idx), bias, bias_decides=bias_std == 0.1)
     if norm_min == 0.7:  # the clamp is used: plain renormalised weights would differ
         assert (ref_w.sum(-1) < 0.99).any()

@@ -376,10 +376,7 @@ def _noaux_gating(hf: dict[str, Any], mt: str, n_experts: int, top_k: int) -> Si
         raise UnsupportedModelError(f"{mt} topk_method {method!r} with scoring_func {scoring!r} is not "
                                     "supported (supported: noaux_tc with sigmoid, as transformers runs it)")
     default = _NOAUX_DEFAULTS[mt]
-    n_group, topk_group = (hf.get(k) if hf.get(k) is not None else default[k] for k in ("n_group", "topk_group"))
-    for key, v in (("n_group", n_group), ("topk_group", topk_group)):
-        if not is_integer(v) or v < 1:
-            raise UnsupportedModelError(f"config.json: {key} must be an integer >= 1, got {v!r}")
+    n_group, topk_group = (_count(hf, k, default[k], 1) for k in ("n_group", "topk_group"))
     if n_experts % n_group or topk_group > n_group or (n_group > 1 and n_experts // n_group < 2):
         raise UnsupportedModelError(f"config.json: n_group {n_group} must divide the {n_experts} routed experts "
                                     f"into groups of at least 2, and topk_group {topk_group} be at most n_group")

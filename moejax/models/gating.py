@@ -141,8 +141,12 @@ class SoftmaxTopK(_RankByLogits):
             valid = chosen >= 0
         w = jnp.where(valid, _take(self.probs(z) if probs is None else probs, chosen), 0.0)
         if self.normalize:
-            w = w / (jnp.sum(w, axis=-1, keepdims=True) + self.norm_eps)
+            w = self.renormalised(w)
         return w * self.scale
+
+    def renormalised(self, w: jax.Array) -> jax.Array:
+        """The chosen experts' probabilities ``w`` divided by their sum (+ ``norm_eps``)."""
+        return w / (jnp.sum(w, axis=-1, keepdims=True) + self.norm_eps)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -181,12 +185,9 @@ class BiasedSoftmaxTopK(SoftmaxTopK):
         p = self.probs(z)
         return descending_order(p if bias is None else p + bias.astype(jnp.float32))
 
-    def weights(self, z: jax.Array, chosen: jax.Array, valid: jax.Array | None = None,
-                probs: jax.Array | None = None) -> jax.Array:
-        if valid is None:
-            valid = chosen >= 0
-        w = jnp.where(valid, _take(self.probs(z) if probs is None else probs, chosen), 0.0)
-        return w / jnp.maximum(jnp.sum(w, axis=-1, keepdims=True), self.norm_min) * self.scale
+    def renormalised(self, w: jax.Array) -> jax.Array:
+        """``w`` divided by its sum, the sum clamped below at ``norm_min`` (transformers' ``moe_norm_min``)."""
+        return w / jnp.maximum(jnp.sum(w, axis=-1, keepdims=True), self.norm_min)
 
 
 @dataclasses.dataclass(frozen=True)

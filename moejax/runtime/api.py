@@ -343,19 +343,19 @@ class Model:
         reserve, reserved_for = ((plan["prompt_reserve"], "prompt") if mode == "check"
                                  else (plan["reserve"], "runtime and the prompt"))
         need = count * plan["slot_set"] + plan["fixed"] - plan["reserve"] + reserve  # ``fixed`` holds all of it
+        k = self.cfg.top_k
+        # what auto, which also keeps the runtime's margin, makes of the same memory
+        keeps = f"--cache-size auto keeps {gb(plan['reserve'] - plan['prompt_reserve'])}"
+        picks = f"picks {fit}" if fit >= k else f"finds room for {fit}, fewer than K={k}"
         if need <= plan["headroom"]:
             if mode == "check" and count > fit:
                 # inside the runtime's margin: ran under 12 GiB (ERNIE-4.5-21B, C = 14 of auto's 13), thrashed
                 # under 1.5 GiB (Granite-1B, C = 14 of auto's 7); where it lands depends on the budget's size
                 sys.stderr.write(f"note: a cache of {count} experts {per} leaves {gb(plan['headroom'] - need)} of "
-                                 f"what {plan['where']} leaves; --cache-size auto keeps "
-                                 f"{gb(plan['reserve'] - plan['prompt_reserve'])} for the runtime and "
-                                 + (f"picks {fit}" if fit >= self.cfg.top_k else
-                                    f"finds room for {fit}, fewer than K={self.cfg.top_k}")
-                                 + ": under a small budget a size this close can thrash (compiling and paging "
-                                 "need room too)\n")
+                                 f"what {plan['where']} leaves; {keeps} for the runtime and {picks}: under a small "
+                                 "budget a size this close can thrash (compiling and paging need room too)\n")
             return dataclasses.replace(cache, fit_checked=True)
-        if mode == "shrink" and fit >= self.cfg.top_k:
+        if mode == "shrink" and fit >= k:
             sys.stderr.write(f"note: a cache of {count} experts {per} needs {gb(need)} and {plan['where']} leaves "
                              f"{gb(plan['headroom'])}: using {fit} (--cache-size auto)\n")
             return dataclasses.replace(cache, size=str(fit), memory="auto", fit_checked=True)
@@ -363,14 +363,11 @@ class Model:
         # the runtime's margin: Granite-1B under 1.5 GiB ran at C = 8 (auto: 7), thrashed at C = 14 (this check: 14)
         given_fit = offload_lib.slots_that_fit(plan["headroom"], plan["fixed"] - plan["reserve"] + reserve,
                                                plan["slot_set"], limit)
-        k = self.cfg.top_k
         if given_fit == fit and fit >= k:
             hint = f"--cache-size auto picks {fit}"
         elif given_fit >= k:
-            margin = gb(plan["reserve"] - plan["prompt_reserve"])
-            hint = (f"sizes up to {given_fit} pass this check, which keeps no margin for the runtime; --cache-size "
-                    f"auto keeps {margin} and " + (f"picks {fit}" if fit >= k else
-                                                   f"finds room for {fit}, fewer than K={k}{smaller}"))
+            hint = (f"sizes up to {given_fit} pass this check, which keeps no margin for the runtime; {keeps} and "
+                    f"{picks}" + (smaller if fit < k else ""))
         else:
             hint = f"not even K={k} fit{smaller}"
         raise ValueError(f"cache size {cache.memory or cache.size!r} needs {gb(need)} ({count} slots {per} of "
@@ -655,8 +652,8 @@ def text_model_folder(path: str, why: str) -> str:
     """The folder of model argument ``path`` (``resolve_model_path``: a hub id is fetched once, here), for commands
     that score text: a ``Failure`` before loading when it holds a checkpoint but no ``tokenizer.json`` (loading
     first cost the 61 GB Qwen3-30B-A3B folder 3 s and 4.8 GB to be told; a hub repository without one is refused
-    before its weights are fetched). Anything else wrong with it is left to
-    ``load``, which names it; the folder loads as ``path`` would."""
+    before its weights are fetched). Anything else wrong with it is left to ``load``, which names it; the folder
+    loads as ``path`` would."""
     folder = resolve_model_path(path, needs=("tokenizer.json",), why=why)  # a hub id: refused before its weights
     if os.path.isfile(os.path.join(folder, "config.json")) and not os.path.isfile(os.path.join(folder, "tokenizer.json")):
         raise Failure(f"{path} has no tokenizer.json: {why}")

@@ -6,8 +6,8 @@
 
 Presets (``moejax/testing/presets/*.json``, the models' own ``config.json``): mixtral-8x7b, phi-3.5-moe,
 qwen1.5-moe-a2.7b, qwen3-30b-a3b, olmoe-1b-7b, deepseek-v2-lite, moonlight-16b-a3b, deepseek-v3 (671B:
-``--layers`` cuts it), glm-4.5-air, granite-3.0-1b-a400m, granite-3.0-3b-a800m, ernie-4.5-21b-a3b, dots.llm1, hunyuan-a13b;
-PRESET may also be a config.json path.
+``--layers`` cuts it), glm-4.5-air, granite-3.0-1b-a400m, granite-3.0-3b-a800m, ernie-4.5-21b-a3b, dots.llm1,
+hunyuan-a13b; PRESET may also be a config.json path.
 ``--layers`` keeps the first L decoder layers (a cut with the real per-layer shapes), ``--set`` overrides
 config values (JSON values: ``--set hidden_size=64 --set vocab_size=512`` makes a tiny test model).
 
