@@ -319,10 +319,22 @@ HF_CONFIGS: dict[str, HFSpec] = {
                                     note="MoE every 2nd layer up to layer 2, no shared expert, top-3 of 16 with "
                                          "norm_min 0.6 (clamps most sums), tied (ERNIE's default), no biases",
                                     router_scale=1.0),
+    # ---------------------------------------------------------------- GPT-OSS (sinks, biased experts, clamped SwiGLU)
+    "gpt_oss": HFSpec("gpt_oss", _cfg(num_hidden_layers=3, head_dim=8, intermediate_size=16, num_local_experts=8,
+                                      num_experts_per_tok=2, sliding_window=4, initializer_range=0.15,
+                                      swiglu_limit=0.2),
+                      note="attention sinks, sliding window 4 on even layers, yarn rope (the default), router "
+                           "and expert biases, SwiGLU clamped at 0.2 (clamps often)", router_scale=1.0),
+    "gpt_oss_plain": HFSpec("gpt_oss", _cfg(head_dim=8, intermediate_size=24, num_local_experts=16,
+                                            num_experts_per_tok=4, sliding_window=64, layer_types=[
+                                                "full_attention", "full_attention"], attention_bias=False,
+                                            tie_word_embeddings=True, swiglu_alpha=1.0, initializer_range=0.15,
+                                            rope_parameters=dict(rope_type="default", rope_theta=10000.0)),
+                            note="no attention bias, full attention, default rope, top-4 of 16, tied, alpha 1"),
 }
 
 FAMILIES = ("mixtral", "phimoe", "qwen2_moe", "qwen3_moe", "olmoe", "deepseek_v2", "deepseek_v3", "glm4_moe",
-            "dots1", "granitemoe", "granitemoeshared", "ernie4_5_moe", "hunyuan_v1_moe")
+            "dots1", "granitemoe", "granitemoeshared", "ernie4_5_moe", "hunyuan_v1_moe", "gpt_oss")
 
 
 def _config_class(model_type: str):
@@ -336,6 +348,7 @@ def _config_class(model_type: str):
         "dots1": transformers.Dots1Config,
         "granitemoe": transformers.GraniteMoeConfig, "granitemoeshared": transformers.GraniteMoeSharedConfig,
         "ernie4_5_moe": transformers.Ernie4_5_MoeConfig, "hunyuan_v1_moe": transformers.HunYuanMoEV1Config,
+        "gpt_oss": transformers.GptOssConfig,
     }[model_type]
 
 
@@ -376,8 +389,10 @@ def build_hf_model(spec: HFSpec, seed: int = 0, router_scale: float | None = Non
         for name, p in model.named_parameters():
             if name.endswith(("norm.weight", "layernorm.weight")):
                 p.add_(0.1 * torch.randn_like(p))
-            elif name.endswith(".bias"):
+            elif name.endswith((".bias", "_proj_bias")):  # GPT-OSS's expert biases are "..._proj_bias"
                 p.add_(0.05 * torch.randn_like(p))
+            elif name.endswith(".sinks"):  # GPT-OSS's, N(0, 0.02²) at init: large enough to take a share
+                p.add_(torch.randn_like(p))
     model.eval()
     return model
 

@@ -162,7 +162,8 @@ def _forced_router(cfg, path: str, params):
     def compute(moe_index, p, cfg, h, experts, weights, record, state):
         if path == "sorted":
             return M.sorted_routed_experts(p, cfg, h, experts, weights, block_rows=4), state
-        return M.switched_routed_experts(p["experts"], cfg, h, experts, weights, block_rows=4), state
+        return M.switched_routed_experts(p["experts"], cfg, h, experts, weights, block_rows=4,
+                                         biases=M.expert_biases(p)), state
 
     hook.compute = compute
     return hook

@@ -226,7 +226,23 @@ PERTURBATIONS = {
     "ernie rope pairs": ("ernie4_5_moe", 20, _replace(rope_interleaved=False)),
     "ernie norm_min": ("ernie4_5_moe_interval", 20, _replace_gating(norm_min=0.0)),
     "ernie lm_head bias": ("ernie4_5_moe", 20, lambda p, c: ({k: v for k, v in p.items() if k != "lm_head_bias"}, c)),
+    "gpt_oss attention sinks": ("gpt_oss", 20, lambda p, c: (_without(p, "attn", ("sinks",)), c)),
+    "gpt_oss router bias": ("gpt_oss", 20, lambda p, c: (_without(p, "moe", ("router_bias",)), c)),
+    "gpt_oss expert biases": ("gpt_oss", 20, lambda p, c: (_without(p, "moe", ("gate_bias", "up_bias", "down_bias")),
+                                                           c)),
+    "gpt_oss swiglu clamp": ("gpt_oss", 20, _replace(swiglu_limit=1e9)),
+    "gpt_oss swiglu alpha": ("gpt_oss_plain", 20, _replace(swiglu_alpha=1.702)),
+    "gpt_oss sliding window": ("gpt_oss", 20, _replace(sliding_windows=(0, 0, 0))),
+    "gpt_oss yarn": ("gpt_oss", 20, lambda p, c: (p, dataclasses.replace(
+        c, rope_scale=1.0, rope_inv_freq=tuple(float(x) for x in 1.0 / 150000.0 ** (np.arange(0, 8, 2) / 8))))),
 }
+
+
+def _without(params, block: str, keys: tuple) -> dict:
+    """The params with ``keys`` dropped from every layer's ``block`` ("attn" or "moe")."""
+    layers = [{**lp, block: {k: v for k, v in lp[block].items() if k not in keys}} if block in lp else lp
+              for lp in params["layers"]]
+    return {**params, "layers": layers}
 
 
 @pytest.mark.parametrize("what", list(PERTURBATIONS))

@@ -480,3 +480,42 @@ def test_selection_biases_route_every_offload_path_as_the_simulation(name, pagin
     assert off.token_ids == ref.token_ids
     for key in ("misses", "loads", "prefetch_loads", "substituted", "prefetch_precision", "bytes_moved"):
         assert off.stats["cache"][key] == ref.stats["cache"][key], key
+
+
+@pytest.mark.parametrize("cc, paging, prefill", [
+    (CacheConfig(size="3", prefetch=1.0, miss="substitute"), "host", "batched"),
+    (CacheConfig(size="3", miss="cascade", miss_rank=(1,), cascade_bits=(8,)), "host", "token"),
+], ids=["host-prefetch-substitute", "host-cascade"])
+def test_gpt_oss_expert_biases_follow_the_real_experts_when_offloaded(cc, paging, prefill):
+    """GPT-OSS's expert biases stay on the device (never paged) and are taken by the *real* expert a slot holds:
+    a teacher-forced pass with real paging (a batched prompt through staging and slots, token by token with
+    early and late experts, low-bit copies) gives the simulation's logits; biases taken by slot id would not."""
+    m = _model("gpt_oss")
+    toks = np.random.RandomState(3).randint(3, 96, size=24).astype(np.int32)
+    ref = m.forward(toks, routing="cache-prior", cache=cc)
+    off = m.forward(toks, routing="cache-prior", cache=cc,
+                    offload=offload.OffloadConfig(paging=paging, prefill=prefill))
+    np.testing.assert_array_equal(off.experts, ref.experts)
+    np.testing.assert_allclose(off.logits, ref.logits, atol=2e-5)
+    assert off.stats["misses"] == ref.stats["misses"] > 0
+
+
+@pytest.mark.slow
+def test_gpt_oss_in_jit_paging_generates_as_the_simulation():
+    m = _model("gpt_oss")
+    ref, off = _both(m, CacheConfig(size="3", prefetch=1.0), offload_cfg=offload.OffloadConfig(paging="jit"))
+    assert off.token_ids == ref.token_ids
+    assert off.stats["cache"]["misses"] == ref.stats["cache"]["misses"] > 0
+
+
+def test_gpt_oss_pages_from_its_hub_files_as_from_memory():
+    """GPT-OSS's hub files hold each expert's gate and up as alternate columns of one [D, 2F] block, stored
+    [in, out]: a flash store pages them (strided reads of the files) to the same tokens as a host store."""
+    m = moejax.load(get_hf_model("gpt_oss").folder, offload="flash")
+    cc = CacheConfig(size="3", prefetch=1.0)
+    ref = m.generate(PROMPT, NEW, routing="cache-prior", cache=cc, stop_at_eos=False)
+    for store in ("flash", "host"):
+        off = m.generate(PROMPT, NEW, routing="cache-prior", cache=cc, stop_at_eos=False,
+                         offload=offload.OffloadConfig(store=store))
+        assert off.token_ids == ref.token_ids, store
+        assert off.stats["offload"]["bytes_moved"] > 0

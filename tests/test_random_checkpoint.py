@@ -67,6 +67,8 @@ EXPECTED = {  # (model_type, layers, routed experts, top-k, hidden): the real mo
     "ernie-4.5-21b-a3b": ("ernie4_5_moe", 28, 64, 6, 2560),
     "dots.llm1": ("dots1", 62, 128, 6, 4096),
     "hunyuan-a13b": ("hunyuan_v1_moe", 32, 64, 8, 4096),
+    "gpt-oss-20b": ("gpt_oss", 24, 32, 4, 2880),
+    "gpt-oss-120b": ("gpt_oss", 36, 128, 4, 2880),
 }
 
 

@@ -24,7 +24,7 @@ from moejax.runtime import api, simulate
 from moejax.evaluation import perplexity
 
 FAMILIES = ["mixtral", "phimoe", "qwen2_moe", "qwen3_moe", "olmoe", "deepseek_v2_group", "deepseek_v3", "glm4_moe",
-            "dots1", "granitemoeshared", "ernie4_5_moe", "hunyuan_v1_moe"]
+            "dots1", "granitemoeshared", "ernie4_5_moe", "hunyuan_v1_moe", "gpt_oss"]
 POLICIES = [("original", {}), ("pruning", {"prune_h": 2}), ("max-rank", {"max_rank": 4}),
             ("cumsum", {"cumsum_p": 0.8}), ("cache-prior", {"lam": 0.6})]
 

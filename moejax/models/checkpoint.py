@@ -340,7 +340,7 @@ def hf_tree(folder: str, cfg: ModelConfig) -> dict:
     fused = {}
     for i in range(cfg.num_layers):
         gate_up, down = _fused_keys(i)
-        if cfg.moe_layers[i] and gate_up in tensors and down in tensors:
+        if cfg.moe_layers[i] and gate_up in tensors and down in tensors and not cfg.expert_bias:  # GPT-OSS's own names
             _check_shape(gate_up, tensors[gate_up].shape(gate_up), (n, 2 * f, d))
             _check_shape(down, tensors[down].shape(down), (n, d, f))
             _check_float(tensors[gate_up], gate_up)
@@ -349,6 +349,7 @@ def hf_tree(folder: str, cfg: ModelConfig) -> dict:
     used, missing = set(), []
     tree: dict = {}
     parts: dict[tuple, list] = {}
+    transposed: dict[tuple, bool] = {}  # expert stacks: stored [out, in] per expert (hub), or [in, out] (GPT-OSS)
     for hf_key, pieces in hf_keys.by_tensor(hf_keys.entries(cfg)).items():
         if pieces[0].expert is not None and pieces[0].path[1] in fused:
             continue
@@ -366,6 +367,7 @@ def hf_tree(folder: str, cfg: ModelConfig) -> dict:
                 _set(tree, e.path, weights.LazyTensor(file, hf_keys.piece_of(view, e), e.transpose))
             else:
                 parts.setdefault(e.path, [None] * n)[e.expert] = (file, hf_keys.piece_of(view, e))
+                transposed[e.path] = e.transpose
     if missing:
         raise CheckpointError(f"{folder}: missing tensors: " + ", ".join(missing[:10])
                               + (f" ... ({len(missing)} in all)" if len(missing) > 10 else ""))
@@ -383,7 +385,7 @@ def hf_tree(folder: str, cfg: ModelConfig) -> dict:
         raise CheckpointError(f"{folder}: tensors not in the {cfg.model_type} key table: "
                               + ", ".join(unexpected[:10]) + (" ..." if len(unexpected) > 10 else ""))
     for path, experts in parts.items():
-        _set(tree, path, weights.ExpertStack(experts, transposed=True))
+        _set(tree, path, weights.ExpertStack(experts, transposed=transposed.get(path, True)))
     return tree
 
 
@@ -439,6 +441,18 @@ def _hf_value(params: dict, e: hf_keys.Entry) -> np.ndarray:
     return np.ascontiguousarray(value.T if e.transpose else value)
 
 
+def _hf_pieces(params: dict, pieces: list[hf_keys.Entry]):
+    """One HF tensor's values in file order: each entry's piece, or where the file interleaves columns (GPT-OSS's
+    gate/up), each expert's (or the whole tensor's) pieces woven together."""
+    if pieces[0].columns is None:
+        yield from (_hf_value(params, e) for e in pieces)
+        return
+    step = pieces[0].columns[1]
+    for start in range(0, len(pieces), step):
+        group = sorted(pieces[start:start + step], key=lambda e: e.columns[0])
+        yield np.stack([_hf_value(params, e) for e in group], axis=-1).reshape(*group[0].shape[:-1], -1)
+
+
 def save_hf(params: dict, cfg: ModelConfig, folder: str, *, tokenizer_from: str | None = None,
             overwrite: bool = False, max_shard_bytes: int = 4 << 30, protect: tuple[str, ...] = ()) -> str:
     """Write a Hugging Face folder (safetensors shards + index, config.json) that transformers loads,
@@ -450,7 +464,7 @@ def save_hf(params: dict, cfg: ModelConfig, folder: str, *, tokenizer_from: str 
     specs = [(key, np.dtype(np.float32) if weights.is_float32_param(pieces[0].path, cfg.model_type) else dtype,
               hf_keys.tensor_shape(pieces, cfg.n_experts)) for key, pieces in table.items()]
     with atomic_folder(folder, overwrite, protect) as tmp:
-        write_sharded(tmp, "model", specs, lambda key: (_hf_value(params, e) for e in table[key]), max_shard_bytes)
+        write_sharded(tmp, "model", specs, lambda key: _hf_pieces(params, table[key]), max_shard_bytes)
         hf = cfg.hf
         hf["torch_dtype"] = hf["dtype"] = str(dtype)
         atomic.write_json(os.path.join(tmp, "config.json"), hf)

@@ -20,7 +20,8 @@ from moejax.models.gating import (BiasedSoftmaxTopK, Gating, GroupLimited, Sigmo
                                   SparseMixer)
 
 SUPPORTED_MODEL_TYPES = ("mixtral", "phimoe", "qwen2_moe", "qwen3_moe", "olmoe", "deepseek_v2", "deepseek_v3",
-                         "glm4_moe", "dots1", "granitemoe", "granitemoeshared", "ernie4_5_moe", "hunyuan_v1_moe")
+                         "glm4_moe", "dots1", "granitemoe", "granitemoeshared", "ernie4_5_moe", "hunyuan_v1_moe",
+                         "gpt_oss")
 DEEPSEEK = ("deepseek_v2", "deepseek_v3")  # multi-head latent attention, shared experts, first_k_dense_replace
 #: DeepSeek-V3's routing (sigmoid + per-layer selection biases, noaux_tc), shared experts and dense first layers
 #: (GLM-4.5 and dots.llm1 with grouped-query attention)
@@ -34,8 +35,15 @@ ERNIE = "ernie4_5_moe"
 #: Hunyuan-A13B: every layer MoE with a shared MLP (both ``intermediate_size`` wide, as transformers builds them),
 #: float32 router (``mlp.gate.wg``), per-head q/k norm applied after rope, NTK-alpha rope
 HUNYUAN = "hunyuan_v1_moe"
+#: GPT-OSS: attention sinks (a learned logit per head in every softmax's denominator), a router with a bias (softmax
+#: over the top-k logits), experts with biases and a clamped SwiGLU (``(clamp(up) + 1) · g · σ(α g)``, g clamped
+#: above) whose gate and up columns alternate in ``gate_up_proj`` [N, D, 2F], stored [in, out]
+GPT_OSS = "gpt_oss"
 
-_DEFAULT_THETA = {"mixtral": 1e6, "phimoe": 1e6, ERNIE: 5e5}
+_DEFAULT_THETA = {"mixtral": 1e6, "phimoe": 1e6, ERNIE: 5e5, GPT_OSS: 150000.0}
+#: transformers' rope for a GPT-OSS config.json that names none (``GptOssConfig``)
+_GPT_OSS_ROPE = {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
+                 "original_max_position_embeddings": 4096}
 
 
 class UnsupportedModelError(Failure):
@@ -93,6 +101,13 @@ class ModelConfig:
     embedding_multiplier: float = 1.0
     residual_multiplier: float = 1.0
     logits_scaling: float = 1.0
+    # GPT-OSS: a learned sink logit per attention head, a bias on the router's logits, biases on every expert's
+    # gate/up and down projections, and its clamped SwiGLU (``swiglu_limit`` None: the plain act(gate) · up)
+    attention_sinks: bool = False
+    router_bias: bool = False
+    expert_bias: bool = False
+    swiglu_limit: float | None = None
+    swiglu_alpha: float = 1.702
     hf_json: str = dataclasses.field(repr=False, compare=False, default="{}")
 
     @property
@@ -116,6 +131,13 @@ class ModelConfig:
                              "positions (max_position_embeddings)")
 
     @property
+    def expert_act(self) -> str | tuple:
+        """The routed experts' gated activation as a hashable static value: ``hidden_act`` (act(gate) · up), or
+        ``("clamped_swiglu", limit, alpha)`` for GPT-OSS (``model.glu``)."""
+        return self.hidden_act if self.swiglu_limit is None else ("clamped_swiglu", self.swiglu_limit,
+                                                                  self.swiglu_alpha)
+
+    @property
     def expert_params(self) -> int:
         """Parameters of one routed expert (gate, up and down projections)."""
         return 3 * self.hidden_size * self.moe_intermediate_size
@@ -131,7 +153,7 @@ def _rope_parameters(hf: dict[str, Any], model_type: str) -> dict[str, Any]:
         if hf.get(key) is not None and not isinstance(hf[key], dict):
             raise UnsupportedModelError(f"config.json: {key} must be an object, got {hf[key]!r}")
     params = dict(hf.get("rope_parameters") or {})
-    scaling = hf.get("rope_scaling") or {}
+    scaling = hf.get("rope_scaling") or ({} if params or model_type != GPT_OSS else _GPT_OSS_ROPE)
     for k, v in scaling.items():
         params.setdefault(k, v)
     params.setdefault("rope_theta", hf.get("rope_theta", _DEFAULT_THETA.get(model_type, 1e4)))
@@ -218,7 +240,7 @@ def _rope_frequencies(rp: dict[str, Any], dim: int, max_pos: int) -> tuple[np.nd
 
 
 def _moe_layer_pattern(hf: dict[str, Any], mt: str, n_layers: int) -> tuple[bool, ...]:
-    if mt in ("mixtral", "phimoe", "olmoe", HUNYUAN, *GRANITE):
+    if mt in ("mixtral", "phimoe", "olmoe", HUNYUAN, GPT_OSS, *GRANITE):
         return (True,) * n_layers
     if mt in ("qwen2_moe", "qwen3_moe"):
         step = hf.get("decoder_sparse_step", 1) or 1
@@ -257,7 +279,20 @@ def _sliding_windows(hf: dict[str, Any], mt: str, n_layers: int) -> tuple[int, .
             first = _count(hf, "max_window_layers", n_layers, 0)
             types = ["sliding_attention" if window and i >= first else "full_attention" for i in range(n_layers)]
         return tuple(window if t == "sliding_attention" else 0 for t in types)
+    if mt == GPT_OSS:  # transformers' default: sliding on even layers, full on odd ones
+        types = hf.get("layer_types") or ["sliding_attention" if (i + 1) % 2 else "full_attention"
+                                          for i in range(n_layers)]
+        return tuple(window if t == "sliding_attention" else 0 for t in _layer_types(types, n_layers))
     return (0,) * n_layers
+
+
+def _layer_types(types: Any, n_layers: int) -> list:
+    """``layer_types``, checked: one of sliding_attention / full_attention per layer."""
+    if (not isinstance(types, list) or len(types) != n_layers
+            or any(t not in ("sliding_attention", "full_attention") for t in types)):
+        raise UnsupportedModelError(f"config.json: layer_types must list sliding_attention or full_attention for each "
+                                    f"of the {n_layers} layers, got {types!r}")
+    return types
 
 
 def from_hf(hf: dict[str, Any]) -> ModelConfig:
@@ -351,10 +386,14 @@ def _check_unquantised(hf: dict[str, Any], mt: str) -> None:
     q = hf.get("quantization_config")
     if q is not None:
         method = q.get("quant_method", "?") if isinstance(q, dict) else q
+        how = ("transformers writes one: AutoModelForCausalLM.from_pretrained(ID, quantization_config="
+               "Mxfp4Config(dequantize=True), dtype=torch.bfloat16).save_pretrained(OUT); bf16 copies are on the hub too"
+               if method == "mxfp4" else
+               "for DeepSeek-V3's fp8 release, the reference repository's fp8_cast_bf16.py writes one")
         raise UnsupportedModelError(
             f"config.json: this {mt} checkpoint is quantised (quantization_config, quant_method {method!r}); moejax "
-            "reads floating-point weights: use a bf16 copy (for DeepSeek-V3's fp8 release, the reference repository's "
-            "fp8_cast_bf16.py writes one), then --weight-dtype/--expert-dtype int8 if it must be smaller")
+            f"reads floating-point weights: use a bf16 copy ({how}), then --weight-dtype/--expert-dtype int8 if it "
+            "must be smaller")
 
 
 #: transformers' defaults for what a config.json of these families may leave out
@@ -465,6 +504,21 @@ def _ntk_alpha(rp: dict[str, Any], dim: int) -> dict[str, Any]:
     return {**rp, "rope_type": "default", "rope_theta": float(rp["rope_theta"]) * float(alpha) ** (dim / (dim - 2))}
 
 
+def _swiglu(hf: dict[str, Any]) -> tuple[float, float]:
+    """GPT-OSS's clamped SwiGLU: (swiglu_limit, swiglu_alpha), finite and > 0 (transformers' defaults 7.0, 1.702);
+    its experts are SwiGLU whatever ``hidden_act`` says, so only "silu" is accepted there."""
+    if hf.get("hidden_act", "silu") != "silu":
+        raise UnsupportedModelError(f"config.json: gpt_oss experts apply a clamped SwiGLU; hidden_act "
+                                    f"{hf['hidden_act']!r} is not what transformers runs (silu)")
+    out = []
+    for key, default in (("swiglu_limit", 7.0), ("swiglu_alpha", 1.702)):
+        v = hf.get(key, default)
+        if not is_number(v) or not math.isfinite(v) or v <= 0:
+            raise UnsupportedModelError(f"config.json: {key} must be a finite number > 0, got {v!r}")
+        out.append(float(v))
+    return out[0], out[1]
+
+
 def _multiplier(hf: dict[str, Any], key: str) -> float:
     """One of Granite's scale factors: a finite number > 0 (HF's default 1 where absent or null)."""
     v = hf.get(key)
@@ -490,7 +544,7 @@ def _from_hf(hf: dict[str, Any], mt: str) -> ModelConfig:
     mla = mt in DEEPSEEK
     _check_unquantised(hf, mt)
     rp = _rope_parameters(hf, mt)
-    max_pos = hf.get("max_position_embeddings", {ERNIE: 131072, HUNYUAN: 2048}.get(mt, 4096))
+    max_pos = hf.get("max_position_embeddings", {ERNIE: 131072, HUNYUAN: 2048, GPT_OSS: 131072}.get(mt, 4096))
     rope_dim = hf["qk_rope_head_dim"] if mla else _rotary_dim(hf, rp, mt, head_dim)
     if mt == HUNYUAN and rp["rope_type"] == "dynamic":
         rp = _ntk_alpha(rp, rope_dim)
@@ -515,6 +569,9 @@ def _from_hf(hf: dict[str, Any], mt: str) -> ModelConfig:
     if mt in ("mixtral", "phimoe", *GRANITE):
         n_experts, top_k = hf["num_local_experts"], hf.get("num_experts_per_tok", 2)
         moe_ff = hf["intermediate_size"]
+    elif mt == GPT_OSS:  # transformers' defaults are gpt-oss-120b's: 128 experts, top-4, 2880 wide
+        n_experts, top_k = hf.get("num_local_experts", 128), _first(hf, "num_experts_per_tok", "experts_per_token")
+        moe_ff = hf.get("intermediate_size", 2880)
     elif mt in (*DEEPSEEK, *SELECTION_BIASED):
         n_experts, top_k = _first(hf, "n_routed_experts", "num_local_experts"), hf["num_experts_per_tok"]
         moe_ff = hf["moe_intermediate_size"]
@@ -532,7 +589,7 @@ def _from_hf(hf: dict[str, Any], mt: str) -> ModelConfig:
         if top_k != 2:
             raise UnsupportedModelError(f"phimoe sparsemixer routing needs num_experts_per_tok=2, got {top_k}")
         gating: Gating = SparseMixer(n_experts, top_k, float(hf.get("router_jitter_noise", 0.01)))
-    elif mt in ("mixtral", HUNYUAN, *GRANITE):  # Granite: a softmax over the top-k logits, the same weights
+    elif mt in ("mixtral", HUNYUAN, GPT_OSS, *GRANITE):  # Granite and GPT-OSS: a softmax over the top-k logits, the same weights
         gating = SoftmaxTopK(n_experts, top_k, normalize=True)
     elif mt == "deepseek_v2":
         # reference DeepSeek-V2: renormalise (with +1e-20) when norm_topk_prob, else scale.
@@ -568,6 +625,7 @@ def _from_hf(hf: dict[str, Any], mt: str) -> ModelConfig:
 
     eos_ids = eos_token_ids_of(hf.get("eos_token_id"), "config.json")
     act = hf.get("hidden_act", "silu")
+    swiglu = _swiglu(hf) if mt == GPT_OSS else None
     if act not in ("silu", "gelu", "gelu_new", "gelu_pytorch_tanh", "relu"):
         raise UnsupportedModelError(f"hidden_act {act!r} is not supported")
     return ModelConfig(
@@ -579,11 +637,11 @@ def _from_hf(hf: dict[str, Any], mt: str) -> ModelConfig:
         num_kv_heads=n_kv,
         head_dim=head_dim,
         norm_type="layer" if mt == "phimoe" else "rms",
-        norm_eps=float(hf.get("rms_norm_eps", 1e-5 if mt in ("phimoe", "olmoe", ERNIE, HUNYUAN) else 1e-6)),
+        norm_eps=float(hf.get("rms_norm_eps", 1e-5 if mt in ("phimoe", "olmoe", ERNIE, HUNYUAN, GPT_OSS) else 1e-6)),
         qkv_bias=(bool(hf.get("qkv_bias", True)) if mt == "qwen2_moe" else bool(hf.get("use_bias")) if mt == ERNIE
-                  else bool(hf.get("attention_bias", False))),
+                  else bool(hf.get("attention_bias", mt == GPT_OSS))),
         o_bias=(False if mt in ("qwen2_moe", "glm4_moe") else bool(hf.get("use_bias")) if mt == ERNIE
-                else bool(hf.get("attention_bias", False))),
+                else bool(hf.get("attention_bias", mt == GPT_OSS))),
         qk_norm=("head" if mt in ("qwen3_moe", "dots1") or (mt == "glm4_moe" and hf.get("use_qk_norm")) else
                  "proj" if mt == "olmoe" else "head_after_rope" if mt == HUNYUAN else "none"),
         clip_qkv=hf.get("clip_qkv") if mt == "olmoe" else None,
@@ -619,5 +677,10 @@ def _from_hf(hf: dict[str, Any], mt: str) -> ModelConfig:
         embedding_multiplier=_multiplier(hf, "embedding_multiplier") if mt in GRANITE else 1.0,
         residual_multiplier=_multiplier(hf, "residual_multiplier") if mt in GRANITE else 1.0,
         logits_scaling=_multiplier(hf, "logits_scaling") if mt in GRANITE else 1.0,
+        attention_sinks=mt == GPT_OSS,
+        router_bias=mt == GPT_OSS,
+        expert_bias=mt == GPT_OSS,
+        swiglu_limit=None if swiglu is None else swiglu[0],
+        swiglu_alpha=1.702 if swiglu is None else swiglu[1],
         hf_json=json.dumps(hf, sort_keys=True),
     )

@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Iterator
 
-from moejax.models.config import ERNIE, GRANITE, HUNYUAN, MTP_LAYERS, SELECTION_BIASED, ModelConfig
+from moejax.models.config import ERNIE, GPT_OSS, GRANITE, HUNYUAN, MTP_LAYERS, SELECTION_BIASED, ModelConfig
 
 # hub names of the three expert projections, per family: (gate, up, down)
 _EXPERT_NAMES = {
@@ -35,6 +35,9 @@ class Entry:
     rows: tuple[int, int] | None = None
     stacked: bool = False
     lead_one: bool = False  # the HF tensor has a leading axis of 1 that moejax drops (ERNIE's [1, N] selection bias)
+    # GPT-OSS interleaves matrices by column: this entry is ``tensor[..., start::step]`` of the HF tensor's last
+    # axis (gate columns even, up columns odd in ``gate_up_proj`` [N, D, 2F] and its bias [N, 2F])
+    columns: tuple[int, int] | None = None
 
     @property
     def param_shape(self) -> tuple[int, ...]:
@@ -46,6 +49,8 @@ def tensor_shape(pieces: list[Entry], n_experts: int) -> tuple[int, ...]:
     e = pieces[0]
     if e.lead_one:
         return (1, *e.shape)
+    if e.columns is not None:
+        return ((n_experts,) if e.stacked else ()) + (*e.shape[:-1], e.shape[-1] * e.columns[1])
     if e.rows is None and not e.stacked:
         return e.shape
     rows = max(p.rows[1] for p in pieces) if e.rows is not None else e.shape[0]
@@ -67,6 +72,8 @@ def piece_of(view, e: Entry):
         view = view[e.expert]
     if e.lead_one:
         return view[0]
+    if e.columns is not None:
+        return view[..., e.columns[0]::e.columns[1]]
     return view if e.rows is None else view[e.rows[0]:e.rows[1]]
 
 
@@ -120,6 +127,8 @@ def _attention(cfg: ModelConfig, pre: str, path: tuple) -> Iterator[Entry]:
     elif cfg.qk_norm == "proj":
         yield Entry(f"{pre}.q_norm.weight", path + ("q_norm",), (H * hd,))
         yield Entry(f"{pre}.k_norm.weight", path + ("k_norm",), (Hk * hd,))
+    if cfg.attention_sinks:  # GPT-OSS: one learned logit per head
+        yield Entry(f"{pre}.sinks", path + ("sinks",), (H,))
 
 
 def _fused_mlp(key: str, path: tuple, d: int, f: int, expert: int | None = None) -> Iterator[Entry]:
@@ -141,10 +150,29 @@ def _granite_moe(cfg: ModelConfig, pre: str, path: tuple) -> Iterator[Entry]:
         yield from _fused_mlp(f"{pre}.shared_mlp", path + ("shared",), d, cfg.shared_intermediate_size)
 
 
+def _gpt_oss_moe(cfg: ModelConfig, pre: str, path: tuple) -> Iterator[Entry]:
+    """GPT-OSS's MLP: a router with a bias, and the experts as three stacked tensors stored [in, out] with biases:
+    ``gate_up_proj`` [N, D, 2F] whose gate and up columns alternate, ``down_proj`` [N, F, D]."""
+    d, f, n = cfg.hidden_size, cfg.moe_intermediate_size, cfg.n_experts
+    block, ex = f"{pre}.mlp", f"{pre}.mlp.experts"
+    yield from _linear(f"{block}.router", path + ("router",), d, n, bias=True)
+    for e in range(n):
+        yield Entry(f"{ex}.gate_up_proj", path + ("gate",), (d, f), expert=e, stacked=True, columns=(0, 2))
+        yield Entry(f"{ex}.gate_up_proj", path + ("up",), (d, f), expert=e, stacked=True, columns=(1, 2))
+    yield Entry(f"{ex}.gate_up_proj_bias", path + ("gate_bias",), (n, f), columns=(0, 2))
+    yield Entry(f"{ex}.gate_up_proj_bias", path + ("up_bias",), (n, f), columns=(1, 2))
+    for e in range(n):
+        yield Entry(f"{ex}.down_proj", path + ("down",), (f, d), expert=e, stacked=True)
+    yield Entry(f"{ex}.down_proj_bias", path + ("down_bias",), (n, d))
+
+
 def _moe(cfg: ModelConfig, pre: str, path: tuple) -> Iterator[Entry]:
     d, f, mt = cfg.hidden_size, cfg.moe_intermediate_size, cfg.model_type
     if mt in GRANITE:
         yield from _granite_moe(cfg, pre, path)
+        return
+    if mt == GPT_OSS:
+        yield from _gpt_oss_moe(cfg, pre, path)
         return
     block = f"{pre}.{_MOE_PREFIX.get(mt, 'mlp')}"
     yield from _linear(f"{block}.gate.wg" if mt == HUNYUAN else f"{block}.gate", path + ("router",), d, cfg.n_experts)

@@ -59,6 +59,16 @@ def activation(cfg: ModelConfig, x: jax.Array) -> jax.Array:
     return _activate(cfg.hidden_act, x)
 
 
+def glu(act, g: jax.Array, u: jax.Array) -> jax.Array:
+    """An expert's gated activation of its gate and up projections (``ModelConfig.expert_act``): act(g) · u, or
+    GPT-OSS's clamped SwiGLU ``(clip(u, ±limit) + 1) · g' · σ(alpha · g')`` with g' = min(g, limit)."""
+    if isinstance(act, tuple):
+        _, limit, alpha = act
+        g = jnp.minimum(g, limit)
+        return (jnp.clip(u, -limit, limit) + 1) * (g * jax.nn.sigmoid(g * alpha))
+    return _activate(act, g) * u
+
+
 def _activate(act: str, x: jax.Array) -> jax.Array:
     if act == "silu":
         return jax.nn.silu(x)
@@ -108,9 +118,16 @@ def attention_mask(cfg: ModelConfig, layer: int, q_pos: jax.Array, k_pos: jax.Ar
     return allowed
 
 
-def _softmax_attend(scores: jax.Array, mask: jax.Array) -> jax.Array:
+def _softmax_attend(scores: jax.Array, mask: jax.Array, sinks: jax.Array | None = None) -> jax.Array:
+    """softmax over the keys of scores [H, T, S] where ``mask`` [T, S] allows, float32. ``sinks`` [H] (GPT-OSS):
+    one more logit per head in each row's denominator, with no value (the row may attend to nothing)."""
     scores = jnp.where(mask[None], scores.astype(jnp.float32), -jnp.inf)
-    return jax.nn.softmax(scores, axis=-1)
+    if sinks is None:
+        return jax.nn.softmax(scores, axis=-1)
+    sink = jnp.broadcast_to(sinks.astype(jnp.float32)[:, None, None], (*scores.shape[:-1], 1))
+    top = jnp.maximum(jnp.max(scores, axis=-1, keepdims=True), sink)
+    e = jnp.exp(scores - top)
+    return e / (jnp.sum(e, axis=-1, keepdims=True) + jnp.exp(sink - top))
 
 
 def _write(cache: jax.Array, new: jax.Array, pos: jax.Array) -> jax.Array:
@@ -149,7 +166,8 @@ def gqa_qkv(p: dict, cfg: ModelConfig, x: jax.Array, cos, sin) -> tuple[jax.Arra
 ATTENTION_BLOCK = 256  # query rows per block of a long teacher-forced pass (causal key ranges shrink)
 
 
-def _attend_groups(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array, scale: float) -> jax.Array:
+def _attend_groups(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array, scale: float,
+                   sinks: jax.Array | None = None) -> jax.Array:
     """softmax(q kᵀ·scale, mask) v for q [T, H, hd], k/v [S, Hk, hd] -> [T, H·hd].
 
     Laid out as Hk batched matmuls of [(H/Hk)·T, hd] x [hd, S]: the query heads that share a KV head are
@@ -159,7 +177,7 @@ def _attend_groups(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array, sc
     r = H // Hk
     qg = q.reshape(T, Hk, r, hd).transpose(1, 2, 0, 3).reshape(Hk, r * T, hd)
     scores = jnp.matmul(qg, k.astype(q.dtype).transpose(1, 2, 0)) * scale
-    probs = _softmax_attend(scores.reshape(H, T, S), mask)
+    probs = _softmax_attend(scores.reshape(H, T, S), mask, sinks)
     out = jnp.matmul(probs.reshape(Hk, r * T, S).astype(v.dtype), v.transpose(1, 0, 2))
     return out.reshape(Hk, r, T, -1).transpose(2, 0, 1, 3).reshape(T, -1)
 
@@ -194,7 +212,7 @@ def _blockwise(blocks, fn: Callable, empty: Callable, *operands) -> list:
 
 
 def _attend_cache_blocks(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array, scale: float,
-                         blocks: list) -> jax.Array:
+                         blocks: list, sinks: jax.Array | None = None) -> jax.Array:
     """``_attend_groups`` over a KV cache as ``init_kv`` stores it, one block of rows at a time, skipping
     blocks no query sees.
 
@@ -215,7 +233,7 @@ def _attend_cache_blocks(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Arr
         return jnp.zeros((Hk, r, T, n), jnp.float32)  # masked below
 
     scores = jnp.concatenate(_blockwise(blocks, block_scores, no_scores, k), axis=-1)
-    probs = _softmax_attend(scores.reshape(H, T, -1), mask).reshape(Hk, r, T, -1)
+    probs = _softmax_attend(scores.reshape(H, T, -1), mask, sinks).reshape(Hk, r, T, -1)
 
     def block_values(a, b, probs, v):
         return jnp.einsum("grts,sgd->grtd", probs[..., a:b], cache_values(v[a:b]).astype(jnp.float32))
@@ -233,8 +251,9 @@ def gqa_attention(p: dict, cfg: ModelConfig, layer: int, x: jax.Array, cos, sin,
     ``_attend_new``)."""
     T = x.shape[0]
     q, k, v = gqa_qkv(p, cfg, x, cos, sin)
+    sinks = p.get("sinks")
     if kv is None:
-        out = _attend_new(cfg, layer, q, k, v, positions)
+        out = _attend_new(cfg, layer, q, k, v, positions, sinks)
     else:
         kv = {"k": _write(kv["k"], k, pos0), "v": _write(kv["v"], v, pos0)}
 
@@ -243,30 +262,31 @@ def gqa_attention(p: dict, cfg: ModelConfig, layer: int, x: jax.Array, cos, sin,
             mask, blocks = attention_mask(cfg, layer, positions, jnp.arange(rows)), visible_key_blocks(
                 cfg, layer, positions, rows)
             return jax.lax.platform_dependent(
-                q, cache_k, cache_v, mask, cpu=lambda *a: _attend_cache_blocks(*a, cfg.attn_scale, blocks),
+                q, cache_k, cache_v, mask, cpu=lambda *a: _attend_cache_blocks(*a, cfg.attn_scale, blocks, sinks),
                 default=lambda q, k, v, mask: _attend_groups(q, cache_values(k), cache_values(v), mask,
-                                                             cfg.attn_scale))
+                                                             cfg.attn_scale, sinks))
 
         if T <= ATTENTION_BLOCK:
             out = cached(q, kv["k"], kv["v"])
         else:  # a prompt at position 0 (generate's) sees only its own rows: the blocked pass, no cache read
-            out = jax.lax.cond(pos0 == 0, lambda q, k, v, *_: _attend_new(cfg, layer, q, k, v, positions),
+            out = jax.lax.cond(pos0 == 0, lambda q, k, v, *_: _attend_new(cfg, layer, q, k, v, positions, sinks),
                                lambda q, k, v, cache_k, cache_v: cached(q, cache_k, cache_v),
                                q, k, v, kv["k"], kv["v"])
     return linear(layout.as_rows(out), p["o"], p.get("o_bias")), kv
 
 
-def _attend_new(cfg: ModelConfig, layer: int, q: jax.Array, k: jax.Array, v: jax.Array, positions) -> jax.Array:
+def _attend_new(cfg: ModelConfig, layer: int, q: jax.Array, k: jax.Array, v: jax.Array, positions,
+                sinks: jax.Array | None = None) -> jax.Array:
     """Attention of T tokens to themselves (no earlier positions). A long pass runs in blocks of
     ``ATTENTION_BLOCK`` queries, each against the keys up to its own last position only (positions increase,
     so later keys are masked anyway): exact, and it skips about half of the score matrix."""
     T = q.shape[0]
     if T <= ATTENTION_BLOCK:
-        return _attend_groups(q, k, v, attention_mask(cfg, layer, positions, positions), cfg.attn_scale)
+        return _attend_groups(q, k, v, attention_mask(cfg, layer, positions, positions), cfg.attn_scale, sinks)
     return jnp.concatenate([
         _attend_groups(q[a:a + ATTENTION_BLOCK], k[:a + ATTENTION_BLOCK], v[:a + ATTENTION_BLOCK],
                        attention_mask(cfg, layer, positions[a:a + ATTENTION_BLOCK], positions[:a + ATTENTION_BLOCK]),
-                       cfg.attn_scale)
+                       cfg.attn_scale, sinks)
         for a in range(0, T, ATTENTION_BLOCK)])
 
 
@@ -363,8 +383,38 @@ def dense_mlp(p: dict, cfg: ModelConfig, x: jax.Array) -> jax.Array:
 SORTED_MIN_TOKENS = 64  # below this the dense einsum is within ~1.5x of the sorted path (RESULTS.md)
 
 
-def routed_experts(p: dict, cfg: ModelConfig, x: jax.Array, experts: jax.Array, weights: jax.Array):
+EXPERT_BIASES = ("gate_bias", "up_bias", "down_bias")  # GPT-OSS's, [N, F], [N, F], [N, D]: resident, never paged
+
+
+def expert_biases(p: dict, experts: jax.Array | None = None, bias_ids: jax.Array | None = None,
+                  n: int | None = None) -> dict | None:
+    """GPT-OSS's expert biases as tables aligned with the ids that ``experts`` uses (None for the other families).
+
+    They are 17 KB an expert against its 25 MB of matrices, so they stay on the device beside the router and
+    are never paged: ``experts`` naming the layer's own experts read the layer's tables; ``experts`` naming
+    slots (an offloaded cache's buffers) read tables of ``n`` rows built from ``bias_ids`` [T, K], the real
+    experts those slots hold (scattered to their slots; rows of unused slots are zero)."""
+    if "down_bias" not in p:
+        return None
+    tables = {k: p[k] for k in EXPERT_BIASES}
+    if bias_ids is None:
+        return tables
+    flat, real = experts.reshape(-1), jnp.maximum(bias_ids.reshape(-1), 0)
+    at = jnp.where(flat >= 0, flat, n)  # invalid assignments land in a dummy row
+    return {k: jnp.zeros((n + 1, t.shape[-1]), t.dtype).at[at].set(t[real])[:n] for k, t in tables.items()}
+
+
+def _gate_up_bias(b: dict | None, e) -> tuple:
+    """Expert ``e``'s (gate_up bias [2F], down bias [D]) of aligned tables (``expert_biases``), or (None, None)."""
+    if b is None:
+        return None, None
+    return jnp.concatenate([b["gate_bias"][e], b["up_bias"][e]]), b["down_bias"][e]
+
+
+def routed_experts(p: dict, cfg: ModelConfig, x: jax.Array, experts: jax.Array, weights: jax.Array,
+                   bias_ids: jax.Array | None = None):
     """Σ_k weights[t,k] · E_{experts[t,k]}(x_t) over T tokens. Invalid slots (id < 0) must carry weight 0.
+    ``bias_ids``: where ``experts`` are slot ids, the real experts they hold (GPT-OSS's biases: ``expert_biases``).
 
     Picks the exact path by shape (all give the same result; measured in bench/RESULTS.md): one token
     gathers the K chosen experts' weights; from ``SORTED_MIN_TOKENS`` tokens on, when N > 2K, the CPU sorts
@@ -375,12 +425,15 @@ def routed_experts(p: dict, cfg: ModelConfig, x: jax.Array, experts: jax.Array, 
     (``dense_chunk_rows``): the sorted path's loop of ~T·K/64 sequential small products per layer ran the
     H200's teacher-forced pass at 0.40x transformers' grouped GEMM (session 20), where N/K times the work in
     one large product costs a GPU less than the loop."""
-    if isinstance(p.get("experts"), layout.ExpertShards):  # spread over devices: each computes its own
-        return sharded_routed_experts(p["experts"], cfg, x, experts, weights)
-    if "experts" in p:  # serving layout (layout.ExpertList): every path reads the experts in place
-        return switched_routed_experts(p["experts"], cfg, x, experts, weights)
+    held = p.get("experts")
+    n = held.n_experts if held is not None else p["gate"].shape[0]
+    biases = expert_biases(p, experts, bias_ids, n)
+    if isinstance(held, layout.ExpertShards):  # spread over devices: each computes its own
+        return sharded_routed_experts(held, cfg, x, experts, weights, biases)
+    if held is not None:  # serving layout (layout.ExpertList): every path reads the experts in place
+        return switched_routed_experts(held, cfg, x, experts, weights, biases=biases)
+    p = {**{k: p[k] for k in ("gate", "up", "down")}, **(biases or {})}
     T, K = experts.shape
-    n = p["gate"].shape[0]
     if T == 1:
         return gathered_routed_experts(p, cfg, x, experts, weights)
     if T >= SORTED_MIN_TOKENS and n > 2 * K:
@@ -398,17 +451,25 @@ def dense_chunk_rows(n_experts: int, ff: int, budget_bytes: int = 1 << 28) -> in
     return int(min(4096, max(64, 1 << (rows.bit_length() - 1))))
 
 
-def _expert_mlp_act(act: str, x: jax.Array, g: jax.Array, u: jax.Array, d: jax.Array) -> jax.Array:
-    """One expert's gated MLP on rows x [R, D]: act(x g) * (x u) @ d."""
-    return (_activate(act, x @ g) * (x @ u)) @ d
+def _expert_mlp_act(act, x: jax.Array, g: jax.Array, u: jax.Array, d: jax.Array, gb=None, ub=None,
+                    db=None) -> jax.Array:
+    """One expert's gated MLP on rows x [R, D]: glu(x g (+ gb), x u (+ ub)) @ d (+ db)."""
+    y = glu(act, _plus(x @ g, gb), _plus(x @ u, ub)) @ d
+    return _plus(y, db)
+
+
+def _plus(y: jax.Array, b) -> jax.Array:
+    """``y + b`` in y's dtype (a bias, as HF adds it after the product is rounded), or y."""
+    return y if b is None else y + b.astype(y.dtype)
 
 
 def gathered_routed_experts(p: dict, cfg: ModelConfig, x, experts, weights):
-    """One token (decode): gather the K chosen experts' weights, nothing else is read."""
+    """One token (decode): gather the K chosen experts' weights (and biases), nothing else is read."""
     ids = jnp.maximum(experts[0], 0)
     g, u, d = p["gate"][ids], p["up"][ids], p["down"][ids]  # [K, D, F], [K, F, D]
-    h = activation(cfg, jnp.einsum("td,kdf->tkf", x, g)) * jnp.einsum("td,kdf->tkf", x, u)
-    y = jnp.einsum("tkf,kfd->tkd", h, d)
+    gb, ub, db = (p[k][ids] if k in p else None for k in EXPERT_BIASES)
+    h = glu(cfg.expert_act, _plus(jnp.einsum("td,kdf->tkf", x, g), gb), _plus(jnp.einsum("td,kdf->tkf", x, u), ub))
+    y = _plus(jnp.einsum("tkf,kfd->tkd", h, d), db)
     return jnp.einsum("tkd,tk->td", y, weights.astype(y.dtype))
 
 
@@ -432,8 +493,11 @@ def dense_routed_experts(p: dict, cfg: ModelConfig, x, experts, weights, chunk_r
     ids = jnp.maximum(experts, 0)
     combine = jnp.zeros((T, n), weights.dtype)
     combine = combine.at[jnp.arange(T)[:, None], ids].add(jnp.where(experts >= 0, weights, 0))
-    h = activation(cfg, jnp.einsum("td,edf->tef", x, p["gate"])) * jnp.einsum("td,edf->tef", x, p["up"])
-    return jnp.einsum("tef,efd,te->td", h, p["down"], combine.astype(h.dtype))
+    gb, ub, db = (p.get(k) for k in EXPERT_BIASES)
+    h = glu(cfg.expert_act, _plus(jnp.einsum("td,edf->tef", x, p["gate"]), gb),
+            _plus(jnp.einsum("td,edf->tef", x, p["up"]), ub))
+    y = jnp.einsum("tef,efd,te->td", h, p["down"], combine.astype(h.dtype))
+    return y if db is None else y + (combine.astype(h.dtype) @ db.astype(h.dtype))
 
 
 def sorted_block_rows(T: int, K: int, n: int) -> int:
@@ -457,8 +521,8 @@ def sorted_routed_experts(p: dict, cfg: ModelConfig, x, experts, weights, block_
     batch) the mapped axis is folded into the tokens: one sort over all lanes' assignments, each expert's
     weights read once per block for all lanes (mapping the loop instead would turn its skip into a select
     and gather a copy of the weights per lane and block: 9x slower at 4 lanes on the default model)."""
-    stack = {k: p[k] for k in ("gate", "up", "down")}
-    return _sorted_dispatch_op(cfg.hidden_act, block_rows)(stack, x, experts, weights)
+    stack = {k: p[k] for k in ("gate", "up", "down", *EXPERT_BIASES) if k in p}
+    return _sorted_dispatch_op(cfg.expert_act, block_rows)(stack, x, experts, weights)
 
 
 def lane_folding(plain, again):
@@ -486,7 +550,7 @@ def lane_folding(plain, again):
 
 
 @functools.lru_cache(maxsize=None)
-def _sorted_dispatch_op(act: str, block_rows: int | None):
+def _sorted_dispatch_op(act, block_rows: int | None):
     """``_sorted_dispatch`` with the lane-folding batching rule and a reverse-mode rule (``custom_vmap``
     alone has none): the backward pass is the plain function's own VJP."""
 
@@ -509,8 +573,9 @@ def _sorted_dispatch_op(act: str, block_rows: int | None):
     return op
 
 
-def _sorted_dispatch(act: str, p: dict, x, experts, weights, block_rows: int | None):
-    """The sorted layout itself (see ``sorted_routed_experts``); ``p`` holds the stacked gate/up/down."""
+def _sorted_dispatch(act, p: dict, x, experts, weights, block_rows: int | None):
+    """The sorted layout itself (see ``sorted_routed_experts``); ``p`` holds the stacked gate/up/down (and
+    GPT-OSS's biases)."""
     T, K = experts.shape
     n, D = p["gate"].shape[0], x.shape[-1]
     B = block_rows or sorted_block_rows(T, K, n)
@@ -535,7 +600,8 @@ def _sorted_dispatch(act: str, p: dict, x, experts, weights, block_rows: int | N
     def run_block(b, out):
         def compute(o):
             ex = block_expert[b]
-            w = [jax.lax.dynamic_index_in_dim(p[k], ex, 0, keepdims=False) for k in ("gate", "up", "down")]
+            w = [jax.lax.dynamic_index_in_dim(p[k], ex, 0, keepdims=False) for k in ("gate", "up", "down",
+                                                                                    *EXPERT_BIASES) if k in p]
             return jax.lax.dynamic_update_index_in_dim(o, _expert_mlp_act(act, xin[b], *w).astype(o.dtype), b, 0)
         return jax.lax.cond(b < used, compute, lambda o: o, out)
 
@@ -547,33 +613,33 @@ def _sorted_dispatch(act: str, p: dict, x, experts, weights, block_rows: int | N
 
 
 # ------------------------------------------------------------------------------- expert parallelism
-def sharded_routed_experts(shards: layout.ExpertShards, cfg: ModelConfig, x, experts, weights):
+def sharded_routed_experts(shards: layout.ExpertShards, cfg: ModelConfig, x, experts, weights, biases=None):
     """``routed_experts`` with the experts split over the devices of ``shards.mesh`` (expert parallelism):
     every device holds N / devices experts and the (replicated) tokens, runs the assignments that fall on
     its own experts through the usual exact paths (the others masked as dropped slots), and the devices'
     shares are summed in float32 (``psum``); the result is replicated. The same model as one device up to
-    the order of that sum."""
+    the order of that sum. ``biases`` (GPT-OSS's tables, ``expert_biases``) are spread as the experts are."""
     from jax.sharding import PartitionSpec as P
 
     axis = shards.axis
 
-    def local(gate, up, down, x, experts, weights):
-        n_local = gate.shape[0]
+    def local(stacks, x, experts, weights):
+        n_local = stacks["gate"].shape[0]
         ids = experts - jax.lax.axis_index(axis) * n_local
         mine = (experts >= 0) & (ids >= 0) & (ids < n_local)
-        y = routed_experts({"gate": gate, "up": up, "down": down}, cfg, x, jnp.where(mine, ids, -1),
-                           jnp.where(mine, weights, 0).astype(weights.dtype))
+        y = routed_experts(stacks, cfg, x, jnp.where(mine, ids, -1), jnp.where(mine, weights, 0).astype(weights.dtype))
         return jax.lax.psum(y.astype(jnp.float32), axis)
 
     spread, whole = P(axis), P()
-    out = jax.shard_map(local, mesh=shards.mesh, in_specs=(spread, spread, spread, whole, whole, whole),
-                        out_specs=whole, check_vma=False)(shards.gate, shards.up, shards.down, x, experts, weights)
+    stacks = {**shards.stacks(), **(biases or {})}
+    out = jax.shard_map(local, mesh=shards.mesh, in_specs=(jax.tree.map(lambda _: spread, stacks), whole, whole, whole),
+                        out_specs=whole, check_vma=False)(stacks, x, experts, weights)
     return out.astype(x.dtype)
 
 
 # ------------------------------------------------------------------------------- serving-layout experts
 def switched_routed_experts(experts_list: layout.ExpertList, cfg: ModelConfig, x, experts, weights,
-                            block_rows: int | None = None):
+                            block_rows: int | None = None, biases: dict | None = None):
     """``routed_experts`` for the serving layout: each expert's matrices are their own buffers and
     ``lax.switch`` on the expert id hands them to the matmuls, so nothing is gathered or copied and the
     bytes read are those of the experts chosen (in their stored dtype).
@@ -583,8 +649,9 @@ def switched_routed_experts(experts_list: layout.ExpertList, cfg: ModelConfig, x
     chunks: an unused expert costs nothing, a used one is read once per chunk). Exact; results are
     combined in float32. Under ``jax.vmap`` with shared weights the mapped axis is folded into the tokens
     (a mapped ``lax.switch`` would run every expert on every lane). Not differentiable (the chunk loop has
-    a traced trip count): training uses the canonical layout."""
-    return _switched_op(cfg.hidden_act, block_rows)(experts_list, x, experts, weights)
+    a traced trip count): training uses the canonical layout. ``biases``: GPT-OSS's bias tables aligned with
+    the list (``expert_biases``)."""
+    return _switched_op(cfg.expert_act, block_rows)((experts_list, biases), x, experts, weights)
 
 
 #: chunk sizes of the grouped loop: multiples of 8 outside ``layout.SLOW_BF16_ROWS`` (64 rows of a bf16 expert ran
@@ -604,30 +671,33 @@ def grouped_block_rows(T: int, K: int, n: int) -> int:
     return next(b for b in GROUPED_BLOCKS if b >= per_chunk - 1e-9)
 
 
-def _expert_rows(act: str, rows: jax.Array, gate_up: jax.Array, down: jax.Array) -> jax.Array:
-    """One serving-layout expert on rows [R, D] -> [R, D] float32; rounded after each matmul to the rows'
-    dtype as the canonical path (and Hugging Face) round."""
+def _expert_rows(act, rows: jax.Array, gate_up: jax.Array, down: jax.Array, gate_up_bias=None,
+                 down_bias=None) -> jax.Array:
+    """One serving-layout expert on rows [R, D] -> [R, D] float32; rounded after each matmul (and bias) to the
+    rows' dtype as the canonical path (and Hugging Face) round."""
     f = gate_up.shape[0] // 2
-    gu = layout.nt_dot(rows, gate_up).astype(rows.dtype)
-    h = _activate(act, gu[:, :f]) * gu[:, f:]
-    return layout.nt_dot(h, down).astype(rows.dtype).astype(jnp.float32)
+    gu = _plus(layout.nt_dot(rows, gate_up).astype(rows.dtype), gate_up_bias)
+    h = glu(act, gu[:, :f], gu[:, f:])
+    return _plus(layout.nt_dot(h, down).astype(rows.dtype), down_bias).astype(jnp.float32)
 
 
 @functools.partial(jax.jit, static_argnums=0)
-def _expert_rows_once(act: str, rows: jax.Array, gate_up: jax.Array, down: jax.Array) -> jax.Array:
+def _expert_rows_once(act, rows: jax.Array, gate_up: jax.Array, down: jax.Array, gate_up_bias=None,
+                      down_bias=None) -> jax.Array:
     """``_expert_rows`` behind ``jit``, for ``_expert_branches``: ``lax.switch`` traces one branch per expert in
     every MoE layer's program (64 experts x 8 layers x 2 programs for the default model), and a branch that
     calls this reuses one trace for all of them (the default model's first ``generate`` spent 4.3 s of its 11
     tracing the same expert computation again and again). XLA inlines the call: the same arithmetic."""
-    return _expert_rows(act, rows, gate_up, down)
+    return _expert_rows(act, rows, gate_up, down, gate_up_bias, down_bias)
 
 
-def _expert_branches(act: str, n: int) -> list:
-    """``lax.switch`` branches: expert e's computation on (rows, ExpertList); branch n returns zeros."""
+def _expert_branches(act, n: int) -> list:
+    """``lax.switch`` branches: expert e's computation on (rows, ExpertList, bias tables or None); branch n
+    returns zeros."""
     def one(e):
-        return lambda rows, el: _expert_rows_once(act, rows, *el.expert(e))
+        return lambda rows, el, b: _expert_rows_once(act, rows, *el.expert(e), *_gate_up_bias(b, e))
 
-    def none(rows, el):
+    def none(rows, el, b):
         return jnp.zeros((rows.shape[0], el.down[0].shape[0]), jnp.float32)
 
     return [one(e) for e in range(n)] + [none]
@@ -654,21 +724,23 @@ def _expert_copy(el: layout.ExpertList, e):
     return jax.lax.switch(e, [functools.partial(lambda i, el: el.expert(i), i) for i in range(el.n_experts)], el)
 
 
-def _one_expert(branches: list, el: layout.ExpertList, x, e):
+def _one_expert(branches: list, el: layout.ExpertList, x, e, biases=None):
     """Expert ``e``'s output on one token's row (``_expert_branches``; zeros for ``e`` < 0): the one computation
     ``one_token_expert_sum`` and ``one_token_expert_rows`` share, so their rows are the same bits."""
-    return jax.lax.switch(jnp.where(e >= 0, e, len(branches) - 1), branches, x, el)
+    return jax.lax.switch(jnp.where(e >= 0, e, len(branches) - 1), branches, x, el, biases)
 
 
-def one_token_expert_sum(act: str, el: layout.ExpertList, x, experts, weights, early_rows=None, early=None):
+def one_token_expert_sum(act, el: layout.ExpertList, x, experts, weights, early_rows=None, early=None,
+                         biases: dict | None = None):
     """One token's Σ_k weights[0,k] · E_{experts[0,k]}(x), a float32 sum in k order rounded to x's dtype
     (``switched_routed_experts`` for T = 1). ``early_rows`` [K, D] / ``early`` [K]: outputs computed before
     (``one_token_expert_rows``, e.g. while the other experts were still being paged in) are taken for the
-    positions ``early`` marks, whose ``experts`` entry is then -1; the sum is the same, bit for bit."""
+    positions ``early`` marks, whose ``experts`` entry is then -1; the sum is the same, bit for bit.
+    ``biases``: GPT-OSS's bias tables aligned with ``el`` (``expert_biases``)."""
     branches = _expert_branches(act, el.n_experts)
 
     def body(k, acc):
-        y = _one_expert(branches, el, x, experts[0, k])
+        y = _one_expert(branches, el, x, experts[0, k], biases)
         if early_rows is not None:
             y = jnp.where(early[k], early_rows[k][None], y)
         return acc + y * weights[0, k].astype(jnp.float32)
@@ -677,19 +749,19 @@ def one_token_expert_sum(act: str, el: layout.ExpertList, x, experts, weights, e
     return out.astype(x.dtype)
 
 
-def one_token_expert_rows(act: str, el: layout.ExpertList, x, experts):
+def one_token_expert_rows(act, el: layout.ExpertList, x, experts, biases: dict | None = None):
     """Each of one token's K expert outputs [K, D] float32 (zero where ``experts[0,k]`` < 0), as
     ``one_token_expert_sum`` computes them: the part of the sum that can run before the rest is ready."""
     K = experts.shape[1]
     branches = _expert_branches(act, el.n_experts)
 
     def body(k, rows):
-        return rows.at[k].set(_one_expert(branches, el, x, experts[0, k])[0])
+        return rows.at[k].set(_one_expert(branches, el, x, experts[0, k], biases)[0])
 
     return jax.lax.fori_loop(0, K, body, jnp.zeros((K, x.shape[-1]), jnp.float32))
 
 
-def _switched_sorted_rows(act: str, el: layout.ExpertList, x, experts, B: int):
+def _switched_sorted_rows(act, el: layout.ExpertList, x, experts, B: int, biases: dict | None = None):
     """The grouped loop of ``_switched_grouped``: every valid assignment's expert output, float32, in
     expert-sorted order (invalid ones zero, at the end). Returns (rows [T·K, D], order, tokens of the rows)."""
     T, K = experts.shape
@@ -704,12 +776,12 @@ def _switched_sorted_rows(act: str, el: layout.ExpertList, x, experts, B: int):
     xs = jnp.concatenate([x[tok], jnp.zeros((B, D), x.dtype)])  # a chunk may read past the last row
     if copies_experts(el):
         def expert_on(e, rows):
-            return _expert_rows(act, rows, *_expert_copy(el, e))
+            return _expert_rows(act, rows, *_expert_copy(el, e), *_gate_up_bias(biases, e))
     else:
         branches = _expert_branches(act, n)[:n]
 
         def expert_on(e, rows):
-            return jax.lax.switch(e, branches, rows, el)
+            return jax.lax.switch(e, branches, rows, el, biases)
 
     def per_expert(e, y):
         start_e, end_e = starts[e], starts[e] + counts[e]
@@ -736,20 +808,21 @@ def _combine_sorted(y, order, tok, experts, weights, dtype):
     return out.astype(dtype)
 
 
-def _switched_grouped(act: str, el: layout.ExpertList, x, experts, weights, block_rows: int | None):
+def _switched_grouped(act, el: layout.ExpertList, x, experts, weights, block_rows: int | None, biases=None):
     T, K = experts.shape
     B = block_rows or grouped_block_rows(T, K, el.n_experts)
-    y, order, tok = _switched_sorted_rows(act, el, x, experts, B)
+    y, order, tok = _switched_sorted_rows(act, el, x, experts, B, biases)
     return _combine_sorted(y, order, tok, experts, weights, x.dtype)
 
 
-def switched_expert_rows(el: layout.ExpertList, cfg: ModelConfig, x, experts, block_rows: int):
+def switched_expert_rows(el: layout.ExpertList, cfg: ModelConfig, x, experts, block_rows: int,
+                         biases: dict | None = None):
     """Each assignment's expert output [T·K, D] float32, in assignment order (row t·K + k), zero where
     ``experts`` < 0. Rows computed in several calls over disjoint assignments (different expert lists: slots,
     staging buffers) add up exactly, and ``combine_expert_rows`` then sums them per token in the order
     ``switched_routed_experts`` does, so the result is that of one call over all the experts (given the same
     ``block_rows``: a row's arithmetic is that of the chunk size)."""
-    y, order, _ = _switched_sorted_rows(cfg.hidden_act, el, x, experts, block_rows)
+    y, order, _ = _switched_sorted_rows(cfg.expert_act, el, x, experts, block_rows, biases)
     return jnp.zeros_like(y).at[order].set(y)
 
 
@@ -762,13 +835,15 @@ def combine_expert_rows(rows, experts, weights, dtype):
 
 
 @functools.lru_cache(maxsize=None)
-def _switched_op(act: str, block_rows: int | None):
-    """The serving-layout dispatch with the lane-folding batching rule (``lane_folding``)."""
+def _switched_op(act, block_rows: int | None):
+    """The serving-layout dispatch with the lane-folding batching rule (``lane_folding``); its weights are the
+    pair (ExpertList, bias tables or None)."""
 
-    def plain(el, x, experts, weights):
+    def plain(w, x, experts, weights):
+        el, biases = w
         if experts.shape[0] == 1:
-            return one_token_expert_sum(act, el, x, experts, weights)
-        return _switched_grouped(act, el, x, experts, weights, block_rows)
+            return one_token_expert_sum(act, el, x, experts, weights, biases=biases)
+        return _switched_grouped(act, el, x, experts, weights, block_rows, biases)
 
     op = lane_folding(plain, lambda: op)
     return op
@@ -802,16 +877,19 @@ def capacity_experts(p: dict, cfg: ModelConfig, x: jax.Array, experts: jax.Array
     keep = pos < capacity
     slot = jnp.where(keep, a * capacity + pos, N * capacity)  # dropped -> a dummy slot
     xin = jnp.zeros((N * capacity + 1, D), x.dtype).at[slot].set(x[tok])[:-1].reshape(N, capacity, D)
-    h = activation(cfg, jnp.einsum("ecd,edf->ecf", xin, p["gate"])) * jnp.einsum("ecd,edf->ecf", xin, p["up"])
-    y = jnp.einsum("ecf,efd->ecd", h, p["down"]).reshape(N * capacity, D)
+    gb, ub, db = (p[k][:, None] if k in p else None for k in EXPERT_BIASES)
+    h = glu(cfg.expert_act, _plus(jnp.einsum("ecd,edf->ecf", xin, p["gate"]), gb),
+            _plus(jnp.einsum("ecd,edf->ecf", xin, p["up"]), ub))
+    y = _plus(jnp.einsum("ecf,efd->ecd", h, p["down"]), db).reshape(N * capacity, D)
     y = jnp.concatenate([y, jnp.zeros((1, D), y.dtype)])
     contrib = y[slot] * (w * keep).astype(y.dtype)[:, None]
     return jnp.zeros((S, D), y.dtype).at[tok].add(contrib), jnp.mean(~keep)
 
 
 def router_logits(p: dict, x: jax.Array) -> jax.Array:
-    """[T, N] float32 router logits (DeepSeek computes them in float32; equal for fp32 weights)."""
-    return x.astype(jnp.float32) @ p["router"].astype(jnp.float32)
+    """[T, N] float32 router logits (DeepSeek computes them in float32; equal for fp32 weights), + GPT-OSS's bias."""
+    z = x.astype(jnp.float32) @ p["router"].astype(jnp.float32)
+    return z + p["router_bias"].astype(jnp.float32) if "router_bias" in p else z
 
 
 def shared_experts(p: dict, cfg: ModelConfig, x: jax.Array) -> jax.Array:

@@ -103,17 +103,18 @@ def _stage_a(lp, next_lp, cfg: ModelConfig, layer: int, moe_index, x, pos, kv, s
 def _stage_b(p, cfg: ModelConfig, x, h, slots, staging, experts, weights, tier, slot_ids, tiers: tuple):
     """Routed experts from the slot buffers (full precision) and the low-bit staging buffers, + residual."""
     full = (tier == 0) & (experts >= 0)
-    y = model_lib.routed_experts({"experts": slots}, cfg, h, jnp.where(full, slot_ids, -1)[None],
-                                 jnp.where(full, weights, 0.0)[None])
+    y = model_lib.routed_experts({**p, "experts": slots}, cfg, h, jnp.where(full, slot_ids, -1)[None],
+                                 jnp.where(full, weights, 0.0)[None], bias_ids=experts[None])
     return _low_bit_and_residual(p, cfg, x, h, y, staging, experts, weights, tier, tiers)
 
 
 @functools.partial(jax.jit, static_argnames=("cfg",))
-def _stage_b_early(p, cfg: ModelConfig, h, slots, early_ids):
+def _stage_b_early(p, cfg: ModelConfig, h, slots, early_ids, experts):
     """The part of stage B no page of this step is needed for: the experts already resident (``early_ids``:
     their slots, -1 elsewhere; this step's misses never write them) and the shared experts. Dispatched before
     the host reads the misses, it computes while they are read (``OffloadConfig.overlap``)."""
-    rows = model_lib.one_token_expert_rows(cfg.hidden_act, slots, h, early_ids[None])
+    biases = model_lib.expert_biases(p, early_ids[None], experts[None], slots.n_experts)
+    rows = model_lib.one_token_expert_rows(cfg.expert_act, slots, h, early_ids[None], biases)
     return rows, (model_lib.shared_expert_parts(p, cfg, h) if "shared" in p else None)
 
 
@@ -123,8 +124,10 @@ def _stage_b_late(p, cfg: ModelConfig, x, h, slots, staging, experts, weights, t
     """Stage B after ``_stage_b_early``: the paged experts, then the sum in ``_stage_b``'s order (same result,
     bit for bit: tested)."""
     full = (tier == 0) & (experts >= 0)
-    y = model_lib.one_token_expert_sum(cfg.hidden_act, slots, h, jnp.where(full & ~early, slot_ids, -1)[None],
-                                       jnp.where(full, weights, 0.0)[None], early_rows=rows, early=early)
+    late = jnp.where(full & ~early, slot_ids, -1)[None]
+    y = model_lib.one_token_expert_sum(cfg.expert_act, slots, h, late, jnp.where(full, weights, 0.0)[None],
+                                       early_rows=rows, early=early,
+                                       biases=model_lib.expert_biases(p, late, experts[None], slots.n_experts))
     return _low_bit_and_residual(p, cfg, x, h, y, staging, experts, weights, tier, tiers, shared)
 
 
@@ -134,8 +137,9 @@ def _low_bit_and_residual(p, cfg: ModelConfig, x, h, y, staging, experts, weight
     for bits in tiers:
         sel = (tier == bits) & (experts >= 0)
         low = {k: quant.dequantize(staging[bits][k], h.dtype) for k in EXPERT_KEYS}
+        low.update({k: p[k] for k in model_lib.EXPERT_BIASES if k in p})  # GPT-OSS's, by the real ids below
         y = y + model_lib.routed_experts(low, cfg, h, jnp.where(sel, jnp.arange(tier.shape[0]), -1)[None],
-                                         jnp.where(sel, weights, 0.0)[None])
+                                         jnp.where(sel, weights, 0.0)[None], bias_ids=experts[None])
     if "shared" in p:  # the gate is applied here also when the rest came early: XLA fuses the product into the
         # sum (one rounding, not two: seen on float32 Qwen2-MoE), so it must be in this program either way
         y = y + model_lib.combine_shared(*(model_lib.shared_expert_parts(p, cfg, h) if shared is None else shared))
@@ -552,7 +556,7 @@ class HostPager:
                 pending = ([], 0.0, 0.0)  # slots (one pool); the early experts may be prefetched ones
             if early is not None:  # runs while the misses are read (their slots are none of these)
                 rows, shared = _stage_b_early(lp["moe"], cfg, h, self._buffers(moe_index),
-                                              np.where(early, slot_ids_np, -1).astype(np.int32))
+                                              np.where(early, slot_ids_np, -1).astype(np.int32), experts)
                 self.stats.overlapped_steps += 1
             t_issue = time.perf_counter()
             issued, done = self._issue(demand, now=t_issue)

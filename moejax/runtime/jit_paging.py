@@ -117,7 +117,8 @@ class JitPager:
             slots = jax.lax.platform_dependent(slots, host, need, expert, s, cpu=page_in_condition,
                                                default=page_one_expert)
         slot_ids = state["cache"].slot[moe_index, jnp.maximum(experts, 0)]
-        y = model_lib.routed_experts(slots, cfg, h, jnp.where(experts >= 0, slot_ids, -1), weights)
+        y = model_lib.routed_experts({**p, **slots}, cfg, h, jnp.where(experts >= 0, slot_ids, -1), weights,
+                                     bias_ids=experts)  # GPT-OSS's biases: of the real experts
         if global_scope:
             state = {**state, "slots": slots}
         else:

@@ -173,9 +173,17 @@ def route_piece(p, next_lp, cfg: ModelConfig, moe_index, x, h, state, z_pred):
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "block_rows"), donate_argnames=("rows",))
-def expert_round(experts_list: layout.ExpertList, cfg: ModelConfig, h, ids, rows, block_rows: int):
-    """``rows`` [T·K, D] float32 plus this round's assignments (``ids`` into ``experts_list``) computed."""
-    return rows + model_lib.switched_expert_rows(experts_list, cfg, h, ids, block_rows)
+def expert_round(experts_list: layout.ExpertList, cfg: ModelConfig, h, ids, rows, block_rows: int,
+                 bias_tables: dict | None = None, experts=None):
+    """``rows`` [T·K, D] float32 plus this round's assignments (``ids`` into ``experts_list``) computed.
+    ``bias_tables``: GPT-OSS's expert biases, taken by the real ``experts`` [T, K] (``model.expert_biases``)."""
+    biases = None if bias_tables is None else model_lib.expert_biases(bias_tables, ids, experts, experts_list.n_experts)
+    return rows + model_lib.switched_expert_rows(experts_list, cfg, h, ids, block_rows, biases)
+
+
+def bias_tables(moe: dict) -> dict | None:
+    """A MoE layer's expert biases (GPT-OSS), or None: what ``expert_round`` takes them from."""
+    return {k: moe[k] for k in model_lib.EXPERT_BIASES} if "down_bias" in moe else None
 
 
 @functools.partial(jax.jit, static_argnames=("cfg",))
@@ -223,7 +231,7 @@ def run_piece(pager, tokens: np.ndarray, pos0: int, kv: list, record: list | Non
         experts, weights = routed[0], routed[1]
         experts_np = np.asarray(experts)
         plan = plan_layer(before, np.asarray(pager.state["cache"].slot)[moe_index], experts_np)
-        rows = _run_rounds(pager, moe_index, plan, h, experts_np, block_rows)
+        rows = _run_rounds(pager, moe_index, plan, h, experts_np, block_rows, bias_tables(lp["moe"]), experts)
         x = finish_layer(lp["moe"], cfg, x, h, rows, experts, weights)
         blocks.append(routed)
         moe_index += 1
@@ -234,7 +242,8 @@ def run_piece(pager, tokens: np.ndarray, pos0: int, kv: list, record: list | Non
     return x, kv
 
 
-def _run_rounds(pager, moe_index: int, plan: LayerPages, h, experts: np.ndarray, block_rows: int):
+def _run_rounds(pager, moe_index: int, plan: LayerPages, h, experts: np.ndarray, block_rows: int,
+                biases: dict | None = None, experts_device=None):
     """The layer's ``rounds`` with their pages (streamed experts into the staging buffers before their round,
     the loads into the slots before the first round that needs them); returns the rows [T·K, D] float32."""
     cfg = pager.cfg
@@ -253,7 +262,7 @@ def _run_rounds(pager, moe_index: int, plan: LayerPages, h, experts: np.ndarray,
         if in_slots or streamed:
             ids = round_ids(experts, in_slots, streamed, capacity, cfg.n_experts)
             rows = expert_round(pager.round_experts(moe_index), cfg, h, jax.device_put(ids, pager.device), rows,
-                                block_rows=block_rows)
+                                block_rows=block_rows, bias_tables=biases, experts=experts_device)
             for key in (moe_index, "staging"):  # pages written in place into either wait for this round
                 pager.reading(key, rows)
     pager.stats.prefill_pages += plan.pages
@@ -289,6 +298,7 @@ def compile_piece(pager, n_tokens: int, kv: list) -> None:
         state, z_pred, routed = compiled(route_piece, lp["moe"], pager.predicting_for(moe_index), cfg,
                                          jnp.int32(moe_index), x, h, state, z_pred)
         experts, weights = routed[0], routed[1]
-        compiled(expert_round, pager.round_experts(moe_index), cfg, h, experts, rows, block_rows=block_rows)
+        compiled(expert_round, pager.round_experts(moe_index), cfg, h, experts, rows, block_rows=block_rows,
+                 bias_tables=bias_tables(lp["moe"]), experts=experts)
         x = compiled(finish_layer, lp["moe"], cfg, x, h, rows, experts, weights)
         moe_index += 1

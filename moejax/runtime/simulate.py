@@ -104,14 +104,15 @@ def lowbit_experts(p: dict, ids: jax.Array | None, bits: int, group_size: int | 
 def compute_tiers(p: dict, cfg: ModelConfig, h, experts, weights, tier, miss: cache_lib.MissConfig):
     """Routed experts where ``tier`` [T, K] says which are computed from a low-bit copy (cascade)."""
     y = routed_experts(p, cfg, h, jnp.where(tier == 0, experts, -1), jnp.where(tier == 0, weights, 0.0))
+    biases = model_lib.expert_biases(p) or {}  # GPT-OSS's stay full precision, by the real expert ids
     for bits in sorted(set(miss.bits)):
         sel = tier == bits
         if h.shape[0] == 1:  # gather the K experts, then quantise them: ids are 0..K-1 in the copy
-            low = lowbit_experts(p, jnp.maximum(experts[0], 0), bits, miss.group_size)
+            low = {**lowbit_experts(p, jnp.maximum(experts[0], 0), bits, miss.group_size), **biases}
             ids = jnp.where(sel, jnp.arange(experts.shape[1])[None], -1)
-            y = y + routed_experts(low, cfg, h, ids, jnp.where(sel, weights, 0.0))
+            y = y + routed_experts(low, cfg, h, ids, jnp.where(sel, weights, 0.0), bias_ids=experts)
         else:
-            low = lowbit_experts(p, None, bits, miss.group_size)
+            low = {**lowbit_experts(p, None, bits, miss.group_size), **biases}
             y = y + routed_experts(low, cfg, h, jnp.where(sel, experts, -1), jnp.where(sel, weights, 0.0))
     return y
 
