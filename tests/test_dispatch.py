@@ -30,6 +30,10 @@ from test_hf_parity import hf_forward
 class _Act:
     hidden_act: str = "silu"
 
+    @property
+    def expert_act(self) -> str:  # ModelConfig's: the experts' activation (GPT-OSS's is a clamped SwiGLU)
+        return self.hidden_act
+
 
 def _problem(seed, T, K, N, D=16, F=8, drop=0.2, dtype=jnp.float32):
     rng = np.random.default_rng(seed)

@@ -62,11 +62,11 @@ _PAGERS: dict = {}
 
 @pytest.mark.numerics
 @settings(max_examples=200, deadline=None)
-@given(name=st.sampled_from(["qwen2_moe", "olmoe_clip"]), dtype=st.sampled_from(["float32", "bfloat16"]),
+@given(name=st.sampled_from(["qwen2_moe", "olmoe_clip", "gpt_oss"]), dtype=st.sampled_from(["float32", "bfloat16"]),
        data=st.data())
 def test_split_stage_b_is_the_one_stage_b_bit_for_bit(name, dtype, data):
     """Any split of the K positions into early and late, any invalid positions, any weights (float32: the sum's
-    own rounding shows; bfloat16: the dtype models decode in)."""
+    own rounding shows; bfloat16: the dtype models decode in); GPT-OSS's expert biases by the real experts."""
     if (name, dtype) not in _PAGERS:
         _PAGERS[name, dtype] = _pager(name, jnp.dtype(dtype))
     cfg, pager = _PAGERS[name, dtype]
@@ -85,7 +85,7 @@ def test_split_stage_b_is_the_one_stage_b_bit_for_bit(name, dtype, data):
     slots = jax.tree.map(lambda a: jnp.asarray(rng.standard_normal(a.shape) * 0.2, a.dtype), pager.slots[0])
     one = host_paging._stage_b(layer, cfg, x, h, slots, {}, experts, weights, tier, slot_ids, ())
     early_j = jnp.asarray(early & valid)
-    rows, shared = host_paging._stage_b_early(layer, cfg, h, slots, jnp.where(early_j, slot_ids, -1))
+    rows, shared = host_paging._stage_b_early(layer, cfg, h, slots, jnp.where(early_j, slot_ids, -1), experts)
     split = host_paging._stage_b_late(layer, cfg, x, h, slots, {}, experts, weights, tier, slot_ids, early_j, rows,
                                       shared, ())
     np.testing.assert_array_equal(np.asarray(one.astype(jnp.float32)), np.asarray(split.astype(jnp.float32)))
