@@ -324,8 +324,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--model", help="a Hugging Face folder (real shapes: moejax.testing.random_checkpoint)")
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--prompt-tokens", type=int, default=8)
-    ap.add_argument("--prefill", type=lambda s: [int(x) for x in s.split(",") if x], default=[256, 1024],
-                    help="prompt lengths for time to first token (comma-separated)")
+    ap.add_argument("--prefill", type=lambda s: [int(x) for x in s.split(",") if x and int(x) > 0], default=[256, 1024],
+                    help="prompt lengths for time to first token (comma-separated; 0: none)")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--threads", type=int, default=2, help="llama.cpp threads (XLA uses every core)")
     ap.add_argument("--dtype", default=None, help="moejax compute dtype (default: the stored one)")
