@@ -390,10 +390,10 @@ def expert_biases(p: dict, experts: jax.Array | None = None, bias_ids: jax.Array
                   n: int | None = None) -> dict | None:
     """GPT-OSS's expert biases as tables aligned with the ids that ``experts`` uses (None for the other families).
 
-    They are 17 KB an expert against its 25 MB of matrices, so they stay on the device beside the router and
-    are never paged: ``experts`` naming the layer's own experts read the layer's tables; ``experts`` naming
-    slots (an offloaded cache's buffers) read tables of ``n`` rows built from ``bias_ids`` [T, K], the real
-    experts those slots hold (scattered to their slots; rows of unused slots are zero)."""
+    They are 17 KB an expert against its 49.8 MB of matrices (gpt-oss-20b), so they stay on the device beside
+    the router and are never paged: ``experts`` naming the layer's own experts read the layer's tables;
+    ``experts`` naming slots (an offloaded cache's buffers) read tables of ``n`` rows built from ``bias_ids``
+    [T, K], the real experts those slots hold (scattered to their slots; rows of unused slots are zero)."""
     if "down_bias" not in p:
         return None
     tables = {k: p[k] for k in EXPERT_BIASES}
