@@ -176,7 +176,8 @@ print(json.dumps(out))
 
 @pytest.mark.parametrize("families", [
     pytest.param(("deepseek_v2",), id="mla-and-shared-experts"),
-    pytest.param(("mixtral", "phimoe", "qwen2_moe", "qwen3_moe", "olmoe"), id="the-others", marks=pytest.mark.slow)])
+    pytest.param(("mixtral", "phimoe", "qwen2_moe", "qwen3_moe", "olmoe"), id="the-others", marks=pytest.mark.slow),
+    pytest.param(("gpt_oss",), id="expert-biases", marks=pytest.mark.slow)])
 def test_expert_sharded_models_equal_one_device(families):
     """A family with its experts split over 4 devices (shard_map, psum of the devices' shares): teacher-
     forced logits on the sorted/dense paths (70 and 9 tokens) within 1e-5 of one device (f32), the same

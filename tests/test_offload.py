@@ -510,8 +510,19 @@ def test_gpt_oss_in_jit_paging_generates_as_the_simulation():
 
 def test_gpt_oss_pages_from_its_hub_files_as_from_memory():
     """GPT-OSS's hub files hold each expert's gate and up as alternate columns of one [D, 2F] block, stored
-    [in, out]: a flash store pages them (strided reads of the files) to the same tokens as a host store."""
+    [in, out]: a flash store reads the block once and turns it into the serving layout on the host (the pages
+    equal the model loaded whole), and pages to the same tokens as a host store and the simulation."""
+    from moejax.models import layout
+    from moejax.runtime import expert_store
+
     m = moejax.load(get_hf_model("gpt_oss").folder, offload="flash")
+    store = expert_store.ExpertStore(m.params, m.cfg, "flash")
+    assert store.interleaved and store.reads_serving  # one read of the block, turned on the host
+    whole = get_moejax_model("gpt_oss").params["layers"][1]["moe"]["experts"]  # loaded whole, serving layout
+    for e in (0, 5, 7):
+        gate_up, down = store.get(1, e, serving=True)
+        np.testing.assert_array_equal(gate_up, np.asarray(layout.dense(whole.gate_up[e])))
+        np.testing.assert_array_equal(down, np.asarray(layout.dense(whole.down[e])))
     cc = CacheConfig(size="3", prefetch=1.0)
     ref = m.generate(PROMPT, NEW, routing="cache-prior", cache=cc, stop_at_eos=False)
     for store in ("flash", "host"):
@@ -519,3 +530,16 @@ def test_gpt_oss_pages_from_its_hub_files_as_from_memory():
                          offload=offload.OffloadConfig(store=store))
         assert off.token_ids == ref.token_ids, store
         assert off.stats["offload"]["bytes_moved"] > 0
+
+
+@pytest.mark.parametrize("d, f", [(3, 5), (300, 520)])  # within one tile, and across tile edges
+def test_alternate_columns_turn_into_gate_rows_then_up_rows(d, f):
+    from moejax.runtime import expert_store
+
+    block = np.arange(d * 2 * f, dtype=np.float32).reshape(d, 2 * f)
+    out = np.empty((2 * f, d), np.float32)
+    expert_store._rows_of_alternate_columns(block, out)
+    np.testing.assert_array_equal(out, np.concatenate([block[:, 0::2].T, block[:, 1::2].T]))
+    turned = np.empty((2 * f, d), np.float32)
+    expert_store._transposed_into(block, turned)
+    np.testing.assert_array_equal(turned, block.T)

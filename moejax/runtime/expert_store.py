@@ -84,6 +84,7 @@ class ExpertStore:
         self.flip: tuple[str, ...] = ()  # matrices stored transposed (HF [out, in]): flipped on the device
         self.reads_serving = False  # get(..., serving=True) works: pages from the files in the serving layout
         self.int8 = False  # the experts are stored int8 (values + row scales): they page into int8 slots
+        self.interleaved = False  # GPT-OSS's hub files (see ``_interleaved``)
         layers = [expert_stacks(params["layers"][i]["moe"]) for i in self.moe_ids]
         lazy = all(isinstance(x, weights.ExpertStack) for layer in layers for x in layer.values())
         n = cfg.n_experts
@@ -96,9 +97,11 @@ class ExpertStore:
             self._reader = concurrent.futures.ThreadPoolExecutor(READERS, thread_name_prefix="moejax-pages")
             weakref.finalize(self, self._reader.shutdown, wait=False, cancel_futures=True)
             self.flip = tuple(k for k in EXPERT_KEYS if layers[0][k].transposed)
+            # GPT-OSS: [in, out] with gate and up in alternate columns of one block, turned on the host as read
+            self.interleaved = not int8 and not self.flip and _interleaved(layers[0])
             # stored [out, in] in the compute dtype, or int8 with row scales: a page can be read straight into
             # the serving layout of slots of that dtype
-            self.reads_serving = self.flip == EXPERT_KEYS and (int8 or all(
+            self.reads_serving = (self.flip == EXPERT_KEYS or self.interleaved) and (int8 or all(
                 layers[0][k].stored_dtype == np.dtype(self.dtype) for k in EXPERT_KEYS))
             # what the pages are: views of the files' mappings (no copy held; ``get`` reads them with preadv)
             self.full = [{k: [layer[k].stored(e) for e in range(n)] for k in EXPERT_KEYS} for layer in layers]
@@ -208,6 +211,11 @@ class ExpertStore:
             _copy_page(out, self._read(moe_index, expert, serving, out=self._scratch))
             return out
         gate_up, down = self.serving_buffers() if out is None else out
+        if self.interleaved:  # one read of the [D, 2F] block, its columns turned into gate rows then up rows
+            file, gate = stacks["gate"].parts[expert]
+            _rows_of_alternate_columns(file.read(_alternating_block(gate)), gate_up)
+            _transposed_into(stacks["down"].read_stored(expert), down)
+            return gate_up, down
         f = self.cfg.moe_intermediate_size
         stacks["gate"].read_stored(expert, _rows(gate_up, 0, f))
         stacks["up"].read_stored(expert, _rows(gate_up, f, 2 * f))
@@ -235,6 +243,42 @@ class ExpertStore:
 
     def nbytes_of(self, bits: int) -> int:
         return self.expert_bytes if bits == 0 else self.low_bytes[bits]
+
+
+def _interleaved(stacks: dict) -> bool:
+    """Whether a layer's expert stacks are GPT-OSS's hub layout: stored [in, out], gate and up the even and odd
+    columns of one [D, 2F] block per expert (``hf_keys`` ``columns``), down a plain [F, D] block."""
+    gate, up = stacks["gate"].stored(0), stacks["up"].stored(0)
+    step = 2 * gate.itemsize
+    up_after_gate = up.__array_interface__["data"][0] - gate.__array_interface__["data"][0] == gate.itemsize
+    return (gate.ndim == 2 and gate.strides[1] == step and up.strides[1] == step and up_after_gate
+            and stacks["down"].stored(0).flags.c_contiguous)
+
+
+def _alternating_block(gate: np.ndarray) -> np.ndarray:
+    """The whole [D, 2F] block of which ``gate`` [D, F] is the even columns (a view of the same file)."""
+    return np.lib.stride_tricks.as_strided(gate, (gate.shape[0], 2 * gate.shape[1]), (gate.strides[0], gate.itemsize),
+                                           writeable=False)
+
+
+TILE = 256  # rows and columns of a host transpose's tiles: numpy's whole strided copy is 4-5x slower (RESULTS)
+
+
+def _rows_of_alternate_columns(block: np.ndarray, out: np.ndarray) -> None:
+    """``out`` [2F, D] (gate rows, then up rows: the serving layout) from ``block`` [D, 2F] whose columns
+    alternate gate, up (GPT-OSS's ``gate_up_proj``), tile by tile."""
+    d, f = block.shape[0], block.shape[1] // 2
+    src, dst = block.reshape(d, f, 2), out.reshape(2, f, d)
+    for i in range(0, d, TILE):
+        for j in range(0, f, TILE):
+            dst[:, j:j + TILE, i:i + TILE] = src[i:i + TILE, j:j + TILE].transpose(2, 1, 0)
+
+
+def _transposed_into(src: np.ndarray, out: np.ndarray) -> None:
+    """``out`` = ``src``ᵀ, tile by tile."""
+    for i in range(0, src.shape[0], TILE):
+        for j in range(0, src.shape[1], TILE):
+            out[j:j + TILE, i:i + TILE] = src[i:i + TILE, j:j + TILE].T
 
 
 def _host_int8(shape: tuple[int, int], dtype) -> quant.QuantizedTensor:
