@@ -40,7 +40,7 @@ import numpy as np
 from moejax.base import atomic, orbax_io
 from moejax.base.errors import Failure, UsageError
 from moejax.models import hf_keys, layout, safetensors_io, weights
-from moejax.models.config import ModelConfig, UnsupportedModelError, from_hf
+from moejax.models.config import GPT_OSS, ModelConfig, UnsupportedModelError, from_hf
 
 FORMAT_FILE = "moejax.json"
 FORMAT_VERSION = 2  # written (3 when the experts are int8); version 1 (orbax params/) is still read
@@ -340,7 +340,8 @@ def hf_tree(folder: str, cfg: ModelConfig) -> dict:
     fused = {}
     for i in range(cfg.num_layers):
         gate_up, down = _fused_keys(i)
-        if cfg.moe_layers[i] and gate_up in tensors and down in tensors and not cfg.expert_bias:  # GPT-OSS's own names
+        # GPT-OSS's own tensors have these names, in another layout (hf_keys)
+        if cfg.moe_layers[i] and gate_up in tensors and down in tensors and cfg.model_type != GPT_OSS:
             _check_shape(gate_up, tensors[gate_up].shape(gate_up), (n, 2 * f, d))
             _check_shape(down, tensors[down].shape(down), (n, d, f))
             _check_float(tensors[gate_up], gate_up)

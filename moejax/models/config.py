@@ -101,11 +101,8 @@ class ModelConfig:
     embedding_multiplier: float = 1.0
     residual_multiplier: float = 1.0
     logits_scaling: float = 1.0
-    # GPT-OSS: a learned sink logit per attention head, a bias on the router's logits, biases on every expert's
-    # gate/up and down projections, and its clamped SwiGLU (``swiglu_limit`` None: the plain act(gate) · up)
-    attention_sinks: bool = False
-    router_bias: bool = False
-    expert_bias: bool = False
+    # GPT-OSS's clamped SwiGLU (``swiglu_limit`` None: the plain act(gate) · up); its sinks and router / expert
+    # biases are parameters (``hf_keys``), computed where the tree holds them
     swiglu_limit: float | None = None
     swiglu_alpha: float = 1.702
     hf_json: str = dataclasses.field(repr=False, compare=False, default="{}")
@@ -625,7 +622,7 @@ def _from_hf(hf: dict[str, Any], mt: str) -> ModelConfig:
 
     eos_ids = eos_token_ids_of(hf.get("eos_token_id"), "config.json")
     act = hf.get("hidden_act", "silu")
-    swiglu = _swiglu(hf) if mt == GPT_OSS else None
+    swiglu_limit, swiglu_alpha = _swiglu(hf) if mt == GPT_OSS else (None, 1.702)
     if act not in ("silu", "gelu", "gelu_new", "gelu_pytorch_tanh", "relu"):
         raise UnsupportedModelError(f"hidden_act {act!r} is not supported")
     return ModelConfig(
@@ -677,10 +674,7 @@ def _from_hf(hf: dict[str, Any], mt: str) -> ModelConfig:
         embedding_multiplier=_multiplier(hf, "embedding_multiplier") if mt in GRANITE else 1.0,
         residual_multiplier=_multiplier(hf, "residual_multiplier") if mt in GRANITE else 1.0,
         logits_scaling=_multiplier(hf, "logits_scaling") if mt in GRANITE else 1.0,
-        attention_sinks=mt == GPT_OSS,
-        router_bias=mt == GPT_OSS,
-        expert_bias=mt == GPT_OSS,
-        swiglu_limit=None if swiglu is None else swiglu[0],
-        swiglu_alpha=1.702 if swiglu is None else swiglu[1],
+        swiglu_limit=swiglu_limit,
+        swiglu_alpha=swiglu_alpha,
         hf_json=json.dumps(hf, sort_keys=True),
     )

@@ -127,7 +127,7 @@ def _attention(cfg: ModelConfig, pre: str, path: tuple) -> Iterator[Entry]:
     elif cfg.qk_norm == "proj":
         yield Entry(f"{pre}.q_norm.weight", path + ("q_norm",), (H * hd,))
         yield Entry(f"{pre}.k_norm.weight", path + ("k_norm",), (Hk * hd,))
-    if cfg.attention_sinks:  # GPT-OSS: one learned logit per head
+    if cfg.model_type == GPT_OSS:  # one learned sink logit per head
         yield Entry(f"{pre}.sinks", path + ("sinks",), (H,))
 
 
