@@ -137,7 +137,7 @@ def _low_bit_and_residual(p, cfg: ModelConfig, x, h, y, staging, experts, weight
     for bits in tiers:
         sel = (tier == bits) & (experts >= 0)
         low = {k: quant.dequantize(staging[bits][k], h.dtype) for k in EXPERT_KEYS}
-        low.update({k: p[k] for k in model_lib.EXPERT_BIASES if k in p})  # GPT-OSS's, by the real ids below
+        low.update(model_lib.expert_biases(p) or {})  # GPT-OSS's, by the real ids below
         y = y + model_lib.routed_experts(low, cfg, h, jnp.where(sel, jnp.arange(tier.shape[0]), -1)[None],
                                          jnp.where(sel, weights, 0.0)[None], bias_ids=experts[None])
     if "shared" in p:  # the gate is applied here also when the rest came early: XLA fuses the product into the

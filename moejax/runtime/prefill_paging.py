@@ -181,11 +181,6 @@ def expert_round(experts_list: layout.ExpertList, cfg: ModelConfig, h, ids, rows
     return rows + model_lib.switched_expert_rows(experts_list, cfg, h, ids, block_rows, biases)
 
 
-def bias_tables(moe: dict) -> dict | None:
-    """A MoE layer's expert biases (GPT-OSS), or None: what ``expert_round`` takes them from."""
-    return {k: moe[k] for k in model_lib.EXPERT_BIASES} if "down_bias" in moe else None
-
-
 @functools.partial(jax.jit, static_argnames=("cfg",))
 def finish_layer(p, cfg: ModelConfig, x, h, rows, experts, weights):
     """The MoE block's output from the per-assignment rows (+ shared experts), added to the residual."""
@@ -231,7 +226,8 @@ def run_piece(pager, tokens: np.ndarray, pos0: int, kv: list, record: list | Non
         experts, weights = routed[0], routed[1]
         experts_np = np.asarray(experts)
         plan = plan_layer(before, np.asarray(pager.state["cache"].slot)[moe_index], experts_np)
-        rows = _run_rounds(pager, moe_index, plan, h, experts_np, block_rows, bias_tables(lp["moe"]), experts)
+        rows = _run_rounds(pager, moe_index, plan, h, experts_np, block_rows, model_lib.expert_biases(lp["moe"]),
+                           experts)
         x = finish_layer(lp["moe"], cfg, x, h, rows, experts, weights)
         blocks.append(routed)
         moe_index += 1
@@ -299,6 +295,6 @@ def compile_piece(pager, n_tokens: int, kv: list) -> None:
                                          jnp.int32(moe_index), x, h, state, z_pred)
         experts, weights = routed[0], routed[1]
         compiled(expert_round, pager.round_experts(moe_index), cfg, h, experts, rows, block_rows=block_rows,
-                 bias_tables=bias_tables(lp["moe"]), experts=experts)
+                 bias_tables=model_lib.expert_biases(lp["moe"]), experts=experts)
         x = compiled(finish_layer, lp["moe"], cfg, x, h, rows, experts, weights)
         moe_index += 1
