@@ -40,6 +40,7 @@ import numpy as np
 from moejax.base import atomic, orbax_io
 from moejax.base.errors import Failure, UsageError
 from moejax.models import hf_keys, layout, safetensors_io, weights
+from moejax.models import mxfp4 as mxfp4_lib
 from moejax.models.config import GPT_OSS, ModelConfig, UnsupportedModelError, from_hf
 
 FORMAT_FILE = "moejax.json"
@@ -331,10 +332,19 @@ def _check_float(file: safetensors_io.SafetensorsFile, key: str) -> None:
                               "hold floating-point weights (quantized checkpoints are not read here)")
 
 
+def _check_mxfp4(file: safetensors_io.SafetensorsFile, key: str) -> None:
+    """MXFP4 blocks and scales are bytes (uint8); anything else is not the format ``mxfp4`` decodes."""
+    dtype = file.dtype(key)
+    if dtype != np.uint8:
+        raise CheckpointError(f"tensor {key!r} in {file.path} is stored as {dtype.name}; MXFP4 blocks and scales "
+                              "are uint8")
+
+
 def hf_tree(folder: str, cfg: ModelConfig) -> dict:
     """The parameter tree of a hub checkpoint with every leaf left in the files (``weights.LazyTensor``,
     ``weights.ExpertStack``), after checking every key and shape. Reads both the hub's one-tensor-per-expert
-    layout and transformers 5's fused one (``mlp.experts.gate_up_proj`` / ``down_proj``)."""
+    layout and transformers 5's fused one (``mlp.experts.gate_up_proj`` / ``down_proj``), and GPT-OSS's MXFP4
+    release (its experts as ``weights.Mxfp4ExpertStack``, decoded as they are read)."""
     tensors = _open_shards(folder)
     d, f, n = cfg.hidden_size, cfg.moe_intermediate_size, cfg.n_experts
     fused = {}
@@ -350,8 +360,13 @@ def hf_tree(folder: str, cfg: ModelConfig) -> dict:
     used, missing = set(), []
     tree: dict = {}
     parts: dict[tuple, list] = {}
+    scale_parts: dict[tuple, list] = {}  # MXFP4 experts (GPT-OSS's release): their scales, beside the blocks
     transposed: dict[tuple, bool] = {}  # expert stacks: stored [out, in] per expert (hub), or [in, out] (GPT-OSS)
-    for hf_key, pieces in hf_keys.by_tensor(hf_keys.entries(cfg)).items():
+    mxfp4 = hf_keys.is_mxfp4_release(tensors, cfg)
+    if mxfp4 and (d % mxfp4_lib.GROUP or f % mxfp4_lib.GROUP):
+        raise CheckpointError(f"{folder}: MXFP4 experts need hidden_size and intermediate_size multiples of "
+                              f"{mxfp4_lib.GROUP}, got {d} and {f}")
+    for hf_key, pieces in hf_keys.by_tensor(hf_keys.entries(cfg, mxfp4)).items():
         if pieces[0].expert is not None and pieces[0].path[1] in fused:
             continue
         key = next((k for k in _hf_candidates(hf_key) if k in tensors), None)
@@ -361,13 +376,17 @@ def hf_tree(folder: str, cfg: ModelConfig) -> dict:
         used.add(key)
         _check_shape(key, tensors[key].shape(key), hf_keys.tensor_shape(pieces, n))
         file = tensors[key]
-        _check_float(file, key)
+        if pieces[0].mxfp4:
+            _check_mxfp4(file, key)
+        else:
+            _check_float(file, key)
         view = file.get(key)
         for e in pieces:
             if e.expert is None:
                 _set(tree, e.path, weights.LazyTensor(file, hf_keys.piece_of(view, e), e.transpose))
             else:
-                parts.setdefault(e.path, [None] * n)[e.expert] = (file, hf_keys.piece_of(view, e))
+                into = scale_parts if e.mxfp4 == "scales" else parts
+                into.setdefault(e.path, [None] * n)[e.expert] = (file, hf_keys.piece_of(view, e))
                 transposed[e.path] = e.transpose
     if missing:
         raise CheckpointError(f"{folder}: missing tensors: " + ", ".join(missing[:10])
@@ -386,7 +405,8 @@ def hf_tree(folder: str, cfg: ModelConfig) -> dict:
         raise CheckpointError(f"{folder}: tensors not in the {cfg.model_type} key table: "
                               + ", ".join(unexpected[:10]) + (" ..." if len(unexpected) > 10 else ""))
     for path, experts in parts.items():
-        _set(tree, path, weights.ExpertStack(experts, transposed=transposed.get(path, True)))
+        _set(tree, path, weights.Mxfp4ExpertStack(experts, scale_parts[path]) if path in scale_parts
+             else weights.ExpertStack(experts, transposed=transposed.get(path, True)))
     return tree
 
 
@@ -468,6 +488,7 @@ def save_hf(params: dict, cfg: ModelConfig, folder: str, *, tokenizer_from: str 
         write_sharded(tmp, "model", specs, lambda key: _hf_pieces(params, table[key]), max_shard_bytes)
         hf = cfg.hf
         hf["torch_dtype"] = hf["dtype"] = str(dtype)
+        hf.pop("quantization_config", None)  # the weights written are floating point (an MXFP4 source's decoded)
         atomic.write_json(os.path.join(tmp, "config.json"), hf)
         if tokenizer_from:
             _copy_companion_files(tokenizer_from, tmp)

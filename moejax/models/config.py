@@ -379,10 +379,13 @@ def _check_sizes(hf: dict[str, Any]) -> None:
 
 def _check_unquantised(hf: dict[str, Any], mt: str) -> None:
     """Quantised hub checkpoints (DeepSeek-V3's fp8 blocks with ``weight_scale_inv``) hold weights moejax does not
-    read: refuse them by name rather than fail on the first fp8 tensor."""
+    read: refuse them by name rather than fail on the first fp8 tensor. GPT-OSS's MXFP4 release is read
+    (``checkpoint.hf_tree``: its experts decoded as they are read)."""
     q = hf.get("quantization_config")
     if q is not None:
         method = q.get("quant_method", "?") if isinstance(q, dict) else q
+        if method == "mxfp4" and mt == GPT_OSS:  # the hub release: its experts are decoded as they are read
+            return
         how = ("transformers writes one: AutoModelForCausalLM.from_pretrained(ID, quantization_config="
                "Mxfp4Config(dequantize=True), dtype=torch.bfloat16).save_pretrained(OUT); bf16 copies are on the hub too"
                if method == "mxfp4" else

@@ -38,6 +38,10 @@ class Entry:
     # GPT-OSS interleaves matrices by column: this entry is ``tensor[..., start::step]`` of the HF tensor's last
     # axis (gate columns even, up columns odd in ``gate_up_proj`` [N, D, 2F] and its bias [N, 2F])
     columns: tuple[int, int] | None = None
+    # GPT-OSS's MXFP4 release (``mxfp4``): an expert matrix is two tensors, ``*_blocks`` and ``*_scales`` (this entry
+    # is the one ``mxfp4`` names), rows [out, in]; gate and up are rows ``start::step`` (``row_step``) of one
+    mxfp4: str | None = None
+    row_step: tuple[int, int] | None = None
 
     @property
     def param_shape(self) -> tuple[int, ...]:
@@ -51,6 +55,8 @@ def tensor_shape(pieces: list[Entry], n_experts: int) -> tuple[int, ...]:
         return (1, *e.shape)
     if e.columns is not None:
         return ((n_experts,) if e.stacked else ()) + (*e.shape[:-1], e.shape[-1] * e.columns[1])
+    if e.row_step is not None:
+        return (n_experts, e.shape[0] * e.row_step[1], *e.shape[1:])
     if e.rows is None and not e.stacked:
         return e.shape
     rows = max(p.rows[1] for p in pieces) if e.rows is not None else e.shape[0]
@@ -74,6 +80,8 @@ def piece_of(view, e: Entry):
         return view[0]
     if e.columns is not None:
         return view[..., e.columns[0]::e.columns[1]]
+    if e.row_step is not None:
+        return view[e.row_step[0]::e.row_step[1]]
     return view if e.rows is None else view[e.rows[0]:e.rows[1]]
 
 
@@ -150,29 +158,54 @@ def _granite_moe(cfg: ModelConfig, pre: str, path: tuple) -> Iterator[Entry]:
         yield from _fused_mlp(f"{pre}.shared_mlp", path + ("shared",), d, cfg.shared_intermediate_size)
 
 
-def _gpt_oss_moe(cfg: ModelConfig, pre: str, path: tuple) -> Iterator[Entry]:
+def _gpt_oss_moe(cfg: ModelConfig, pre: str, path: tuple, mxfp4: bool = False) -> Iterator[Entry]:
     """GPT-OSS's MLP: a router with a bias, and the experts as three stacked tensors stored [in, out] with biases:
-    ``gate_up_proj`` [N, D, 2F] whose gate and up columns alternate, ``down_proj`` [N, F, D]."""
+    ``gate_up_proj`` [N, D, 2F] whose gate and up columns alternate, ``down_proj`` [N, F, D]. ``mxfp4``: the hub
+    release's, each matrix as ``*_blocks`` [N, out, in / 32, 16] and ``*_scales`` [N, out, in / 32] (uint8), rows
+    [out, in], gate and up the even and odd rows of ``gate_up_proj``."""
     d, f, n = cfg.hidden_size, cfg.moe_intermediate_size, cfg.n_experts
     block, ex = f"{pre}.mlp", f"{pre}.mlp.experts"
     yield from _linear(f"{block}.router", path + ("router",), d, n, bias=True)
-    for e in range(n):
-        yield Entry(f"{ex}.gate_up_proj", path + ("gate",), (d, f), expert=e, stacked=True, columns=(0, 2))
-        yield Entry(f"{ex}.gate_up_proj", path + ("up",), (d, f), expert=e, stacked=True, columns=(1, 2))
+    if mxfp4:
+        for part in MXFP4_PARTS:
+            tail = (16,) if part == "blocks" else ()
+            for e in range(n):
+                for which, start in (("gate", 0), ("up", 1)):
+                    yield Entry(f"{ex}.gate_up_proj_{part}", path + (which,), (f, d // 32, *tail), expert=e,
+                                stacked=True, mxfp4=part, row_step=(start, 2))
+    else:
+        for e in range(n):
+            yield Entry(f"{ex}.gate_up_proj", path + ("gate",), (d, f), expert=e, stacked=True, columns=(0, 2))
+            yield Entry(f"{ex}.gate_up_proj", path + ("up",), (d, f), expert=e, stacked=True, columns=(1, 2))
     yield Entry(f"{ex}.gate_up_proj_bias", path + ("gate_bias",), (n, f), columns=(0, 2))
     yield Entry(f"{ex}.gate_up_proj_bias", path + ("up_bias",), (n, f), columns=(1, 2))
-    for e in range(n):
-        yield Entry(f"{ex}.down_proj", path + ("down",), (f, d), expert=e, stacked=True)
+    if mxfp4:
+        for part in MXFP4_PARTS:
+            tail = (16,) if part == "blocks" else ()
+            for e in range(n):
+                yield Entry(f"{ex}.down_proj_{part}", path + ("down",), (d, f // 32, *tail), expert=e, stacked=True,
+                            mxfp4=part)
+    else:
+        for e in range(n):
+            yield Entry(f"{ex}.down_proj", path + ("down",), (f, d), expert=e, stacked=True)
     yield Entry(f"{ex}.down_proj_bias", path + ("down_bias",), (n, d))
 
 
-def _moe(cfg: ModelConfig, pre: str, path: tuple) -> Iterator[Entry]:
+MXFP4_PARTS = ("blocks", "scales")
+
+
+def is_mxfp4_release(keys, cfg: ModelConfig) -> bool:
+    """Whether a checkpoint with these tensor names holds GPT-OSS's experts as MXFP4 (the hub's release)."""
+    return cfg.model_type == GPT_OSS and any(k.endswith(".mlp.experts.gate_up_proj_blocks") for k in keys)
+
+
+def _moe(cfg: ModelConfig, pre: str, path: tuple, mxfp4: bool = False) -> Iterator[Entry]:
     d, f, mt = cfg.hidden_size, cfg.moe_intermediate_size, cfg.model_type
     if mt in GRANITE:
         yield from _granite_moe(cfg, pre, path)
         return
     if mt == GPT_OSS:
-        yield from _gpt_oss_moe(cfg, pre, path)
+        yield from _gpt_oss_moe(cfg, pre, path, mxfp4)
         return
     block = f"{pre}.{_MOE_PREFIX.get(mt, 'mlp')}"
     yield from _linear(f"{block}.gate.wg" if mt == HUNYUAN else f"{block}.gate", path + ("router",), d, cfg.n_experts)
@@ -194,8 +227,9 @@ def _moe(cfg: ModelConfig, pre: str, path: tuple) -> Iterator[Entry]:
         yield from _linear(f"{block}.shared_expert_gate", path + ("shared_gate",), d, 1)
 
 
-def entries(cfg: ModelConfig) -> list[Entry]:
-    """Every tensor a hub checkpoint of this configuration holds, in a stable order."""
+def entries(cfg: ModelConfig, mxfp4: bool = False) -> list[Entry]:
+    """Every tensor a hub checkpoint of this configuration holds, in a stable order (``mxfp4``: GPT-OSS's
+    release, its experts as MXFP4 blocks and scales)."""
     d, out = cfg.hidden_size, []
     out.append(Entry("model.embed_tokens.weight", ("embed",), (cfg.vocab_size, d)))
     for i in range(cfg.num_layers):
@@ -204,7 +238,7 @@ def entries(cfg: ModelConfig) -> list[Entry]:
         out += _norm(f"{pre}.post_attention_layernorm", path + ("mlp_norm",), d, cfg)
         out += _attention(cfg, f"{pre}.self_attn", path + ("attn",))
         if cfg.moe_layers[i]:
-            out += _moe(cfg, pre, path + ("moe",))
+            out += _moe(cfg, pre, path + ("moe",), mxfp4)
         else:
             out += _mlp(f"{pre}.mlp", path + ("mlp",), d, cfg.intermediate_size, cfg.mlp_bias)
     out += _norm("model.norm", ("final_norm",), d, cfg)

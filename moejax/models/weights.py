@@ -25,7 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from moejax.base import distributed
-from moejax.models import layout, quant
+from moejax.models import layout, mxfp4, quant
 from moejax.models.config import ERNIE, HUNYUAN
 from moejax.models.safetensors_io import SafetensorsFile
 
@@ -251,6 +251,97 @@ class QuantizedExpertStack(ExpertStack):
         return q.astype(self.dtype)
 
 
+class Mxfp4ExpertStack(ExpertStack):
+    """An ``ExpertStack`` stored as MXFP4 (GPT-OSS's hub release, ``mxfp4``): per expert the ``[out, in / 32, 16]``
+    uint8 blocks (``parts``: views of the files; GPT-OSS's gate and up are the even and odd rows of one
+    ``gate_up_proj_blocks`` tensor, so theirs are strided) and ``[out, in / 32]`` E8M0 scales (``scale_parts``).
+    Every read decodes on the host (``mxfp4.decode_into``) into ``dtype``, ``[out, in]`` as stored
+    (``read_stored``, ``read_out_in``) or moejax's ``[in, out]`` (``read_expert``, ``read``): the device holds
+    the decoded weights; paging one from the files reads 4.25 bits a weight."""
+
+    def __init__(self, parts: list[tuple[SafetensorsFile, np.ndarray]],
+                 scale_parts: list[tuple[SafetensorsFile, np.ndarray]], dtype=None):
+        super().__init__(parts, transposed=True, dtype=dtype or mxfp4.DECODED)
+        if len(scale_parts) != len(parts):
+            raise ValueError(f"{len(parts)} MXFP4 experts but {len(scale_parts)} scale tensors")
+        for (_, blocks), (_, scales) in zip(parts, scale_parts):
+            mxfp4.check_pair(blocks, scales)
+        self.scale_parts = scale_parts
+        rows, in_ = mxfp4.decoded_shape(parts[0][1].shape)[-2:] if parts[0][1].ndim == 3 else (None, None)
+        if rows is None:
+            raise ValueError(f"MXFP4 expert blocks must be [out, in / 32, 16], got {list(parts[0][1].shape)}")
+        self.shape = (len(parts), in_, rows)
+        self.stored_dtype = self.dtype  # what a read gives: the decoded weights
+
+    @property
+    def stored_expert_nbytes(self) -> int:
+        return self.parts[0][1].nbytes + self.scale_parts[0][1].nbytes
+
+    def astype(self, dtype) -> "Mxfp4ExpertStack":
+        return Mxfp4ExpertStack(self.parts, self.scale_parts, dtype)
+
+    def files(self) -> set:
+        return {f for f, _ in (*self.parts, *self.scale_parts)}
+
+    def read_stored(self, e: int, out: np.ndarray | None = None) -> np.ndarray:
+        """Expert ``e`` decoded, ``[out, in]``: blocks and scales read without touching the mapping, into
+        ``out`` when given."""
+        (file, blocks), (scale_file, scales) = self.parts[e], self.scale_parts[e]
+        if out is None:
+            out = np.empty(self.shape[:0:-1], self.dtype)
+        mxfp4.decode_into(file.read(blocks), scale_file.read(scales), out)
+        return out
+
+    def release(self, e: int) -> None:
+        for file, view in (self.parts[e], self.scale_parts[e]):
+            file.release(view)
+
+    def read_out_in(self, e: int) -> np.ndarray:
+        out = self.read_stored(e)
+        self.release(e)
+        return out
+
+    def read_expert(self, e: int) -> np.ndarray:
+        return np.ascontiguousarray(self.read_out_in(e).T)
+
+    def read(self) -> np.ndarray:
+        out = np.empty(self.shape, self.dtype)
+        for e in range(self.n_experts):
+            out[e] = self.read_out_in(e).T
+        return out
+
+    def take_flat(self, idx: np.ndarray) -> np.ndarray:
+        e, rows, cols = np.unravel_index(idx, self.shape)  # canonical [N, in, out]: stored [out, in]
+        out = np.empty(idx.shape, np.float32)
+        for j in np.unique(e):
+            sel = e == j
+            out[sel] = mxfp4.take(self.parts[int(j)][1], self.scale_parts[int(j)][1], cols[sel], rows[sel])
+        return out.astype(self.dtype)
+
+
+def mxfp4_gate_up(gate: ExpertStack, up: ExpertStack) -> bool:
+    """Whether ``gate`` and ``up`` are the even and odd rows of one MXFP4 tensor (GPT-OSS's ``gate_up_proj``), so
+    that an expert's two can be read as one block (``read_mxfp4_gate_up``)."""
+    if not (isinstance(gate, Mxfp4ExpertStack) and isinstance(up, Mxfp4ExpertStack)):
+        return False
+    pairs = ((gate.parts[0][1], up.parts[0][1]), (gate.scale_parts[0][1], up.scale_parts[0][1]))
+    return all(g.shape == u.shape and g[0].flags.c_contiguous and g.strides[0] == u.strides[0] == 2 * g[0].nbytes
+               and u.__array_interface__["data"][0] - g.__array_interface__["data"][0] == g[0].nbytes
+               for g, u in pairs)
+
+
+def read_mxfp4_gate_up(gate: Mxfp4ExpertStack, e: int, out: np.ndarray) -> np.ndarray:
+    """Expert ``e``'s gate and up (``mxfp4_gate_up``) decoded into ``out [2F, D]``, gate rows then up rows (the
+    serving layout), from one read of the tensor's ``[2F, D / 32, 16]`` blocks and ``[2F, D / 32]`` scales."""
+    (file, blocks), (scale_file, scales) = gate.parts[e], gate.scale_parts[e]
+    f = blocks.shape[0]
+    whole = [np.lib.stride_tricks.as_strided(v, (2 * f, *v.shape[1:]), (v.strides[0] // 2, *v.strides[1:]),
+                                             writeable=False) for v in (blocks, scales)]
+    b, s = file.read(whole[0]), scale_file.read(whole[1])
+    mxfp4.decode_into(b.reshape(f, 2, *b.shape[1:]), s.reshape(f, 2, -1), out.reshape(2, f, -1).transpose(1, 0, 2))
+    return out
+
+
 # leaves read on demand: tensors in their files, and canonical views of serving-layout arrays
 LAZY_TYPES = (LazyTensor, ExpertStack, *layout.VIEW_TYPES)
 
@@ -468,7 +559,7 @@ def read_out_in(x):
 
 
 def _expert_out_in(stack, e: int) -> np.ndarray:
-    if isinstance(stack, QuantizedExpertStack):
+    if isinstance(stack, (QuantizedExpertStack, Mxfp4ExpertStack)):  # decoded as they are read
         return stack.read_out_in(e)
     if isinstance(stack, ExpertStack):
         file, view = stack.parts[e]

@@ -85,6 +85,7 @@ class ExpertStore:
         self.reads_serving = False  # get(..., serving=True) works: pages from the files in the serving layout
         self.int8 = False  # the experts are stored int8 (values + row scales): they page into int8 slots
         self.interleaved = False  # GPT-OSS's hub files (see ``_interleaved``)
+        self.mxfp4_pair = False  # GPT-OSS's MXFP4 release: gate and up are read as one block and decoded
         layers = [expert_stacks(params["layers"][i]["moe"]) for i in self.moe_ids]
         lazy = all(isinstance(x, weights.ExpertStack) for layer in layers for x in layer.values())
         n = cfg.n_experts
@@ -99,6 +100,7 @@ class ExpertStore:
             self.flip = tuple(k for k in EXPERT_KEYS if layers[0][k].transposed)
             # GPT-OSS: [in, out] with gate and up in alternate columns of one block, turned on the host as read
             self.interleaved = not int8 and not self.flip and _interleaved(layers[0])
+            self.mxfp4_pair = weights.mxfp4_gate_up(layers[0]["gate"], layers[0]["up"])
             # stored [out, in] in the compute dtype, or int8 with row scales: a page can be read straight into
             # the serving layout of slots of that dtype
             self.reads_serving = (self.flip == EXPERT_KEYS or self.interleaved) and (int8 or all(
@@ -215,6 +217,10 @@ class ExpertStore:
             file, gate = stacks["gate"].parts[expert]
             _rows_of_alternate_columns(file.read(_alternating_block(gate)), gate_up)
             _transposed_into(stacks["down"].read_stored(expert), down)
+            return gate_up, down
+        if self.mxfp4_pair:  # one read of the [2F, D / 32, 16] blocks, decoded into gate rows then up rows
+            weights.read_mxfp4_gate_up(stacks["gate"], expert, gate_up)
+            stacks["down"].read_stored(expert, down)
             return gate_up, down
         f = self.cfg.moe_intermediate_size
         stacks["gate"].read_stored(expert, _rows(gate_up, 0, f))

@@ -8,7 +8,8 @@ Presets (``moejax/testing/presets/*.json``, the models' own ``config.json``): mi
 qwen1.5-moe-a2.7b, qwen3-30b-a3b, olmoe-1b-7b, deepseek-v2-lite, moonlight-16b-a3b, deepseek-v3 (671B:
 ``--layers`` cuts it), glm-4.5-air, granite-3.0-1b-a400m, granite-3.0-3b-a800m, ernie-4.5-21b-a3b, dots.llm1,
 hunyuan-a13b; PRESET may also be a config.json path.
-``--layers`` keeps the first L decoder layers (a cut with the real per-layer shapes), ``--set`` overrides
+``--layers`` keeps the first L decoder layers (a cut with the real per-layer shapes), ``--mxfp4`` writes
+GPT-OSS's experts as its hub release does (MXFP4 blocks and scales: uniformly random codes), ``--set`` overrides
 config values (JSON values: ``--set hidden_size=64 --set vocab_size=512`` makes a tiny test model).
 
 Weights are N(0, 0.02²), norm scales 1 and norm biases 0, drawn per tensor from (seed, key), so a tensor
@@ -34,8 +35,8 @@ import numpy as np
 from moejax.base import atomic, errors, interrupts
 from moejax.base.memory import format_bytes
 from moejax.base.typecheck import is_integer
-from moejax.models import checkpoint, hf_keys, safetensors_io, weights
-from moejax.models.config import from_hf
+from moejax.models import checkpoint, hf_keys, mxfp4, safetensors_io, weights
+from moejax.models.config import GPT_OSS, from_hf
 
 PRESETS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "presets")
 DTYPES = {"bfloat16": ml_dtypes.bfloat16, "float16": np.float16, "float32": np.float32}
@@ -114,31 +115,53 @@ def with_overrides(config: dict, layers: int | None = None, sets: dict | None = 
     return config
 
 
-def tensor_plan(config: dict) -> list[tuple[str, tuple[int, ...], str]]:
+def tensor_plan(config: dict, mxfp4: bool = False) -> list[tuple[str, tuple[int, ...], str]]:
     """(hub key, shape, kind) of every tensor, kind "scale" (norm weight: ones), "shift" (norm bias:
-    zeros) or "random"; from moejax's key table, which is also what import checks against."""
-    return _plan(config)[0]
+    zeros), "random", or for ``mxfp4`` experts "blocks" / "scales"; from moejax's key table, which is also what
+    import checks against."""
+    return _plan(config, mxfp4)[0]
 
 
-def _plan(config: dict) -> tuple[list[tuple[str, tuple[int, ...], str]], set[str]]:
+#: GPT-OSS's release keeps these in bfloat16 and its experts in MXFP4 (its config.json's quantization_config)
+MXFP4_CONFIG = {"modules_to_not_convert": ["model.layers.*.self_attn", "model.layers.*.mlp.router",
+                                           "model.embed_tokens", "lm_head"], "quant_method": "mxfp4"}
+
+
+def _plan(config: dict, mxfp4: bool = False) -> tuple[list[tuple[str, tuple[int, ...], str]], set[str]]:
     """``tensor_plan`` and the keys written float32 whatever the dtype (``weights.is_float32_param``: DeepSeek-V3's
     selection bias, float32 in the released files too; ERNIE-4.5's router)."""
     cfg = from_hf(config)
     plan, float32 = [], set()
-    for key, pieces in hf_keys.by_tensor(hf_keys.entries(cfg)).items():
+    for key, pieces in hf_keys.by_tensor(hf_keys.entries(cfg, mxfp4)).items():
         e = pieces[0]
         # every norm's weight is 1 and its bias 0: the layer norms and the per-head q/k norms alike (those were
         # drawn at random, N(0, 0.02²), which scaled q·k by ~4e-4 and left the attention nearly uniform)
-        kind = ("scale" if key.endswith("norm.weight") else "shift" if key.endswith("norm.bias") else "random")
+        kind = e.mxfp4 or ("scale" if key.endswith("norm.weight") else "shift" if key.endswith("norm.bias")
+                           else "random")
         plan.append((key, tuple(hf_keys.tensor_shape(pieces, cfg.n_experts)), kind))
         if weights.is_float32_param(e.path, cfg.model_type):
             float32.add(key)
     return plan, float32
 
 
+def mxfp4_scale(std: float) -> int:
+    """The E8M0 scale byte with which uniformly random FP4 codes (root mean square 2.93) have about ``std``."""
+    rms = float(np.sqrt(np.mean(mxfp4.FP4_VALUES ** 2)))
+    return int(np.clip(round(127 + math.log2(std / rms)), 0, 254)) if std > 0 else 127
+
+
 def tensor_chunks(key: str, shape: tuple[int, ...], kind: str, seed: int, dtype, std: float = STD):
     """The tensor's values in row-major chunks: a function of (seed, key) only."""
     n = int(np.prod(shape, dtype=np.int64))
+    if kind in hf_keys.MXFP4_PARTS:  # random codes (none when std is 0) under one scale that gives them ~std
+        rng = np.random.default_rng([seed, zlib.crc32(key.encode())])
+        for start in range(0, n, CHUNK):
+            m = min(CHUNK, n - start)
+            if kind == "scales":
+                yield np.full(m, mxfp4_scale(std), np.uint8)
+            else:
+                yield rng.integers(0, 256, m, dtype=np.uint8) if std > 0 else np.zeros(m, np.uint8)
+        return
     if kind != "random":
         fill = 1.0 if kind == "scale" else 0.0
         for start in range(0, n, CHUNK):
@@ -151,11 +174,12 @@ def tensor_chunks(key: str, shape: tuple[int, ...], kind: str, seed: int, dtype,
         yield part.astype(dtype)
 
 
-def shard_plan(plan: list, itemsize: int, shard_bytes: int) -> list[list]:
-    """Consecutive tensors grouped into shards of at most ``shard_bytes`` (one tensor may exceed it)."""
+def shard_plan(plan: list, itemsize, shard_bytes: int) -> list[list]:
+    """Consecutive tensors grouped into shards of at most ``shard_bytes`` (one tensor may exceed it);
+    ``itemsize``: bytes an element, or a dict of them by key."""
     shards, size = [[]], 0
     for item in plan:
-        nbytes = int(np.prod(item[1], dtype=np.int64)) * itemsize
+        nbytes = int(np.prod(item[1], dtype=np.int64)) * (itemsize[item[0]] if isinstance(itemsize, dict) else itemsize)
         if shards[-1] and size + nbytes > shard_bytes:
             shards.append([])
             size = 0
@@ -165,16 +189,23 @@ def shard_plan(plan: list, itemsize: int, shard_bytes: int) -> list[list]:
 
 
 def write_checkpoint(config: dict, out: str, *, dtype: str = "bfloat16", seed: int = 0,
-                     shard_bytes: int = 5 << 30, overwrite: bool = False, progress=None, std: float = STD) -> str:
-    """Write the folder; returns its absolute path. ``config`` as from ``with_overrides``."""
+                     shard_bytes: int = 5 << 30, overwrite: bool = False, progress=None, std: float = STD,
+                     mxfp4: bool = False) -> str:
+    """Write the folder; returns its absolute path. ``config`` as from ``with_overrides``. ``mxfp4``: GPT-OSS's
+    routed experts as its hub release stores them (MXFP4 blocks and scales, ``quantization_config`` mxfp4)."""
     if dtype not in DTYPES:
         raise ValueError(f"--dtype {dtype!r}: one of {', '.join(DTYPES)}")
     np_dtype = np.dtype(DTYPES[dtype])
     largest = float(ml_dtypes.finfo(np_dtype).max)
     if not (math.isfinite(std) and 0 <= std * 10 <= largest):  # normal samples reach ~6.5 σ in a big tensor
         raise ValueError(f"--std {std} would overflow {dtype} (at most {largest / 10:.3g})")
-    plan, float32 = _plan(config)
-    dtype_of = {k: np.dtype(np.float32) if k in float32 else np_dtype for k, _, _ in plan}
+    if mxfp4:
+        if from_hf(config).model_type != GPT_OSS:
+            raise ValueError(f"--mxfp4 writes GPT-OSS's release format; this is a {config.get('model_type')} model")
+        config = {**config, "quantization_config": MXFP4_CONFIG}
+    plan, float32 = _plan(config, mxfp4)
+    dtype_of = {k: np.dtype(np.uint8) if kind in hf_keys.MXFP4_PARTS else np.dtype(np.float32) if k in float32
+                else np_dtype for k, _, kind in plan}
     total = sum(int(np.prod(s, dtype=np.int64)) * dtype_of[k].itemsize for k, s, _ in plan)
     out = os.path.abspath(os.path.expanduser(out))
     checkpoint.check_replaceable(out, overwrite)
@@ -183,7 +214,7 @@ def write_checkpoint(config: dict, out: str, *, dtype: str = "bfloat16", seed: i
     need = total + min(256 << 20, max(1 << 20, total // 20))  # the index, config and tokenizer, with a margin
     if free < need:
         raise OSError(f"{parent}: {format_bytes(free)} free, the checkpoint needs {format_bytes(need)}")
-    shards = shard_plan(plan, np_dtype.itemsize, shard_bytes)
+    shards = shard_plan(plan, {k: d.itemsize for k, d in dtype_of.items()}, shard_bytes)
     shapes = {k: (s, kind) for k, s, kind in plan}
     with checkpoint.atomic_folder(out, overwrite) as tmp:
         weight_map = {}
@@ -221,6 +252,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config value")
     p.add_argument("--shard-gb", type=float, default=5.0, help="largest shard size in GB (default 5)")
     p.add_argument("--overwrite", action="store_true", help="replace OUT if it is a checkpoint folder")
+    p.add_argument("--mxfp4", action="store_true",
+                   help="GPT-OSS only: the experts in MXFP4, as the hub release stores them (random codes)")
     return p
 
 
@@ -262,7 +295,7 @@ def main(argv: list[str] | None = None) -> int:
         folder = write_checkpoint(config, args.out, dtype=args.dtype, seed=args.seed,
                                   shard_bytes=int(args.shard_gb * 1e9),
                                   overwrite=args.overwrite, progress=lambda s: print(s, file=sys.stderr),
-                                  std=args.std)
+                                  std=args.std, mxfp4=args.mxfp4)
     except errors.HANDLED as e:
         return errors.report(e)
     return errors.print_result(folder)
