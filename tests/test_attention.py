@@ -118,7 +118,8 @@ def test_rows_past_the_last_position_are_not_read(monkeypatch):
     assert np.isnan(np.asarray(M._attend_groups(q, poison(k), poison(v), mask, 0.5))).all()
 
 
-@pytest.mark.parametrize("name", ["mixtral_swa", "qwen2_moe_sparse_step", "deepseek_v2_group"])
+@pytest.mark.parametrize("name", ["mixtral_swa", pytest.param("qwen2_moe_sparse_step", marks=pytest.mark.slow),
+                                  "deepseek_v2_group"])  # sliding window, MLA in CI; all with -m slow
 def test_decode_through_many_blocks_equals_full_forward(monkeypatch, name):
     """A 12-row cache read in blocks of 2 (sliding windows of 4 and 5 skip blocks behind the window too;
     DeepSeek-V2 reads MLA's latent cache), pieces of more than ``ATTENTION_BLOCK`` = 2 tokens (the first at

@@ -205,12 +205,19 @@ def test_a_mapped_step_runs_the_chosen_experts_only():
     assert "cond[" not in str(jax.make_jaxpr(plain_vmap)(jnp.stack([e, e])))  # what the test would catch
 
 
+# CI time (session 33: the suite took 19-26 minutes): the main suite runs the families whose serving layouts differ
+# most — MLA with shared experts and dense layers (DeepSeek-V2), sparsemixer + longrope + biases (Phi-MoE), q/k/v
+# biases with a gated shared expert (Qwen1.5-MoE), sinks + expert biases + interleaved experts (GPT-OSS) — and
+# every family runs with -m slow
+LAYOUT_MAIN_SUITE = ("deepseek_v2", "phimoe", "qwen2_moe", "gpt_oss")
+
+
 def _avx2_pass_too(names):
     """Families whose kernels differ most (MLA + yarn; sparsemixer + longrope + biases) also run in CI's AVX2
-    numerics pass; every family runs in the main pass but plain Granite (CI time), which granitemoeshared covers
-    with a shared MLP besides: it runs with -m slow."""
-    marks = {"deepseek_v2": pytest.mark.numerics, "phimoe": pytest.mark.numerics, "granitemoe": pytest.mark.slow}
-    return [pytest.param(n, marks=marks[n]) if n in marks else n for n in names]
+    numerics pass; the rest of ``LAYOUT_MAIN_SUITE`` in the main pass, the other families with -m slow."""
+    marks = {"deepseek_v2": pytest.mark.numerics, "phimoe": pytest.mark.numerics}
+    return [pytest.param(n, marks=marks[n]) if n in marks else n if n in LAYOUT_MAIN_SUITE
+            else pytest.param(n, marks=pytest.mark.slow) for n in names]
 
 
 @pytest.mark.parametrize("name", _avx2_pass_too(FAMILIES))

@@ -33,9 +33,9 @@ def _tokens(n: int, seed: int = 0) -> np.ndarray:
     return np.random.RandomState(seed).randint(3, 96, size=n).astype(np.int32)
 
 
-# CI time (issue 20): three families in the main suite (softmax top-k, DeepSeek-V2's group-limited gating and
-# DeepSeek-V3's biased sigmoid one, ERNIE-4.5's biased softmax), every family with `pytest -m slow`
-MAIN_SUITE = ("qwen3_moe", "deepseek_v2_group", "deepseek_v3", "ernie4_5_moe")
+# CI time (issue 20; session 33: the suite took 19-26 minutes): two families in the main suite (DeepSeek-V2's
+# group-limited softmax gating and DeepSeek-V3's biased sigmoid one), every family with `pytest -m slow`
+MAIN_SUITE = ("deepseek_v2_group", "deepseek_v3")
 
 
 @pytest.mark.parametrize("family", [f if f in MAIN_SUITE else pytest.param(f, marks=pytest.mark.slow)
@@ -192,7 +192,8 @@ def test_routing_on_the_host_is_the_one_program_pass(family):  # DeepSeek: a den
         one, host = m.forward(b, state=one.state, route_on_host=False), m.forward(b, state=host.state, route_on_host=True)
         np.testing.assert_array_equal(host.experts, one.experts)
         np.testing.assert_array_equal(host.hits, one.hits)
-        np.testing.assert_array_equal(host.router_logits, one.router_logits)
+        # router logits too come from differently fused programs: equal but for rounding (1.4e-6 seen on AMD)
+        np.testing.assert_allclose(host.router_logits, one.router_logits, rtol=1e-6, atol=1e-5)
         np.testing.assert_allclose(host.logits, one.logits, rtol=1e-6, atol=1e-6)
         assert host.stats == one.stats and host.stats["accesses"] == 2 * 20 * m.cfg.top_k * m.cfg.n_moe_layers
         chex.assert_trees_all_equal(host.state, one.state)
