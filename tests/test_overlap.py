@@ -33,9 +33,11 @@ def _generate(name: str, overlap: bool, cache: CacheConfig, dtype=None, **offloa
 @pytest.mark.numerics
 @pytest.mark.parametrize("name,dtype,cache,kw", [
     ("qwen2_moe", jnp.bfloat16, CacheConfig(size="0.5", prefetch=1.0), {}),  # gated shared expert, prefetch
-    ("deepseek_v2_lite", jnp.bfloat16, CacheConfig(size="0.5"), {}),  # two shared experts, scaled weights
+    pytest.param("deepseek_v2_lite", jnp.bfloat16, CacheConfig(size="0.5"), {},  # two shared experts, scaled
+                 marks=pytest.mark.slow),  # CI time (session 33)
     ("olmoe_clip", None, CacheConfig(size="0.3", scope="global"), {}),  # one pool; no shared expert
-    ("olmoe_clip", None, CacheConfig(size="4", miss="cascade", miss_rank=(2,), cascade_bits=(4,)), {}),  # low-bit
+    pytest.param("olmoe_clip", None, CacheConfig(size="4", miss="cascade", miss_rank=(2,), cascade_bits=(4,)), {},
+                 marks=pytest.mark.slow),  # low-bit copies
     ("qwen3_moe", None, CacheConfig(size="0.5"), {"page_writes": "copy", "bandwidth_gbps": 5.0}),  # device_put
 ])
 def test_overlapped_decode_equals_one_stage_decode(name, dtype, cache, kw):
