@@ -167,12 +167,7 @@ def _gpt_oss_moe(cfg: ModelConfig, pre: str, path: tuple, mxfp4: bool = False) -
     block, ex = f"{pre}.mlp", f"{pre}.mlp.experts"
     yield from _linear(f"{block}.router", path + ("router",), d, n, bias=True)
     if mxfp4:
-        for part in MXFP4_PARTS:
-            tail = (16,) if part == "blocks" else ()
-            for e in range(n):
-                for which, start in (("gate", 0), ("up", 1)):
-                    yield Entry(f"{ex}.gate_up_proj_{part}", path + (which,), (f, d // 32, *tail), expert=e,
-                                stacked=True, mxfp4=part, row_step=(start, 2))
+        yield from _mxfp4_experts(f"{ex}.gate_up_proj", ((path + ("gate",), (0, 2)), (path + ("up",), (1, 2))), f, d, n)
     else:
         for e in range(n):
             yield Entry(f"{ex}.gate_up_proj", path + ("gate",), (d, f), expert=e, stacked=True, columns=(0, 2))
@@ -180,11 +175,7 @@ def _gpt_oss_moe(cfg: ModelConfig, pre: str, path: tuple, mxfp4: bool = False) -
     yield Entry(f"{ex}.gate_up_proj_bias", path + ("gate_bias",), (n, f), columns=(0, 2))
     yield Entry(f"{ex}.gate_up_proj_bias", path + ("up_bias",), (n, f), columns=(1, 2))
     if mxfp4:
-        for part in MXFP4_PARTS:
-            tail = (16,) if part == "blocks" else ()
-            for e in range(n):
-                yield Entry(f"{ex}.down_proj_{part}", path + ("down",), (d, f // 32, *tail), expert=e, stacked=True,
-                            mxfp4=part)
+        yield from _mxfp4_experts(f"{ex}.down_proj", ((path + ("down",), None),), d, f, n)
     else:
         for e in range(n):
             yield Entry(f"{ex}.down_proj", path + ("down",), (f, d), expert=e, stacked=True)
@@ -192,6 +183,17 @@ def _gpt_oss_moe(cfg: ModelConfig, pre: str, path: tuple, mxfp4: bool = False) -
 
 
 MXFP4_PARTS = ("blocks", "scales")
+
+
+def _mxfp4_experts(key: str, matrices, rows: int, n_in: int, n: int) -> Iterator[Entry]:
+    """The entries of one MXFP4 expert tensor pair ``{key}_blocks`` [N, R, in / 32, 16] and ``{key}_scales``
+    [N, R, in / 32]: ``matrices`` are (tree path, ``row_step``) of the matrices of ``rows`` rows it holds."""
+    for part in MXFP4_PARTS:
+        tail = (16,) if part == "blocks" else ()
+        for e in range(n):
+            for path, row_step in matrices:
+                yield Entry(f"{key}_{part}", path, (rows, n_in // 32, *tail), expert=e, stacked=True, mxfp4=part,
+                            row_step=row_step)
 
 
 def is_mxfp4_release(keys, cfg: ModelConfig) -> bool:

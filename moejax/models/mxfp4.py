@@ -43,13 +43,12 @@ class Mxfp4Error(ValueError):
     """Blocks and scales that do not make an MXFP4 tensor."""
 
 
-def check_pair(blocks: np.ndarray, scales: np.ndarray, where: str = "") -> None:
+def check_pair(blocks: np.ndarray, scales: np.ndarray) -> None:
     """``blocks [..., G, 16]`` and ``scales [..., G]``, both uint8, with the same leading shape."""
-    at = f"{where}: " if where else ""
     if blocks.dtype != np.uint8 or scales.dtype != np.uint8:
-        raise Mxfp4Error(f"{at}MXFP4 blocks and scales are uint8, got {blocks.dtype} and {scales.dtype}")
+        raise Mxfp4Error(f"MXFP4 blocks and scales are uint8, got {blocks.dtype} and {scales.dtype}")
     if blocks.ndim < 2 or blocks.shape[-1] != GROUP // 2 or blocks.shape[:-1] != scales.shape:
-        raise Mxfp4Error(f"{at}MXFP4 blocks [..., G, 16] and scales [..., G] do not match: blocks "
+        raise Mxfp4Error(f"MXFP4 blocks [..., G, 16] and scales [..., G] do not match: blocks "
                          f"{list(blocks.shape)}, scales {list(scales.shape)}")
 
 

@@ -172,7 +172,25 @@ class ExpertStack:
         return f"ExpertStack({self.shape}, {self.dtype}, {len(files)} file(s), transposed={self.transposed})"
 
 
-class QuantizedExpertStack(ExpertStack):
+class DecodedExpertStack(ExpertStack):
+    """An ``ExpertStack`` whose stored bytes are decoded as they are read (int8 values and scales, MXFP4 blocks and
+    scales): ``read_out_in(e)`` gives expert ``e``'s numbers ``[out, in]`` in ``dtype``, and the canonical reads
+    follow from it."""
+
+    def read_out_in(self, e: int) -> np.ndarray:
+        raise NotImplementedError
+
+    def read_expert(self, e: int) -> np.ndarray:
+        return np.ascontiguousarray(self.read_out_in(e).T)
+
+    def read(self) -> np.ndarray:
+        out = np.empty(self.shape, self.dtype)
+        for e in range(self.n_experts):
+            out[e] = self.read_out_in(e).T
+        return out
+
+
+class QuantizedExpertStack(DecodedExpertStack):
     """An ``ExpertStack`` stored as int8 (a moejax folder written with ``expert_dtype="int8"``): per expert one
     ``[out, in]`` int8 matrix (``parts``) and its float32 scales ``[out, 1]`` (``scale_parts``), exactly
     ``layout.quantize_matrix`` of the matrix. ``stored(e)`` is the ``quant.QuantizedTensor`` as the file holds
@@ -223,23 +241,11 @@ class QuantizedExpertStack(ExpertStack):
         self.release(e)
         return out
 
-    def _out_in(self, e: int) -> np.ndarray:
+    def read_out_in(self, e: int) -> np.ndarray:
         """Expert ``e`` dequantised, ``[out, in]`` (float32 products, then ``dtype``: ``quant.dequantize``)."""
         q, s = self.parts[e][1], self.scale_parts[e][1]
         out = (q.astype(np.float32) * s).astype(self.dtype)
         self.release(e)
-        return out
-
-    def read_expert(self, e: int) -> np.ndarray:
-        return np.ascontiguousarray(self._out_in(e).T)
-
-    def read_out_in(self, e: int) -> np.ndarray:
-        return self._out_in(e)
-
-    def read(self) -> np.ndarray:
-        out = np.empty(self.shape, self.dtype)
-        for e in range(self.n_experts):
-            out[e] = self._out_in(e).T
         return out
 
     def take_flat(self, idx: np.ndarray) -> np.ndarray:
@@ -251,7 +257,7 @@ class QuantizedExpertStack(ExpertStack):
         return q.astype(self.dtype)
 
 
-class Mxfp4ExpertStack(ExpertStack):
+class Mxfp4ExpertStack(DecodedExpertStack):
     """An ``ExpertStack`` stored as MXFP4 (GPT-OSS's hub release, ``mxfp4``): per expert the ``[out, in / 32, 16]``
     uint8 blocks (``parts``: views of the files; GPT-OSS's gate and up are the even and odd rows of one
     ``gate_up_proj_blocks`` tensor, so theirs are strided) and ``[out, in / 32]`` E8M0 scales (``scale_parts``).
@@ -267,10 +273,11 @@ class Mxfp4ExpertStack(ExpertStack):
         for (_, blocks), (_, scales) in zip(parts, scale_parts):
             mxfp4.check_pair(blocks, scales)
         self.scale_parts = scale_parts
-        rows, in_ = mxfp4.decoded_shape(parts[0][1].shape)[-2:] if parts[0][1].ndim == 3 else (None, None)
-        if rows is None:
-            raise ValueError(f"MXFP4 expert blocks must be [out, in / 32, 16], got {list(parts[0][1].shape)}")
-        self.shape = (len(parts), in_, rows)
+        blocks = parts[0][1]
+        if blocks.ndim != 3:
+            raise ValueError(f"MXFP4 expert blocks must be [out, in / 32, 16], got {list(blocks.shape)}")
+        rows, n_in = mxfp4.decoded_shape(blocks.shape)
+        self.shape = (len(parts), n_in, rows)
         self.stored_dtype = self.dtype  # what a read gives: the decoded weights
 
     @property
@@ -299,15 +306,6 @@ class Mxfp4ExpertStack(ExpertStack):
     def read_out_in(self, e: int) -> np.ndarray:
         out = self.read_stored(e)
         self.release(e)
-        return out
-
-    def read_expert(self, e: int) -> np.ndarray:
-        return np.ascontiguousarray(self.read_out_in(e).T)
-
-    def read(self) -> np.ndarray:
-        out = np.empty(self.shape, self.dtype)
-        for e in range(self.n_experts):
-            out[e] = self.read_out_in(e).T
         return out
 
     def take_flat(self, idx: np.ndarray) -> np.ndarray:
@@ -559,7 +557,7 @@ def read_out_in(x):
 
 
 def _expert_out_in(stack, e: int) -> np.ndarray:
-    if isinstance(stack, (QuantizedExpertStack, Mxfp4ExpertStack)):  # decoded as they are read
+    if isinstance(stack, DecodedExpertStack):
         return stack.read_out_in(e)
     if isinstance(stack, ExpertStack):
         file, view = stack.parts[e]

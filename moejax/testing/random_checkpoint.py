@@ -154,11 +154,11 @@ def tensor_chunks(key: str, shape: tuple[int, ...], kind: str, seed: int, dtype,
     """The tensor's values in row-major chunks: a function of (seed, key) only."""
     n = int(np.prod(shape, dtype=np.int64))
     if kind in hf_keys.MXFP4_PARTS:  # random codes (none when std is 0) under one scale that gives them ~std
-        rng = np.random.default_rng([seed, zlib.crc32(key.encode())])
+        rng, scale = np.random.default_rng([seed, zlib.crc32(key.encode())]), mxfp4_scale(std)
         for start in range(0, n, CHUNK):
             m = min(CHUNK, n - start)
             if kind == "scales":
-                yield np.full(m, mxfp4_scale(std), np.uint8)
+                yield np.full(m, scale, np.uint8)
             else:
                 yield rng.integers(0, 256, m, dtype=np.uint8) if std > 0 else np.zeros(m, np.uint8)
         return
@@ -174,12 +174,12 @@ def tensor_chunks(key: str, shape: tuple[int, ...], kind: str, seed: int, dtype,
         yield part.astype(dtype)
 
 
-def shard_plan(plan: list, itemsize, shard_bytes: int) -> list[list]:
+def shard_plan(plan: list, itemsize: dict[str, int], shard_bytes: int) -> list[list]:
     """Consecutive tensors grouped into shards of at most ``shard_bytes`` (one tensor may exceed it);
-    ``itemsize``: bytes an element, or a dict of them by key."""
+    ``itemsize``: bytes an element, by key."""
     shards, size = [[]], 0
     for item in plan:
-        nbytes = int(np.prod(item[1], dtype=np.int64)) * (itemsize[item[0]] if isinstance(itemsize, dict) else itemsize)
+        nbytes = int(np.prod(item[1], dtype=np.int64)) * itemsize[item[0]]
         if shards[-1] and size + nbytes > shard_bytes:
             shards.append([])
             size = 0
