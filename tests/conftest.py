@@ -74,11 +74,69 @@ def _share_compiled_programs() -> None:
 
 _share_compiled_programs()
 
-# "default" in the tests (and in every CLI subprocess they start) is the embedded model's CPU-trained
-# predecessor: 4 layers, 32 experts top-4, 28 MB. The shipped default (8 layers, 64 experts top-8) made the
-# suite twice as long; tests/test_default_model.py checks the shipped one itself.
+# "default" in the tests (and in every CLI subprocess they start) is a cut of the embedded model's CPU-trained
+# predecessor (``tests/data/cpu-default-model``: 4 layers, 32 experts top-4, 28 MB): its first and last layers and
+# the first 16 experts of each (``cut_model``, 10 MB, made once per run by the controlling process). The shipped
+# default (8 layers, 64 experts top-8) made the suite twice as long, and the predecessor's decode program held 128
+# expert branches (4.6 s to compile at level 0, 1.4 s for the cut's 32); tests/test_default_model.py checks the
+# shipped one itself, and the predecessor stays as it is for the figures measured on it.
 CPU_DEFAULT_MODEL = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "cpu-default-model")
-os.environ["MOEJAX_DEFAULT_MODEL"] = CPU_DEFAULT_MODEL
+CUT_LAYERS, CUT_EXPERTS = (0, 3), 16
+
+
+def cut_model(src: str, dst: str, layers=CUT_LAYERS, n_experts: int = CUT_EXPERTS) -> str:
+    """A moejax folder of ``src``'s ``layers`` (renumbered from 0) with the first ``n_experts`` routed experts of
+    each (the router's columns cut to match): the tensors' bytes sliced as stored (bfloat16 as 16-bit words),
+    without JAX, so the controlling process makes it before its workers start."""
+    import json
+    import struct
+
+    import numpy as np
+
+    with open(os.path.join(src, "params.safetensors"), "rb") as f:
+        size = struct.unpack("<Q", f.read(8))[0]
+        header, data = json.loads(f.read(size)), f.read()
+    words = {"BF16": np.uint16, "F16": np.uint16, "F32": np.uint32}
+    out = {}
+    for key, spec in header.items():
+        if key == "__metadata__":
+            continue
+        start, end = spec["data_offsets"]
+        x = np.frombuffer(data[start:end], words[spec["dtype"]]).reshape(spec["shape"])
+        parts = key.split(".")
+        if parts[0] == "layers":
+            if int(parts[1]) not in layers:
+                continue
+            parts[1] = str(layers.index(int(parts[1])))
+            if parts[2] == "moe":
+                x = x[:, :n_experts] if parts[3] == "router" else x[:n_experts]
+        out[".".join(parts)] = (spec["dtype"], np.ascontiguousarray(x))
+    new_header, offset = {"__metadata__": header.get("__metadata__", {})}, 0
+    for key, (dtype, x) in out.items():
+        new_header[key] = {"dtype": dtype, "shape": list(x.shape), "data_offsets": [offset, offset + x.nbytes]}
+        offset += x.nbytes
+    raw = json.dumps(new_header).encode()
+    raw += b" " * (-len(raw) % 8)
+    shutil.copytree(src, dst, ignore=shutil.ignore_patterns("params.safetensors", "moejax.json"))
+    with open(os.path.join(dst, "params.safetensors"), "wb") as f:
+        f.write(struct.pack("<Q", len(raw)) + raw + b"".join(x.tobytes() for _, x in out.values()))
+    with open(os.path.join(src, "moejax.json")) as f:
+        meta = json.load(f)
+    meta["hf_config"].update(num_hidden_layers=len(layers), num_experts=n_experts)
+    with open(os.path.join(dst, "moejax.json"), "w") as f:
+        json.dump(meta, f, indent=2)
+    return dst
+
+
+def _test_default_model() -> str:
+    """The cut (``cut_model``), made by the controlling process in the run's folder; workers and CLI subprocesses
+    inherit ``MOEJAX_DEFAULT_MODEL``."""
+    if os.environ.get("PYTEST_XDIST_WORKER") and os.path.isdir(os.environ.get("MOEJAX_DEFAULT_MODEL", "")):
+        return os.environ["MOEJAX_DEFAULT_MODEL"]
+    return cut_model(CPU_DEFAULT_MODEL, os.path.join(_RUN_FOLDER, "test-default-model"))
+
+
+os.environ["MOEJAX_DEFAULT_MODEL"] = _test_default_model()
 
 
 def _compile_quickly() -> None:
@@ -487,6 +545,53 @@ def hf_model() -> Callable[[str], HFModel]:
 def moejax_model() -> Callable[[str], Any]:
     """``moejax_model(name)`` -> ``moejax.Model`` loaded from the saved HF folder, once per session."""
     return get_moejax_model
+
+
+# ------------------------------------------------------------------- command lines in process
+@dataclasses.dataclass
+class Ran:
+    """What a command line gave, as ``subprocess.run`` reports it (``returncode``, ``stdout``, ``stderr``)."""
+    returncode: int
+    stdout: str
+    stderr: str
+
+
+def run_main(main: Callable[[list[str]], int], capsys, *argv) -> Ran:
+    """``main(argv)`` in this process, its exit status (argparse's ``SystemExit`` included) and what it printed.
+    A CLI test runs ``python -m`` in a child process once per command, to check the entry point itself; the
+    rest of its calls run here, where the programs the worker compiled already are reused (a child process
+    imports JAX and compiles every program again: 2-4 s a call, 12 calls in ``test_trace``'s CLI test)."""
+    capsys.readouterr()
+    try:
+        rc = main([str(a) for a in argv])
+    except SystemExit as e:
+        rc = e.code if isinstance(e.code, int) else 1
+    out = capsys.readouterr()
+    return Ran(int(rc or 0), out.out, out.err)
+
+
+# ------------------------------------------------------------------- order of the files (CI's scheduling)
+#: Seconds each test file took in CI's two passes together (session 34, AMD EPYC 2 cores, ``--durations``), for
+#: the order below. Refresh when a file's share changes a lot; a file not listed counts as 10 s.
+FILE_SECONDS = {
+    "test_hf_parity.py": 240, "test_offload.py": 227, "test_serve.py": 204, "test_simulate.py": 178,
+    "test_layout.py": 167, "test_generate.py": 121, "test_prior.py": 108, "test_sampling.py": 87,
+    "test_distributed.py": 86, "test_overlap.py": 85, "test_train.py": 84, "test_column_blocks.py": 82,
+    "test_scale.py": 70, "test_routing.py": 67, "test_attention.py": 57, "test_tasks.py": 54,
+    "test_default_model.py": 51, "test_trace.py": 50, "test_int8.py": 43, "test_studies.py": 33,
+    "test_sweep.py": 32, "test_hub.py": 31, "test_page_writes.py": 30, "test_cache_memory.py": 30,
+    "test_compile_cache.py": 28, "test_convert.py": 25, "test_full_disk.py": 23, "test_evaluate.py": 22,
+    "test_dispatch.py": 21, "test_cache.py": 21, "test_quant.py": 19, "test_prefill_paging.py": 17,
+    "test_plots.py": 16, "test_random_checkpoint.py": 13,
+}
+
+
+def pytest_collection_modifyitems(config, items):
+    """The heaviest files first (``FILE_SECONDS``), each file's tests in their own order. ``.ci/run`` gives the two
+    xdist workers whole files (``--dist loadfile --no-loadscope-reorder``): a file's models, servers and compiled
+    programs are then made by one worker instead of both (the main pass's CPU time: 2,160 -> 1,900 s), and handing
+    out the long files first keeps the run from ending with one worker on a long file while the other waits."""
+    items.sort(key=lambda item: -FILE_SECONDS.get(item.path.name, 10))
 
 
 # ------------------------------------------------------------------- parity report (terminal summary)

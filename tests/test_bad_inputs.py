@@ -45,6 +45,7 @@ from typing import Callable
 
 import numpy as np
 import pytest
+from conftest import CUT_EXPERTS
 
 USAGE, FAILURE = 2, 1
 
@@ -565,7 +566,9 @@ CASES = [
          _both(TEXT, BYSTANDER)),
     Case("evaluate-data-a-device", "evaluate", E()[:3] + ("/dev/null",) + E()[4:], FAILURE, ("/dev/null",)),
     Case("evaluate-sweep-unknown-parameter", "evaluate", E("--sweep", "foo=1,2"), USAGE, ("foo",), TEXT),
-    Case("evaluate-sweep-one-point-twice", "evaluate", E("--sweep", "cache_size=2,0.0625"), USAGE, ("--sweep",), TEXT),
+    # 2 experts, twice: as a count and as a share of the tests' default model's N
+    Case("evaluate-sweep-one-point-twice", "evaluate", E("--sweep", f"cache_size=2,{2 / CUT_EXPERTS}"), USAGE,
+         ("--sweep",), TEXT),
     Case("evaluate-sweep-without-values", "evaluate", E("--sweep", "lam="), USAGE, ("lam=",), TEXT),
     Case("evaluate-mmlu-data-empty-folder", "evaluate", ("--model", "default", "--task", "mmlu", "--data",
                                                           "{tmp}/mine", "--limit", "1"), FAILURE, ("{tmp}/mine",),

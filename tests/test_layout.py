@@ -206,21 +206,20 @@ def test_a_mapped_step_runs_the_chosen_experts_only():
 
 
 # CI time (session 33: the suite took 19-26 minutes): the main suite runs the families whose serving layouts differ
-# most — MLA with shared experts and dense layers (DeepSeek-V2), sparsemixer + longrope + biases (Phi-MoE), q/k/v
-# biases with a gated shared expert (Qwen1.5-MoE), sinks + expert biases + interleaved experts (GPT-OSS) — and
-# every family runs with -m slow
-LAYOUT_MAIN_SUITE = ("deepseek_v2", "phimoe", "qwen2_moe", "gpt_oss")
+# most — MLA with shared experts and dense layers (DeepSeek-V2) or sparsemixer + longrope + biases (Phi-MoE), one
+# per test, in the AVX2 numerics pass; q/k/v biases with a gated shared expert (Qwen1.5-MoE) and sinks + expert
+# biases + interleaved experts (GPT-OSS) in the main pass — and every family runs with -m slow
+LAYOUT_MAIN_SUITE = ("qwen2_moe", "gpt_oss")
 
 
-def _avx2_pass_too(names):
-    """Families whose kernels differ most (MLA + yarn; sparsemixer + longrope + biases) also run in CI's AVX2
-    numerics pass; the rest of ``LAYOUT_MAIN_SUITE`` in the main pass, the other families with -m slow."""
-    marks = {"deepseek_v2": pytest.mark.numerics, "phimoe": pytest.mark.numerics}
-    return [pytest.param(n, marks=marks[n]) if n in marks else n if n in LAYOUT_MAIN_SUITE
-            else pytest.param(n, marks=pytest.mark.slow) for n in names]
+def _families(numerics: str):
+    """Every family: ``numerics`` in CI's AVX2 numerics pass (session 34: one of DeepSeek-V2 and Phi-MoE per
+    test, where both ran in both), ``LAYOUT_MAIN_SUITE`` in the main pass, the others with -m slow."""
+    return [pytest.param(n, marks=pytest.mark.numerics) if n == numerics else n if n in LAYOUT_MAIN_SUITE
+            else pytest.param(n, marks=pytest.mark.slow) for n in FAMILIES]
 
 
-@pytest.mark.parametrize("name", _avx2_pass_too(FAMILIES))
+@pytest.mark.parametrize("name", _families(numerics="deepseek_v2"))
 def test_every_family_serving_equals_canonical(name):
     """Same model, two layouts: teacher-forced logits, a decode step with a KV cache, and greedy tokens."""
     mj = get_moejax_model(name)
@@ -268,7 +267,7 @@ def _bf16_errors(folder, arrangement, ids):
     return d.max(), d.mean()
 
 
-@pytest.mark.parametrize("name", _avx2_pass_too(FAMILIES))
+@pytest.mark.parametrize("name", _families(numerics="phimoe"))
 def test_bf16_serving_is_as_close_to_f32_as_the_canonical_path(name):
     """bf16 paths cannot agree bit for bit (other matmul kernels, other summation orders; greedy tokens of
     a tiny random model then part at near ties, now on one side, now on the other), so the property is

@@ -22,12 +22,12 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 import moejax
-from conftest import get_hf_model, get_moejax_model
+from conftest import get_hf_model, get_moejax_model, run_main
 
 from moejax.models import layout, weights
 from moejax.models.gating import SoftmaxTopK
 from moejax.experts import cache as cache_lib, router
-from moejax.runtime import decode, expert_store, host_paging, jit_paging, offload, simulate
+from moejax.runtime import decode, expert_store, generate, host_paging, jit_paging, offload, simulate
 from moejax.runtime.simulate import CacheConfig
 
 PROMPT = np.array([5, 17, 33, 8, 61, 2, 44, 90], np.int32)
@@ -408,7 +408,8 @@ def test_emulated_bandwidth_slows_decoding_down():
     assert tok["compute_wait_s"] > 0.01 and tok["step_s"] >= tok["page_s"] >= tok["compute_wait_s"]
 
 
-def test_generate_cli_offload_json_and_errors(tmp_path):
+def test_generate_cli_offload_json_and_errors(tmp_path, capsys):
+    """``python -m moejax.generate --offload`` end to end (a child process), then a refused flag in process."""
     m = _model()
     cmd = [sys.executable, "-m", "moejax.generate", "--model", m.path, "--prompt-ids", "5,17,33", "--max-new-tokens",
            "5", "--offload", "--cache-size", "3", "--prefetch", "1", "--bandwidth-gbps", "25", "--json"]
@@ -418,7 +419,7 @@ def test_generate_cli_offload_json_and_errors(tmp_path):
     o = res["stats"]["offload"]
     assert o["bandwidth_gbps"] == 25 and o["bytes_moved"] > 0 and "device_memory" in o
     assert res["stats"]["cache"]["prefetch_precision"] is not None
-    bad = subprocess.run(cmd[:7] + ["--bandwidth-gbps", "2"], capture_output=True, text=True, timeout=300)
+    bad = run_main(generate.main, capsys, *cmd[3:7], "--bandwidth-gbps", "2")
     assert bad.returncode == 2 and "need --offload" in bad.stderr
 
 
@@ -466,7 +467,10 @@ def test_host_pager_compiles_each_stage_once_while_the_cache_fills():
     assert grown[0] <= 2, grown  # attention + router: with and without a prefetch prediction at most
 
 
-@pytest.mark.parametrize("name, paging", [("deepseek_v3", "host"), ("ernie4_5_moe", "host"),
+# DeepSeek-V3's biases (sigmoid, group-limited) in the main suite; ERNIE-4.5's (softmax + biases) and in-jit paging
+# with -m slow (CI time, session 34; test_trace replays ERNIE's biased routing in the main suite)
+@pytest.mark.parametrize("name, paging", [("deepseek_v3", "host"),
+                                          pytest.param("ernie4_5_moe", "host", marks=pytest.mark.slow),
                                           pytest.param("deepseek_v3", "jit", marks=pytest.mark.slow),
                                           pytest.param("ernie4_5_moe", "jit", marks=pytest.mark.slow)])
 def test_selection_biases_route_every_offload_path_as_the_simulation(name, paging):
@@ -484,7 +488,10 @@ def test_selection_biases_route_every_offload_path_as_the_simulation(name, pagin
 
 @pytest.mark.parametrize("cc, paging, prefill", [
     (CacheConfig(size="3", prefetch=1.0, miss="substitute"), "host", "batched"),
-    (CacheConfig(size="3", miss="cascade", miss_rank=(1,), cascade_bits=(8,)), "host", "token"),
+    # cascade offload is test_offload_equals_simulation_with_prefetch_and_miss_handling's, token prefill
+    # test_token_prefill_pages_every_load's: with GPT-OSS's biases, -m slow (CI time, session 34)
+    pytest.param(CacheConfig(size="3", miss="cascade", miss_rank=(1,), cascade_bits=(8,)), "host", "token",
+                 marks=pytest.mark.slow),
 ], ids=["host-prefetch-substitute", "host-cascade"])
 def test_gpt_oss_expert_biases_follow_the_real_experts_when_offloaded(cc, paging, prefill):
     """GPT-OSS's expert biases stay on the device (never paged) and are taken by the *real* expert a slot holds:

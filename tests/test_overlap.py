@@ -7,8 +7,6 @@ bit for bit: any difference in a hidden state would show in the next layer's rou
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 
 import jax
 import jax.numpy as jnp
@@ -17,8 +15,8 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 import moejax
-from conftest import get_hf_model
-from moejax.runtime import host_paging, offload
+from conftest import get_hf_model, run_main
+from moejax.runtime import generate, host_paging, offload
 from moejax.runtime.simulate import CacheConfig
 
 PROMPT = np.arange(3, 40, dtype=np.int32)
@@ -109,21 +107,21 @@ def test_the_warm_up_compiles_both_forms_of_stage_b():
     assert [s._cache_size() - b for s, b in zip(stages, before)] == compiled  # nothing new while decoding
 
 
-def test_generate_cli_overlap_flag():
+def test_generate_cli_overlap_flag(capsys):
+    """``--overlap`` on the command line (``generate.main`` in process: other tests run ``python -m`` itself)."""
     folder = get_hf_model("olmoe_clip").folder
-    cmd = [sys.executable, "-m", "moejax.generate", "--model", folder, "--prompt-ids", "5,17,33,8,61",
-           "--max-new-tokens", "6", "--ignore-eos", "--cache-size", "6", "--json"]
+    cmd = ["--model", folder, "--prompt-ids", "5,17,33,8,61", "--max-new-tokens", "6", "--ignore-eos", "--cache-size",
+           "6", "--json"]
     runs = {}
     for flag in ("on", "off"):
-        out = subprocess.run(cmd + ["--offload", "--overlap", flag], capture_output=True, text=True, timeout=300)
+        out = run_main(generate.main, capsys, *cmd, "--offload", "--overlap", flag)
         assert out.returncode == 0, out.stderr
         runs[flag] = json.loads(out.stdout)
     assert runs["on"]["token_ids"] == runs["off"]["token_ids"]
     assert runs["on"]["stats"]["offload"]["overlap"] and not runs["off"]["stats"]["offload"]["overlap"]
     assert runs["off"]["stats"]["offload"]["overlapped_steps"] == 0
-    bad = subprocess.run(cmd + ["--overlap", "off"], capture_output=True, text=True, timeout=300)
+    bad = run_main(generate.main, capsys, *cmd, "--overlap", "off")
     assert bad.returncode == 2 and "--overlap" in bad.stderr and "needs --offload" in bad.stderr
     assert "Traceback" not in bad.stderr
-    bad = subprocess.run(cmd + ["--offload", "--paging", "jit", "--overlap", "on"], capture_output=True, text=True,
-                         timeout=300)
+    bad = run_main(generate.main, capsys, *cmd, "--offload", "--paging", "jit", "--overlap", "on")
     assert bad.returncode == 2 and "in-jit paging" in bad.stderr and "Traceback" not in bad.stderr

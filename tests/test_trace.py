@@ -11,6 +11,7 @@ import jax
 import numpy as np
 import pytest
 
+from conftest import run_main
 from moejax.experts import prior as prior_lib, routing, trace
 from reference_cache import simulate
 
@@ -106,7 +107,8 @@ def _cli(*args):
                           timeout=120)
 
 
-def test_cli_end_to_end(tmp_path):
+def test_cli_end_to_end(tmp_path, capsys):
+    """``python -m moejax.trace`` in a child process for the first two commands, the rest in process."""
     path = tmp_path / "t.npz"
     made = _cli("synth", path, "--tokens", 40, "--layers", 2, "--experts", 8, "--top-k", 2, "--logits")
     assert made.returncode == 0, made.stderr
@@ -116,29 +118,30 @@ def test_cli_end_to_end(tmp_path):
     assert stats["accesses"] == 40 * 2 * 2 and stats["capacity"] == 4 and stats["eviction"] == "belady"
     assert len(stats["per_layer"]["miss_rate"]) == 2
     assert stats["miss_rate"] == pytest.approx(stats["misses"] / stats["accesses"])
-    rerouted = _cli("replay", path, "--cache-size", 4, "--scope", "global", "--routing", "cache-prior", "--lam", 0.5,
-                    "--json")
+    _main = lambda *args: run_main(trace.main, capsys, *args)  # noqa: E731
+    rerouted = _main("replay", path, "--cache-size", 4, "--scope", "global", "--routing", "cache-prior", "--lam", 0.5,
+                     "--json")
     assert rerouted.returncode == 0, rerouted.stderr
     assert json.loads(rerouted.stdout)["routing"] == "cache-prior"
-    same = _cli("replay", path, "--cache-size", 4, "--cache-scope", "global", "--routing", "cache-prior", "--lam", 0.5,
-                "--json")  # the spelling generate and evaluate use
+    same = _main("replay", path, "--cache-size", 4, "--cache-scope", "global", "--routing", "cache-prior", "--lam", 0.5,
+                 "--json")  # the spelling generate and evaluate use
     untimed = lambda r: {k: v for k, v in json.loads(r.stdout).items() if k != "seconds"}  # noqa: E731
     assert same.returncode == 0 and untimed(same) == untimed(rerouted) and untimed(same)["scope"] == "global"
     # the kind alone routes with the defaults of generate and evaluate (λ = 0.5, p = 0.9), not as original
-    implicit = _cli("replay", path, "--cache-size", 4, "--cache-scope", "global", "--routing", "cache-prior", "--json")
+    implicit = _main("replay", path, "--cache-size", 4, "--cache-scope", "global", "--routing", "cache-prior", "--json")
     assert implicit.returncode == 0 and untimed(implicit) == untimed(rerouted)
-    plain = untimed(_cli("replay", path, "--cache-size", 4, "--cache-scope", "global", "--json"))
+    plain = untimed(_main("replay", path, "--cache-size", 4, "--cache-scope", "global", "--json"))
     assert plain["misses"] != untimed(rerouted)["misses"]
     for kind, value in (("cumsum", "0.9"),):
-        alone, given = (untimed(_cli("replay", path, "--cache-size", 4, "--routing", kind, *extra, "--json"))
+        alone, given = (untimed(_main("replay", path, "--cache-size", 4, "--routing", kind, *extra, "--json"))
                         for extra in ([], ["--cumsum-p", value]))
         assert alone == given
-    table = _cli("replay", path, "--cache-size", 3)
+    table = _main("replay", path, "--cache-size", 3)
     assert table.returncode == 0 and "miss_rate" in table.stdout and "layer" in table.stdout
-    bad = _cli("replay", path, "--cache-size", "9")
+    bad = _main("replay", path, "--cache-size", "9")
     assert bad.returncode == 2 and "between 1 and N=8" in bad.stderr
     np.savez(tmp_path / "bad.npz", experts=np.zeros((4, 2), np.int32))
-    broken = _cli("replay", tmp_path / "bad.npz", "--cache-size", 1)
+    broken = _main("replay", tmp_path / "bad.npz", "--cache-size", 1)
     assert broken.returncode == 1 and "trace 'experts' must be [T, L, K]" in broken.stderr
 
 
