@@ -69,7 +69,9 @@ def _share_compiled_programs() -> None:
         return
     os.environ["JAX_COMPILATION_CACHE_DIR"] = os.path.join(_RUN_FOLDER, "jax-cache")
     os.makedirs(os.environ["JAX_COMPILATION_CACHE_DIR"])
-    os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
+    # programs that compile in under 0.3 s are not written (a write serialises and compresses the executable,
+    # ~10 ms: 643 of them were 3 % of test_offload.py's time); the prefill and decode programs worth sharing are
+    os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.3")
 
 
 _share_compiled_programs()
@@ -571,18 +573,19 @@ def run_main(main: Callable[[list[str]], int], capsys, *argv) -> Ran:
 
 
 # ------------------------------------------------------------------- order of the files (CI's scheduling)
-#: Seconds each test file took in CI's two passes together (session 34, AMD EPYC 2 cores, ``--durations``), for
-#: the order below. Refresh when a file's share changes a lot; a file not listed counts as 10 s.
+#: Seconds each test file took in CI's two passes together (session 34, AMD EPYC 2 cores, ``--durations``: tests of
+#: 2 s or more in the main pass, 1 s or more in the numerics pass), for the order below. Refresh when a file's share
+#: changes a lot; a file not listed counts as 10 s.
 FILE_SECONDS = {
-    "test_hf_parity.py": 240, "test_offload.py": 227, "test_serve.py": 204, "test_simulate.py": 178,
-    "test_layout.py": 167, "test_generate.py": 121, "test_prior.py": 108, "test_sampling.py": 87,
-    "test_distributed.py": 86, "test_overlap.py": 85, "test_train.py": 84, "test_column_blocks.py": 82,
-    "test_scale.py": 70, "test_routing.py": 67, "test_attention.py": 57, "test_tasks.py": 54,
-    "test_default_model.py": 51, "test_trace.py": 50, "test_int8.py": 43, "test_studies.py": 33,
-    "test_sweep.py": 32, "test_hub.py": 31, "test_page_writes.py": 30, "test_cache_memory.py": 30,
-    "test_compile_cache.py": 28, "test_convert.py": 25, "test_full_disk.py": 23, "test_evaluate.py": 22,
-    "test_dispatch.py": 21, "test_cache.py": 21, "test_quant.py": 19, "test_prefill_paging.py": 17,
-    "test_plots.py": 16, "test_random_checkpoint.py": 13,
+    "test_hf_parity.py": 210, "test_offload.py": 171, "test_layout.py": 167, "test_simulate.py": 129,
+    "test_generate.py": 95, "test_serve.py": 84, "test_column_blocks.py": 76, "test_prior.py": 67,
+    "test_overlap.py": 67, "test_train.py": 64, "test_sampling.py": 63, "test_scale.py": 55,
+    "test_default_model.py": 55, "test_distributed.py": 47, "test_int8.py": 45, "test_routing.py": 44,
+    "test_attention.py": 41, "test_studies.py": 37, "test_tasks.py": 35, "test_hub.py": 30, "test_sweep.py": 24,
+    "test_trace.py": 23, "test_compile_cache.py": 22, "test_full_disk.py": 21, "test_evaluate.py": 20,
+    "test_convert.py": 20, "test_cache.py": 18, "test_cache_memory.py": 16, "test_plots.py": 15,
+    "test_prefill_paging.py": 15, "test_quant.py": 14, "test_page_writes.py": 14, "test_dispatch.py": 13,
+    "test_random_checkpoint.py": 12,
 }
 
 

@@ -73,7 +73,9 @@ def check_pages(m, cc, routing, off) -> None:
     assert pages <= prompt_loads  # a batched prompt never moves more than the token path
 
 
-@pytest.mark.parametrize("eviction,scope,size", [(e, "layer", "3") if e in ("lru", "lfu") else
+# LRU per layer and least-stale in one global pool in the main suite, the other evictions with -m slow (LFU too
+# since session 34: every eviction is the simulation's own code, tested against the reference simulator)
+@pytest.mark.parametrize("eviction,scope,size", [(e, "layer", "3") if e == "lru" else
                                                   pytest.param(e, "layer", "3", marks=pytest.mark.slow)
                                                   for e in ("lru", "lfu", "fld", "score", "least-stale")]
                          + [("least-stale", "global", "0.25")])
@@ -165,7 +167,8 @@ def test_paging_one_expert_writes_the_slots_the_conditional_write_does(seed, nee
     pytest.param(CacheConfig(size="6", prefetch_percentile=70.0), marks=pytest.mark.slow),
     pytest.param(CacheConfig(size="0.3", scope="global", prefetch=1.0, eviction="least-stale"), marks=pytest.mark.slow),
     pytest.param(CacheConfig(size="5", miss="drop"), marks=pytest.mark.slow),
-    CacheConfig(size="5", miss="substitute"),
+    # substitute: test_substitute_replaces_low_misses... in the main suite, offloaded with GPT-OSS's biases below
+    pytest.param(CacheConfig(size="5", miss="substitute"), marks=pytest.mark.slow),
     CacheConfig(size="5", miss="cascade", miss_rank=(1, 3), cascade_bits=(8, 4)),
 ], ids=["prefetch", "percentile", "global-prefetch", "drop", "substitute", "cascade"])
 def test_offload_equals_simulation_with_prefetch_and_miss_handling(cc):
