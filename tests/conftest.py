@@ -12,6 +12,7 @@ few seconds; the parity and conversion tests share them.
 from __future__ import annotations
 
 import atexit
+import collections
 import contextlib
 import copy
 import dataclasses
@@ -573,9 +574,10 @@ def run_main(main: Callable[[list[str]], int], capsys, *argv) -> Ran:
 
 
 # ------------------------------------------------------------------- order of the files (CI's scheduling)
-#: Seconds each test file took in CI's two passes together (session 34, AMD EPYC 2 cores, ``--durations``: tests of
-#: 2 s or more in the main pass, 1 s or more in the numerics pass), for the order below. Refresh when a file's share
-#: changes a lot; a file not listed counts as 10 s.
+#: Seconds each test file's slow tests took in CI's two passes together (session 34, AMD EPYC 2 cores,
+#: ``--durations``: tests of 2 s or more in the main pass, 1 s or more in the numerics pass), for the order below;
+#: ``QUICK_TEST_SECONDS`` for each of its tests stands for the many quick ones. Refresh when a file's share
+#: changes a lot.
 FILE_SECONDS = {
     "test_hf_parity.py": 210, "test_offload.py": 171, "test_layout.py": 167, "test_simulate.py": 129,
     "test_generate.py": 95, "test_serve.py": 84, "test_column_blocks.py": 76, "test_prior.py": 67,
@@ -589,12 +591,17 @@ FILE_SECONDS = {
 }
 
 
+QUICK_TEST_SECONDS = 0.35
+
+
 def pytest_collection_modifyitems(config, items):
-    """The heaviest files first (``FILE_SECONDS``), each file's tests in their own order. ``.ci/run`` gives the two
+    """The heaviest files first (``FILE_SECONDS`` + ``QUICK_TEST_SECONDS`` a test), each file's tests in their own
+    order. ``.ci/run`` gives the two
     xdist workers whole files (``--dist loadfile --no-loadscope-reorder``): a file's models, servers and compiled
     programs are then made by one worker instead of both (the main pass's CPU time: 2,160 -> 1,900 s), and handing
     out the long files first keeps the run from ending with one worker on a long file while the other waits."""
-    items.sort(key=lambda item: -FILE_SECONDS.get(item.path.name, 10))
+    tests = collections.Counter(item.path.name for item in items)
+    items.sort(key=lambda item: -(FILE_SECONDS.get(item.path.name, 0) + QUICK_TEST_SECONDS * tests[item.path.name]))
 
 
 # ------------------------------------------------------------------- parity report (terminal summary)
