@@ -89,40 +89,27 @@ CUT_LAYERS, CUT_EXPERTS = (0, 3), 16
 
 def cut_model(src: str, dst: str, layers=CUT_LAYERS, n_experts: int = CUT_EXPERTS) -> str:
     """A moejax folder of ``src``'s ``layers`` (renumbered from 0) with the first ``n_experts`` routed experts of
-    each (the router's columns cut to match): the tensors' bytes sliced as stored (bfloat16 as 16-bit words),
-    without JAX, so the controlling process makes it before its workers start."""
+    each (the router's columns cut to match): the stored tensors sliced as they are (``safetensors_io``), no
+    model loaded, so the controlling process makes it before its workers start."""
     import json
-    import struct
 
-    import numpy as np
+    from moejax.models import safetensors_io
 
-    with open(os.path.join(src, "params.safetensors"), "rb") as f:
-        size = struct.unpack("<Q", f.read(8))[0]
-        header, data = json.loads(f.read(size)), f.read()
-    words = {"BF16": np.uint16, "F16": np.uint16, "F32": np.uint32}
-    out = {}
-    for key, spec in header.items():
-        if key == "__metadata__":
-            continue
-        start, end = spec["data_offsets"]
-        x = np.frombuffer(data[start:end], words[spec["dtype"]]).reshape(spec["shape"])
-        parts = key.split(".")
+    stored = safetensors_io.SafetensorsFile(os.path.join(src, "params.safetensors"))
+
+    def cut(key: str):
+        parts, x = key.split("."), stored.get(key)
         if parts[0] == "layers":
             if int(parts[1]) not in layers:
-                continue
+                return None
             parts[1] = str(layers.index(int(parts[1])))
             if parts[2] == "moe":
                 x = x[:, :n_experts] if parts[3] == "router" else x[:n_experts]
-        out[".".join(parts)] = (spec["dtype"], np.ascontiguousarray(x))
-    new_header, offset = {"__metadata__": header.get("__metadata__", {})}, 0
-    for key, (dtype, x) in out.items():
-        new_header[key] = {"dtype": dtype, "shape": list(x.shape), "data_offsets": [offset, offset + x.nbytes]}
-        offset += x.nbytes
-    raw = json.dumps(new_header).encode()
-    raw += b" " * (-len(raw) % 8)
+        return ".".join(parts), x
+
     shutil.copytree(src, dst, ignore=shutil.ignore_patterns("params.safetensors", "moejax.json"))
-    with open(os.path.join(dst, "params.safetensors"), "wb") as f:
-        f.write(struct.pack("<Q", len(raw)) + raw + b"".join(x.tobytes() for _, x in out.values()))
+    safetensors_io.write(os.path.join(dst, "params.safetensors"), filter(None, map(cut, stored.keys())),
+                         stored.metadata)
     with open(os.path.join(src, "moejax.json")) as f:
         meta = json.load(f)
     meta["hf_config"].update(num_hidden_layers=len(layers), num_experts=n_experts)

@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import compile_events, get_hf_model, get_moejax_model
+from conftest import compile_events, get_hf_model, get_moejax_model, run_main
 from test_evaluate import TEXT, _word_tokenizer
 
 import moejax
@@ -20,9 +20,8 @@ SUPPORTED = ("mixtral", "phimoe", "qwen2_moe", "qwen3_moe", "olmoe", "deepseek_v
 
 
 def _run(capsys, *argv: str) -> tuple[int, str, str]:
-    rc = generate.main(list(argv))
-    out = capsys.readouterr()
-    return rc, out.out, out.err
+    r = run_main(generate.main, capsys, *argv)
+    return r.returncode, r.stdout, r.stderr
 
 
 @pytest.fixture(scope="module")

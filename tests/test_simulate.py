@@ -271,14 +271,14 @@ def test_generate_cli_with_cache_json_and_trace_replay(tmp_path, capsys):
 def test_generate_cli_prints_stats_table_and_rejects_bad_options(capsys):
     """In process (the test above runs ``python -m moejax.generate`` itself)."""
     folder = get_hf_model("mixtral").folder
-    _cli = lambda module, *args: run_main(generate.main, capsys, *args)  # noqa: E731
-    r = _cli("moejax.generate", "--model", folder, "--prompt-ids", "5,6", "--max-new-tokens", "4",
-             "--cache-size", "2", "--cache-scope", "global", "--eviction", "least-stale")
+    gen = lambda *args: run_main(generate.main, capsys, *args)  # noqa: E731
+    r = gen("--model", folder, "--prompt-ids", "5,6", "--max-new-tokens", "4", "--cache-size", "2", "--cache-scope",
+            "global", "--eviction", "least-stale")
     assert r.returncode == 0, r.stderr
     assert "miss_rate" in r.stderr and "layer" in r.stderr
-    bad = _cli("moejax.generate", "--model", folder, "--prompt-ids", "5", "--cache-size", "1.5")
+    bad = gen("--model", folder, "--prompt-ids", "5", "--cache-size", "1.5")
     assert bad.returncode == 2 and "cache size" in bad.stderr
-    bad = _cli("moejax.generate", "--model", folder, "--prompt-ids", "5", "--routing", "pruning", "--prune-h", "9")
+    bad = gen("--model", folder, "--prompt-ids", "5", "--routing", "pruning", "--prune-h", "9")
     assert bad.returncode == 2 and "pruning" in bad.stderr
 
 
