@@ -591,6 +591,15 @@ def pytest_collection_modifyitems(config, items):
     items.sort(key=lambda item: -(FILE_SECONDS.get(item.path.name, 0) + QUICK_TEST_SECONDS * tests[item.path.name]))
 
 
+def pytest_collection_finish(session):
+    """The test processes collect cycles as the commands do (``collector.for_compiling``), in each xdist worker
+    too: with the default thresholds, collections of a worker's growing heap took the main pass's user CPU from
+    22:54 to 25:24 (one run each; bench/RESULTS.md, session 35). ``_free_compiled_programs`` still collects in full after every module."""
+    from moejax.base import collector
+
+    collector.for_compiling()
+
+
 # ------------------------------------------------------------------- parity report (terminal summary)
 PARITY_ERRORS: dict[str, dict[str, float]] = {}
 

@@ -28,7 +28,7 @@ from typing import Any
 
 import jax.numpy as jnp
 
-from moejax.base import compile_cache, distributed, errors, flags, interrupts
+from moejax.base import collector, compile_cache, distributed, errors, flags, interrupts
 from moejax.experts.trace import json_safe
 from moejax.runtime import api, cli_options
 from moejax.evaluation import perplexity, sweep, sweep_points, tasks
@@ -210,6 +210,7 @@ def main(argv: list[str] | None = None) -> int:
 
     args = build_parser().parse_args(argv)
     compile_cache.enable()
+    collector.for_compiling()
     try:
         _check_args(args)
         folder = api.text_model_folder(args.model, "WikiText and the tasks are scored as text")

@@ -59,7 +59,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from moejax.base import atomic, compile_cache, distributed, errors, interrupts, paths, seeds
+from moejax.base import atomic, collector, compile_cache, distributed, errors, interrupts, paths, seeds
 from moejax.models.gating import descending_order
 from moejax.experts import routing as routing_lib
 from moejax.runtime import api, cli_options, simulate
@@ -611,6 +611,7 @@ def main(argv: list[str] | None = None) -> int:
     errors.plain_warnings()
     args = build_parser().parse_args(argv)
     compile_cache.enable()
+    collector.for_compiling()
     try:
         chosen, evictions = check_args(args)
         # every study scores text: say so before loading, not in each study

@@ -16,7 +16,7 @@ import os
 import sys
 import time
 
-from moejax.base import compile_cache, errors, interrupts, textproc
+from moejax.base import collector, compile_cache, errors, interrupts, textproc
 from moejax.models import gating
 from moejax.experts import trace as trace_lib
 from moejax.runtime import api, cli_options, decode, offload as offload_lib
@@ -245,6 +245,7 @@ def main(argv: list[str] | None = None) -> int:
     interrupts.exit_cleanly_on_signals()
     args = build_parser().parse_args(argv)
     compile_cache.enable()
+    collector.for_compiling()
     try:
         result, trace_failure = run(args)
     except errors.HANDLED as e:

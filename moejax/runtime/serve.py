@@ -45,7 +45,7 @@ import sys
 import time
 import uuid
 
-from moejax.base import compile_cache, errors, seeds
+from moejax.base import collector, compile_cache, errors, seeds
 from moejax.base.typecheck import is_integer, is_number
 from moejax.experts import routing as routing_lib, trace as trace_lib
 from moejax.runtime import api, cli_options, decode
@@ -606,6 +606,7 @@ def build_engine(args: argparse.Namespace) -> Engine:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     compile_cache.enable()
+    collector.for_compiling()
     try:
         import fastapi  # noqa: F401
         import uvicorn

@@ -32,7 +32,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from moejax.base import atomic, errors, interrupts, orbax_io, seeds, tempfiles
+from moejax.base import atomic, collector, errors, interrupts, orbax_io, seeds, tempfiles
 from moejax.models import checkpoint
 from moejax.models.config import ModelConfig, from_hf
 from moejax.training import data, recipe
@@ -678,6 +678,7 @@ def given_flags(argv: list[str] | None) -> set[str]:
 
 def main(argv: list[str] | None = None) -> int:
     interrupts.exit_cleanly_on_signals()
+    collector.for_compiling()
     args = build_parser().parse_args(argv)
     args.given = given_flags(argv)
     args.data_dir = os.path.abspath(os.path.expanduser(args.data_dir))

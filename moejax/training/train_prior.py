@@ -46,7 +46,7 @@ import numpy as np
 import optax
 from jax import lax
 
-from moejax.base import atomic, errors, interrupts, seeds
+from moejax.base import atomic, collector, errors, interrupts, seeds
 from moejax.experts import cache as cache_lib, prior as prior_lib, router as router_lib, routing as routing_lib
 from moejax.experts.trace import json_safe
 from moejax.runtime import api, simulate
@@ -444,6 +444,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     interrupts.exit_cleanly_on_signals()
+    collector.for_compiling()
 
     args = build_parser().parse_args(argv)
     log = (lambda *a: print(*a, file=sys.stderr)) if args.json else print
