@@ -719,6 +719,20 @@ def test_a_bad_ernie_moe_field_is_named(tmp_path, key, value):
         moejax.load(folder)
 
 
+@pytest.mark.parametrize("name, fields", [
+    ("qwen3_moe", dict(use_sliding_window=True, sliding_window=8, layer_types=["sliding_attention"])),
+    ("qwen2_moe", dict(use_sliding_window=True, sliding_window=8, layer_types="sliding_attention")),
+    ("dots1", dict(layer_types=["sliding_attention", "chunked_attention"])),
+    ("gpt_oss", dict(layer_types=["full_attention"] * 9)),
+])
+def test_a_bad_layer_types_list_is_named(tmp_path, name, fields):
+    """``layer_types`` decides which layers attend through a sliding window: one that does not name one of the two
+    kinds for every layer is refused with its value, for every family that reads it (not run with a wrong window)."""
+    folder = _copy_hf_with(name, tmp_path / "m", **fields)
+    with pytest.raises(UnsupportedModelError, match=r"layer_types must list sliding_attention or full_attention"):
+        moejax.load(folder)
+
+
 @pytest.mark.parametrize("key, value, message", [
     ("moe_topk", [2, 3], r"moe_topk \[2, 3\] differs between layers"),
     ("use_cla", True, "use_cla"),

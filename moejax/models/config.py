@@ -264,10 +264,11 @@ def _sliding_windows(hf: dict[str, Any], mt: str, n_layers: int) -> tuple[int, .
         types = hf.get("layer_types")
         if mt == "qwen2_moe" and types is None:
             max_window = hf.get("max_window_layers", 28)
-            types = ["sliding_attention" if (i + 1) % 2 and i < max_window else "full" for i in range(n_layers)]
+            types = ["sliding_attention" if (i + 1) % 2 and i < max_window else "full_attention"
+                     for i in range(n_layers)]
         if types is None:
             return (window,) * n_layers
-        return tuple(window if t == "sliding_attention" else 0 for t in types)
+        return tuple(window if t == "sliding_attention" else 0 for t in _layer_types(types, n_layers))
     if mt in ("mixtral", "phimoe"):
         return (window,) * n_layers
     if mt == "dots1":  # Qwen3's attention: sliding where layer_types says (default: from max_window_layers on)
@@ -275,7 +276,7 @@ def _sliding_windows(hf: dict[str, Any], mt: str, n_layers: int) -> tuple[int, .
         if types is None:
             first = _count(hf, "max_window_layers", n_layers, 0)
             types = ["sliding_attention" if window and i >= first else "full_attention" for i in range(n_layers)]
-        return tuple(window if t == "sliding_attention" else 0 for t in types)
+        return tuple(window if t == "sliding_attention" else 0 for t in _layer_types(types, n_layers))
     if mt == GPT_OSS:  # transformers' default: sliding on even layers, full on odd ones
         types = hf.get("layer_types") or ["sliding_attention" if (i + 1) % 2 else "full_attention"
                                           for i in range(n_layers)]
