@@ -594,7 +594,8 @@ def pytest_collection_modifyitems(config, items):
 def pytest_collection_finish(session):
     """The test processes collect cycles as the commands do (``collector.for_compiling``), in each xdist worker
     too: with the default thresholds, full collections of a worker's growing heap made the main pass 832-833 s
-    instead of 766-807 s (two back-to-back pairs; bench/RESULTS.md, session 35). ``_free_compiled_programs`` still collects in full after every module."""
+    instead of 766-807 s (two back-to-back pairs; bench/RESULTS.md, session 35). ``_free_compiled_programs``
+    still collects in full after every module."""
     from moejax.base import collector
 
     collector.for_compiling()
