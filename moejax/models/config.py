@@ -268,7 +268,7 @@ def _sliding_windows(hf: dict[str, Any], mt: str, n_layers: int) -> tuple[int, .
                      for i in range(n_layers)]
         if types is None:
             return (window,) * n_layers
-        return tuple(window if t == "sliding_attention" else 0 for t in _layer_types(types, n_layers))
+        return _layer_windows(types, window, n_layers)
     if mt in ("mixtral", "phimoe"):
         return (window,) * n_layers
     if mt == "dots1":  # Qwen3's attention: sliding where layer_types says (default: from max_window_layers on)
@@ -276,21 +276,22 @@ def _sliding_windows(hf: dict[str, Any], mt: str, n_layers: int) -> tuple[int, .
         if types is None:
             first = _count(hf, "max_window_layers", n_layers, 0)
             types = ["sliding_attention" if window and i >= first else "full_attention" for i in range(n_layers)]
-        return tuple(window if t == "sliding_attention" else 0 for t in _layer_types(types, n_layers))
+        return _layer_windows(types, window, n_layers)
     if mt == GPT_OSS:  # transformers' default: sliding on even layers, full on odd ones
         types = hf.get("layer_types") or ["sliding_attention" if (i + 1) % 2 else "full_attention"
                                           for i in range(n_layers)]
-        return tuple(window if t == "sliding_attention" else 0 for t in _layer_types(types, n_layers))
+        return _layer_windows(types, window, n_layers)
     return (0,) * n_layers
 
 
-def _layer_types(types: Any, n_layers: int) -> list:
-    """``layer_types``, checked: one of sliding_attention / full_attention per layer."""
+def _layer_windows(types: Any, window: int, n_layers: int) -> tuple[int, ...]:
+    """Each layer's sliding window from ``layer_types`` (``window`` where sliding_attention, 0 where
+    full_attention), the list checked: one of the two per layer."""
     if (not isinstance(types, list) or len(types) != n_layers
             or any(t not in ("sliding_attention", "full_attention") for t in types)):
         raise UnsupportedModelError(f"config.json: layer_types must list sliding_attention or full_attention for each "
                                     f"of the {n_layers} layers, got {types!r}")
-    return types
+    return tuple(window if t == "sliding_attention" else 0 for t in types)
 
 
 def from_hf(hf: dict[str, Any]) -> ModelConfig:
