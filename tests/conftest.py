@@ -129,6 +129,10 @@ def _test_default_model() -> str:
 os.environ["MOEJAX_DEFAULT_MODEL"] = _test_default_model()
 
 
+#: XLA:CPU's older loop emitters, which the suite compiles with (``_compile_quickly``)
+OLDER_EMITTERS = "--xla_cpu_use_fusion_emitters=false"
+
+
 def _compile_quickly() -> None:
     """Compile the tests' programs with XLA's LLVM backend at optimisation level 0 (a third less time for the
     suite, almost all of it compilation of tiny models) and XLA:CPU's older loop emitters instead of its fusion
@@ -141,7 +145,7 @@ def _compile_quickly() -> None:
     if "xla_backend_optimization_level" in flags:
         return
     flags = f"{flags} --xla_backend_optimization_level=0".strip()
-    emitters = f"{flags} --xla_cpu_use_fusion_emitters=false"
+    emitters = f"{flags} {OLDER_EMITTERS}"
     probe = subprocess.run([sys.executable, "-c", "import jax; jax.jit(lambda x: x + 1)(1.0).block_until_ready()"],
                            env={**os.environ, "XLA_FLAGS": emitters, "JAX_PLATFORMS": "cpu"},
                            capture_output=True, timeout=120)
@@ -149,6 +153,13 @@ def _compile_quickly() -> None:
 
 
 _compile_quickly()
+
+
+def with_fusion_emitters(env: dict) -> dict:
+    """``env`` without the suite's ``OLDER_EMITTERS``: XLA:CPU's default (fusion) emitters. The older ones compile the
+    tiny models' many small programs faster, but a large program slower: the shipped model's decode program (8 layers
+    x 64 expert branches) 13.3 against 10.4 s at level 0 (bench/RESULTS.md, session 36)."""
+    return {**env, "XLA_FLAGS": " ".join(env.get("XLA_FLAGS", "").replace(OLDER_EMITTERS, "").split())}
 
 
 def _float32_matmuls_on_gpus() -> None:

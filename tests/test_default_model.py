@@ -19,6 +19,8 @@ from moejax.models import assets, checkpoint
 from moejax.runtime import api
 from moejax.evaluation.tasks import common
 
+from conftest import with_fusion_emitters
+
 MAX_BYTES = 96 * 1024 * 1024  # under PyPI's default 100 MB file limit, with the package around it
 
 
@@ -87,17 +89,9 @@ def test_right_padding_never_reaches_the_real_tokens(default):
     assert common.padded_length(4010, 8192, 4000) == 4032 and common.padded_length(1000, 1000, 10**9) == 1000
 
 
-def _with_xla_fusion_emitters(env: dict) -> dict:
-    """``env`` with XLA:CPU's default (fusion) emitters. The suite's older emitters compile its tiny models' many
-    small programs faster, but the shipped model's decode program (8 layers x 64 expert branches) slower: 13.3
-    against 10.4 s at level 0 (bench/RESULTS.md, session 36)."""
-    flags = env.get("XLA_FLAGS", "").replace("--xla_cpu_use_fusion_emitters=false", "")
-    return {**env, "XLA_FLAGS": " ".join(flags.split())}
-
-
 def test_generate_with_no_arguments():
     r = subprocess.run([sys.executable, "-m", "moejax.generate", "--max-new-tokens", "24"], capture_output=True,
-                       text=True, timeout=600, env=_with_xla_fusion_emitters(dict(os.environ, JAX_PLATFORMS="cpu")))
+                       text=True, timeout=600, env=with_fusion_emitters(dict(os.environ, JAX_PLATFORMS="cpu")))
     assert r.returncode == 0, r.stderr
     words = r.stdout.split()
     assert len(words) >= 10 and r.stdout.startswith("The history of the")
