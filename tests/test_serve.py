@@ -173,6 +173,7 @@ def test_seed_makes_sampling_reproducible(server):
     (b"[" * 100000 + b"]" * 100000, 400, "nested too deeply"),
     ({"prompt": "x" * (9 << 20)}, 413, "over 8 MiB"),
     ({"prompt": PROMPT, "model": "gpt-4"}, 404, "does not exist"),
+    ({"prompt": PROMPT, "model": 5}, 400, "'model' must be a string"),
 ], ids=lambda value: repr(value)[:40] if isinstance(value, (bytes, dict, list)) else None)  # short ids: a test's id
 # goes into PYTEST_CURRENT_TEST, and a 200 kB one made the server subprocess's exec fail (E2BIG)
 def test_every_bad_request_gets_an_openai_error_object(server, body, status, words):
@@ -242,7 +243,7 @@ def test_a_client_killed_mid_stream_frees_the_engine(server):
     port = int(base.rsplit(":", 1)[1])
     body = json.dumps({"prompt": PROMPT, "max_tokens": 900, "stream": True}).encode()
     sock = socket.create_connection(("127.0.0.1", port), timeout=60)
-    sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+    sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
                  + f"Content-Length: {len(body)}\r\n\r\n".encode() + body)
     received = b""
     while b"data:" not in received:  # streaming has begun
@@ -291,7 +292,7 @@ def test_sigterm_and_sigint_stop_the_server_cleanly():
         port = _free_port()
         proc = _start(port)
         with socket.create_connection(("127.0.0.1", port), timeout=10) as c:
-            c.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            c.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
                       b"Content-Length: 1000\r\n\r\n{\"prompt\": ")
             time.sleep(0.3)
         assert _get(f"http://127.0.0.1:{port}/health")[0] == 200

@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from moejax.base import distributed, memory as host_memory, seeds, textproc
+from moejax.base import distributed, memory as host_memory, seeds, templates, textproc
 from moejax.base.errors import Failure
 from moejax.base.typecheck import is_integer, is_number
 from moejax.models import assets, checkpoint, gating, layout as layout_lib, weights
@@ -93,29 +93,31 @@ class Tokenizer:
         value = self.config.get(name)
         return value.get("content", "") if isinstance(value, dict) else (value or "")
 
-    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
+                            max_chars: int = templates.MAX_CHARS) -> str:
+        """The messages through the checkpoint's chat template, rendered in a bounded child process
+        (``templates``: an untrusted template may loop); a text over ``max_chars`` is refused while it grows."""
         if not self.chat_template:
             raise ValueError("this checkpoint's tokenizer has no chat template (tokenizer_config.json "
                              "'chat_template' or chat_template.jinja); drop --chat")
-        import jinja2
-        from jinja2.sandbox import ImmutableSandboxedEnvironment
-
-        def raise_exception(message):
-            raise jinja2.exceptions.TemplateError(message)
-
-        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
-                                            extensions=["jinja2.ext.loopcontrols"])
-        env.globals["raise_exception"] = raise_exception
+        variables = dict(messages=messages, add_generation_prompt=add_generation_prompt,
+                         bos_token=self._special("bos_token"), eos_token=self._special("eos_token"))
         try:
-            template = env.from_string(self.chat_template)
-        except jinja2.TemplateSyntaxError as e:
+            return templates.render(self.chat_template, variables, max_chars=max_chars)
+        except templates.TemplateSyntaxError as e:
             raise checkpoint.CheckpointError(f"{self.chat_template_path}: the chat template is not valid Jinja "
-                                             f"(line {e.lineno}: {e.message})") from None
-        try:
-            return template.render(messages=messages, add_generation_prompt=add_generation_prompt,
-                                   bos_token=self._special("bos_token"), eos_token=self._special("eos_token"))
-        except jinja2.TemplateError as e:  # raise_exception(...) in the template: it refuses these messages
+                                             f"(line {e.line}: {e})") from None
+        except templates.TemplateRefused as e:  # raise_exception(...) in the template: it refuses these messages
             raise ValueError(f"the chat template of {self.chat_template_path} refused the messages: {e}") from None
+        except templates.TemplateBudgetError as e:
+            raise checkpoint.CheckpointError(f"the chat template of {self.chat_template_path} {e}") from None
+
+    @functools.cached_property
+    def max_token_bytes(self) -> int:
+        """The most UTF-8 bytes one token's text can stand for (its vocabulary's longest entry): a text of B bytes
+        has at least B / this many tokens, which bounds a prompt before the work of tokenising it."""
+        vocab = self._tok.get_vocab(with_added_tokens=True)
+        return max((len(t.encode("utf-8", "surrogatepass")) for t in vocab), default=1) or 1
 
 
 @functools.partial(jax.jit, static_argnames=("cfg",))
@@ -465,7 +467,7 @@ class Model:
             return " ".join(str(i) for i in ids)
         return self.tokenizer.decode(ids)
 
-    def chat_ids(self, messages: list[dict]) -> list[int]:
+    def chat_ids(self, messages: list[dict], max_chars: int = templates.MAX_CHARS) -> list[int]:
         """The token ids of ``messages`` ([{"role", "content"}], text contents) for the model to answer: its
         chat template, or, for a checkpoint without one (the default model), ``PLAIN_CHAT``: one
         "role: content" line per message, then "assistant:" (what the server and ``generate --chat`` share)."""
@@ -476,7 +478,7 @@ class Model:
                 for m in messages):
             raise TypeError(f"messages must be a non-empty list of {{'role': str, 'content': str}}, got {messages!r}")
         if self.tokenizer.chat_template:
-            text = self.tokenizer.apply_chat_template(messages)
+            text = self.tokenizer.apply_chat_template(messages, max_chars=max_chars)
             return self.tokenizer.encode(text, add_special_tokens=False)
         return self.encode("".join(f"{m['role']}: {m['content']}\n" for m in messages) + "assistant:")
 

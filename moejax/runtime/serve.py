@@ -45,10 +45,11 @@ import sys
 import time
 import uuid
 
-from moejax.base import collector, compile_cache, errors, seeds
+from moejax.base import collector, compile_cache, errors, seeds, templates
 from moejax.base.typecheck import is_integer, is_number
 from moejax.experts import routing as routing_lib, trace as trace_lib
-from moejax.runtime import api, cli_options, decode
+from moejax.runtime import api, cli_options, decode, offload as offload_lib
+from moejax.runtime.serve_access import API_KEY_ENV, Access, AccessGuard, access_from_args
 from moejax.runtime.serve_engine import ROUTING_OVERRIDE_KEYS, Engine, Job, RequestError
 
 
@@ -127,6 +128,10 @@ def _unsupported(body: dict) -> None:
 
 #: the largest request body read: a context of 128k tokens is well under 1 MiB of text
 MAX_BODY_BYTES = 8 << 20
+#: seconds a client has to send its whole request body (``--request-timeout``)
+BODY_TIMEOUT_S = 30.0
+#: the status of a request whose client went away before its answer (nginx's "client closed request")
+CLIENT_CLOSED = 499
 
 #: the numeric routing overrides: (low, high, integer); the model checks K-dependent bounds after these
 OVERRIDE_RANGES = {"lam": (-1e6, 1e6, False), "top_j": (0, 1024, True), "max_rank": (0, 1024, True),
@@ -222,11 +227,26 @@ class Server:
     def context(self) -> int:
         return self.model.cfg.max_position_embeddings
 
+    @property
+    def text_budget(self) -> int:
+        """The most characters a prompt's text can have and still fit the context (each token stands for at most
+        ``max_token_bytes`` bytes, hence characters): a longer one is refused before the work of tokenising it."""
+        return self.context * self.model.tokenizer.max_token_bytes
+
+    def check_text_size(self, chars: int, param: str) -> None:
+        if chars > self.text_budget:
+            raise RequestError(f"the prompt has {chars:,} characters: more than this model's context of "
+                               f"{self.context} tokens can hold (a token here stands for at most "
+                               f"{self.model.tokenizer.max_token_bytes} bytes)", param=param,
+                               code="context_length_exceeded")
+
     def check_model(self, body: dict) -> None:
         name = body.get("model")
         if name is None:
             return
-        if not isinstance(name, str) or name != self.engine.name:
+        if not isinstance(name, str):
+            raise RequestError(f"'model' must be a string, got {name!r}", param="model")
+        if name != self.engine.name:
             raise RequestError(f"the model {name!r} does not exist; this server serves {self.engine.name!r}",
                                status=404, param="model", code="model_not_found")
 
@@ -255,8 +275,15 @@ class Server:
             clean.append({"role": m["role"], "content": content})
         if self.model.tokenizer is None:
             raise RequestError(f"{self.engine.name} has no tokenizer: use /v1/completions with token ids")
+        self.check_text_size(sum(len(m["content"]) for m in clean), "messages")
         try:
-            return self.model.chat_ids(clean)
+            return self.model.chat_ids(clean, max_chars=self.text_budget)
+        except templates.TemplateTooLong:
+            raise RequestError(f"the chat template's text for these messages is over {self.text_budget:,} "
+                               f"characters: more than this model's context of {self.context} tokens can hold",
+                               param="messages", code="context_length_exceeded") from None
+        except errors.Failure as e:  # the checkpoint's template is broken, slow or greedy: not the request's fault
+            raise RequestError(str(e), status=500) from None
         except ValueError as e:  # the template refused the messages
             raise RequestError(str(e), param="messages") from None
 
@@ -269,6 +296,7 @@ class Server:
             if self.model.tokenizer is None:
                 raise RequestError(f"{self.engine.name} has no tokenizer: send 'prompt' as a list of token ids",
                                    param="prompt")
+            self.check_text_size(len(prompt), "prompt")
             return self.model.encode(prompt)
         if isinstance(prompt, list) and prompt and all(is_integer(t) for t in prompt):
             V = self.model.cfg.vocab_size
@@ -349,16 +377,22 @@ class Server:
                 "created": int(time.time()), "model": self.engine.name, "choices": [choice]}
 
 
-def create_app(engine: Engine, dashboard_html: str | None = None):
-    """The FastAPI application over ``engine`` (``pip install -e '.[serve]'``)."""
+def create_app(engine: Engine, dashboard_html: str | None = None, access: Access = Access(),
+               body_timeout_s: float = BODY_TIMEOUT_S):
+    """The FastAPI application over ``engine`` (``pip install -e '.[serve]'``), behind ``access``'s rules."""
     from fastapi import FastAPI, Request
-    from fastapi.responses import HTMLResponse, JSONResponse, PlainTextResponse, StreamingResponse
+    from fastapi.responses import HTMLResponse, JSONResponse, PlainTextResponse, Response, StreamingResponse
     from starlette.exceptions import HTTPException as StarletteHTTPException
+    from starlette.middleware.cors import CORSMiddleware
     from starlette.requests import ClientDisconnect
 
     server = Server(engine)
     app = FastAPI(title="moejax", docs_url=None, redoc_url=None, openapi_url=None)
     app.state.server = server
+    app.add_middleware(AccessGuard, access=access)
+    if access.cors_origins:  # outside the guard: it answers the allowed origins' preflights
+        app.add_middleware(CORSMiddleware, allow_origins=list(access.cors_origins), allow_methods=["GET", "POST"],
+                           allow_headers=["authorization", "content-type"])
 
     def error(e: RequestError, endpoint: str) -> JSONResponse:
         engine.telemetry.count(endpoint, e.status)
@@ -374,15 +408,22 @@ def create_app(engine: Engine, dashboard_html: str | None = None):
         e = RequestError(f"internal error: {type(exc).__name__}: {exc}", status=500)
         return JSONResponse(e.body(), status_code=500)
 
-    async def read_body(request: Request) -> dict:
+    async def read_raw(request: Request) -> bytearray:
         raw = bytearray()
-        try:
-            async for part in request.stream():  # read up to the limit, never a whole oversized body
-                raw += part
-                if len(raw) > MAX_BODY_BYTES:
-                    raise RequestError(f"the request body is over {MAX_BODY_BYTES >> 20} MiB", status=413)
+        async for part in request.stream():  # read up to the limit, never a whole oversized body
+            raw += part
+            if len(raw) > MAX_BODY_BYTES:
+                raise RequestError(f"the request body is over {MAX_BODY_BYTES >> 20} MiB", status=413)
+        return raw
+
+    async def read_body(request: Request) -> dict:
+        try:  # a sender that never finishes its body must not hold a connection and a task for ever
+            raw = await asyncio.wait_for(read_raw(request), body_timeout_s)
         except ClientDisconnect:  # the client went away mid-body: answered (to no one) instead of a traceback
             raise RequestError("the client disconnected before sending the whole body") from None
+        except asyncio.TimeoutError:
+            raise RequestError(f"the request body did not arrive within {body_timeout_s:g} s", status=408,
+                               code="request_timeout") from None
         try:
             body = json.loads(bytes(raw) or b"null")
         except ValueError as e:  # bad JSON or UTF-8, an integer of over 4300 digits
@@ -396,6 +437,14 @@ def create_app(engine: Engine, dashboard_html: str | None = None):
         if not isinstance(body, dict):
             raise RequestError("the request body must be a JSON object")
         return body
+
+    async def disconnected(request: Request) -> None:
+        """Returns when the client of ``request`` (its body already read) disconnects."""
+        try:
+            while (await request.receive())["type"] != "http.disconnect":
+                pass
+        except Exception:  # noqa: BLE001 - the connection is unusable: as good as gone
+            return
 
     async def generate(request: Request, chat: bool):
         endpoint = "chat" if chat else "completions"
@@ -429,9 +478,17 @@ def create_app(engine: Engine, dashboard_html: str | None = None):
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
 
         if not stream:
+            gone = asyncio.ensure_future(disconnected(request))
             try:
                 while True:
-                    kind, payload = await events.get()
+                    getter = asyncio.ensure_future(events.get())
+                    await asyncio.wait({getter, gone}, return_when=asyncio.FIRST_COMPLETED)
+                    if not getter.done():  # nobody waits for the answer any more: stop generating it
+                        getter.cancel()
+                        job.cancelled.set()
+                        engine.telemetry.count(endpoint, CLIENT_CLOSED)
+                        return Response(status_code=CLIENT_CLOSED)
+                    kind, payload = getter.result()
                     if kind == "done":
                         break
                     if kind == "error":
@@ -443,6 +500,8 @@ def create_app(engine: Engine, dashboard_html: str | None = None):
                 return error(e, endpoint)
             except Exception as e:  # noqa: BLE001 - the model failed (e.g. non-finite routing): 500, server lives
                 return error(RequestError(f"generation failed: {e}", status=500), endpoint)
+            finally:
+                gone.cancel()
             text = decode.cut_at_stops(continuation_text(engine.model, [] if chat else job.prompt_ids,
                                                          payload["token_ids"]), job.stop)
             engine.telemetry.count(endpoint, 200)
@@ -548,8 +607,19 @@ def build_parser() -> argparse.ArgumentParser:
                    help="moejax or Hugging Face checkpoint folder, or 'default' (the embedded model)")
     p.add_argument("--served-name", default=None, help="the model id clients send (default: the --model argument)")
     p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], help="compute dtype (default: stored)")
-    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--host", default="127.0.0.1",
+                   help="address to listen on (default 127.0.0.1: this machine only; then only requests addressed "
+                        "to localhost, 127.0.0.1 or [::1] are served)")
     p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--api-key", default=None, metavar="KEY",
+                   help=f"require 'Authorization: Bearer KEY' on every route but /health and the dashboard page "
+                        f"(default: ${API_KEY_ENV} if set; prefer the variable: a command line is visible to "
+                        "other users of the machine)")
+    p.add_argument("--cors-origins", default=None, metavar="ORIGINS",
+                   help="comma-separated origins (e.g. http://localhost:3000) whose pages may call the server from "
+                        "a browser, or '*' (default: none but the server's own dashboard)")
+    p.add_argument("--request-timeout", type=float, default=BODY_TIMEOUT_S, metavar="SECONDS",
+                   help=f"seconds a client has to send its request body (default {BODY_TIMEOUT_S:g})")
     p.add_argument("--max-queue", type=int, default=16, help="requests that may wait (the next one gets 429)")
     p.add_argument("--warmup", type=int, default=0, metavar="TOKENS",
                    help="before listening, compile everything prompts up to TOKENS tokens need (with up to 256 "
@@ -572,6 +642,8 @@ def check_args(args: argparse.Namespace) -> None:
         raise ValueError(f"--warmup must be >= 0, got {args.warmup}")
     if args.served_name is not None and not args.served_name.strip():
         raise ValueError("--served-name is empty")
+    if not 0 < args.request_timeout <= 86400:  # NaN fails too
+        raise ValueError(f"--request-timeout must be in (0, 86400] seconds, got {args.request_timeout}")
 
 
 def listening_socket(host: str, port: int) -> socket.socket:
@@ -598,6 +670,8 @@ def build_engine(args: argparse.Namespace) -> Engine:
     model = api.load(args.model, offload=offload, dtype=args.dtype, **cli_options.weight_kwargs(args))
     policy = cli_options.policy_from_args(args, model.cfg.top_k)
     cache = cli_options.cache_from_args(args, model, offload)  # a bad --cache-size fails here, before the start
+    if offload is not None:  # as generate refuses it: at the start, not as a 500 on every request
+        offload_lib.check_cache(model.cfg, cache.capacity(model.cfg), cache.eviction)
     served = {k: getattr(args, k) for k in ROUTING_OVERRIDE_KEYS[1:] if getattr(args, k, None) is not None}
     return Engine(model, policy, cache, offload, args.max_queue, args.served_name or args.model, served,
                   cli_options.checkpoint_sampling(args, model))
@@ -617,9 +691,10 @@ def main(argv: list[str] | None = None) -> int:
     sock = None
     try:
         check_args(args)
+        access = access_from_args(args.host, args.api_key, args.cors_origins)
         sock = listening_socket(args.host, args.port)
         engine = build_engine(args)
-        app = create_app(engine)
+        app = create_app(engine, access=access, body_timeout_s=args.request_timeout)
         if args.warmup:
             print(f"moejax.serve: compiling for prompts up to {args.warmup} tokens ...", file=sys.stderr, flush=True)
             print(f"moejax.serve: warm-up took {engine.warm_up(args.warmup):.1f} s", file=sys.stderr, flush=True)
@@ -653,21 +728,30 @@ def main(argv: list[str] | None = None) -> int:
 #: seconds uvicorn waits for open requests after Ctrl-C / SIGTERM (a running generation is answered 503 after
 #: ``serve_engine.ABANDON_AFTER_S`` if it has not ended by then)
 GRACEFUL_SHUTDOWN_S = 5
+#: seconds the stopping server then waits for a compilation in progress before it exits without it
+COMPILE_WAIT_S = 5.0
 
 
 def _close_engine(engine: Engine) -> None:
     """Let the engine's worker end before the interpreter does: a thread still inside an XLA compilation when
     Python exits aborts the process (status 134, "terminate called ..."). A compilation cannot be interrupted,
-    so the server says it waits; a second Ctrl-C exits at once, without the interpreter's teardown."""
+    so the server waits for it, but at most ``COMPILE_WAIT_S`` (a supervisor's SIGTERM must stop the server
+    within seconds): then, or at a second Ctrl-C, it exits at once, without the interpreter's teardown."""
+    templates.close()
     if engine.close(timeout=2.0):
         return
-    print("moejax.serve: waiting for the compilation in progress to finish (Ctrl-C again exits now) ...",
-          file=sys.stderr, flush=True)
+    print(f"moejax.serve: waiting up to {COMPILE_WAIT_S:g} s for the compilation in progress to finish "
+          "(Ctrl-C again exits now) ...", file=sys.stderr, flush=True)
     try:
-        engine.close(timeout=None)
+        if engine.close(timeout=COMPILE_WAIT_S):
+            return
+        print("moejax.serve: stopped without waiting for the compilation", file=sys.stderr, flush=True)
+        status = 0
     except _Stopped as e:
-        sys.stderr.flush()
-        os._exit(128 + e.args[0])
+        status = 128 + e.args[0]
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(status)
 
 
 def _server_class():
@@ -683,6 +767,7 @@ def _server_class():
 
         def handle_exit(self, sig, frame):
             self.engine.cancel_all()
+            templates.close()  # a chat template being rendered stops now, and its request is answered
             super().handle_exit(sig, frame)
 
     return Server

@@ -135,9 +135,23 @@ class Engine:
     def submit(self, job: Job) -> None:
         if self._closing:
             raise RequestError("the server is shutting down", status=503, code="shutting_down")
-        if not self._slots.acquire(blocking=False):
+        if not self._slots.acquire(blocking=False) and not (self._drop_cancelled() and
+                                                            self._slots.acquire(blocking=False)):
             raise RequestError("the queue is full; retry later", status=429, code="queue_full")
         self._queue.put(job)
+
+    def _drop_cancelled(self) -> int:
+        """Take the waiting jobs whose clients went away off the queue now, freeing their places (the worker
+        would skip them only when it reached them); how many."""
+        with self._queue.mutex:
+            waiting = self._queue.queue
+            kept = [j for j in waiting if j is None or not j.cancelled.is_set()]
+            dropped = len(waiting) - len(kept)
+            waiting.clear()
+            waiting.extend(kept)
+        for _ in range(dropped):
+            self._slots.release()
+        return dropped
 
     @property
     def queued(self) -> int:
