@@ -272,14 +272,16 @@ def test_plots_refuse_records_without_data(tmp_path):
     assert not list(tmp_path.iterdir())
 
 
-def test_save_figure_replaces_atomically_and_strips_suffix(tmp_path):
-    stem = tmp_path / "fig.png"  # a suffix on the stem is dropped, not doubled
+def test_save_figure_replaces_atomically_and_writes_what_the_path_names(tmp_path):
+    stem = tmp_path / "fig"  # a stem: STEM.png and STEM.svg
     first = plots.pareto(pareto_records(), stem)
     assert [p.name for p in first] == ["fig.png", "fig.svg"]
     before = first[1].read_bytes()
     second = plots.pareto(pareto_records()[:6], stem)
     assert second == first and second[1].read_bytes() != before
     assert sorted(p.name for p in tmp_path.iterdir()) == ["fig.png", "fig.svg"]
+    assert [p.name for p in plots.pareto(pareto_records(), tmp_path / "one.pdf")] == ["one.pdf"]  # that file only
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["fig.png", "fig.svg", "one.pdf"]
 
 
 def test_svg_output_is_reproducible(tmp_path):

@@ -8,7 +8,7 @@ next write of the same target removes the dead process's temporary file (``tempf
 killed run never leaves a multi-GB half-written copy behind for good. Every file moejax writes whole (JSON
 records, safetensors shards, traces, plots, tokenizers, token files) goes through ``atomic_file``; every folder
 written whole (checkpoints, learned priors) through ``atomic_dir`` (``checkpoint.atomic_folder`` adds what may be
-replaced).
+replaced). Whether a command may replace a file the user named is ``check_output``'s decision, taken before the work.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from typing import IO, Any, Iterator
 
 import numpy as np
 
-from moejax.base import interrupts, tempfiles
+from moejax.base import errors, interrupts, tempfiles
 
 
 @contextlib.contextmanager
@@ -133,6 +133,20 @@ def check_creatable(path: str, flag: str) -> None:
         os.rmdir(tempfile.mkdtemp(prefix=".moejax-probe-", dir=parent))
     except OSError as e:
         raise type(e)(e.errno, f"{flag} {path}: cannot be written in {parent} ({e.strerror})") from None
+
+
+def check_output(path: str | os.PathLike, overwrite: bool, flag: str | None = None) -> None:
+    """Refuse, before any work, an output file that would replace something: an existing file only with
+    ``overwrite`` (``--overwrite``), never a folder, a device or a pipe (an atomic rename would swap the
+    file in for ``/dev/null`` itself). ``flag`` names the option in the one-line error."""
+    path = os.fspath(path)
+    named = f"{flag} {path}" if flag else path
+    if os.path.isdir(path):
+        raise IsADirectoryError(f"{named} is a folder: give a file name")
+    if os.path.exists(path) and not os.path.isfile(path):
+        raise errors.UsageError(f"{named} exists and is not a regular file: refusing to replace it")
+    if os.path.lexists(path) and not overwrite:
+        raise errors.UsageError(f"{named} exists: refusing to replace it (pass --overwrite to replace it)")
 
 
 def missing_folders(path: str) -> list[str]:

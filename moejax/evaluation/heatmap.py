@@ -2,6 +2,7 @@
 resident-but-unused or empty, reconstructed by replaying the recorded selections through ``experts.cache``.
 
     python -m moejax.plots heatmap TRACE.npz [MORE.npz ...] --layer 0 --cache-size 16 --out figs/heatmap
+    python -m moejax.plots heatmap TRACE.npz --cache-size 0.5 --out fig.pdf --overwrite
 """
 
 from __future__ import annotations
@@ -14,9 +15,9 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from moejax.base import errors, interrupts
+from moejax.base import atomic, errors, interrupts
 from moejax.experts import cache as cache_lib, trace as trace_lib
-from moejax.evaluation.plots import figure_stem, new_figure, save_figure
+from moejax.evaluation.plots import figure_paths, new_figure, save_figure
 from moejax.evaluation.records import _eviction_name, EVICTION_ORDER
 
 
@@ -179,7 +180,8 @@ def trace_heatmap(trace_path_or_dict, layer: int, capacity, stem, eviction: str 
                   labels: Sequence[str] | None = None, check_hits: bool | None = None) -> list[Path]:
     """Paper figure 7: tokens (x) × experts (y) of one MoE layer, each cell a cache hit (green), a miss
     (red), resident but unused (blue) or empty (white), for tokens [start, start + max_tokens). Several
-    traces (a list) give stacked panels, e.g. original routing above cache-prior. See ``classify_trace``."""
+    traces (a list) give stacked panels, e.g. original routing above cache-prior. ``stem``: a figure path
+    (``plots.figure_paths``). See ``classify_trace``."""
     from matplotlib.colors import ListedColormap
     from matplotlib.patches import Patch
 
@@ -232,10 +234,13 @@ def main(argv: list[str] | None = None) -> int:
     hp.add_argument("--max-tokens", type=int, default=200)
     hp.add_argument("--start", type=int, default=0, help="first token shown (the replay starts at token 0)")
     hp.add_argument("--label", action="append", default=None, help="panel title, once per trace")
-    hp.add_argument("--out", required=True, help="output stem: writes STEM.png and STEM.svg")
+    hp.add_argument("--out", required=True, help="figure file: FIG.png, FIG.svg or FIG.pdf writes that file; a "
+                                                 "stem without such a suffix writes STEM.png and STEM.svg")
+    hp.add_argument("--overwrite", action="store_true", help="replace the figure file(s) if they exist")
     args = parser.parse_args(argv)
     try:
-        figure_stem(args.out)
+        for path in figure_paths(args.out):  # every file it would write, before reading a trace
+            atomic.check_output(path, args.overwrite, "--out")
         if args.seed is not None and args.cache_init != "random":
             raise errors.UsageError("--seed only applies with --cache-init random")
         check_heatmap(args.traces, args.layer, args.cache_size, args.scope)

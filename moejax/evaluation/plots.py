@@ -1,8 +1,9 @@
 """Figures for the evaluation studies (the trace heat map is ``heatmap``; what records say is ``records``).
 
 Every study plot takes a list of result records (one JSON object per sweep point, the schema written by
-the sweeps and read by ``moejax.report``) and an output *stem*; it writes ``stem.png`` and ``stem.svg``
-(each atomically: a temporary file in the same folder, then ``os.replace``) and returns their paths.
+the sweeps and read by ``moejax.report``) and an output path: ``fig.png``, ``fig.svg`` or ``fig.pdf`` writes
+that one file, a *stem* without such a suffix writes ``stem.png`` and ``stem.svg`` (``figure_paths``; each
+atomically: a temporary file in the same folder, then ``os.replace``); it returns the paths written.
 A plot whose records hold nothing it can draw raises ``PlotError``.
 
     pareto          perplexity vs miss rate per routing kind, Pareto fronts, Belady bound (paper figs 4, 14)
@@ -82,29 +83,37 @@ def new_figure(nrows: int = 1, ncols: int = 1, panel: tuple[float, float] = (5.0
     return fig, fig.subplots(nrows, ncols, squeeze=False)
 
 
-def figure_stem(stem, flag: str = "--out") -> Path:
-    """The path stem of a figure (``fig`` or ``fig.png`` → ``fig``; STEM.png and STEM.svg are written). An
-    empty name or a folder (``''``, ``figs/``) is refused, naming ``flag``."""
-    text = os.fspath(stem)
+#: the image formats a figure path may name by its suffix, and the metadata left out of each (reproducible bytes)
+FIGURE_FORMATS = {"png": {"Software": None}, "svg": {"Date": None, "Creator": None},
+                  "pdf": {"CreationDate": None, "Creator": None, "Producer": None}}
+STEM_FORMATS = ("png", "svg")  # what a path without an image suffix (a stem) gets
+
+
+def figure_paths(out, flag: str = "--out") -> list[Path]:
+    """The files a figure path names: ``fig.png`` / ``fig.svg`` / ``fig.pdf`` exactly that one file (a user who
+    names one file gets no sibling), a stem ``fig`` both ``fig.png`` and ``fig.svg``. An empty name or a
+    folder (``''``, ``figs/``) is refused, naming ``flag``."""
+    text = os.fspath(out)
     if not text.strip() or text.endswith(os.sep) or Path(text).name in ("", ".", ".."):
-        raise ValueError(f"{flag} {text!r} must name a file stem: STEM.png and STEM.svg are written")
-    stem = Path(text)
-    return stem.with_suffix("") if stem.suffix.lower() in (".png", ".svg") else stem
+        raise ValueError(f"{flag} {text!r} must name a figure file ({', '.join('FIG.' + f for f in FIGURE_FORMATS)}) "
+                         "or a stem (STEM.png and STEM.svg are written)")
+    path = Path(text)
+    if path.suffix.lower()[1:] in FIGURE_FORMATS:
+        return [path]
+    return [path.with_name(f"{path.name}.{ext}") for ext in STEM_FORMATS]
 
 
-def save_figure(fig, stem) -> list[Path]:
-    """Write ``stem.png`` and ``stem.svg`` atomically and as a pair (reproducible: no dates, fixed SVG ids): both
-    are written before either replaces its target, so a full disk leaves neither, not a new PNG beside an old
-    SVG or none."""
+def save_figure(fig, out) -> list[Path]:
+    """Write the files ``figure_paths(out)`` names, atomically and as a set (reproducible: no dates, fixed SVG
+    ids): all are written before any replaces its target, so a full disk leaves none, not a new PNG beside an
+    old SVG or none."""
     matplotlib, _, _ = _mpl()
-    stem = figure_stem(stem)
-    paths = []
+    paths = figure_paths(out)
     with matplotlib.rc_context({"svg.hashsalt": "moejax", "svg.fonttype": "path"}), contextlib.ExitStack() as pair:
-        for ext, meta in (("png", {"Software": None}), ("svg", {"Date": None, "Creator": None})):
-            target = stem.with_name(f"{stem.name}.{ext}")
-            fig.savefig(pair.enter_context(atomic.atomic_file(target, make_parents=True)), format=ext, dpi=150,
-                        metadata=meta)
-            paths.append(target)
+        for target in paths:
+            fmt = target.suffix.lower()[1:]
+            fig.savefig(pair.enter_context(atomic.atomic_file(target, make_parents=True)), format=fmt, dpi=150,
+                        metadata=FIGURE_FORMATS[fmt])
     return paths
 
 

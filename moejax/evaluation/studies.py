@@ -353,17 +353,30 @@ def calibrate_delta(ctx: Context, path: str = SHARD_07) -> dict:
             "delta": float(per_layer.mean())}
 
 
-def _read_json(path: str):
-    if not os.path.exists(path):
+def _read_calibration(path: str) -> dict | None:
+    """The Δ calibration an earlier run left at ``path`` (None: none yet), or ``{"error": ...}`` where the file
+    there is not one: it is refused on every process, neither used as Δ nor replaced."""
+    if not os.path.lexists(path):
         return None
-    with open(path) as f:
-        return json.load(f)
+    try:
+        with open(path, encoding="utf-8") as f:
+            calib = json.load(f)
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        calib = None
+    per_layer = calib.get("per_layer") if isinstance(calib, dict) else None
+    if isinstance(per_layer, list) and per_layer and \
+            all(isinstance(d, (int, float)) and not isinstance(d, bool) for d in per_layer):
+        return calib
+    return {"error": f"{path} is not a delta calibration of the studies: move it away (it is computed again) "
+                     "or choose another --out"}
 
 
 def study_delta(ctx: Context) -> list[dict]:
     size = ctx.half()
     calib_path = os.path.join(ctx.out, "traces", "delta_calibration.json")
-    calib = distributed.broadcast(_read_json(calib_path) if distributed.is_leader() else None)
+    calib = distributed.broadcast(_read_calibration(calib_path) if distributed.is_leader() else None)
+    if calib is not None and "error" in calib:
+        raise errors.Failure(calib["error"])
     if calib is None:
         calib = calibrate_delta(ctx)
         if distributed.is_leader():

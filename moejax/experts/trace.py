@@ -505,6 +505,9 @@ MAX_SYNTH_VALUES = 1 << 30
 
 def _synth(args) -> int:
     _check_synth_args(args)
+    if os.path.basename(trace_path(args.out)) == ".npz":  # '' or 'dir/': a hidden '.npz' nobody asked for
+        raise errors.UsageError(f"OUT {args.out!r} names no file")
+    atomic.check_output(trace_path(args.out), args.overwrite, "OUT")
     tr = synthetic_trace(args.tokens, args.layers, args.experts, args.top_k, args.seed, args.rho, args.logits)
     save_trace(args.out, tr.experts, tr.weights, tr.logits, tr.n_experts, tr.gating, tr.score_bias)
     print(f"wrote {trace_path(args.out)}: experts {tr.shape}")  # np.savez naming: .npz appended
@@ -567,7 +570,8 @@ def main(argv: list[str] | None = None) -> int:
     rp.add_argument("--jitter-eps", type=float, default=None)
     rp.add_argument("--json", action="store_true", help="print one JSON object")
     sp = sub.add_parser("synth", help="write a random trace with temporal locality")
-    sp.add_argument("out")
+    sp.add_argument("out", metavar="OUT", help="trace file (.npz appended unless the name ends so); an existing "
+                                               "file is kept unless --overwrite")
     sp.add_argument("--tokens", type=int, default=256)
     sp.add_argument("--layers", type=int, default=4)
     sp.add_argument("--experts", type=int, default=16)
@@ -575,6 +579,7 @@ def main(argv: list[str] | None = None) -> int:
     sp.add_argument("--rho", type=float, default=0.9)
     sp.add_argument("--seed", type=errors.seed_arg, default=0)
     sp.add_argument("--logits", action="store_true", help="also store the logits (enables re-routing)")
+    sp.add_argument("--overwrite", action="store_true", help="replace an existing OUT file")
     args = parser.parse_args(argv)
 
     try:

@@ -16,7 +16,7 @@ import os
 import sys
 import time
 
-from moejax.base import collector, compile_cache, errors, interrupts, textproc
+from moejax.base import atomic, collector, compile_cache, errors, interrupts, textproc
 from moejax.models import gating
 from moejax.experts import trace as trace_lib
 from moejax.runtime import api, cli_options, decode, offload as offload_lib
@@ -48,7 +48,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], help="compute dtype (default: stored)")
     p.add_argument("--json", action="store_true", help="print one JSON object with text, token_ids and stats")
     p.add_argument("--trace-out", metavar="FILE.npz",
-                   help="record the routing trace (experts, weights, router logits per token and MoE layer)")
+                   help="record the routing trace (experts, weights, router logits per token and MoE layer); "
+                        ".npz is appended unless the name ends so; an existing file is kept unless --overwrite")
+    p.add_argument("--overwrite", action="store_true", help="replace an existing --trace-out file")
     cli_options.add_weight_args(p)
     cli_options.add_routing_args(p)
     cli_options.add_offload_args(p)
@@ -133,7 +135,7 @@ def format_offload(o: dict) -> str:
     return "\n".join(lines)
 
 
-def run(args: argparse.Namespace) -> tuple[dict, OSError | None]:
+def run(args: argparse.Namespace) -> tuple[dict, Exception | None]:
     dtype = None if args.dtype is None else {"float32": "float32", "bfloat16": "bfloat16",
                                              "float16": "float16"}[args.dtype]
     offload = cli_options.offload_from_args(args)  # with --offload the routed experts never reach the device
@@ -146,10 +148,7 @@ def run(args: argparse.Namespace) -> tuple[dict, OSError | None]:
         raise ValueError(f"--max-new-tokens must be >= 0, got {args.max_new_tokens}")
     if args.prompt is not None and not is_utf8(args.prompt):
         raise ValueError("--prompt is not valid UTF-8 text (the shell passed bytes of another encoding)")
-    if args.trace_out is not None:  # checked before the work: a generation must not be lost to an unwritable path
-        if os.path.isdir(args.trace_out):
-            raise ValueError(f"--trace-out {args.trace_out} is a folder; give a file name")
-        check_writable(trace_lib.trace_path(args.trace_out), "--trace-out")
+    check_trace_out(args)  # before the work: a generation must not be lost to an unwritable or taken path
     t_load = time.perf_counter()
     model = api.load(args.model, dtype=dtype, offload=offload, **cli_options.weight_kwargs(args),
                      **cli_options.shard_kwargs(args))
@@ -201,9 +200,10 @@ def run(args: argparse.Namespace) -> tuple[dict, OSError | None]:
     if args.trace_out is not None:
         tr = result.trace()
         try:  # a full disk is found only now: the generation is still printed, then the failure is the error
+            check_trace_out(args)  # a file made there while generating is not replaced either
             trace_lib.save_trace(args.trace_out, tr["experts"], tr["weights"], tr["logits"], model.cfg.n_experts,
                                  gating.spec(model.cfg.gating), model.selection_biases)
-        except OSError as e:
+        except (OSError, ValueError) as e:
             trace_failure = e
     if not args.json:
         streamer.finish()
@@ -239,6 +239,19 @@ def check_writable(path: str, flag: str) -> None:
         raise ValueError(f"{flag} {path}: the folder {folder} does not exist")
     if not os.access(folder, os.W_OK) or _virtual_filesystem(folder):
         raise ValueError(f"{flag} {path}: the folder {folder} is not writable")
+
+
+def check_trace_out(args: argparse.Namespace) -> None:
+    """``--trace-out`` names a new file in a writable folder, or an existing one with ``--overwrite``."""
+    if args.trace_out is None:
+        if args.overwrite:
+            raise errors.UsageError("--overwrite only applies with --trace-out (the one file generate writes)")
+        return
+    if os.path.isdir(args.trace_out):
+        raise ValueError(f"--trace-out {args.trace_out} is a folder; give a file name")
+    path = trace_lib.trace_path(args.trace_out)
+    check_writable(path, "--trace-out")
+    atomic.check_output(path, args.overwrite, "--trace-out")
 
 
 def main(argv: list[str] | None = None) -> int:
