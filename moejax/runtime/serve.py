@@ -4,8 +4,14 @@ request shares, as it would be on the device.
     pip install -e ".[serve]"
     python -m moejax.serve --model default [--routing cache-prior --lam 0.5] [--cache-size 0.5]
                            [--offload --bandwidth-gbps 2] [--host 127.0.0.1] [--port 8000] [--max-queue 16]
+                           [--api-key KEY | MOEJAX_API_KEY=KEY] [--cors-origins http://localhost:3000]
 
-Endpoints (OpenAI's shapes; every failure is OpenAI's error object with status 400, 404, 429 or 500):
+Endpoints (OpenAI's shapes; every failure is OpenAI's error object with status 400, 401, 403, 404, 408, 413,
+415, 429 or 500). What a web page could send is refused before any route runs (``serve_access``: loopback
+Host names only when bound to loopback, no foreign Origin unless --cors-origins lists it, JSON bodies only);
+with a key, every route but /health and the dashboard page needs ``Authorization: Bearer KEY``:
+
+  GET  /health                    {"status": "ok", "busy", "queued"}
 
   GET  /v1/models                 the served model (its id: the --model argument, or --served-name)
   POST /v1/completions            prompt (text or token ids), max_tokens (16), temperature, top_p, top_k,
