@@ -491,3 +491,47 @@ def test_shutdown_answers_a_generation_that_cannot_stop_and_waits_for_it(monkeyp
     assert engine.close(timeout=0.2) is False  # still "compiling"
     release.set()
     assert engine.close(timeout=None) is True and engine.close(timeout=0) is True
+
+
+def test_health_answers_while_the_server_loads_and_compiles_and_a_request_after_ready_compiles_nothing():
+    """``/health`` answers from the moment the server listens: 503 with what it is doing (loading, then
+    compiling k of n programs), 200 when ready; other routes say ``not_ready`` meanwhile. After the warm-up a
+    request within its bounds compiles nothing."""
+    port = _free_port()
+    t0 = time.time()
+    proc = subprocess.Popen([sys.executable, "-m", "moejax.serve", "--port", str(port), "--warmup", "4",
+                             "--warmup-new-tokens", "16"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    seen, first_answer, refused_early = [], None, None
+    try:
+        while time.time() - t0 < 300:
+            assert proc.poll() is None, proc.stderr.read()
+            try:
+                status, body = _get(f"http://127.0.0.1:{port}/health", timeout=5)
+            except urllib.error.HTTPError as e:
+                status, body = e.code, e.read().decode()
+            except OSError:  # not listening yet: only before its first answer
+                assert first_answer is None, "/health stopped answering"
+                time.sleep(0.1)
+                continue
+            first_answer = first_answer or time.time() - t0
+            state = json.loads(body)
+            if status == 200:
+                break
+            assert status == 503 and state["status"] in ("loading", "compiling"), state
+            if not seen or seen[-1] != state["detail"]:
+                seen.append(state["detail"])
+            if refused_early is None:
+                refused_early = _post(f"http://127.0.0.1:{port}/v1/completions", {"prompt": [1, 2], "max_tokens": 1})
+            time.sleep(0.1)
+        assert state["status"] == "ok", state
+        assert any("compiling" in d and "shapes" in d for d in seen), seen
+        assert refused_early[0] == 503 and refused_early[1]["error"]["code"] == "not_ready", refused_early
+        code, reply = _post(f"http://127.0.0.1:{port}/v1/completions", {"prompt": [1, 2, 3], "max_tokens": 16})
+        assert code == 200 and reply["moejax"]["compile_time_s"] < 0.5, reply["moejax"]
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=30) == 0
+    err = proc.stderr.read()
+    assert "ready after" in err and "Traceback" not in err, err
+    print(f"/health first answered {first_answer:.1f} s after the start; {len(seen)} states seen")

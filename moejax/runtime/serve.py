@@ -48,11 +48,13 @@ import os
 import signal
 import socket
 import sys
+import threading
 import time
 import uuid
 
 from moejax.base import collector, compile_cache, errors, seeds, templates
 from moejax.base.typecheck import is_integer, is_number
+from moejax.models import hub
 from moejax.experts import routing as routing_lib, trace as trace_lib
 from moejax.runtime import api, cli_options, decode, offload as offload_lib
 from moejax.runtime.serve_access import API_KEY_ENV, Access, AccessGuard, access_from_args
@@ -631,6 +633,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="before listening, compile everything prompts up to TOKENS tokens need (with up to 256 "
                         "new tokens), so no request waits for XLA (default 0: compile on first use; a few "
                         "seconds per program on a CPU; JAX_COMPILATION_CACHE_DIR keeps them across restarts)")
+    p.add_argument("--warmup-new-tokens", type=int, default=256, metavar="N",
+                   help="the most new tokens a request the warm-up prepares for may ask (default 256)")
     cli_options.add_generation_config_arg(p, "sampling fields a request leaves out")
     p.add_argument("--log-level", default="warning", choices=["critical", "error", "warning", "info", "debug"])
     cli_options.add_weight_args(p)
@@ -646,10 +650,19 @@ def check_args(args: argparse.Namespace) -> None:
         raise ValueError(f"--max-queue must be >= 0, got {args.max_queue}")
     if args.warmup < 0:
         raise ValueError(f"--warmup must be >= 0, got {args.warmup}")
+    if args.warmup_new_tokens < 1:
+        raise ValueError(f"--warmup-new-tokens must be >= 1, got {args.warmup_new_tokens}")
     if args.served_name is not None and not args.served_name.strip():
         raise ValueError("--served-name is empty")
     if not 0 < args.request_timeout <= 86400:  # NaN fails too
         raise ValueError(f"--request-timeout must be in (0, 86400] seconds, got {args.request_timeout}")
+
+
+def check_model_arg(model: str) -> None:
+    """A ``--model`` path that does not exist: one error line before listening (the model loads after)."""
+    if model != api.DEFAULT_MODEL_NAME and not hub.repo_of(model) and not os.path.isdir(model):
+        raise errors.Failure(f"--model {model}: no such folder (a moejax or Hugging Face checkpoint folder, a hub "
+                             "id org/name, or 'default')")
 
 
 def listening_socket(host: str, port: int) -> socket.socket:
@@ -683,6 +696,77 @@ def build_engine(args: argparse.Namespace) -> Engine:
                   cli_options.checkpoint_sampling(args, model))
 
 
+class Startup:
+    """The server from the moment it listens: until the engine is ready, ``/health`` answers 503 with what the
+    server is doing (loading the model, compiling: k of n shapes) and every other route 503 ``not_ready``;
+    then everything goes to the application (``create_app``). A supervisor, a load balancer or a user's
+    ``curl`` sees a live server that says when it will serve, instead of refused connections."""
+
+    def __init__(self, access: Access):
+        self.access, self.app, self.engine, self.error = access, None, None, None
+        self.started = time.monotonic()
+        self.status, self.detail = "loading", "loading the model"
+        self.stopping = threading.Event()
+
+    def set(self, status: str, detail: str) -> None:
+        self.status, self.detail = status, detail
+
+    def health(self) -> dict:
+        return {"status": self.status, "detail": self.detail,
+                "elapsed_s": round(time.monotonic() - self.started, 1)}
+
+    async def __call__(self, scope, receive, send):
+        if self.app is not None:
+            return await self.app(scope, receive, send)
+        if scope["type"] != "http":
+            return
+        return await AccessGuard(self._not_ready, self.access)(scope, receive, send)
+
+    async def _not_ready(self, scope, receive, send):
+        if scope["path"] == "/health":
+            body = self.health()
+        else:
+            body = RequestError(f"the server is not ready: {self.detail} ({self.health()['elapsed_s']:.0f} s so "
+                                "far); /health says when it is", status=503, code="not_ready").body()
+        raw = json.dumps(body).encode()
+        await send({"type": "http.response.start", "status": 503,
+                    "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(raw)).encode()),
+                                (b"retry-after", b"1")]})
+        await send({"type": "http.response.body", "body": raw})
+
+
+def _prepare(args: argparse.Namespace, startup: Startup, server) -> None:
+    """The loader thread: load the model, warm up, then open the application; a failure stops the server
+    (``main`` reports it)."""
+    try:
+        t0 = time.monotonic()
+        engine = startup.engine = build_engine(args)
+        loaded = time.monotonic() - t0
+        if args.warmup:
+            def progress(done: int, total: int) -> None:
+                startup.set("compiling", f"compiling for prompts up to {args.warmup} tokens: {done} of {total} "
+                                         "shapes")
+                print(f"moejax.serve: {startup.detail} ({time.monotonic() - startup.started:.0f} s)",
+                      file=sys.stderr, flush=True)
+
+            engine.warm_up(args.warmup, args.warmup_new_tokens, progress=progress, stop=startup.stopping.is_set)
+        if startup.stopping.is_set():
+            return
+        startup.app = create_app(engine, access=startup.access, body_timeout_s=args.request_timeout)
+        startup.set("ok", "ready")
+        print(f"moejax.serve: ready after {time.monotonic() - startup.started:.1f} s (loading {loaded:.1f} s"
+              + (f", warm-up {time.monotonic() - t0 - loaded:.1f} s" if args.warmup else "") + ")",
+              file=sys.stderr, flush=True)
+    except errors.HANDLED as e:
+        startup.error = e
+        startup.set("failed", str(e))
+        server.should_exit = True
+    except BaseException as e:  # noqa: BLE001 - an unexpected failure must stop the server too, not leave it 503
+        startup.error = errors.Failure(f"loading failed: {type(e).__name__}: {e}")
+        startup.set("failed", str(startup.error))
+        server.should_exit = True
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     compile_cache.enable()
@@ -694,31 +778,33 @@ def main(argv: list[str] | None = None) -> int:
         print("error: moejax.serve needs its extra: pip install -e '.[serve]' (FastAPI and uvicorn)",
               file=sys.stderr)
         return errors.FAILURE
-    sock = None
-    try:
+    try:  # what can be checked without the model, before listening
         check_args(args)
         access = access_from_args(args.host, args.api_key, args.cors_origins)
-        sock = listening_socket(args.host, args.port)
-        engine = build_engine(args)
-        app = create_app(engine, access=access, body_timeout_s=args.request_timeout)
-        if args.warmup:
-            print(f"moejax.serve: compiling for prompts up to {args.warmup} tokens ...", file=sys.stderr, flush=True)
-            print(f"moejax.serve: warm-up took {engine.warm_up(args.warmup):.1f} s", file=sys.stderr, flush=True)
+        cli_options.offload_from_args(args)
+        cli_options.cache_from_args(args)
+        sock = listening_socket(args.host, args.port)  # a busy port first: that is what a restart meets
     except errors.HANDLED as e:
-        if sock is not None:
-            sock.close()
         return errors.report(e)
-    config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
+    try:
+        check_model_arg(args.model)
+    except errors.HANDLED as e:
+        sock.close()
+        return errors.report(e)
+    startup = Startup(access)
+    config = uvicorn.Config(startup, host=args.host, port=args.port, log_level=args.log_level,
                             timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S, lifespan="off")
-    server = _server_class()(config, engine)
+    server = _server_class()(config, startup)
     host = f"[{args.host}]" if ":" in args.host else args.host
-    print(f"moejax.serve: {engine.name} on http://{host}:{sock.getsockname()[1]} (Ctrl-C stops)", file=sys.stderr,
-          flush=True)
+    print(f"moejax.serve: {args.served_name or args.model} on http://{host}:{sock.getsockname()[1]} (/health says "
+          "when it is ready; Ctrl-C stops)", file=sys.stderr, flush=True)
+    loader = threading.Thread(target=_prepare, args=(args, startup, server), name="moejax-loader", daemon=True)
     # uvicorn catches SIGINT/SIGTERM, stops accepting, closes open streams, then raises the signal again
     # with the handlers it found: these, which end the run here with status 0
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, _stop_serving)
     try:
+        loader.start()
         server.run(sockets=[sock])
     except _Stopped:
         pass
@@ -727,7 +813,10 @@ def main(argv: list[str] | None = None) -> int:
         return errors.FAILURE
     finally:
         sock.close()
-        _close_engine(engine)
+        startup.stopping.set()
+        _finish(startup, loader)
+    if startup.error is not None:
+        return errors.report(startup.error)
     return 0
 
 
@@ -738,21 +827,29 @@ GRACEFUL_SHUTDOWN_S = 5
 COMPILE_WAIT_S = 5.0
 
 
-def _close_engine(engine: Engine) -> None:
-    """Let the engine's worker end before the interpreter does: a thread still inside an XLA compilation when
-    Python exits aborts the process (status 134, "terminate called ..."). A compilation cannot be interrupted,
-    so the server waits for it, but at most ``COMPILE_WAIT_S`` (a supervisor's SIGTERM must stop the server
-    within seconds): then, or at a second Ctrl-C, it exits at once, without the interpreter's teardown."""
+def _finish(startup: Startup, loader: threading.Thread) -> None:
+    """Let the loader and the engine's worker end before the interpreter does: a thread still inside an XLA
+    compilation when Python exits aborts the process (status 134, "terminate called ..."). A compilation cannot
+    be interrupted, so the server waits for it, but at most ``COMPILE_WAIT_S`` (a supervisor's SIGTERM must stop
+    the server within seconds): then, or at a second Ctrl-C, it exits at once, without the interpreter's
+    teardown."""
     templates.close()
-    if engine.close(timeout=2.0):
+
+    def done(timeout: float | None) -> bool:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        loader.join(timeout)
+        left = None if deadline is None else max(0.0, deadline - time.monotonic())
+        return not loader.is_alive() and (startup.engine is None or startup.engine.close(timeout=left))
+
+    if done(2.0):
         return
     print(f"moejax.serve: waiting up to {COMPILE_WAIT_S:g} s for the compilation in progress to finish "
           "(Ctrl-C again exits now) ...", file=sys.stderr, flush=True)
     try:
-        if engine.close(timeout=COMPILE_WAIT_S):
+        if done(COMPILE_WAIT_S):
             return
         print("moejax.serve: stopped without waiting for the compilation", file=sys.stderr, flush=True)
-        status = 0
+        status = errors.report(startup.error) if startup.error is not None else 0
     except _Stopped as e:
         status = 128 + e.args[0]
     sys.stdout.flush()
@@ -767,12 +864,14 @@ def _server_class():
         """uvicorn's server, which on Ctrl-C / SIGTERM first cancels the engine's generations: open streams then
         end with their last chunk and [DONE] within the graceful-shutdown wait instead of being cut off."""
 
-        def __init__(self, config, engine: Engine):
+        def __init__(self, config, gate: Startup):
             super().__init__(config)
-            self.engine = engine
+            self.gate = gate  # not "startup": uvicorn.Server has a method of that name
 
         def handle_exit(self, sig, frame):
-            self.engine.cancel_all()
+            self.gate.stopping.set()  # a warm-up in progress ends after its current program
+            if self.gate.engine is not None:
+                self.gate.engine.cancel_all()
             templates.close()  # a chat template being rendered stops now, and its request is answered
             super().handle_exit(sig, frame)
 

@@ -109,6 +109,33 @@ class Telemetry:
 # ------------------------------------------------------------------------------------------------ engine
 
 
+def warm_up_runs(context: int, max_prompt: int, max_tokens: int) -> list[tuple[int, int]]:
+    """The generations (prompt tokens, new tokens) that compile every program prompts up to ``max_prompt``
+    tokens with up to ``max_tokens`` new tokens need. Programs are keyed by (prefill piece, KV bucket) and
+    (decode chunk, KV bucket): per bucket B, a prompt of 2^k - 1 tokens (every piece up to the largest a prompt
+    in B can have) with enough new tokens to land in B, and if that needed no decode chunk, one more
+    generation that fills B exactly. The programs serve every sampling setting (bucketed generation decides
+    the sampling steps when the program runs)."""
+    max_prompt = max(1, min(int(max_prompt), context - 1))
+    max_tokens = max(1, min(int(max_tokens), context - 1))
+    chunk = decode.CHUNK
+    top = decode.kv_bucket(decode.kv_rows(max_prompt, max_tokens))
+    bucket, out = decode.MIN_KV_BUCKET, []
+    while bucket <= top:
+        longest_piece = 1 << (min(max_prompt, bucket - 1).bit_length() - 1)
+        n = min(bucket - 1, 2 * longest_piece - 1)  # holds every piece up to longest_piece
+        chunks = max(0, -(-(bucket // 2 + 1 - (n + 1)) // chunk))  # enough new tokens to land in the bucket
+        runs = [(n, chunk * chunks + 1)]
+        if not chunks:  # that run has no decode chunk: one that fills the bucket exactly
+            runs.append((bucket - chunk - 1, 2))
+        for n, new in runs:
+            if n >= 1 and n + new <= context:
+                assert decode.kv_bucket(decode.kv_rows(n, new)) == bucket
+                out.append((n, new))
+        bucket *= 2
+    return out
+
+
 class Engine:
     """The model, its one shared expert-cache state, and a worker thread running one request at a time in
     arrival order. Thread-safe: ``submit`` from any thread; everything else runs on the worker."""
@@ -217,37 +244,27 @@ class Engine:
                 self._current, self._busy = None, False
                 self._slots.release()
 
-    def warm_up(self, max_prompt: int, max_tokens: int = 256) -> float:
+    def warm_up(self, max_prompt: int, max_tokens: int = 256,
+                progress: Callable[[int, int], None] | None = None, stop: Callable[[], bool] | None = None) -> float:
         """Compile, before serving, what prompts up to ``max_prompt`` tokens with up to ``max_tokens`` new
-        tokens need under the server's policy. Programs are keyed by (prefill piece, KV bucket) and (decode
-        chunk, KV bucket): per bucket B, a prompt of 2^k - 1 tokens (every piece up to the largest a prompt in
-        B can have) with enough new tokens to land in B, and if that needed no decode chunk, one more
-        generation that fills B exactly. EOS as served; the programs serve every sampling setting (bucketed
-        generation decides the sampling steps when the program runs). Runs on throwaway cache states,
-        so the shared cache starts as configured. Returns the seconds it took."""
+        tokens need under the server's policy (``warm_up_runs``), on throwaway cache states, so the shared cache
+        starts as configured. ``progress(done, total)`` after each run; ``stop()`` true ends it early (the
+        server is stopping). Returns the seconds it took."""
         t0 = time.perf_counter()
-        context = self.model.cfg.max_position_embeddings
-        max_prompt = max(1, min(int(max_prompt), context - 1))
-        max_tokens = max(1, min(int(max_tokens), context - 1))
-        chunk = decode.CHUNK
-        top = decode.kv_bucket(decode.kv_rows(max_prompt, max_tokens))
+        runs = warm_up_runs(self.model.cfg.max_position_embeddings, max_prompt, max_tokens)
         bos = self.model.cfg.bos_token_id or 0
-        bucket = decode.MIN_KV_BUCKET
         served, _ = decode.resolve_sampling({}, self.sampling_defaults)
-        while bucket <= top:
-            longest_piece = 1 << (min(max_prompt, bucket - 1).bit_length() - 1)
-            n = min(bucket - 1, 2 * longest_piece - 1)  # holds every piece up to longest_piece
-            chunks = max(0, -(-(bucket // 2 + 1 - (n + 1)) // chunk))  # enough new tokens to land in the bucket
-            runs = [(n, chunk * chunks + 1)]
-            if not chunks:  # that run has no decode chunk: one that fills the bucket exactly
-                runs.append((bucket - chunk - 1, 2))
-            for n, new in runs:
-                if n >= 1 and n + new <= context:
-                    assert decode.kv_bucket(decode.kv_rows(n, new)) == bucket
-                    self.model.generate([bos] * n, max_new_tokens=new, offload=self.offload,  # EOS set as served
-                                        state=self.model.router_state(self.policy, self.cache_config), bucketed=True,
-                                        **served)
-            bucket *= 2
+        for done, (n, new) in enumerate(runs):
+            if stop is not None and stop():
+                break
+            if progress is not None:
+                progress(done, len(runs))
+            self.model.generate([bos] * n, max_new_tokens=new, offload=self.offload,  # EOS set as served
+                                state=self.model.router_state(self.policy, self.cache_config), bucketed=True,
+                                **served)
+        else:
+            if progress is not None:
+                progress(len(runs), len(runs))
         return time.perf_counter() - t0
 
     def policy_for(self, override: dict | None):
