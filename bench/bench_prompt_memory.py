@@ -67,7 +67,7 @@ def one(model_path: str, prompt: int, cache_size: str, new_tokens: int) -> dict:
     gib = 2**30
     return {"prompt": prompt, "peak": peak[0] / gib, "accounted": accounted / gib, "over": over / gib,
             "held": held_beyond / gib, "reserve": reserve / gib, "margin": (reserve + held_beyond - over) / gib,
-            "ttft_s": result.stats["time_to_first_token_s"]}
+            "ttft_s": result.stats["prefill_time_s"]}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -17,7 +17,7 @@ requests alternate in the engine's first-come-first-served queue (the engine run
 
 Reported per level: requests/s (completed / wall time), output tokens/s, client-side time to first token
 (send → first SSE chunk carrying text: queueing included, what a user sees) p50/p99, the engine's
-``time_to_first_token_s`` (prefill, queueing excluded) p50, its decode tokens/s (median of requests),
+``prefill_time_s`` (prefill, queueing and compiling excluded) p50, its decode tokens/s (median of requests),
 queueing p50, the per-request time outside queue + prefill + decode (lowering / executable-cache lookup,
 bookkeeping, HTTP), and the shared cache's miss rate over the level (difference of ``/v1/moejax/cache``
 summary totals before/after: misses / accesses) with the bytes the requests really paged per routed token
@@ -206,9 +206,9 @@ def run_level(port: int, requests: list[dict], concurrency: int, max_tokens: int
         rows.append({
             "article": r["article"], "t_send": r["t_send"] - t0, "t_done": r["t_done"] - t0,
             "client_ttft_s": (r["t_first_text"] - r["t_send"]) if r["t_first_text"] else None,
-            "latency_s": latency, "queued_s": m["queued_s"], "engine_ttft_s": m["time_to_first_token_s"],
+            "latency_s": latency, "queued_s": m["queued_s"], "engine_ttft_s": m["prefill_time_s"],
             "decode_tokens_per_s": m["tokens_per_s"], "decode_s": decode_s, "generated": n_gen,
-            "other_s": latency - m["queued_s"] - m["time_to_first_token_s"] - decode_s,
+            "other_s": latency - m["queued_s"] - m["prefill_time_s"] - decode_s,
             "stopped": m["stopped"], "cache": m["cache"]})
     order = sorted(rows, key=lambda x: x["t_done"])  # batch 1, first come first served: completion order
     same = [a["article"] == b["article"] for a, b in zip(order, order[1:])]

@@ -636,13 +636,16 @@ def generate(params, cfg: ModelConfig, prompt_ids, *, max_new_tokens: int, sampl
 def generation_stats(prompt_tokens: int, tokens: list[int], ttft: float, total: float, decode_time: float,
                      compile_time: float, stopped: str, fed_tokens: int) -> dict:
     """``GenerateResult.stats`` of a generation (simulated or offloaded): tokens/s counts the decoded tokens,
-    i.e. all but the first, which the prefill produced. ``fed_tokens`` exceeds prompt + generated − 1 when a
+    i.e. all but the first, which the prefill produced. ``time_to_first_token_s`` is what the caller waited for
+    the first token, compiling new shapes included (``compile_time_s``, also apart; ``prefill_time_s`` the
+    prefill alone). ``fed_tokens`` exceeds prompt + generated − 1 when a
     stop string cut a decode chunk (the cache saw the rest of the chunk)."""
     n_decode = max(len(tokens) - 1, 0)
     return {
         "prompt_tokens": prompt_tokens,
         "generated_tokens": len(tokens),
-        "time_to_first_token_s": ttft,
+        "time_to_first_token_s": compile_time + ttft,
+        "prefill_time_s": ttft,
         "total_time_s": total,
         "compile_time_s": compile_time,
         "tokens_per_s": n_decode / decode_time if n_decode and decode_time > 0 else 0.0,

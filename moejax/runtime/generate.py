@@ -209,7 +209,9 @@ def run(args: argparse.Namespace) -> tuple[dict, Exception | None]:
         streamer.finish()
         s = result.stats
         sys.stderr.write(f"[{s['prompt_tokens']} prompt tokens, {s['generated_tokens']} generated, "
-                         f"time to first token {s['time_to_first_token_s']:.3f} s, "
+                         f"time to first token {s['time_to_first_token_s']:.3f} s"
+                         + (f" ({s['compile_time_s']:.1f} s of it compiling)" if s["compile_time_s"] >= 0.05 else "")
+                         + ", "
                          f"{s['tokens_per_s']:.1f} tokens/s]\n")
         if "cache" in s:
             sys.stderr.write(trace_lib.format_table(s["cache"]) + "\n")

@@ -370,8 +370,8 @@ class Server:
     @staticmethod
     def extension(result: dict) -> dict:
         return trace_lib.json_safe({k: result[k] for k in ("stopped", "cache", "time_to_first_token_s",
-                                                           "tokens_per_s", "compile_time_s", "queued_s",
-                                                           "token_ids")})
+                                                           "prefill_time_s", "tokens_per_s", "compile_time_s",
+                                                           "queued_s", "token_ids")})
 
     def chunk(self, chat: bool, rid: str, delta: str | None, finish: str | None, first: bool = False) -> dict:
         if chat:
