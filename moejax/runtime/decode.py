@@ -382,6 +382,8 @@ def compiled_program(fn, params, args: dict, statics: dict, params_signature: tu
         if hit is not None:
             _PROGRAMS.move_to_end(key)
             return hit
+    for listener in tuple(COMPILE_LISTENERS):
+        listener(getattr(fn, "__name__", str(fn)))
     program = (fn.lower(params, **args, **statics).compile(),
                jax.eval_shape(functools.partial(fn, **statics), params, **args))
     with _PROGRAMS_LOCK:
@@ -389,6 +391,11 @@ def compiled_program(fn, params, args: dict, statics: dict, params_signature: tu
         while len(_PROGRAMS) > _PROGRAMS_MAX:
             _PROGRAMS.popitem(last=False)
     return program
+
+
+#: called with a program's name before ``compiled_program`` compiles it (or loads it from the persistent cache):
+#: the commands say that the wait is compilation while it happens
+COMPILE_LISTENERS: list = []
 
 
 def clear_programs() -> None:

@@ -11,6 +11,7 @@ statistics (overall and per MoE layer) after the text; ``--json`` puts them unde
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import sys
@@ -99,14 +100,21 @@ class Streamer:
     """Prints text as tokens arrive. It decodes the whole continuation each time (so BPE merges come out
     right) and holds back trailing whitespace, which WikiText detokenisation may still remove."""
 
-    def __init__(self, model: api.Model, render, out=None):
+    def __init__(self, model: api.Model, render, out=None, prefix: str = ""):
         self.model, self.render, self.out, self.ids, self.printed = model, render, out or sys.stdout, [], ""
+        self.prefix = prefix  # the prompt, printed with the first token: a compile note on stderr comes first
+
+    def _prefix(self) -> None:
+        if self.prefix:
+            self.out.write(self.prefix)
+            self.prefix = ""
 
     def text(self) -> str:
         text = self.render(self.model.decode(self.ids))
         return text + " " if self.model.tokenizer is None and text else text
 
     def __call__(self, new_ids: list[int]) -> None:
+        self._prefix()
         self.ids += new_ids
         stable = self.text().rstrip()
         if stable.startswith(self.printed):
@@ -115,10 +123,33 @@ class Streamer:
         self.out.flush()
 
     def finish(self) -> None:
+        self._prefix()
         text = self.text()
         self.out.write(text[len(os.path.commonprefix([text, self.printed])):])  # what is not printed yet
         self.out.write("\n")
         self.out.flush()
+
+
+@contextlib.contextmanager
+def compile_note(enabled: bool = True):
+    """One stderr line when the generation starts compiling (a cold start waits seconds for XLA, and the
+    wait should say what it is); the summary line then says how long it took."""
+    said = []
+
+    def note(name: str) -> None:
+        if not said:
+            said.append(name)
+            sys.stderr.write("moejax.generate: compiling for this model and prompt shape (kept on disk: the next "
+                             "run of this shape starts faster) ...\n")
+            sys.stderr.flush()
+
+    if enabled:
+        decode.COMPILE_LISTENERS.append(note)
+    try:
+        yield
+    finally:
+        if enabled:
+            decode.COMPILE_LISTENERS.remove(note)
 
 
 def format_offload(o: dict) -> str:
@@ -180,13 +211,15 @@ def run(args: argparse.Namespace) -> tuple[dict, Exception | None]:
     render = textproc.wikitext_detokenize if textproc.is_wikitext_style(model.generation_config) else str
     streamer = None
     if not args.json:
+        prefix = ""
         if args.prompt_ids is None and not args.chat:
-            sys.stdout.write(render(args.prompt if args.prompt is not None else DEFAULT_PROMPT))
-            sys.stdout.write(" " if not model.decode(ids[-1:]).endswith(" ") else "")
-        streamer = Streamer(model, render)
-    result = model.generate(ids, max_new_tokens=args.max_new_tokens, **sampling, seed=args.seed or 0,
-                            stop_at_eos=not args.ignore_eos,
-                            on_tokens=streamer, routing=routing, cache=cache, offload=offload)
+            prefix = render(args.prompt if args.prompt is not None else DEFAULT_PROMPT)
+            prefix += " " if not model.decode(ids[-1:]).endswith(" ") else ""
+        streamer = Streamer(model, render, prefix=prefix)
+    with compile_note(enabled=not args.json):
+        result = model.generate(ids, max_new_tokens=args.max_new_tokens, **sampling, seed=args.seed or 0,
+                                stop_at_eos=not args.ignore_eos,
+                                on_tokens=streamer, routing=routing, cache=cache, offload=offload)
     raw_text = model.decode(result.token_ids)
     text = render(raw_text)
     result.stats["load_time_s"] = load_time
