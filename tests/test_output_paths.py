@@ -1,8 +1,8 @@
 """Outputs never replace what the user had: a ``python -m moejax.*`` command that would write over an existing
 file at a path the user named refuses up front (exit 2, one ``error:`` line naming the file, its bytes and
-every other file unchanged, no work started) unless ``--overwrite``; commands without that flag (report,
-train_prior's folder) refuse a file that is not their own; folder outputs (convert, random_checkpoint) never
-replace a file, ``--overwrite`` or not. A figure path with an image suffix writes that one file only."""
+every other file unchanged, no work started) unless ``--overwrite``; commands without that flag (train_prior's
+folder) refuse a file that is not their own; folder outputs (convert, random_checkpoint) never replace a file,
+``--overwrite`` or not. A figure path with an image suffix writes that one file only."""
 
 from __future__ import annotations
 
@@ -88,7 +88,7 @@ OUTPUTS = [
     Output("plots-heatmap-stem-svg", "plots", H + ("{tmp}/fig",), ("fig.svg",), ("fig.png", "fig.svg"),
            setup=_trace, work=HEATMAP_WORK),
     Output("report-out", "report", ("{tmp}/r.jsonl", "--no-figures", "--out", "{tmp}/REPORT.md"), ("REPORT.md",),
-           overwrite=None, setup=_results, work=(("moejax.evaluation.report", "build_report"),)),
+           ("REPORT.md",), setup=_results, work=(("moejax.evaluation.report", "build_report"),)),
     Output("train-prior-record-json", "train_prior", TP, ("priors/record.json",), overwrite=None, setup=_corpus,
            work=GENERATE_WORK),
     Output("train-prior-record-npz", "train_prior", TP, ("priors/record.npz",), overwrite=None, setup=_corpus,
@@ -179,3 +179,87 @@ def test_trace_synth_overwrite_writes_a_trace_that_loads(tmp_path, capsys):
     tr = trace_lib.load_trace(out)
     assert tr.shape == (8, 1, 2) and int(np.max(tr.experts)) < 4
     assert sorted(os.listdir(tmp_path)) == ["s.npz"]  # no temporary file left beside it
+
+
+# ------------------------------------------------------------- files a command names itself: report figures, train
+# A report writes its figures under fixed names (pareto.png, heatmap_layer0.svg, ...) into --figures DIR: a file of
+# such a name is replaced only when an earlier report wrote it (its mark), or with --overwrite. train --resume
+# continues a run, and a folder that holds none (only the user's metrics.jsonl) is refused untouched.
+
+def _results_and_trace(tmp: Path) -> None:
+    _results(tmp)
+    _trace(tmp)
+
+
+RF = ("{tmp}/r.jsonl", "--out", "{tmp}/REPORT.md", "--figures", "{tmp}/figs", "--trace", "{tmp}/t.npz",
+      "--trace-cache-size", "4")
+REPORT_WRITES = ("REPORT.md", "figs/pareto.png", "figs/pareto.svg", "figs/heatmap_layer0.png",
+                 "figs/heatmap_layer0.svg")
+REPORT_FIGURE_WORK = (("moejax.evaluation.plots", "save_figure"), ("moejax.evaluation.heatmap", "trace_heatmap"))
+FIGURE_OUTPUTS = [
+    Output(f"report-figures-{name.replace('.', '-')}", "report", RF, (f"figs/{name}",), REPORT_WRITES,
+           setup=_results_and_trace, work=REPORT_FIGURE_WORK)
+    for name in ("pareto.png", "pareto.svg", "heatmap_layer0.svg")
+]
+
+
+@pytest.mark.parametrize("case", FIGURE_OUTPUTS, ids=lambda c: c.id)
+def test_a_users_file_named_like_a_report_figure_is_kept_unless_overwrite(case, tmp_path, capsys, monkeypatch):
+    test_an_existing_output_is_kept_unless_overwrite(case, tmp_path, capsys, monkeypatch)
+
+
+def test_a_report_rerun_into_its_figure_folder_replaces_its_own_figures(tmp_path, capsys):
+    from moejax.evaluation import plots, report
+
+    _results_and_trace(tmp_path)
+    argv = [a.format(tmp=tmp_path) for a in RF]
+    assert run_main(report.main, capsys, *argv).returncode == 0
+    figs = tmp_path / "figs"
+    assert all(plots.figure_mark(tmp_path / rel) == report.FIGURE_MARK for rel in REPORT_WRITES[1:])
+    first = _files(figs)
+    record = json.loads((tmp_path / "r.jsonl").read_text())
+    (tmp_path / "r.jsonl").write_text(json.dumps({**record, "ppl": 12.0, "miss_rate": 0.25}) + "\n")
+    ran = run_main(report.main, capsys, *argv)  # no --overwrite: the files are the report's own
+    assert ran.returncode == 0, ran.stderr
+    second = _files(figs)
+    assert second.keys() == first.keys() and second["pareto.png"] != first["pareto.png"]
+
+
+def test_a_figure_another_command_wrote_is_not_taken_for_a_reports(tmp_path, capsys):
+    """Only a report's figures carry its mark: a heat map the user asked ``moejax.plots`` for is the user's."""
+    from moejax.evaluation import heatmap, plots, report
+
+    _results_and_trace(tmp_path)
+    ran = run_main(heatmap.main, capsys, "heatmap", tmp_path / "t.npz", "--cache-size", "4", "--out",
+                   tmp_path / "figs" / "pareto")
+    assert ran.returncode == 0, ran.stderr
+    assert plots.figure_mark(tmp_path / "figs" / "pareto.png") is None
+    before = _files(tmp_path)
+    ran = run_main(report.main, capsys, *(a.format(tmp=tmp_path) for a in RF))
+    assert ran.returncode == 2 and str(tmp_path / "figs" / "pareto.png") in ran.stderr
+    assert _files(tmp_path) == before
+
+
+TRAIN_WORK = (("moejax.training.data", "TokenData"), ("moejax.training.data", "split_shards"))
+
+
+@pytest.mark.parametrize("flags", [("--resume",), ("--overwrite",), ()], ids=lambda f: "-".join(f) or "plain")
+@pytest.mark.parametrize("taken", [("metrics.jsonl",), ("metrics.jsonl", "checkpoints/step_1/state.bin")],
+                         ids=["metrics", "metrics-and-checkpoints"])
+def test_train_refuses_a_folder_without_a_run_and_keeps_its_files(taken, flags, tmp_path, capsys, monkeypatch):
+    """A folder with the user's own metrics.jsonl (and a checkpoints/ of another tool) holds no run of train's:
+    --resume there emptied metrics.jsonl (no checkpoint: no step kept), --overwrite deleted both."""
+    from moejax.training import train
+
+    out = tmp_path / "run"
+    for rel in taken:
+        (out / rel).parent.mkdir(parents=True, exist_ok=True)
+        (out / rel).write_bytes(PRECIOUS)
+    before = _files(tmp_path)
+    for module, attr in TRAIN_WORK:
+        monkeypatch.setattr(importlib.import_module(module), attr, _tripwire)
+    ran = run_main(train.main, capsys, "--out", out, *flags)
+    lines = [ln for ln in ran.stderr.splitlines() if ln.strip()]
+    assert ran.returncode == 2 and len(lines) == 1 and lines[0].startswith("error: "), ran.stderr
+    assert str(out) in lines[0] and "holds no training run" in lines[0]
+    assert _files(tmp_path) == before

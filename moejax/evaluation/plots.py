@@ -21,11 +21,14 @@ matplotlib is imported only inside the functions that draw (Agg canvas, no pyplo
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import math
 import os
+import re
+import struct
 from collections import defaultdict
 from pathlib import Path
-from typing import Callable, Sequence
+from typing import Callable, Iterator, Sequence
 
 import numpy as np
 
@@ -106,15 +109,72 @@ def figure_paths(out, flag: str = "--out") -> list[Path]:
 def save_figure(fig, out) -> list[Path]:
     """Write the files ``figure_paths(out)`` names, atomically and as a set (reproducible: no dates, fixed SVG
     ids): all are written before any replaces its target, so a full disk leaves none, not a new PNG beside an
-    old SVG or none."""
+    old SVG or none. Inside ``marking`` the files carry its mark."""
     matplotlib, _, _ = _mpl()
     paths = figure_paths(out)
     with matplotlib.rc_context({"svg.hashsalt": "moejax", "svg.fonttype": "path"}), contextlib.ExitStack() as pair:
         for target in paths:
             fmt = target.suffix.lower()[1:]
             fig.savefig(pair.enter_context(atomic.atomic_file(target, make_parents=True)), format=fmt, dpi=150,
-                        metadata=FIGURE_FORMATS[fmt])
+                        metadata=_metadata(fmt))
     return paths
+
+
+#: where a figure's mark goes in its metadata (``marking``): PNG text chunk, SVG ``dc:creator``
+MARK_KEYS = {"png": "Software", "svg": "Creator"}
+_MARK: contextvars.ContextVar[str | None] = contextvars.ContextVar("moejax_figure_mark", default=None)
+_MARK_HEAD = 1 << 16  # a mark sits in the file's first bytes: PNG text before the image data, SVG metadata on top
+_PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+_SVG_CREATOR = re.compile(rb"<dc:creator>\s*<cc:Agent>\s*<dc:title>([^<]*)</dc:title>")
+
+
+@contextlib.contextmanager
+def marking(mark: str) -> Iterator[None]:
+    """Every PNG and SVG ``save_figure`` writes in this block (this thread) carries ``mark`` in its metadata,
+    so that a command that writes figures under fixed names can tell its own earlier figures (``figure_mark``)
+    from a user's file of the same name."""
+    token = _MARK.set(mark)
+    try:
+        yield
+    finally:
+        _MARK.reset(token)
+
+
+def _metadata(fmt: str) -> dict:
+    """The metadata ``savefig`` gets for ``fmt`` (FIGURE_FORMATS), plus the mark inside ``marking``."""
+    mark = _MARK.get()
+    return dict(FIGURE_FORMATS[fmt], **({MARK_KEYS[fmt]: mark} if mark and fmt in MARK_KEYS else {}))
+
+
+def figure_mark(path) -> str | None:
+    """The mark ``marking`` left in the PNG or SVG file at ``path``; None for any other file, or one that
+    cannot be read (a pipe is not opened: reading it would wait for a writer)."""
+    if not os.path.isfile(path):
+        return None
+    try:
+        with open(path, "rb") as f:
+            head = f.read(_MARK_HEAD)
+    except OSError:
+        return None
+    if head.startswith(_PNG_SIGNATURE):
+        return _png_texts(head).get(MARK_KEYS["png"])
+    found = _SVG_CREATOR.search(head)
+    return found.group(1).decode("utf-8", "replace") if found else None
+
+
+def _png_texts(head: bytes) -> dict[str, str]:
+    """The ``tEXt`` chunks of a PNG's first bytes ``head``, up to its image data: {keyword: text}."""
+    texts, pos = {}, len(_PNG_SIGNATURE)
+    while pos + 8 <= len(head):
+        length, kind = struct.unpack(">I4s", head[pos:pos + 8])
+        if kind in (b"IDAT", b"IEND"):
+            break
+        if kind == b"tEXt":
+            key, sep, value = head[pos + 8:pos + 8 + length].partition(b"\0")
+            if sep:
+                texts[key.decode("latin-1")] = value.decode("latin-1")
+        pos += 12 + length
+    return texts
 
 
 def _percent_axis(axis) -> None:

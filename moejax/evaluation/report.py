@@ -1,6 +1,6 @@
 """``python -m moejax.report``: a markdown report (tables, headline comparisons, figures) from study results.
 
-    python -m moejax.report RESULTS.jsonl [MORE.jsonl ...] [--out REPORT.md] [--figures DIR]
+    python -m moejax.report RESULTS.jsonl [MORE.jsonl ...] [--out REPORT.md] [--figures DIR] [--overwrite]
         [--trace TRACE.npz[=LABEL] ... --trace-layer 0 --trace-cache-size 0.5]
 
 Input: JSONL result files, one JSON object per sweep point (the sweeps' record schema: ``key``, ``study``,
@@ -16,7 +16,10 @@ gets a section: what the paper's figure shows, the headline comparison, the figu
 ``moejax.plots`` into ``--figures``, linked relative to the report) and a table of the points. Studies this
 module does not know get a generic table (and a trade-off plot when they carry miss rates and perplexity or
 accuracy). The report and its figures are written atomically, as one set (``atomic.together``): by default
-to REPORT.md beside the first input, with figures in ``figures/`` beside it.
+to REPORT.md beside the first input, with figures in ``figures/`` beside it. Figures have fixed names
+(``pareto.png``, ...) and carry a mark (``FIGURE_MARK``); an existing file of such a name that lacks it, or an
+``--out`` that is not a moejax report, is the user's and is refused before any figure is drawn, unless
+``--overwrite``.
 """
 
 from __future__ import annotations
@@ -420,29 +423,41 @@ def _figure_md(paths: Sequence[Path], out_dir: Path, title: str) -> str:
     return text
 
 
+def section_plot(name: str, records: Sequence[dict]) -> Callable | None:
+    """The plot of a group's section: its study's, or for a group no study describes a trade-off plot when
+    every record has a miss rate and some have perplexity or accuracy; None for a section without a figure."""
+    if name in STUDIES:
+        return STUDIES[name].get("plot")
+    if not all(num(r.get("miss_rate")) is not None for r in records):
+        return None
+    if any(num(r.get("ppl")) is not None for r in records):
+        return plots.pareto
+    if any(num(r.get("accuracy")) is not None for r in records):
+        return plots.tasks
+    return None
+
+
+def heatmap_stem(fig_dir: Path, layer: int) -> Path:
+    return fig_dir / f"heatmap_layer{layer}"
+
+
 def render_section(name: str, records: list[dict], fig_dir: Path | None, out_dir: Path) -> str:
     spec = STUDIES.get(name)
     records = sort_records(records, name)
     models = sorted({str(r.get("model")) for r in records})
     tasks = sorted({str(r.get("task")) for r in records})
     parts = []
+    plot = section_plot(name, records)
     if spec is None:
         what = "plain sweep" if name.startswith("sweep ") else "study"
         parts.append(f"## {name}\n")
         parts.append(f"A {what} this report has no dedicated section for: {_plural(len(records), 'record')} "
                      f"(model {', '.join(models)}; task {', '.join(tasks)}).\n")
-        plot = None
-        if all(num(r.get("miss_rate")) is not None for r in records):
-            if any(num(r.get("ppl")) is not None for r in records):
-                plot = plots.pareto
-            elif any(num(r.get("accuracy")) is not None for r in records):
-                plot = plots.tasks
     else:
         parts.append(f"## {spec['title']}\n")
         parts.append(f"{spec['intro']}\n")
         parts.append(f"{_plural(len(records), 'record')} · model {', '.join(models)} · task {', '.join(tasks)} · "
                      f"study `{name}`.\n")
-        plot = spec.get("plot")
         try:
             head = spec["headline"](records)
         except PlotError as err:
@@ -479,7 +494,7 @@ def render_section(name: str, records: list[dict], fig_dir: Path | None, out_dir
 def render_heatmap_section(traces: Sequence[tuple[str, str | None]], layer: int, cache_size: str, eviction: str,
                            max_tokens: int, fig_dir: Path, out_dir: Path, note: str | None = None) -> str:
     labels = [label or Path(path).stem for path, label in traces]
-    paths = heatmap.trace_heatmap([p for p, _ in traces], layer, cache_size, fig_dir / f"heatmap_layer{layer}",
+    paths = heatmap.trace_heatmap([p for p, _ in traces], layer, cache_size, heatmap_stem(fig_dir, layer),
                                 eviction, max_tokens, labels=labels)
     return "\n".join([
         "## Routing trace heat map (paper figure 7)\n",
@@ -507,17 +522,55 @@ def check_traces(traces: Sequence[tuple[str, str | None]], fig_dir: Path | None,
 
 def build_report(paths: Sequence, out: Path, fig_dir: Path | None, traces: Sequence[tuple[str, str | None]] = (),
                  trace_layer: int = 0, trace_cache_size: str = "0.5", trace_eviction: str = "lru",
-                 trace_tokens: int = 200, command: str | None = None, trace_note: str | None = None) -> str:
+                 trace_tokens: int = 200, command: str | None = None, trace_note: str | None = None,
+                 overwrite: bool = False) -> str:
+    """The report's text; its figures are written into ``fig_dir`` (marked ``FIGURE_MARK``). A figure file in
+    the way that a report did not write is refused (``check_figures``) before any is drawn, unless ``overwrite``."""
     check_traces(traces, fig_dir, trace_layer, trace_cache_size, trace_tokens)
     notes: list[str] = []
     per_file: dict = {}
     records = load_records(paths, notes, per_file)
+    if fig_dir is not None:
+        check_figures(figure_targets(records, fig_dir, traces, trace_layer), overwrite,
+                      [*map(str, paths), *(p for p, _ in traces)])
     token = rec.N_EXPERTS_HINT.set(n_experts_of(records))  # N for sections that cannot tell it themselves
     try:
-        return _build(records, notes, per_file, out, fig_dir, traces, trace_layer, trace_cache_size, trace_eviction,
-                      trace_tokens, command, trace_note)
+        with plots.marking(FIGURE_MARK):
+            return _build(records, notes, per_file, out, fig_dir, traces, trace_layer, trace_cache_size,
+                          trace_eviction, trace_tokens, command, trace_note)
     finally:
         rec.N_EXPERTS_HINT.reset(token)
+
+
+FIGURE_MARK = "moejax.report"  # in every figure a report writes: PNG "Software", SVG creator
+
+
+def figure_targets(records: Sequence[dict], fig_dir: Path, traces: Sequence = (), trace_layer: int = 0) -> list[Path]:
+    """Every file the report's figures may be written to: each section's plot and the trace heat map."""
+    stems = [fig_dir / slug(name) for name, rs in group_records(records).items() if section_plot(name, rs)]
+    stems += [heatmap_stem(fig_dir, trace_layer)] if traces else []
+    return [path for stem in stems for path in plots.figure_paths(stem, "--figures")]
+
+
+def check_figures(targets: Sequence[Path], overwrite: bool, inputs: Sequence[str] = ()) -> None:
+    """A figure may replace a figure an earlier report wrote (it carries FIGURE_MARK), anything else only with
+    ``overwrite``: its name is fixed, not one the user chose, so a file of that name is the user's own. Never a
+    folder, a device or one of the report's inputs."""
+    for path in targets:
+        if not os.path.lexists(path):
+            continue
+        if _is_input(path, inputs):
+            raise errors.UsageError(f"--figures {path} is one of the report's inputs: choose another --figures folder")
+        if os.path.isdir(path) or (os.path.exists(path) and not os.path.isfile(path)):
+            raise errors.UsageError(f"--figures {path} exists and is not a regular file: refusing to replace it")
+        if not overwrite and plots.figure_mark(path) != FIGURE_MARK:
+            raise errors.UsageError(f"--figures {path} exists and is not a figure of a moejax report: refusing to "
+                                    "replace it (pass --overwrite to replace it)")
+
+
+def _is_input(path, inputs: Sequence[str]) -> bool:
+    real = os.path.realpath(path)
+    return any(os.path.realpath(p) == real for p in inputs)
 
 
 def _build(records, notes, per_file, out, fig_dir, traces, trace_layer, trace_cache_size, trace_eviction,
@@ -556,15 +609,18 @@ def _parse_trace(spec: str) -> tuple[str, str | None]:
 REPORT_HEADING = "# moejax study report"
 
 
-def check_report_target(out: Path, inputs: Sequence[str]) -> None:
-    """The report may replace only an earlier report: never one of its inputs, a folder, or another file."""
+def check_report_target(out: Path, inputs: Sequence[str], overwrite: bool = False) -> None:
+    """The report may replace an earlier report, another file only with ``overwrite``; never one of its inputs
+    or a folder."""
     real = os.path.realpath(out)
     for path in inputs:
         if os.path.realpath(path) == real:
             raise errors.UsageError(f"--out {out} is one of the report's inputs ({path}): choose another path")
     if os.path.isdir(out):
         raise IsADirectoryError(f"--out {out} is a folder; give a file name")
-    if os.path.lexists(out):
+    if os.path.exists(out) and not os.path.isfile(out):
+        raise errors.UsageError(f"--out {out} exists and is not a regular file: refusing to replace it")
+    if os.path.lexists(out) and not overwrite:
         try:
             with open(out, "rb") as f:
                 head = f.read(len(REPORT_HEADING))
@@ -572,7 +628,7 @@ def check_report_target(out: Path, inputs: Sequence[str]) -> None:
             raise errors.UsageError(f"--out {out}: {e.strerror}") from None
         if head != REPORT_HEADING.encode():
             raise errors.UsageError(f"--out {out} exists and is not a moejax report: refusing to replace it "
-                                    "(remove it or choose another path)")
+                                    "(pass --overwrite to replace it, or choose another path)")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -583,6 +639,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", default=None, help="report path (default: REPORT.md beside the first results file)")
     p.add_argument("--figures", default=None, help="figure folder (default: figures/ beside the report)")
     p.add_argument("--no-figures", action="store_true", help="tables only")
+    p.add_argument("--overwrite", action="store_true",
+                   help="replace an --out that is not a moejax report, and files in the figure folder named like "
+                        "the report's figures that an earlier report did not write")
     p.add_argument("--trace", action="append", default=[], metavar="TRACE.npz[=LABEL]",
                    help="add the figure-7 heat map of this routing trace (repeat for stacked panels)")
     p.add_argument("--trace-layer", type=int, default=0)
@@ -595,13 +654,13 @@ def main(argv: list[str] | None = None) -> int:
     fig_dir = None if args.no_figures else (Path(args.figures) if args.figures else out.parent / "figures")
     command = shlex.join(["python", "-m", "moejax.report", *(argv if argv is not None else sys.argv[1:])])
     try:
-        check_report_target(out, [*args.results, *(_parse_trace(t)[0] for t in args.trace)])
+        check_report_target(out, [*args.results, *(_parse_trace(t)[0] for t in args.trace)], args.overwrite)
         if fig_dir is not None and fig_dir.exists() and not fig_dir.is_dir():
             raise errors.UsageError(f"--figures {fig_dir} is a file, not a folder")
         with atomic.together():  # the report and its figures change as one set, or not at all
             text = build_report(args.results, out, fig_dir, [_parse_trace(t) for t in args.trace],
                                 args.trace_layer, args.trace_cache_size, args.trace_eviction, args.trace_tokens,
-                                command, args.trace_note)
+                                command, args.trace_note, args.overwrite)
             atomic.write_text(out, text, make_parents=True)
     except errors.HANDLED as err:
         return errors.report(err)
