@@ -296,3 +296,29 @@ def test_convert_writes_and_keeps_int8_experts(tmp_path, capsys):
     safetensors_io.write(path, kept, {"format": "moejax"})
     with pytest.raises(checkpoint.CheckpointError, match=r"missing tensor 'layers.0.moe.up.scale'"):
         moejax.load(b)
+
+
+@pytest.mark.parametrize("value", [np.nan, np.inf, -np.inf])
+def test_int8_scales_that_are_not_finite_are_a_damaged_file(tmp_path, value):
+    """A NaN or infinite int8 scale makes its row NaN in any dtype: the folder is refused when it is opened (every
+    scale is read, a few bytes a row), in one line naming the file and the tensor, with no numpy warning."""
+    import warnings
+
+    from moejax.models import safetensors_io
+
+    _, dst = _int8_folder(tmp_path, "olmoe")
+    path = f"{dst}/params.safetensors"
+    f = safetensors_io.SafetensorsFile(path)
+    start, _ = f.byte_range("layers.1.moe.down.scale")
+    del f
+    with open(path, "r+b") as out:
+        out.seek(start + 4 * 3)
+        out.write(np.float32(value).tobytes())
+    message = rf"{path}: 1 of the int8 scales in tensor 'layers.1.moe.down.scale' are not finite"
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for kwargs in ({}, {"offload": "flash"}, {"layout": "canonical"}):
+            with pytest.raises(checkpoint.CheckpointError, match=message):
+                moejax.load(dst, **kwargs)
+        with pytest.raises(checkpoint.CheckpointError, match=message):
+            checkpoint.convert_moejax_to_hf(dst, str(tmp_path / "hf"))

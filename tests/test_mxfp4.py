@@ -164,6 +164,56 @@ def test_blocks_that_are_not_bytes_are_named(release, tmp_path):
         moejax.load(folder)
 
 
+
+def _nan_scales(release: str, folder: str, experts=slice(0, 1)) -> str:
+    """A copy of the release whose layer-0 gate_up scales of ``experts`` are E8M0's NaN (byte 255), in place."""
+    import shutil
+
+    from moejax.models import safetensors_io
+
+    shutil.copytree(release, folder)
+    key = "model.layers.0.mlp.experts.gate_up_proj_scales"
+    name = json.load(open(os.path.join(folder, "model.safetensors.index.json")))["weight_map"][key]
+    path = os.path.join(folder, name)
+    f = safetensors_io.SafetensorsFile(path)
+    start, _ = f.byte_range(key)
+    per_expert = int(np.prod(f.shape(key)[1:]))
+    with open(path, "r+b") as out:
+        for e in range(f.shape(key)[0])[experts]:
+            out.seek(start + e * per_expert)
+            out.write(b"\xff")
+    return path
+
+
+def test_nan_scales_are_a_damaged_file_named_without_warnings(release, tmp_path):
+    """E8M0's NaN scale (255) decodes to infinities whatever the dtype: loading, converting and paging refuse the
+    file in one line naming it and the tensor (a Failure: exit status 1), with no numpy warning on the way."""
+    import warnings
+
+    from moejax.base.errors import Failure
+
+    folder = str(tmp_path / "nan")
+    path = _nan_scales(release, folder, slice(None))
+    message = rf"{path}: tensor 'model.layers.0.mlp.experts.gate_up_proj_scales': MXFP4 scales that are not finite"
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with pytest.raises(mxfp4.NonFiniteScaleError, match=message) as e:
+            moejax.load(folder)
+        assert isinstance(e.value, Failure) and "\n" not in str(e.value)
+        with pytest.raises(mxfp4.NonFiniteScaleError, match=message):
+            checkpoint.convert_to_moejax(folder, str(tmp_path / "out"))
+        assert not os.path.exists(tmp_path / "out")
+        tree, _ = checkpoint.open_params(folder)
+        with pytest.raises(mxfp4.NonFiniteScaleError, match=message):
+            tree["layers"][0]["moe"]["gate"].take_flat(np.arange(4))  # fingerprints' sampled reads
+        m = moejax.load(folder, offload="flash")  # the files are the store: refused when a page is read
+        with pytest.raises(mxfp4.NonFiniteScaleError, match=message):
+            m.generate([int(i) for i in IDS[:4]], 2, stop_at_eos=False)
+        # decoding itself stays transformers' (255: 2^128), without overflow warnings
+        assert np.isinf(mxfp4.decode(np.full((1, 1, 16), 0x77, np.uint8), np.full((1, 1), 255, np.uint8),
+                                     np.float32)).all()
+
+
 def test_mxfp4_is_gpt_oss_only_in_random_checkpoints(tmp_path):
     config = rc.with_overrides(rc.preset_config("olmoe-1b-7b"), 1, {
         "hidden_size": 64, "intermediate_size": 32, "num_attention_heads": 4, "num_key_value_heads": 4,

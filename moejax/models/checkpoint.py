@@ -31,6 +31,7 @@ import hashlib
 import json
 import os
 import shutil
+import stat
 from typing import Any, Iterator
 
 import jax
@@ -39,7 +40,7 @@ import numpy as np
 
 from moejax.base import atomic, orbax_io
 from moejax.base.errors import Failure, UsageError
-from moejax.models import hf_keys, layout, safetensors_io, weights
+from moejax.models import hf_keys, layout, quant, safetensors_io, weights
 from moejax.models import mxfp4 as mxfp4_lib
 from moejax.models.config import GPT_OSS, ModelConfig, UnsupportedModelError, from_hf
 
@@ -218,12 +219,28 @@ def refuse_pickles(where: str, names, source: str = "PATH") -> None:
         )
 
 
+def regular_file(path: str) -> bool:
+    """Whether ``path`` exists (a regular file, or a link to one); a ``CheckpointError`` naming it when it is
+    something else — a device such as /dev/zero, a named pipe, a directory, a broken link — which reading would
+    block on, never finish or fail on obscurely. Looks with stat, never by opening."""
+    try:
+        mode = os.stat(path).st_mode
+    except (FileNotFoundError, NotADirectoryError):
+        if os.path.islink(path):
+            raise CheckpointError(f"{path} is a link to {os.readlink(path)}, which does not exist") from None
+        return False
+    if not stat.S_ISREG(mode):
+        raise CheckpointError(f"{path} is not a regular file ({safetensors_io.file_kind(path, mode)})")
+    return True
+
+
 def read_hf_config(folder: str) -> dict:
     path = os.path.join(folder, "config.json")
     if not os.path.isdir(folder):
         raise CheckpointError(f"model folder {folder} " + ("is a file, not a folder" if os.path.exists(folder)
                                                            else "does not exist"))
-    if not os.path.isfile(path):
+    if not regular_file(path):
+        regular_file(os.path.join(folder, FORMAT_FILE))  # a moejax.json that is no file: say so
         try:
             os.listdir(folder)  # a folder this user may not read hides its config.json: say so instead
         except PermissionError as e:
@@ -235,6 +252,7 @@ def read_hf_config(folder: str) -> dict:
 def read_json_object(path: str, what: str) -> dict:
     """A checkpoint's JSON file (config, generation config, tokenizer config) as a dict, or a
     ``CheckpointError`` naming the file when it is not UTF-8 JSON holding an object."""
+    regular_file(path)
     try:
         with open(path, encoding="utf-8") as f:
             value = json.load(f)
@@ -259,6 +277,8 @@ def weight_files(names, read_index, where: str, index_name: str = "model.safeten
     if index_name in names:
         try:
             weight_map = json.loads(read_index()).get("weight_map", {})
+        except CheckpointError:
+            raise
         except (ValueError, AttributeError) as e:
             raise CheckpointError(f"{os.path.join(where, index_name)}: not a safetensors index ({e})") from None
         if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
@@ -284,6 +304,7 @@ def _open_shards(folder: str, index_name: str = "model.safetensors.index.json",
     index_path = os.path.join(folder, index_name)
 
     def read_index() -> str:
+        regular_file(index_path)
         with open(index_path) as f:
             return f.read()
 
@@ -291,8 +312,9 @@ def _open_shards(folder: str, index_name: str = "model.safetensors.index.json",
     files, where = {}, {}
     for name in names:
         path = os.path.join(folder, name)
-        if not os.path.isfile(path):
-            raise CheckpointError(f"{index_path} names shard {name}, which is missing")
+        if not regular_file(path):
+            raise CheckpointError(f"{index_path} names shard {name}, which is missing" if weight_map is not None
+                                  else f"{path} is missing")
         files[name] = safetensors_io.SafetensorsFile(path)
         for key in files[name].keys():
             if key in where:
@@ -627,6 +649,16 @@ def _read_orbax(folder: str, cfg: ModelConfig, stored) -> dict:
                               "from its source") from None
 
 
+def _check_int8_scales(file: safetensors_io.SafetensorsFile, name: str, view: np.ndarray) -> None:
+    """int8 experts' scales are finite: a NaN or infinite one is a damaged file, refused at load (they are a
+    few bytes per row, so all are read; the pages are released again)."""
+    bad = quant.count_nonfinite(view)
+    file.release(view)
+    if bad:
+        raise CheckpointError(f"{file.path}: {bad} of the int8 scales in tensor {name!r} are not finite (NaN or "
+                              "infinite): the file is damaged")
+
+
 def _int8_stack(folder: str, tensors: dict, key: str, want: tuple, dtype) -> "weights.QuantizedExpertStack":
     """The int8 expert stack ``key`` of a version 3 folder (``.q8`` + ``.scale``), shapes and dtypes checked."""
     n, d_in, d_out = want
@@ -640,6 +672,8 @@ def _int8_stack(folder: str, tensors: dict, key: str, want: tuple, dtype) -> "we
         view = file.get(name)
         if view.dtype != kind:
             raise CheckpointError(f"{folder}: tensor {name!r} is {view.dtype}, expected {np.dtype(kind)}")
+        if suffix == SCALE_SUFFIX:
+            _check_int8_scales(file, name, view)
         parts[suffix] = [(file, view[e]) for e in range(n)]
     return weights.QuantizedExpertStack(parts[INT8_SUFFIX], parts[SCALE_SUFFIX], dtype)
 

@@ -88,7 +88,9 @@ def weight_files(names: list[str], folder: str, repo: str) -> list[str]:
     """The weight files the loader will read from a repository holding ``names`` (``checkpoint.weight_files``:
     its order and checks; ``folder`` holds the fetched index), all of which the repository must hold."""
     def read_index() -> str:
-        with open(os.path.join(folder, "model.safetensors.index.json"), encoding="utf-8") as f:
+        path = os.path.join(folder, "model.safetensors.index.json")
+        checkpoint.regular_file(path)  # never opened when it is not a file (a named pipe would block)
+        with open(path, encoding="utf-8") as f:
             return f.read()
 
     weights, _ = checkpoint.weight_files(names, read_index, repo, source=repo)

@@ -19,10 +19,13 @@ from __future__ import annotations
 import ml_dtypes
 import numpy as np
 
+from moejax.base.errors import Failure
+
 GROUP = 32  # weights per scale
 FP4_VALUES = np.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0],
                       np.float32)
 SAFE_SCALES = (2, 252)  # E8M0 scales with which every code times 2^(s - 127) is a normal bfloat16 number
+NAN_SCALE = 255  # E8M0's NaN: a block with this scale holds no numbers, in any dtype
 _BF16 = np.dtype(ml_dtypes.bfloat16)
 DECODED = _BF16  # what the weights decode to unless asked otherwise (exactly, within SAFE_SCALES)
 _CODE_BITS = FP4_VALUES.astype(_BF16).view(np.uint16).astype(np.uint32)
@@ -41,6 +44,19 @@ CHUNK_BYTES = 1 << 16  # blocks decoded at a time: their temporaries (8x) stay i
 
 class Mxfp4Error(ValueError):
     """Blocks and scales that do not make an MXFP4 tensor."""
+
+
+class NonFiniteScaleError(Mxfp4Error, Failure):
+    """Scales that are NaN (``NAN_SCALE``): a damaged file, which no wider dtype decodes."""
+
+
+def check_scales(scales: np.ndarray) -> None:
+    """``NonFiniteScaleError`` when any E8M0 scale is NaN. ``decode`` itself decodes them as transformers does
+    (2^128: inf, or 0 for a zero code); loaders call this first, so a damaged file is refused by name instead of
+    computing with infinities."""
+    if scales.size and int(scales.max()) == NAN_SCALE:
+        raise NonFiniteScaleError(f"MXFP4 scales that are not finite (E8M0 byte {NAN_SCALE}, NaN): the file is "
+                                  "damaged")
 
 
 def check_pair(blocks: np.ndarray, scales: np.ndarray) -> None:
@@ -89,7 +105,8 @@ def _decode_rows(blocks: np.ndarray, scales: np.ndarray, out: np.ndarray) -> Non
         values = bits.view(_BF16).reshape(out.shape)
     else:
         codes = np.stack([blocks & 15, blocks >> 4], axis=-1).reshape(*blocks.shape[:-1], GROUP)
-        values = np.ldexp(FP4_VALUES[codes], scales.astype(np.int32)[..., None] - 127).reshape(out.shape)
+        with np.errstate(over="ignore"):  # inf, as transformers decodes it (a loader refuses NaN scales first)
+            values = np.ldexp(FP4_VALUES[codes], scales.astype(np.int32)[..., None] - 127).reshape(out.shape)
     with np.errstate(over="ignore"):  # float16 out: what a cast gives, as for every other stored tensor
         out[...] = values
 
@@ -98,7 +115,13 @@ def take(blocks: np.ndarray, scales: np.ndarray, rows: np.ndarray, cols: np.ndar
     """The weights at ``(rows, cols)`` of the ``[rows, in]`` matrix ``blocks [rows, G, 16]`` holds, float32."""
     byte = blocks[rows, cols // GROUP, (cols % GROUP) // 2]
     code = np.where(cols % 2 == 1, byte >> 4, byte & 15)
-    return np.ldexp(FP4_VALUES[code], scales[rows, cols // GROUP].astype(np.int32) - 127)
+    with np.errstate(over="ignore"):
+        return np.ldexp(FP4_VALUES[code], scales_at(scales, rows, cols).astype(np.int32) - 127)
+
+
+def scales_at(scales: np.ndarray, rows: np.ndarray, cols: np.ndarray) -> np.ndarray:
+    """The scales of the weights at ``(rows, cols)`` of the matrix whose scales are ``scales [rows, in / 32]``."""
+    return scales[rows, cols // GROUP]
 
 
 def encode(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

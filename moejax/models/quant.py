@@ -256,6 +256,12 @@ def quantize_rows_into(w: np.ndarray, q: np.ndarray, scale: np.ndarray) -> None:
             np.copyto(q[start:stop], b, casting="unsafe")
 
 
+def count_nonfinite(scale: np.ndarray) -> int:
+    """How many of stored scales ``scale`` are NaN or infinite: such a scale makes its whole row NaN or infinite
+    in every dtype, so a file holding one is damaged (no wider dtype loads it)."""
+    return int(scale.size - np.count_nonzero(np.isfinite(scale)))
+
+
 def dequantize(qt: QuantizedTensor | jax.Array, dtype=None) -> jax.Array:
     """The tensor ``qt`` stands for, in ``dtype`` (default: the original dtype); computed in float32.
     Works on any slice of a stacked tensor along leading axes (``take``) and under ``vmap``.

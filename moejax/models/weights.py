@@ -296,7 +296,9 @@ class Mxfp4ExpertStack(DecodedExpertStack):
         (file, blocks), (scale_file, scales) = self.parts[e], self.scale_parts[e]
         if out is None:
             out = np.empty(self.shape[:0:-1], self.dtype)
-        mxfp4.decode_into(file.read(blocks), scale_file.read(scales), out)
+        stored = scale_file.read(scales)
+        _check_scales(scale_file, scales, stored)
+        mxfp4.decode_into(file.read(blocks), stored, out)
         return out
 
     def release(self, e: int) -> None:
@@ -313,7 +315,9 @@ class Mxfp4ExpertStack(DecodedExpertStack):
         out = np.empty(idx.shape, np.float32)
         for j in np.unique(e):
             sel = e == j
-            out[sel] = mxfp4.take(self.parts[int(j)][1], self.scale_parts[int(j)][1], cols[sel], rows[sel])
+            scale_file, scales = self.scale_parts[int(j)]
+            _check_scales(scale_file, scales, mxfp4.scales_at(scales, cols[sel], rows[sel]))
+            out[sel] = mxfp4.take(self.parts[int(j)][1], scales, cols[sel], rows[sel])
         return out.astype(self.dtype)
 
 
@@ -336,8 +340,18 @@ def read_mxfp4_gate_up(gate: Mxfp4ExpertStack, e: int, out: np.ndarray) -> np.nd
     whole = [np.lib.stride_tricks.as_strided(v, (2 * f, *v.shape[1:]), (v.strides[0] // 2, *v.strides[1:]),
                                              writeable=False) for v in (blocks, scales)]
     b, s = file.read(whole[0]), scale_file.read(whole[1])
+    _check_scales(scale_file, scales, s)
     mxfp4.decode_into(b.reshape(f, 2, *b.shape[1:]), s.reshape(f, 2, -1), out.reshape(2, f, -1).transpose(1, 0, 2))
     return out
+
+
+def _check_scales(file: SafetensorsFile, view: np.ndarray, stored: np.ndarray) -> None:
+    """``mxfp4.check_scales`` of ``stored`` (scales read from ``view``, a view of ``file``), the refusal naming
+    the file and tensor that hold them, in one line."""
+    try:
+        mxfp4.check_scales(stored)
+    except mxfp4.NonFiniteScaleError as e:
+        raise mxfp4.NonFiniteScaleError(f"{file.path}: tensor {file.key_of(view)!r}: {e}") from None
 
 
 # leaves read on demand: tensors in their files, and canonical views of serving-layout arrays
