@@ -819,6 +819,174 @@ CASES = [
     Case("random-checkpoint-shard-gb-nan", "random_checkpoint", RC + ("--shard-gb", "nan"), USAGE, ("--shard-gb",)),
 ]
 
+# outputs that exist: refused before any work unless --overwrite; files a command does not own, never
+CASES += [
+    Case("generate-trace-out-exists", "generate", G("--trace-out", "{tmp}/t.npz"), USAGE, ("{tmp}/t.npz",),
+         _write("t.npz", "precious")),
+    Case("generate-trace-out-exists-npz-appended", "generate", G("--trace-out", "{tmp}/t"), USAGE, ("{tmp}/t.npz",),
+         _write("t.npz", "precious")),
+    Case("generate-overwrite-without-trace-out", "generate", G("--overwrite"), USAGE, ("--overwrite",)),
+    Case("trace-synth-out-exists", "trace", ("synth", "{tmp}/s.npz"), USAGE, ("{tmp}/s.npz",),
+         _write("s.npz", "precious")),
+    Case("trace-synth-out-exists-npz-appended", "trace", ("synth", "{tmp}/s"), USAGE, ("{tmp}/s.npz",),
+         _write("s.npz", "precious")),
+    Case("trace-synth-out-names-no-file", "trace", ("synth", "{tmp}/mine/"), USAGE, ("OUT",), BYSTANDER),
+    Case("plots-heatmap-out-png-exists", "plots", H[:-1] + ("{tmp}/fig.png",), USAGE, ("{tmp}/fig.png",),
+         _both(_trace(), _write("fig.png", "precious"))),
+    Case("plots-heatmap-out-pdf-exists", "plots", H[:-1] + ("{tmp}/fig.pdf",), USAGE, ("{tmp}/fig.pdf",),
+         _both(_trace(), _write("fig.pdf", "precious"))),
+    Case("plots-heatmap-stem-svg-exists", "plots", H, USAGE, ("{tmp}/fig.svg",),
+         _both(_trace(), _write("fig.svg", "precious"))),
+    Case("plots-heatmap-out-png-a-folder", "plots", H[:-1] + ("{tmp}/dir.png",), FAILURE, ("{tmp}/dir.png",),
+         _both(_trace(), _mkdir("dir.png"), _write("dir.png/notes.txt", "mine"))),
+    Case("train-prior-record-json-someone-elses", "train_prior", TP, USAGE, ("{tmp}/priors/record.json",),
+         _both(_corpus(), _write("priors/record.json", '{"owner": "alice"}'))),
+    Case("train-prior-record-npz-someone-elses", "train_prior", TP, USAGE, ("{tmp}/priors/record.npz",),
+         _both(_corpus(), _write("priors/record.npz", "precious"))),
+    Case("studies-results-someone-elses", "studies", ("--only", "sensitivity", "--model", "default", "--out",
+                                                      "{tmp}/s", "--data", "{tmp}/text.txt"), FAILURE,
+         ("{tmp}/s/sensitivity.jsonl",), _both(TEXT, _write("s/sensitivity.jsonl", "my notes\n"))),
+    Case("studies-delta-calibration-someone-elses", "studies", ("--only", "delta", "--model", "default", "--out",
+                                                                "{tmp}/s", "--data", "{tmp}/text.txt"), FAILURE,
+         ("{tmp}/s/traces/delta_calibration.json",), _both(TEXT, _write("s/traces/delta_calibration.json", "[1]"))),
+]
+
+# damaged weight files
+OSS_SETTINGS = {"vocab_size": 256, "hidden_size": 64, "intermediate_size": 32, "num_local_experts": 8,
+                "num_experts_per_tok": 2, "head_dim": 16, "num_attention_heads": 4, "num_key_value_heads": 2,
+                "sliding_window": 4, "pad_token_id": 0, "eos_token_id": 2, "bos_token_id": 1}
+
+
+def _replace_file(name: str, make: Callable[[str], None]) -> Callable[[Path], None]:
+    """The model folder's ``name`` removed and made again by ``make(path)`` (a link, a folder)."""
+    def fn(folder: Path) -> None:
+        (folder / name).unlink()
+        make(str(folder / name))
+    return fn
+
+
+def _link_to_dev_zero(path: str) -> None:
+    os.symlink("/dev/zero", path)
+
+
+def _as_one_shard(folder: Path) -> None:
+    """model.safetensors as the one shard its index names (the hub's sharded layout)."""
+    from moejax.models import safetensors_io
+
+    shard = "model-00001-of-00001.safetensors"
+    keys = safetensors_io.SafetensorsFile(str(folder / "model.safetensors")).keys()
+    (folder / "model.safetensors").rename(folder / shard)
+    (folder / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {k: shard for k in keys}}))
+
+
+def _poke(name: str, key: str, value: bytes) -> Callable[[Path], None]:
+    """Tensor ``key``'s first bytes in the file ``name`` overwritten with ``value``, in place."""
+    def fn(folder: Path) -> None:
+        from moejax.models import safetensors_io
+
+        start, _ = safetensors_io.SafetensorsFile(str(folder / name)).byte_range(key)
+        with open(folder / name, "r+b") as f:
+            f.seek(start)
+            f.write(value)
+    return fn
+
+
+def _mxfp4_model(edit: Callable[[Path], None], rel: str = "oss") -> Callable:
+    """A tiny GPT-OSS in the hub release's MXFP4 form at ``tmp/rel``, then ``edit(folder)``."""
+    def setup(tmp: Path, tiny: str) -> None:
+        from moejax.testing import random_checkpoint as rc
+
+        config = rc.with_overrides(rc.preset_config("gpt-oss-20b"), 2, OSS_SETTINGS, "float32")
+        rc.write_checkpoint(config, str(tmp / rel), dtype="float32", seed=2, std=0.3, mxfp4=True)
+        edit(tmp / rel)
+    return setup
+
+
+NAN32, INF32 = struct.pack("<f", float("nan")), struct.pack("<f", float("-inf"))
+MX_SCALES = "model.layers.0.mlp.experts.gate_up_proj_scales"
+NOT_REGULAR = "model.safetensors is not a regular file"
+
+CASES += [
+    Case("generate-weights-a-link-to-dev-zero", "generate", G(model="{tmp}/model"), FAILURE, (NOT_REGULAR,),
+         _model(_replace_file("model.safetensors", _link_to_dev_zero))),
+    Case("generate-weights-a-folder", "generate", G(model="{tmp}/model"), FAILURE, (NOT_REGULAR,),
+         _model(_replace_file("model.safetensors", os.mkdir))),
+    Case("generate-shard-a-link-to-dev-zero", "generate", G(model="{tmp}/model"), FAILURE,
+         ("model-00001-of-00001.safetensors is not a regular file",),
+         _model(lambda f: (_as_one_shard(f),
+                           _replace_file("model-00001-of-00001.safetensors", _link_to_dev_zero)(f)))),
+    Case("generate-index-a-folder", "generate", G(model="{tmp}/model"), FAILURE,
+         ("model.safetensors.index.json is not a regular file",),
+         _model(lambda f: (_as_one_shard(f), _replace_file("model.safetensors.index.json", os.mkdir)(f)))),
+    Case("generate-config-a-link-to-dev-zero", "generate", G(model="{tmp}/model"), FAILURE,
+         ("config.json is not a regular file",), _model(_replace_file("config.json", _link_to_dev_zero))),
+    Case("convert-weights-a-link-to-dev-zero", "convert", ("hf-to-moejax", "{tmp}/model", "{tmp}/out"), FAILURE,
+         (NOT_REGULAR,), _model(_replace_file("model.safetensors", _link_to_dev_zero))),
+    Case("generate-int8-scale-nan", "generate", G(model="{tmp}/q8"), FAILURE, ("'layers.0.moe.gate.scale'",),
+         _int8_folder(_poke("params.safetensors", "layers.0.moe.gate.scale", NAN32))),
+    Case("generate-offload-int8-scale-inf", "generate", G("--offload", "--expert-store", "flash", model="{tmp}/q8"),
+         FAILURE, ("'layers.1.moe.down.scale'",),
+         _int8_folder(_poke("params.safetensors", "layers.1.moe.down.scale", INF32))),
+    Case("convert-int8-scale-nan", "convert", ("moejax-to-hf", "{tmp}/q8", "{tmp}/out"), FAILURE,
+         ("'layers.0.moe.up.scale'",), _int8_folder(_poke("params.safetensors", "layers.0.moe.up.scale", NAN32))),
+    Case("generate-mxfp4-scale-nan", "generate", G(model="{tmp}/oss"), FAILURE, (f"'{MX_SCALES}'",),
+         _mxfp4_model(_poke("model.safetensors", MX_SCALES, b"\xff"))),
+    Case("convert-mxfp4-scale-nan", "convert", ("hf-to-moejax", "{tmp}/oss", "{tmp}/out"), FAILURE,
+         (f"'{MX_SCALES}'",), _mxfp4_model(_poke("model.safetensors", MX_SCALES, b"\xff"))),
+    Case("convert-mxfp4-scale-nan-to-int8", "convert", ("hf-to-moejax", "{tmp}/oss", "{tmp}/out", "--expert-dtype",
+                                                        "int8"), FAILURE, (f"'{MX_SCALES}'",),
+         _mxfp4_model(_poke("model.safetensors", MX_SCALES, b"\xff"))),
+]
+
+# configs and numbers: a config.json no model of it can run (refused from its integers, before any allocation), and
+# float options past their range or float32's (argparse's one line naming the flag)
+RC_OSS = ("gpt-oss-20b", "{tmp}/rc", "--layers", "1", "--mxfp4",
+       *[f"--set={k}={v}" for k, v in {"vocab_size": 256, "hidden_size": 64, "head_dim": 16, "intermediate_size": 64,
+                                       "num_attention_heads": 4, "num_key_value_heads": 2,
+                                       "num_local_experts": 4}.items()])
+CASES += [
+    Case("generate-config-kv-heads-not-dividing-heads", "generate", G(model="{tmp}/model"), FAILURE,
+         ("num_key_value_heads",), _model(_config(num_key_value_heads=3))),
+    Case("generate-config-hidden-size-1e12", "generate", G(model="{tmp}/model"), FAILURE, ("hidden_size",),
+         _model(_config(hidden_size=10**12))),
+    Case("generate-config-rope-theta-huge-integer", "generate", G(model="{tmp}/model"), FAILURE, ("rope_theta",),
+         _model(_config(rope_theta=10**400))),
+    Case("generate-config-rms-norm-eps-zero", "generate", G(model="{tmp}/model"), FAILURE, ("rms_norm_eps",),
+         _model(_config(rms_norm_eps=0))),
+    Case("generate-config-sliding-window-zero", "generate", G(model="{tmp}/model"), FAILURE, ("sliding_window",),
+         _model(_config(use_sliding_window=True, sliding_window=0))),
+    Case("generate-config-decoder-sparse-step-zero", "generate", G(model="{tmp}/model"), FAILURE,
+         ("decoder_sparse_step",), _model(_config(decoder_sparse_step=0))),
+    Case("generate-lam-overflows", "generate", G("--routing", "cache-prior", "--lam", "1e300"), USAGE, ("--lam",)),
+    Case("generate-lam-overflows-negative", "generate", G("--routing", "cache-prior", "--lam=-1e300"), USAGE,
+         ("--lam",)),
+    Case("generate-delta-overflows", "generate", G("--routing", "cache-prior", "--delta", "1,1e300"), USAGE,
+         ("--delta",)),
+    Case("generate-cumsum-p-infinite", "generate", G("--routing", "cumsum", "--cumsum-p", "inf"), USAGE,
+         ("--cumsum-p",)),
+    Case("generate-prefetch-overflows", "generate", G("--prefetch", "1e300"), USAGE, ("--prefetch",)),
+    Case("generate-bandwidth-overflows", "generate", G("--offload", "--bandwidth-gbps", "1e300"), USAGE,
+         ("--bandwidth-gbps",)),
+    Case("generate-temperature-overflows", "generate", G("--temperature", "1e300"), USAGE, ("--temperature",)),
+    Case("evaluate-sweep-lam-range-overflows", "evaluate", E("--sweep", "lam=0:1e300:3"), USAGE, ("--sweep",), TEXT),
+    Case("evaluate-sweep-lam-list-overflows", "evaluate", E("--sweep", "lam=0.5,1e300"), USAGE, ("--sweep",), TEXT),
+    Case("random-checkpoint-set-kv-heads-not-dividing-heads", "random_checkpoint",
+         RC + ("--set", "num_key_value_heads=3"), USAGE, ("num_key_value_heads",)),
+    Case("random-checkpoint-set-hidden-size-1e12", "random_checkpoint", RC + ("--set", "hidden_size=1000000000000"),
+         USAGE, ("hidden_size",)),
+    Case("random-checkpoint-shard-gb-overflows", "random_checkpoint", RC + ("--shard-gb", "1e300"), USAGE,
+         ("--shard-gb",)),
+    Case("random-checkpoint-mxfp4-hidden-size-not-blocks-of-32", "random_checkpoint",
+         RC_OSS + ("--set", "hidden_size=48"), USAGE, ("hidden_size",)),
+    Case("train-lr-overflows", "train", TR + ("--lr", "1e300"), USAGE, ("--lr",), _corpus()),
+    Case("train-ckpt-minutes-overflows", "train", TR + ("--ckpt-minutes", "1e308"), USAGE, ("--ckpt-minutes",),
+         _corpus()),
+    Case("train-prior-weights-overflow", "train_prior", TP + ("--weights", "1,1e300"), USAGE, ("--weights",),
+         _corpus()),
+    Case("trace-replay-lam-overflows", "trace", ("replay", "{tmp}/t.npz", "--cache-size", "2", "--routing",
+                                                 "cache-prior", "--lam", "1e300"), USAGE, ("--lam",), _trace()),
+]
+
 # case id -> what it does today, for a case that breaks the contract (strict xfail until the code is fixed);
 # the 52 found by the probe of 2026-11-23 (commit eefa0cc) were fixed on 2026-11-24
 BUGS: dict[str, str] = {

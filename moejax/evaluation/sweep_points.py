@@ -42,7 +42,7 @@ from typing import Any, Iterable
 
 import numpy as np
 
-from moejax.base import paths
+from moejax.base import flags, paths
 from moejax.models import hub
 from moejax.models.assets import DEFAULT_MODEL_NAME
 from moejax.experts import cache as cache_lib, routing as routing_lib
@@ -67,6 +67,10 @@ KIND_FIELDS = {"original": (), "pruning": ("prune_h",), "max-rank": ("max_rank",
                "learned-prior": ()}  # its parameters are the checkpoint: routing["prior"] holds the path
 
 
+#: what a float of a spec may be where its parameter has no range of its own (a cache size's fraction)
+FINITE = flags.finite_float()
+
+
 class SweepError(ValueError):
     """A malformed ``--sweep`` spec or a sweep that does not fit the chosen policy."""
 
@@ -77,15 +81,16 @@ class SweepAxis:
     values: tuple
 
 
-def _number(text: str, kind: str, spec: str):
+def _number(text: str, kind: str, spec: str, allowed: flags.FloatRange = FINITE):
+    """One number of a spec; a float must lie in ``allowed`` (the flag's own range for a routing parameter)."""
     text = text.strip()
     try:
         value = float(text) if kind == "float" else int(text)
     except ValueError:
         what = "a number" if kind == "float" else "an integer"
         raise SweepError(f"--sweep {spec!r}: {text!r} is not {what}") from None
-    if kind == "float" and not math.isfinite(value):
-        raise SweepError(f"--sweep {spec!r}: {text!r} is not finite")
+    if kind == "float" and not allowed.contains(value):
+        raise SweepError(f"--sweep {spec!r}: {text!r} is not finite or not in {allowed.describe()}")
     return value
 
 
@@ -110,6 +115,7 @@ def parse_sweep(spec: str) -> SweepAxis:
     if not body:
         raise SweepError(f"--sweep {spec!r}: no values after '='")
     kind = SWEEP_PARAMS[name][0]
+    allowed = routing_lib.PARAM_RANGES.get(name, FINITE)
     if ":" in body:
         parts = body.split(":")
         if len(parts) not in (2, 3):
@@ -117,7 +123,7 @@ def parse_sweep(spec: str) -> SweepAxis:
         num_kind = "float" if kind in ("float", "size") else "int"
         if kind == "size":
             num_kind = "float" if any("." in p for p in parts[:2]) else "int"
-        a, b = (_number(p, num_kind, spec) for p in parts[:2])
+        a, b = (_number(p, num_kind, spec, allowed) for p in parts[:2])
         if len(parts) == 2:
             if num_kind != "int":
                 raise SweepError(f"--sweep {spec!r}: a float range needs a number of points, e.g. {name}={a}:{b}:20")
@@ -143,7 +149,7 @@ def parse_sweep(spec: str) -> SweepAxis:
         items = [t for t in body.split(",")]
         if any(not t.strip() for t in items):
             raise SweepError(f"--sweep {spec!r}: empty item in the list")
-        values = [_size(t, spec) if kind == "size" else _number(t, kind, spec) for t in items]
+        values = [_size(t, spec) if kind == "size" else _number(t, kind, spec, allowed) for t in items]
     if len(set(values)) != len(values):
         raise SweepError(f"--sweep {spec!r}: repeated values")
     return SweepAxis(name, tuple(values))

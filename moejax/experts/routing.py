@@ -22,6 +22,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from moejax.base import flags
 from moejax.base.typecheck import is_number
 from moejax.experts import prior as prior_lib
 
@@ -32,6 +33,10 @@ PARAM_KINDS = {"lam": ("cache-prior",), "delta": ("cache-prior",), "top_j": ("ca
 #: each parameter's default on every command line (None: the kind's own, e.g. J from K, M = K): λ = 0.5 and
 #: p = 0.9, so that naming a kind changes the routing (λ = 0 or p = 0 would route exactly as original)
 PARAM_DEFAULTS = {"lam": 0.5, "delta": None, "top_j": None, "max_rank": None, "cumsum_p": 0.9, "prune_h": None}
+#: the float parameters' ranges on every command line and in ``--sweep`` grids (argparse types): λ·Δ is added to
+#: float32 logits, so each stays far inside float32's range (λ = 1e6 already ranks every cached expert first)
+PARAM_RANGES = {"lam": flags.finite_float(-1e6, 1e6), "delta": flags.finite_float(0.0, 1e6),
+                "cumsum_p": flags.finite_float(0.0, 1.0)}
 
 
 def unread_param(kind: str | None, values: dict, given: tuple = ()) -> tuple[str, tuple[str, ...]] | None:
@@ -182,13 +187,12 @@ def check_delta(delta):
 
 
 def delta_arg(text: str):
-    """``--delta``'s value: one Δ (``2.5``) or one per MoE layer (``1.8,2.1,2.6``); checked by ``check_delta``
-    when the policy is made (argparse gives a bad number one error line naming the flag)."""
-    parts = text.split(",")
+    """``--delta``'s value: one Δ (``2.5``) or one per MoE layer (``1.8,2.1,2.6``), each a finite Δ in
+    ``PARAM_RANGES["delta"]`` (argparse gives a bad one one error line naming the flag)."""
     try:
-        values = [float(v) for v in parts]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"invalid Δ {text!r}: a number, or comma-separated numbers (one per MoE "
+        values = [PARAM_RANGES["delta"](v) for v in text.split(",")]
+    except argparse.ArgumentTypeError as e:
+        raise argparse.ArgumentTypeError(f"invalid Δ {text!r}: {e} (one Δ, or comma-separated: one per MoE "
                                          "layer)") from None
     return values[0] if len(values) == 1 else tuple(values)
 

@@ -548,11 +548,12 @@ def main(argv: list[str] | None = None) -> int:
     rp.add_argument("--routing", choices=routing_lib.KINDS, default=None,
                     help="re-route from the trace's logits with this policy (default: replay recorded experts)")
     d = routing_lib.PARAM_DEFAULTS  # as in generate and evaluate: replay used λ = 0 and p = 0 (original routing)
-    rp.add_argument("--lam", action=flags.Given, type=float, default=d["lam"],
+    rp.add_argument("--lam", action=flags.Given, type=routing_lib.PARAM_RANGES["lam"], default=d["lam"],
                     help="cache-prior strength λ (default 0.5)")
     rp.add_argument("--top-j", action=flags.Given, type=int, default=d["top_j"])
     rp.add_argument("--max-rank", action=flags.Given, type=int, default=d["max_rank"])
-    rp.add_argument("--cumsum-p", action=flags.Given, type=float, default=d["cumsum_p"],
+    rp.add_argument("--cumsum-p", action=flags.Given, type=routing_lib.PARAM_RANGES["cumsum_p"],
+                    default=d["cumsum_p"],
                     help="cumsum threshold p (default 0.9)")
     rp.add_argument("--prune-h", action=flags.Given, type=int, default=d["prune_h"])
     rp.add_argument("--delta", action=flags.Given, type=routing_lib.delta_arg, default=d["delta"],
@@ -564,10 +565,10 @@ def main(argv: list[str] | None = None) -> int:
                          "and softmax-biased rank with the trace's 'score_bias' where it has one)")
     rp.add_argument("--top-k", type=int, default=None)
     rp.add_argument("--normalize", action=argparse.BooleanOptionalAction, default=None)
-    rp.add_argument("--scale", type=float, default=None)
+    rp.add_argument("--scale", type=flags.finite_float(-1e6, 1e6), default=None)
     rp.add_argument("--n-group", type=int, default=None)
     rp.add_argument("--topk-group", type=int, default=None)
-    rp.add_argument("--jitter-eps", type=float, default=None)
+    rp.add_argument("--jitter-eps", type=flags.finite_float(0.0, 1e6), default=None)
     rp.add_argument("--json", action="store_true", help="print one JSON object")
     sp = sub.add_parser("synth", help="write a random trace with temporal locality")
     sp.add_argument("out", metavar="OUT", help="trace file (.npz appended unless the name ends so); an existing "
@@ -576,7 +577,7 @@ def main(argv: list[str] | None = None) -> int:
     sp.add_argument("--layers", type=int, default=4)
     sp.add_argument("--experts", type=int, default=16)
     sp.add_argument("--top-k", type=int, default=2)
-    sp.add_argument("--rho", type=float, default=0.9)
+    sp.add_argument("--rho", type=flags.finite_float(-1.0, 1.0), default=0.9)
     sp.add_argument("--seed", type=errors.seed_arg, default=0)
     sp.add_argument("--logits", action="store_true", help="also store the logits (enables re-routing)")
     sp.add_argument("--overwrite", action="store_true", help="replace an existing OUT file")

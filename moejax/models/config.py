@@ -15,6 +15,7 @@ from typing import Any
 import numpy as np
 
 from moejax.base.errors import Failure
+from moejax.base.flags import FLOAT32_MAX
 from moejax.base.typecheck import is_integer, is_number
 from moejax.models.gating import (BiasedSoftmaxTopK, Gating, GroupLimited, SigmoidGroupLimited, SoftmaxTopK,
                                   SparseMixer)
@@ -48,6 +49,25 @@ _GPT_OSS_ROPE = {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_s
 
 class UnsupportedModelError(Failure):
     """The folder holds a model moejax cannot run."""
+
+
+def _finite32(v: Any) -> bool:
+    """A number float32 holds: not NaN, not inf, not a JSON integer too large for any float (``math.isfinite``
+    raises ``OverflowError`` on those)."""
+    return is_number(v) and abs(v) <= FLOAT32_MAX
+
+
+def _real(key: str, v: Any, *, above: float | None = None, at_least: float | None = None,
+          below: float | None = None) -> float:
+    """A float field of config.json, refused (naming ``key``) unless a number float32 holds within the bounds."""
+    ok = (_finite32(v) and (above is None or v > above) and (at_least is None or v >= at_least)
+          and (below is None or v < below))
+    if not ok:
+        bounds = [f"{op} {b:g}" for op, b in ((">", above), (">=", at_least), ("<", below)) if b is not None]
+        past = " (past float32's range)" if is_number(v) and not _finite32(v) and v == v else ""
+        raise UnsupportedModelError(f"config.json: {key} must be a finite number{' ' if bounds else ''}"
+                                    f"{' and '.join(bounds)}, got {v!r}{past}")
+    return float(v)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -171,16 +191,26 @@ _ROPE_NUMBERS = {"linear": (("factor",), ()),
 
 
 def _check_rope_parameters(rp: dict[str, Any]) -> None:
+    _real("rope_theta", rp["rope_theta"], above=0)  # also where rope_parameters holds it
+    for name in ("short_factor", "long_factor"):  # each divides a frequency
+        if name in rp and (not isinstance(rp[name], list) or not all(_finite32(f) and f > 0 for f in rp[name])):
+            raise UnsupportedModelError(f"config.json: rope_scaling {name} must be a list of finite numbers > 0, "
+                                        f"got {rp[name]!r}")
     required, optional = _ROPE_NUMBERS.get(rp["rope_type"], ((), ()))
     for k in (*required, *optional):
         v = rp.get(k)
         if v is None and k in optional:
             continue
         positive = k in required or k in ("factor", "attention_factor")
-        if (not is_number(v) or not math.isfinite(v) or v < 0
-                or (positive and v == 0)):
+        if not _finite32(v) or v < 0 or (positive and v == 0):
             raise UnsupportedModelError(f"config.json: rope_scaling of type {rp['rope_type']} needs {k} to be a "
                                         f"finite number {'>' if positive else '>='} 0, got {v!r}")
+    # yarn's correction divides by log(rope_theta), longrope's attention factor by log(original length)
+    for kind, k, v in (("yarn", "rope_theta", rp["rope_theta"]),
+                       ("longrope", "original_max_position_embeddings", rp.get("original_max_position_embeddings"))):
+        if rp["rope_type"] == kind and v == 1:
+            raise UnsupportedModelError(f"config.json: rope_scaling of type {kind} needs {k} other than 1 (its "
+                                        "formula divides by the logarithm)")
 
 
 def _rope_frequencies(rp: dict[str, Any], dim: int, max_pos: int) -> tuple[np.ndarray, float]:
@@ -257,41 +287,53 @@ def _moe_layer_pattern(hf: dict[str, Any], mt: str, n_layers: int) -> tuple[bool
 
 
 def _sliding_windows(hf: dict[str, Any], mt: str, n_layers: int) -> tuple[int, ...]:
-    window = hf.get("sliding_window") or 0
+    """Each layer's sliding window (0: full causal attention). A layer the family's rule makes sliding needs a
+    window of at least one position: 0 or null would run it as full attention, where transformers masks every key
+    (0) or refuses the config (null)."""
+    sliding, window = _sliding_layers(hf, mt, n_layers), hf.get("sliding_window")
+    if any(sliding) and not (is_integer(window) and window >= 1):
+        raise UnsupportedModelError(f"config.json: sliding_window must be an integer >= 1 where layers attend "
+                                    f"through a sliding window (layer {sliding.index(True)} does), got {window!r}")
+    return tuple(int(window) if s else 0 for s in sliding)
+
+
+def _sliding_layers(hf: dict[str, Any], mt: str, n_layers: int) -> tuple[bool, ...]:
+    """Which layers attend through a sliding window, by each family's rule in transformers."""
+    window = hf.get("sliding_window")
     if mt in ("qwen2_moe", "qwen3_moe"):
-        if not hf.get("use_sliding_window", False):
-            return (0,) * n_layers
+        # Qwen3-MoE drops a null window (full attention everywhere); Qwen2-MoE keeps its sliding layers
+        if not hf.get("use_sliding_window", False) or (mt == "qwen3_moe" and window is None):
+            return (False,) * n_layers
         types = hf.get("layer_types")
         if mt == "qwen2_moe" and types is None:
-            max_window = hf.get("max_window_layers", 28)
+            max_window = _count(hf, "max_window_layers", 28, 0)
             types = ["sliding_attention" if (i + 1) % 2 and i < max_window else "full_attention"
                      for i in range(n_layers)]
-        if types is None:
-            return (window,) * n_layers
-        return _layer_windows(types, window, n_layers)
+        return (True,) * n_layers if types is None else _layer_types(types, n_layers)
     if mt in ("mixtral", "phimoe"):
-        return (window,) * n_layers
+        return (window is not None,) * n_layers
     if mt == "dots1":  # Qwen3's attention: sliding where layer_types says (default: from max_window_layers on)
         types = hf.get("layer_types")
         if types is None:
             first = _count(hf, "max_window_layers", n_layers, 0)
-            types = ["sliding_attention" if window and i >= first else "full_attention" for i in range(n_layers)]
-        return _layer_windows(types, window, n_layers)
+            types = ["sliding_attention" if window is not None and i >= first else "full_attention"
+                     for i in range(n_layers)]
+        return _layer_types(types, n_layers)
     if mt == GPT_OSS:  # transformers' default: sliding on even layers, full on odd ones
         types = hf.get("layer_types") or ["sliding_attention" if (i + 1) % 2 else "full_attention"
                                           for i in range(n_layers)]
-        return _layer_windows(types, window, n_layers)
-    return (0,) * n_layers
+        return _layer_types(types, n_layers)
+    return (False,) * n_layers
 
 
-def _layer_windows(types: Any, window: int, n_layers: int) -> tuple[int, ...]:
-    """Each layer's sliding window from ``layer_types`` (``window`` where sliding_attention, 0 where
-    full_attention), the list checked: one of the two per layer."""
+def _layer_types(types: Any, n_layers: int) -> tuple[bool, ...]:
+    """Which layers ``layer_types`` makes sliding, the list checked: sliding_attention or full_attention for
+    every layer."""
     if (not isinstance(types, list) or len(types) != n_layers
             or any(t not in ("sliding_attention", "full_attention") for t in types)):
         raise UnsupportedModelError(f"config.json: layer_types must list sliding_attention or full_attention for each "
                                     f"of the {n_layers} layers, got {types!r}")
-    return tuple(window if t == "sliding_attention" else 0 for t in types)
+    return tuple(t == "sliding_attention" for t in types)
 
 
 def from_hf(hf: dict[str, Any]) -> ModelConfig:
@@ -317,7 +359,58 @@ def from_hf(hf: dict[str, Any]) -> ModelConfig:
     if not 1 <= cfg.gating.top_k <= cfg.gating.n_experts:
         raise UnsupportedModelError(f"config.json: num_experts_per_tok={cfg.gating.top_k} must be in "
                                     f"[1, {cfg.gating.n_experts}] (the number of routed experts)")
+    _check_model(cfg)
     return cfg
+
+
+def _check_model(cfg: ModelConfig) -> None:
+    """What only the parsed sizes together say: grouped-query heads, and weights a machine can hold (integer
+    arithmetic: milliseconds whatever the config says)."""
+    if not cfg.mla and cfg.num_heads % cfg.num_kv_heads:  # latent attention makes a key and value per query head
+        raise UnsupportedModelError(f"config.json: num_attention_heads {cfg.num_heads} is not a multiple of "
+                                    f"num_key_value_heads {cfg.num_kv_heads} (each key/value head serves a whole "
+                                    "group of query heads)")
+    total = 0
+    for what, elements, count in _weight_matrices(cfg):
+        if elements > MAX_TENSOR_ELEMENTS:
+            raise UnsupportedModelError(f"config.json: {what} holds {elements:.3g} elements, more than any model "
+                                        f"(at most 2**40 in one tensor): a damaged config?")
+        total += elements * count
+    if total > MAX_PARAMS:
+        raise UnsupportedModelError(f"config.json: the model would hold {total:.3g} parameters (hidden_size "
+                                    f"{cfg.hidden_size}, {cfg.num_layers} layers, {cfg.n_experts} experts), more "
+                                    f"than any model (at most {MAX_PARAMS:.0e}): a damaged config?")
+
+
+def _weight_matrices(cfg: ModelConfig) -> list[tuple[str, int, int]]:
+    """(what, elements, how many) of the model's weight matrices, counted from the config alone (the routed
+    experts of a layer as the one stack moejax holds them in; biases and norms left out)."""
+    d, h, layers = cfg.hidden_size, cfg.num_heads, cfg.num_layers
+    moe = cfg.n_moe_layers
+    out = [("embed_tokens (vocab_size × hidden_size)", cfg.vocab_size * d, 1 if cfg.tie_word_embeddings else 2)]
+    if cfg.mla:
+        qk = cfg.qk_nope_head_dim + cfg.qk_rope_head_dim
+        if cfg.q_lora_rank is None:
+            out.append(("q_proj (num_attention_heads × (qk_nope_head_dim + qk_rope_head_dim) × hidden_size)",
+                        h * qk * d, layers))
+        else:
+            out += [("q_a_proj (q_lora_rank × hidden_size)", cfg.q_lora_rank * d, layers),
+                    ("q_b_proj (num_attention_heads × qk head × q_lora_rank)", h * qk * cfg.q_lora_rank, layers)]
+        out += [("kv_a_proj ((kv_lora_rank + qk_rope_head_dim) × hidden_size)",
+                 (cfg.kv_lora_rank + cfg.qk_rope_head_dim) * d, layers),
+                ("kv_b_proj (num_attention_heads × (qk_nope_head_dim + v_head_dim) × kv_lora_rank)",
+                 h * (cfg.qk_nope_head_dim + cfg.v_head_dim) * cfg.kv_lora_rank, layers),
+                ("o_proj (hidden_size × num_attention_heads × v_head_dim)", d * h * cfg.v_head_dim, layers)]
+    else:
+        out += [("q_proj (num_attention_heads × head_dim × hidden_size)", h * cfg.head_dim * d, 2 * layers),
+                ("k_proj (num_key_value_heads × head_dim × hidden_size)", cfg.num_kv_heads * cfg.head_dim * d,
+                 2 * layers)]
+    return out + [
+        ("a dense MLP matrix (intermediate_size × hidden_size)", cfg.intermediate_size * d, 3 * (layers - moe)),
+        ("a routed expert stack (experts × moe_intermediate_size × hidden_size)",
+         cfg.n_experts * cfg.moe_intermediate_size * d, 3 * moe),
+        ("a shared expert matrix (its intermediate size × hidden_size)", cfg.shared_intermediate_size * d, 3 * moe),
+        ("the router (experts × hidden_size)", cfg.n_experts * d, moe)]
 
 
 # sizes and counts: where present they must be positive integers (0 allowed where a family uses it to switch
@@ -325,9 +418,20 @@ def from_hf(hf: dict[str, Any]) -> ModelConfig:
 _POSITIVE_INT_KEYS = ("vocab_size", "hidden_size", "num_attention_heads", "num_hidden_layers", "num_key_value_heads",
                       "head_dim", "intermediate_size", "moe_intermediate_size", "num_experts", "num_local_experts",
                       "n_routed_experts", "num_experts_per_tok", "moe_num_experts", "moe_k", "moe_topk",
-                      "max_position_embeddings", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "kv_lora_rank")
+                      "max_position_embeddings", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "kv_lora_rank",
+                      # null for no query compression; 0 would build a rank-0 query (every query zero)
+                      "q_lora_rank",
+                      # every N-th layer is MoE: 0 divides by zero in transformers
+                      "decoder_sparse_step", "moe_layer_freq")
 _NON_NEGATIVE_INT_KEYS = ("shared_expert_intermediate_size", "n_shared_experts", "first_k_dense_replace",
-                          "q_lora_rank", "decoder_sparse_step", "shared_intermediate_size")
+                          "shared_intermediate_size", "max_window_layers")
+#: head sizes far beyond any released model (256-576): the rotary frequencies are built from them when the config is
+#: parsed, so one from a damaged config.json must be refused before that
+MAX_HEAD_DIM = 1 << 16
+_HEAD_DIM_KEYS = ("head_dim", "attention_head_dim", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
+#: token ids and positions are int32 in the model
+MAX_INDEX = 2**31 - 1
+_INDEX_KEYS = ("vocab_size", "max_position_embeddings", "sliding_window")
 
 
 # switches read with ``bool()``: a string such as "false" would silently mean true
@@ -338,6 +442,9 @@ _BOOL_KEYS = ("norm_topk_prob", "use_sliding_window", "qkv_bias", "attention_bia
 #: counts far beyond any released model (DeepSeek-V3: 61 layers of 256 experts): a damaged config.json, which
 #: would otherwise make loading build a table of layers × experts tensor names until memory runs out
 MAX_LAYERS, MAX_EXPERTS, MAX_EXPERT_TENSORS = 4096, 1 << 16, 1 << 20
+#: weights far beyond any released model (DeepSeek-V3: 6.7e11 parameters, its largest expert stack 3.8e9 elements):
+#: a model no machine holds, refused from the config's integers before anything is allocated
+MAX_TENSOR_ELEMENTS, MAX_PARAMS = 1 << 40, 10**13
 
 
 def eos_token_ids_of(value, where: str) -> tuple[int, ...]:
@@ -355,12 +462,20 @@ def _check_sizes(hf: dict[str, Any]) -> None:
             v = hf.get(k)
             if v is not None and (not is_integer(v) or v < low):
                 raise UnsupportedModelError(f"config.json: {k} must be an integer >= {low}, got {v!r}")
-    for k, low, strict in (("rope_theta", 0.0, True), ("rms_norm_eps", 0.0, False)):
-        v = hf.get(k)
-        if v is not None and (not is_number(v) or not math.isfinite(v)
-                              or v < low or (strict and v == low)):
-            raise UnsupportedModelError(f"config.json: {k} must be a finite number {'>' if strict else '>='} {low:g}, "
-                                        f"got {v!r}")
+    for keys, limit, why in ((_HEAD_DIM_KEYS, MAX_HEAD_DIM, "implausible for a head"),
+                             (_INDEX_KEYS, MAX_INDEX, "past int32 token ids and positions")):
+        for k in keys:
+            if is_integer(hf.get(k)) and hf[k] > limit:
+                raise UnsupportedModelError(f"config.json: {k} = {hf[k]} is {why} (at most {limit}): a damaged "
+                                            "config?")
+    if hf.get("rope_theta") is not None:
+        _real("rope_theta", hf["rope_theta"], above=0)
+    if hf.get("rms_norm_eps") is not None:  # 0 divides an all-zero hidden state by zero
+        _real("rms_norm_eps", hf["rms_norm_eps"], above=0, below=1)
+    bos = hf.get("bos_token_id")
+    if bos is not None and (not is_integer(bos) or not 0 <= bos <= MAX_INDEX):
+        raise UnsupportedModelError(f"config.json: bos_token_id must be a token id (an integer >= 0) or null, got "
+                                    f"{bos!r}")
     window = hf.get("sliding_window")
     if window is not None and (not is_integer(window) or window < 0):
         raise UnsupportedModelError(f"config.json: sliding_window must be an integer >= 0 or null, got {window!r}")
@@ -417,15 +532,50 @@ def _noaux_gating(hf: dict[str, Any], mt: str, n_experts: int, top_k: int) -> Si
         raise UnsupportedModelError(f"{mt} topk_method {method!r} with scoring_func {scoring!r} is not "
                                     "supported (supported: noaux_tc with sigmoid, as transformers runs it)")
     default = _NOAUX_DEFAULTS[mt]
-    n_group, topk_group = (_count(hf, k, default[k], 1) for k in ("n_group", "topk_group"))
+    n_group, topk_group = _groups(hf, n_experts, top_k, default)
+    scale = _real("routed_scaling_factor", hf.get("routed_scaling_factor", default["routed_scaling_factor"]), above=0)
+    normalize = bool(hf.get("norm_topk_prob", default["norm_topk_prob"])) and top_k > 1
+    return SigmoidGroupLimited(n_experts, top_k, normalize, scale, n_group, topk_group)
+
+
+def _groups(hf: dict[str, Any], n_experts: int, top_k: int, default: dict[str, int]) -> tuple[int, int]:
+    """(n_group, topk_group) of group-limited routing: the groups split the experts evenly (at least 2 each), at
+    most n_group of them are kept, and those hold at least the top_k experts chosen from them."""
+    n_group, topk_group = (_count(hf, k, default.get(k), 1) for k in ("n_group", "topk_group"))
+    if n_group is None or topk_group is None:  # DeepSeek-V2 has no defaults for them
+        raise UnsupportedModelError(f"config.json: group-limited routing needs n_group and topk_group, got "
+                                    f"{hf.get('n_group')!r} and {hf.get('topk_group')!r}")
     if n_experts % n_group or topk_group > n_group or (n_group > 1 and n_experts // n_group < 2):
         raise UnsupportedModelError(f"config.json: n_group {n_group} must divide the {n_experts} routed experts "
                                     f"into groups of at least 2, and topk_group {topk_group} be at most n_group")
-    scale = hf.get("routed_scaling_factor", default["routed_scaling_factor"])
-    if not is_number(scale) or not math.isfinite(scale):
-        raise UnsupportedModelError(f"config.json: routed_scaling_factor must be a finite number, got {scale!r}")
-    normalize = bool(hf.get("norm_topk_prob", default["norm_topk_prob"])) and top_k > 1
-    return SigmoidGroupLimited(n_experts, top_k, normalize, float(scale), n_group, topk_group)
+    if top_k > topk_group * (n_experts // n_group):
+        raise UnsupportedModelError(f"config.json: num_experts_per_tok {top_k} is more than the {topk_group} kept "
+                                    f"groups (topk_group) of {n_experts // n_group} experts hold")
+    return n_group, topk_group
+
+
+def _head_dim(hidden_size: int, n_heads: int) -> int:
+    """A head's size where config.json does not give one: hidden_size / num_attention_heads (as transformers
+    takes it), checked here, before the rotary frequencies are built from it."""
+    dim = hidden_size // n_heads
+    if not 1 <= dim <= MAX_HEAD_DIM:
+        raise UnsupportedModelError(f"config.json: hidden_size {hidden_size} / num_attention_heads {n_heads} makes "
+                                    f"heads of {dim} dimensions; a head has 1..{MAX_HEAD_DIM} (or give head_dim)")
+    return dim
+
+
+def _mla_rotary_dim(dim: int) -> int:
+    """Multi-head latent attention's rotated part of a head (``qk_rope_head_dim``): pairs of dimensions."""
+    if dim % 2:
+        raise UnsupportedModelError(f"config.json: qk_rope_head_dim {dim} must be even (rotary embedding turns "
+                                    "pairs of dimensions)")
+    return dim
+
+
+def _clip_qkv(hf: dict[str, Any]) -> float | None:
+    """OLMoE's clamp of q, k and v to [-clip_qkv, clip_qkv]: null (none) or a finite number > 0."""
+    v = hf.get("clip_qkv")
+    return None if v is None else _real("clip_qkv", v, above=0)
 
 
 def _rotary_dim(hf: dict[str, Any], rp: dict[str, Any], mt: str, head_dim: int) -> int:
@@ -434,7 +584,7 @@ def _rotary_dim(hf: dict[str, Any], rp: dict[str, Any], mt: str, head_dim: int) 
     factor = hf.get("partial_rotary_factor", rp.get("partial_rotary_factor"))
     if factor is None:
         factor = 0.5 if mt == "glm4_moe" else 1.0
-    if not is_number(factor) or not 0 < factor <= 1:
+    if not _finite32(factor) or not 0 < factor <= 1:
         raise UnsupportedModelError(f"config.json: partial_rotary_factor must be in (0, 1], got {factor!r}")
     dim = int(head_dim * factor)
     if dim < 2 or dim % 2:
@@ -458,7 +608,7 @@ def _ernie_gating(hf: dict[str, Any], n_experts: int, top_k: int) -> BiasedSoftm
     norm_min = hf.get("moe_norm_min", 1e-12)
     if norm_min is None:
         norm_min = 1e-12
-    if not is_number(norm_min) or not math.isfinite(norm_min) or norm_min < 0:
+    if not _finite32(norm_min) or norm_min < 0:
         raise UnsupportedModelError(f"config.json: moe_norm_min must be a finite number >= 0, got {norm_min!r}")
     return BiasedSoftmaxTopK(n_experts, top_k, True, norm_min=float(norm_min))
 
@@ -498,12 +648,16 @@ def _ntk_alpha(rp: dict[str, Any], dim: int) -> dict[str, Any]:
     """Hunyuan's "dynamic" rope with a fixed ``alpha``: NTK scaling of the base, rope_theta · alpha^(d / (d − 2)),
     the same at every length (transformers' ``ntk_alpha``); without ``alpha`` it would depend on the length."""
     alpha = rp.get("alpha")
-    if not is_number(alpha) or not math.isfinite(alpha) or alpha <= 0:
+    if not _finite32(alpha) or alpha <= 0:
         raise UnsupportedModelError(f"config.json: rope of type dynamic needs a fixed alpha > 0 (NTK-alpha); got "
                                     f"alpha {alpha!r} (length-dependent dynamic scaling is not supported)")
     if dim <= 2:
         raise UnsupportedModelError(f"config.json: NTK-alpha rope needs a head dimension above 2, got {dim}")
-    return {**rp, "rope_type": "default", "rope_theta": float(rp["rope_theta"]) * float(alpha) ** (dim / (dim - 2))}
+    theta = float(rp["rope_theta"]) * float(alpha) ** (dim / (dim - 2))
+    if theta > FLOAT32_MAX:
+        raise UnsupportedModelError(f"config.json: NTK-alpha rope: rope_theta {rp['rope_theta']} × alpha {alpha}^"
+                                    f"({dim}/{dim - 2}) = {theta:.3g} is past float32's range")
+    return {**rp, "rope_type": "default", "rope_theta": theta}
 
 
 def _swiglu(hf: dict[str, Any]) -> tuple[float, float]:
@@ -514,21 +668,14 @@ def _swiglu(hf: dict[str, Any]) -> tuple[float, float]:
                                     f"{hf['hidden_act']!r} is not what transformers runs (silu)")
     out = []
     for key, default in (("swiglu_limit", 7.0), ("swiglu_alpha", 1.702)):
-        v = hf.get(key, default)
-        if not is_number(v) or not math.isfinite(v) or v <= 0:
-            raise UnsupportedModelError(f"config.json: {key} must be a finite number > 0, got {v!r}")
-        out.append(float(v))
+        out.append(_real(key, hf.get(key, default), above=0))
     return out[0], out[1]
 
 
 def _multiplier(hf: dict[str, Any], key: str) -> float:
     """One of Granite's scale factors: a finite number > 0 (HF's default 1 where absent or null)."""
     v = hf.get(key)
-    if v is None:
-        return 1.0
-    if not is_number(v) or not math.isfinite(v) or v <= 0:
-        raise UnsupportedModelError(f"config.json: {key} must be a finite number > 0, got {v!r}")
-    return float(v)
+    return 1.0 if v is None else _real(key, v, above=0)
 
 
 def _first(hf: dict[str, Any], *keys: str) -> Any:
@@ -542,19 +689,19 @@ def _first(hf: dict[str, Any], *keys: str) -> Any:
 def _from_hf(hf: dict[str, Any], mt: str) -> ModelConfig:
     d, n_heads, n_layers = hf["hidden_size"], hf["num_attention_heads"], hf["num_hidden_layers"]
     n_kv = hf.get("num_key_value_heads") or n_heads
-    head_dim = hf.get("head_dim") or d // n_heads
+    head_dim = hf.get("head_dim") or _head_dim(d, n_heads)
     mla = mt in DEEPSEEK
     _check_unquantised(hf, mt)
     rp = _rope_parameters(hf, mt)
     max_pos = hf.get("max_position_embeddings", {ERNIE: 131072, HUNYUAN: 2048, GPT_OSS: 131072}.get(mt, 4096))
-    rope_dim = hf["qk_rope_head_dim"] if mla else _rotary_dim(hf, rp, mt, head_dim)
+    rope_dim = _mla_rotary_dim(hf["qk_rope_head_dim"]) if mla else _rotary_dim(hf, rp, mt, head_dim)
     if mt == HUNYUAN and rp["rope_type"] == "dynamic":
         rp = _ntk_alpha(rp, rope_dim)
     inv_freq, rope_scale = _rope_frequencies(rp, rope_dim, max_pos)
     long_scale, long_after = rope_scale, 2**31 - 1
     if mt == "phimoe" and rp["rope_type"] != "default":
         # HF Phi-MoE: short factors always; the cos/sin scale switches once a call passes the original length
-        rope_scale, long_scale = float(rp["short_mscale"]), float(rp["long_mscale"])
+        rope_scale, long_scale = (_real(f"rope_scaling {k}", rp[k], above=0) for k in ("short_mscale", "long_mscale"))
         long_after = int(rp["original_max_position_embeddings"])
 
     if mla:
@@ -590,17 +737,18 @@ def _from_hf(hf: dict[str, Any], mt: str) -> ModelConfig:
     if mt == "phimoe":
         if top_k != 2:
             raise UnsupportedModelError(f"phimoe sparsemixer routing needs num_experts_per_tok=2, got {top_k}")
-        gating: Gating = SparseMixer(n_experts, top_k, float(hf.get("router_jitter_noise", 0.01)))
+        jitter = _real("router_jitter_noise", hf.get("router_jitter_noise", 0.01), at_least=0)
+        gating: Gating = SparseMixer(n_experts, top_k, jitter)
     elif mt in ("mixtral", HUNYUAN, GPT_OSS, *GRANITE):  # Granite and GPT-OSS: a softmax over the top-k logits, the same weights
         gating = SoftmaxTopK(n_experts, top_k, normalize=True)
     elif mt == "deepseek_v2":
         # reference DeepSeek-V2: renormalise (with +1e-20) when norm_topk_prob, else scale.
         normalize = bool(hf.get("norm_topk_prob")) and top_k > 1
-        scale = 1.0 if normalize else float(hf.get("routed_scaling_factor", 1.0))
+        scale = 1.0 if normalize else _real("routed_scaling_factor", hf.get("routed_scaling_factor", 1.0), above=0)
         method = hf.get("topk_method", "greedy")
         if method == "group_limited_greedy":
             gating = GroupLimited(n_experts, top_k, normalize, scale, 1e-20 if normalize else 0.0,
-                                  n_group=hf["n_group"], topk_group=hf["topk_group"])
+                                  *_groups(hf, n_experts, top_k, {}))
         elif method == "greedy":
             gating = SoftmaxTopK(n_experts, top_k, normalize, scale, 1e-20 if normalize else 0.0)
         else:
@@ -646,9 +794,9 @@ def _from_hf(hf: dict[str, Any], mt: str) -> ModelConfig:
                 else bool(hf.get("attention_bias", mt == GPT_OSS))),
         qk_norm=("head" if mt in ("qwen3_moe", "dots1") or (mt == "glm4_moe" and hf.get("use_qk_norm")) else
                  "proj" if mt == "olmoe" else "head_after_rope" if mt == HUNYUAN else "none"),
-        clip_qkv=hf.get("clip_qkv") if mt == "olmoe" else None,
+        clip_qkv=_clip_qkv(hf) if mt == "olmoe" else None,
         sliding_windows=_sliding_windows(hf, mt, n_layers),
-        rope_inv_freq=tuple(float(x) for x in inv_freq),
+        rope_inv_freq=tuple(np.asarray(inv_freq, np.float64).tolist()),
         rope_scale=float(rope_scale),
         rope_interleaved=mt == ERNIE or mla and (mt == "deepseek_v2" or hf.get("rope_interleave", True) is not False),
         rope_long_scale=float(long_scale),

@@ -25,13 +25,15 @@ def add_routing_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("routing policy (DESIGN §2)")
     g.add_argument("--routing", choices=routing_lib.KINDS, default=None,
                    help="expert ranking policy (default: original); any routing option turns the cache on")
-    g.add_argument("--lam", action=flags.Given, type=float, default=ROUTING_PARAMS["lam"][0],
+    g.add_argument("--lam", action=flags.Given, type=routing_lib.PARAM_RANGES["lam"],
+                   default=ROUTING_PARAMS["lam"][0],
                    help="cache-prior strength λ (default 0.5)")
     g.add_argument("--top-j", action=flags.Given, type=int, default=ROUTING_PARAMS["top_j"][0],
                    help="always keep the top-J (default 1 if K=2 else 2)")
     g.add_argument("--max-rank", action=flags.Given, type=int, default=ROUTING_PARAMS["max_rank"][0],
                    help="max-rank M (default K)")
-    g.add_argument("--cumsum-p", action=flags.Given, type=float, default=ROUTING_PARAMS["cumsum_p"][0],
+    g.add_argument("--cumsum-p", action=flags.Given, type=routing_lib.PARAM_RANGES["cumsum_p"],
+                   default=ROUTING_PARAMS["cumsum_p"][0],
                    help="cumsum probability threshold p (default 0.9)")
     g.add_argument("--prune-h", action=flags.Given, type=int, default=ROUTING_PARAMS["prune_h"][0],
                    help="pruning: keep ranks 1..h-1 (default K)")
@@ -64,9 +66,11 @@ def add_routing_args(p: argparse.ArgumentParser) -> None:
                    help="cascade: bit width per tier, 8 and/or 4 (default 8)")
     c.add_argument("--quant-group", action=flags.Given, type=int, default=CACHE_DEFAULTS["quant_group"],
                    help="cascade: quantisation group size along the input axis (default: per channel)")
-    c.add_argument("--prefetch", action=flags.Given, type=float, default=CACHE_DEFAULTS["prefetch"], metavar="F",
+    c.add_argument("--prefetch", action=flags.Given, type=flags.finite_float(0.0, 1e6),
+                   default=CACHE_DEFAULTS["prefetch"], metavar="F",
                    help="speculative next-layer prefetch of the top round(K·F) predicted experts (0 = off)")
-    c.add_argument("--prefetch-percentile", type=float, default=None, metavar="Q",
+    c.add_argument("--prefetch-percentile", type=flags.finite_float(0.0, 100.0, low_open=True, high_open=True),
+                   default=None, metavar="Q",
                    help="prefetch every expert whose predicted probability is above the Q-th percentile")
 
 
@@ -165,9 +169,10 @@ def add_offload_args(p: argparse.ArgumentParser) -> None:
                    default=OFFLOAD_DEFAULTS["expert_store"],
                    help="host: host memory (pinned_host where the backend has it), read once from the checkpoint; "
                         "flash: paged straight from the checkpoint's own files through their memory map")
-    g.add_argument("--bandwidth-gbps", type=float, default=None,
+    g.add_argument("--bandwidth-gbps", type=flags.finite_float(1e-6, 1e9), default=None,
                    help="emulate a host→device link of this bandwidth (GB/s), e.g. 2 (flash), 25 (PCIe)")
-    g.add_argument("--latency-us", type=float, default=0.0, help="emulated per-transfer latency (µs)")
+    g.add_argument("--latency-us", type=flags.finite_float(0.0, 1e9), default=0.0,
+                   help="emulated per-transfer latency (µs)")
     g.add_argument("--prefill", choices=PREFILLS, default=None,
                    help="batched (default): the prompt runs a layer at a time, each expert it needs paged once per "
                         "layer; token: token by token, paging every miss as decoding does (host paging; a global "

@@ -17,7 +17,7 @@ import os
 import sys
 import time
 
-from moejax.base import atomic, collector, compile_cache, errors, interrupts, textproc
+from moejax.base import atomic, collector, compile_cache, errors, flags, interrupts, textproc
 from moejax.models import gating
 from moejax.experts import trace as trace_lib
 from moejax.runtime import api, cli_options, decode, offload as offload_lib
@@ -34,12 +34,13 @@ def build_parser() -> argparse.ArgumentParser:
     src.add_argument("--prompt", help=f"prompt text (default: {DEFAULT_PROMPT!r})")
     src.add_argument("--prompt-ids", help="comma-separated token ids, e.g. 5,17,42 (no tokenizer needed)")
     p.add_argument("--max-new-tokens", type=int, default=64)
-    p.add_argument("--temperature", type=float, default=None,
+    p.add_argument("--temperature", type=flags.finite_float(0.0, 1e6), default=None,
                    help="0 = greedy (the default, unless the checkpoint's generation_config.json samples)")
-    p.add_argument("--top-p", type=float, default=None, help="nucleus sampling (default 1.0: off); with --temperature > 0")
+    p.add_argument("--top-p", type=flags.finite_float(0.0, 1.0, low_open=True), default=None,
+                   help="nucleus sampling (default 1.0: off); with --temperature > 0")
     p.add_argument("--top-k", type=int, default=None, help="sample among the k most likely tokens (default 0: off); "
                                                             "with --temperature > 0")
-    p.add_argument("--repetition-penalty", type=float, default=None,
+    p.add_argument("--repetition-penalty", type=flags.finite_float(0.0, 1e6, low_open=True), default=None,
                    help="divide the logits of tokens already in the prompt or output by this (transformers' "
                         "repetition_penalty; greedy too; default 1: off)")
     cli_options.add_generation_config_arg(p, "sampling settings")

@@ -32,7 +32,7 @@ import zlib
 import ml_dtypes
 import numpy as np
 
-from moejax.base import atomic, errors, interrupts
+from moejax.base import atomic, errors, flags, interrupts
 from moejax.base.memory import format_bytes
 from moejax.base.typecheck import is_integer
 from moejax.models import checkpoint, hf_keys, mxfp4, safetensors_io, weights
@@ -70,7 +70,7 @@ def preset_config(name: str) -> dict:
 
 
 _SIZE_SUFFIXES = ("_size", "_dim", "_rank", "_position_embeddings", "_heads")
-_MAY_BE_ZERO = ("shared_expert_intermediate_size", "n_shared_experts", "q_lora_rank", "num_nextn_predict_layers")
+_MAY_BE_ZERO = ("shared_expert_intermediate_size", "n_shared_experts", "num_nextn_predict_layers")
 
 
 def parse_sets(items: list[str]) -> dict:
@@ -144,6 +144,19 @@ def _plan(config: dict, mxfp4: bool = False) -> tuple[list[tuple[str, tuple[int,
     return plan, float32
 
 
+def check_mxfp4(cfg) -> None:
+    """``--mxfp4`` writes GPT-OSS's experts as the loader reads them back: rows of whole MXFP4 blocks, so the
+    experts' two contraction sizes (hidden_size for gate/up, intermediate_size for down) are multiples of 32."""
+    if cfg.model_type != GPT_OSS:
+        raise ValueError(f"--mxfp4 writes GPT-OSS's release format; this is a {cfg.model_type} model")
+    sizes = {"hidden_size": cfg.hidden_size, "intermediate_size": cfg.moe_intermediate_size}
+    bad = {k: v for k, v in sizes.items() if v % mxfp4.GROUP}
+    if bad:
+        raise ValueError(f"--mxfp4 stores the experts in blocks of {mxfp4.GROUP} weights: "
+                         + " and ".join(f"{k} {v}" for k, v in bad.items())
+                         + f" must be a multiple of {mxfp4.GROUP} (--set {next(iter(bad))}=...)")
+
+
 def mxfp4_scale(std: float) -> int:
     """The E8M0 scale byte with which uniformly random FP4 codes (root mean square 2.93) have about ``std``."""
     rms = float(np.sqrt(np.mean(mxfp4.FP4_VALUES ** 2)))
@@ -200,8 +213,7 @@ def write_checkpoint(config: dict, out: str, *, dtype: str = "bfloat16", seed: i
     if not (math.isfinite(std) and 0 <= std * 10 <= largest):  # normal samples reach ~6.5 σ in a big tensor
         raise ValueError(f"--std {std} would overflow {dtype} (at most {largest / 10:.3g})")
     if mxfp4:
-        if from_hf(config).model_type != GPT_OSS:
-            raise ValueError(f"--mxfp4 writes GPT-OSS's release format; this is a {config.get('model_type')} model")
+        check_mxfp4(from_hf(config))
         config = {**config, "quantization_config": MXFP4_CONFIG}
     plan, float32 = _plan(config, mxfp4)
     dtype_of = {k: np.dtype(np.uint8) if kind in hf_keys.MXFP4_PARTS else np.dtype(np.float32) if k in float32
@@ -248,9 +260,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--layers", type=int, default=None, help="keep the first L decoder layers")
     p.add_argument("--dtype", default="bfloat16", choices=tuple(DTYPES))
     p.add_argument("--seed", type=errors.seed_arg, default=0)
-    p.add_argument("--std", type=float, default=STD, help="standard deviation of the random weights (0.02)")
+    p.add_argument("--std", type=flags.finite_float(0.0, flags.FLOAT32_MAX / 10),
+                   default=STD, help="standard deviation of the random weights (0.02)")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config value")
-    p.add_argument("--shard-gb", type=float, default=5.0, help="largest shard size in GB (default 5)")
+    p.add_argument("--shard-gb", type=flags.finite_float(0.0, 1e6, low_open=True),
+                   default=5.0, help="largest shard size in GB (default 5)")
     p.add_argument("--overwrite", action="store_true", help="replace OUT if it is a checkpoint folder")
     p.add_argument("--mxfp4", action="store_true",
                    help="GPT-OSS only: the experts in MXFP4, as the hub release stores them (random codes)")
@@ -265,6 +279,19 @@ def check_args(args: argparse.Namespace) -> None:
         raise ValueError(f"--std must be a finite number >= 0, got {args.std}")
     if args.seed < 0:
         raise ValueError(f"--seed must be >= 0, got {args.seed}")
+
+
+def check_config(preset: dict, config: dict, overrides: str) -> None:
+    """Refuse a config moejax cannot run before anything is written: a usage error naming ``overrides`` (the
+    flags that made ``config`` of ``preset``) where the preset itself parses, else the preset's own failure."""
+    try:
+        from_hf(config)
+    except errors.Failure as e:
+        try:
+            from_hf(preset)
+        except errors.Failure:
+            raise e from None
+        raise errors.UsageError(f"{overrides}: {e}") from None
 
 
 def _size_line(name: str) -> str:
@@ -287,11 +314,14 @@ def main(argv: list[str] | None = None) -> int:
             p.error("PRESET and OUT are required (or --list)")
         check_args(args)
         preset, sets = preset_config(args.preset), parse_sets(args.set)
+        config = with_overrides(preset, args.layers, sets, args.dtype)
+        check_config(preset, config, "--set" if sets else f"--layers {args.layers}")
+        if args.mxfp4:
+            check_mxfp4(from_hf(config))
         for key in sets:
             if key not in preset:  # a family may read it, but a typo ("hiden_size") would change nothing
                 print(f"note: --set {key}: the {args.preset} config has no such key; it is added as given "
                       "(check the spelling)", file=sys.stderr)
-        config = with_overrides(preset, args.layers, sets, args.dtype)
         folder = write_checkpoint(config, args.out, dtype=args.dtype, seed=args.seed,
                                   shard_bytes=int(args.shard_gb * 1e9),
                                   overwrite=args.overwrite, progress=lambda s: print(s, file=sys.stderr),

@@ -32,7 +32,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from moejax.base import atomic, collector, errors, interrupts, orbax_io, seeds, tempfiles
+from moejax.base import atomic, collector, errors, flags, interrupts, orbax_io, seeds, tempfiles
 from moejax.models import checkpoint
 from moejax.models.config import ModelConfig, from_hf
 from moejax.training import data, recipe
@@ -54,26 +54,41 @@ def runs_set_aside(out: str) -> list[str]:
     return [os.path.join(out, n) for n in names if n.startswith(RUN_ASIDE_PREFIX)]
 
 
+def holds_run(out: str) -> bool:
+    """Whether ``out`` holds a run of train's: its record ``run.json`` (written before any metrics or checkpoint)
+    or its checkpoint index. ``metrics.jsonl``, ``checkpoints/`` or ``tokenizer/`` alone are names other tools
+    use too: a folder with only those is the user's, whose files a resume would cut or delete."""
+    return os.path.isfile(os.path.join(out, "run.json")) or os.path.isfile(os.path.join(_ckpt_root(out), "latest.json"))
+
+
 def check_out_folder(out: str, resume: bool, overwrite: bool) -> None:
     """Refuse to start a fresh run over a folder that holds a run (its metrics and checkpoints would be
-    lost) or unrelated files, unless ``--resume`` (continue it) or ``--overwrite`` (start over)."""
+    lost) unless ``--resume`` (continue it) or ``--overwrite`` (start over), and any use of a folder that holds
+    files but no run (``holds_run``): resuming there would empty a ``metrics.jsonl`` of the user's (a run with
+    no checkpoint keeps no metrics). An empty or new folder is a fresh start, ``--resume`` or not."""
     if not os.path.lexists(out):
         return
     if not os.path.isdir(out):
         raise FileExistsError(f"--out {out} exists and is not a folder")
     names = set(os.listdir(out))
-    if names & set(RUN_FILES):
+    if holds_run(out):
         if not resume and not overwrite:
             raise FileExistsError(f"--out {out} holds a training run ({', '.join(sorted(names & set(RUN_FILES)))}): "
                                   "pass --resume to continue it, or --overwrite to start over (its checkpoints "
                                   "and metrics are deleted once the new run has its first checkpoint)")
-    elif names and not resume:
-        aside = runs_set_aside(out)
-        if aside:  # an --overwrite killed (SIGKILL, power cut) before its first checkpoint: the old run is there
-            raise FileExistsError(f"--out {out} holds a run set aside by an --overwrite that did not finish, in "
-                                  f"{aside[0]}: move its files back into {out} to keep it, or delete that folder")
-        raise FileExistsError(f"--out {out} is not empty and holds no training run ({', '.join(sorted(names)[:5])}"
-                              "): choose an empty or new folder")
+        return
+    if not names:
+        return
+    aside = runs_set_aside(out)
+    if aside:  # an --overwrite killed (SIGKILL, power cut) before its first checkpoint: the old run is there
+        raise FileExistsError(f"--out {out} holds a run set aside by an --overwrite that did not finish, in "
+                              f"{aside[0]}: move its files back into {out} to keep it, or delete that folder")
+    listing = ", ".join(sorted(names)[:5])
+    if resume:
+        raise errors.UsageError(f"--out {out} holds no training run to resume ({listing}): give the folder of a "
+                                "run, or an empty or new folder to start one")
+    raise FileExistsError(f"--out {out} is not empty and holds no training run ({listing}): choose an empty or "
+                          "new folder")
 
 
 def remove_run(out: str) -> None:
@@ -564,34 +579,37 @@ def build_parser() -> argparse.ArgumentParser:
                         "at the speed measured during warmup")
     p.add_argument("--batch", type=int, default=16)
     p.add_argument("--seq-len", type=int, default=256)
-    p.add_argument("--lr", type=float, default=3e-3)
+    p.add_argument("--lr", type=flags.finite_float(0.0, 10.0, low_open=True), default=3e-3)
     p.add_argument("--warmup", type=int, default=100)
-    p.add_argument("--weight-decay", type=float, default=0.1)
-    p.add_argument("--clip", type=float, default=1.0)
-    p.add_argument("--min-lr-ratio", type=float, default=0.1, help="final learning rate / peak (cosine decay)")
-    p.add_argument("--aux-coef", type=float, default=0.5,
+    p.add_argument("--weight-decay", type=flags.finite_float(0.0, 100.0), default=0.1)
+    p.add_argument("--clip", type=flags.finite_float(0.0, 1e6, low_open=True), default=1.0)
+    p.add_argument("--min-lr-ratio", type=flags.finite_float(0.0, 1.0),
+                   default=0.1, help="final learning rate / peak (cosine decay)")
+    p.add_argument("--aux-coef", type=flags.finite_float(0.0, 1e6), default=0.5,
                    help="load-balancing loss coefficient (0.01-0.1 let the CPU run's router collapse onto 4 experts "
                         "early on; at 0.01 the granular config collapses for ~50 steps with every remedy, and "
                         "--z-coef 1e-3 --router-lr-scale 0.1 --offset-coef 1 recovers best: bench/train_default.md)")
-    p.add_argument("--aux-coef-start", type=float, default=None,
+    p.add_argument("--aux-coef-start", type=flags.finite_float(0.0, 1e6), default=None,
                    help="balancing weight at step 0, decaying linearly to --aux-coef over --aux-decay-steps")
     p.add_argument("--aux-decay-steps", type=int, default=0)
-    p.add_argument("--z-coef", type=float, default=0.0, help="router z-loss coefficient (ST-MoE uses 1e-3)")
-    p.add_argument("--offset-coef", type=float, default=0.0,
+    p.add_argument("--z-coef", type=flags.finite_float(0.0, 1e6),
+                   default=0.0, help="router z-loss coefficient (ST-MoE uses 1e-3)")
+    p.add_argument("--offset-coef", type=flags.finite_float(0.0, 1e6), default=0.0,
                    help="penalty on the variance across experts of the batch-mean router logit: a common-mode "
                         "offset makes every token pick the same experts (the collapse seen on CPU runs)")
     p.add_argument("--offset-decay-steps", type=int, default=0,
                    help="fade the offset penalty linearly to 0 over this many first steps (0: constant); the "
                         "collapse it prevents is an early one, and kept on it holds expert usage near uniform")
-    p.add_argument("--router-lr-scale", type=float, default=1.0, help="router learning rate / the others'")
+    p.add_argument("--router-lr-scale", type=flags.finite_float(0.0, 1e6),
+                   default=1.0, help="router learning rate / the others'")
     p.add_argument("--compute-dtype", default="float32", choices=("float32", "bfloat16"),
                    help="forward/backward precision (float32 master weights and routers either way)")
     p.add_argument("--attention", default="model", choices=("model", "auto", "xla", "cudnn"),
                    help="training attention: model.gqa_attention per sequence, or jax.nn.dot_product_attention "
                         "over the batch (auto: fused kernel where the backend has one)")
-    p.add_argument("--capacity-factor", type=float, default=1.25,
+    p.add_argument("--capacity-factor", type=flags.finite_float(0.0, 1e6), default=1.25,
                    help="sparse expert capacity per batch (x B·T·K/N); 0 = exact dense experts (model.forward)")
-    p.add_argument("--eval-capacity-factor", type=float, default=2.0,
+    p.add_argument("--eval-capacity-factor", type=flags.finite_float(0.0, 1e6), default=2.0,
                    help="capacity factor of the periodic validation loss (0 = exact)")
     p.add_argument("--seed", type=errors.seed_arg, default=0)
     p.add_argument("--resume", action="store_true", help="continue from OUT's latest checkpoint")
@@ -602,8 +620,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--eval-every", type=int, default=200, help="validation loss every N steps (0: never)")
     p.add_argument("--eval-seqs", type=int, default=64, help="validation sequences per evaluation")
     p.add_argument("--ckpt-every", type=int, default=500)
-    p.add_argument("--ckpt-minutes", type=float, default=10.0, help="also checkpoint every M minutes")
-    p.add_argument("--time-budget-min", type=float, default=None,
+    p.add_argument("--ckpt-minutes", type=flags.finite_float(0.0, 1e7),
+                   default=10.0, help="also checkpoint every M minutes")
+    p.add_argument("--time-budget-min", type=flags.finite_float(0.0, 1e7, low_open=True), default=None,
                    help="stop cleanly (final checkpoint) after M minutes")
     p.add_argument("--stop-after", type=int, default=None, help=argparse.SUPPRESS)  # tests: simulate an interruption
     p.add_argument("--data-dir", default=data.DEFAULT_DATA_DIR)

@@ -46,7 +46,7 @@ import numpy as np
 import optax
 from jax import lax
 
-from moejax.base import atomic, collector, errors, interrupts, seeds
+from moejax.base import atomic, collector, errors, flags, interrupts, seeds
 from moejax.experts import cache as cache_lib, prior as prior_lib, router as router_lib, routing as routing_lib
 from moejax.experts.trace import json_safe
 from moejax.runtime import api, simulate
@@ -277,6 +277,39 @@ def _load_record(out: str, key: dict):
         return None
 
 
+RECORD_META_KEYS = frozenset(("key", "miss_rate", "seconds", "shape"))  # what ``_save_record`` writes
+RECORD_ARRAYS = frozenset(("z.npy", "m.npy"))
+
+
+def _is_own_meta(path: str) -> bool:
+    try:
+        with open(path, encoding="utf-8") as f:
+            meta = json.load(f)
+    except (OSError, ValueError):
+        return False
+    return isinstance(meta, dict) and "key" in meta and set(meta) <= RECORD_META_KEYS
+
+
+def _is_own_arrays(path: str) -> bool:
+    try:
+        with zipfile.ZipFile(path) as z:
+            return set(z.namelist()) == RECORD_ARRAYS
+    except (OSError, ValueError, EOFError, zipfile.BadZipFile):
+        return False
+
+
+def check_record_files(out: str) -> None:
+    """Refuse, before the work, an ``OUT/record.json`` or ``OUT/record.npz`` that is not this command's
+    recording: re-recording replaces both. A damaged ``record.npz`` beside its own ``record.json`` is still
+    ours (``_load_record`` records it again)."""
+    meta_path, path = os.path.join(out, RECORD_META), os.path.join(out, RECORD_FILE)
+    own_meta = os.path.isfile(meta_path) and _is_own_meta(meta_path)
+    for p, own in ((meta_path, own_meta), (path, own_meta or _is_own_arrays(path))):
+        if os.path.lexists(p) and not (own and os.path.isfile(p) and not os.path.islink(p)):
+            raise errors.UsageError(f"--out {out}: {p} exists and is not a train_prior recording: refusing to "
+                                    "replace it (move it away or choose another --out)")
+
+
 def _save_record(out: str, key: dict, rec: dict, seconds: float) -> None:
     atomic.save_npz(os.path.join(out, RECORD_FILE), z=rec["z"], m=rec["m"])
     atomic.write_json(os.path.join(out, RECORD_META),
@@ -333,12 +366,13 @@ def run(args: argparse.Namespace, log=print) -> dict:
     weights = parse_weights(args.weights)
     check_args(args)
     shard_paths = parse_shards(args.shards, args.corpus)
+    for weight in weights:  # before the work: a folder in the way is refused, not found after an hour
+        prior_lib.check_replaceable(os.path.join(args.out, weight_name(weight)))
+    check_record_files(args.out)
     model = api.load(args.model)
     cfg = model.cfg
     cache = model.resolve_cache(simulate.CacheConfig(str(args.cache_size), "layer", args.eviction), False)
     capacity = cache.capacity(cfg)
-    for weight in weights:  # before the recording: a folder in the way is refused, not found after an hour
-        prior_lib.check_replaceable(os.path.join(args.out, weight_name(weight)))
     os.makedirs(args.out, exist_ok=True)
 
     rkey = _record_key(args, model, shard_paths, capacity)
@@ -423,16 +457,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model", default=api.DEFAULT_MODEL_NAME)
     p.add_argument("--cache-size", default="0.5", help="LRU capacity per layer: a count, a fraction of N or a memory size ('400MB')")
     p.add_argument("--eviction", choices=cache_lib.ONLINE_EVICTIONS, default="lru")
-    p.add_argument("--weights", default="0.1,0.3,1,3", help="comma-separated trade-off weights w")
+    p.add_argument("--weights", type=flags.FloatList(flags.finite_float(0.0, 1e6), as_text=True),
+                   default="0.1,0.3,1,3", help="comma-separated trade-off weights w")
     p.add_argument("--corpus", default=data.DEFAULT_CORPUS_DIR, help="corpus folder (moejax.training.data layout)")
     p.add_argument("--shards", default="0", help="training shard numbers, comma-separated (07 is held out)")
     p.add_argument("--tokens", type=int, default=65536, help="training-text tokens to record")
     p.add_argument("--context", type=int, default=1024, help="chunk length of the recording passes")
-    p.add_argument("--holdout", type=float, default=0.1, help="last fraction of recorded tokens kept out")
+    p.add_argument("--holdout", type=flags.finite_float(0.0, 1.0, high_open=True),
+                   default=0.1, help="last fraction of recorded tokens kept out")
     p.add_argument("--steps", type=int, default=1500)
     p.add_argument("--batch", type=int, default=512, help="tokens per step (each with all its MoE layers)")
-    p.add_argument("--lr", type=float, default=3e-3)
-    p.add_argument("--weight-decay", type=float, default=1e-4)
+    p.add_argument("--lr", type=flags.finite_float(0.0, 10.0, low_open=True), default=3e-3)
+    p.add_argument("--weight-decay", type=flags.finite_float(0.0, 100.0), default=1e-4)
     p.add_argument("--hidden", type=int, default=64, help="hidden units of each layer's MLP")
     p.add_argument("--seed", type=errors.seed_arg, default=0)
     p.add_argument("--resume", action="store_true",

@@ -77,8 +77,8 @@ from moejax.runtime import offload as offload_lib
 from moejax.runtime import simulate as sim
 from moejax.evaluation.tasks.common import Encoder, Request, Stream, TaskData, _file_in, _progress, read_jsonl
 from moejax.evaluation.tasks.gsm8k import _math_problem, gsm8k_requests, run_gsm8k
-from moejax.evaluation.tasks.mmlu import (_multiple_choice, _subject_of, interleave_subjects, load_mmlu_files,
-                                          mmlu_requests, run_mmlu)
+from moejax.evaluation.tasks.mmlu import (_multiple_choice, _subject_of, check_mmlu_shots, interleave_subjects,
+                                          load_mmlu_files, mmlu_requests, run_mmlu)
 from moejax.evaluation.tasks.nq_open import _open_question, nq_open_requests, run_nq_open
 from moejax.evaluation.tasks.truthfulqa import _truthful_question, read_truthfulqa, run_truthfulqa, truthfulqa_requests
 
@@ -243,7 +243,10 @@ def _prepare(model, task: str, data: str | None, limit: int | None, shots: int |
         shots = len(loaded.shots)
     if limit is not None:
         loaded.examples = loaded.examples[:limit]
-    return Encoder(model), loaded, shots, max_new_tokens
+    enc = Encoder(model)
+    if task == "mmlu":  # a shot count the dev files cannot supply is refused before the first example
+        check_mmlu_shots(loaded, shots)
+    return enc, loaded, shots, max_new_tokens
 
 
 def task_requests(task: str, enc: Encoder, data: TaskData, shots: int, max_new_tokens: int,

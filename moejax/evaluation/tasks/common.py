@@ -259,17 +259,49 @@ class FittedPrompt:
 
 def fit_prompt(enc: Encoder, build: Callable[[int], str], shots: int, budget: int) -> FittedPrompt:
     """The prompt with the most shots (``shots`` down to 0) of at most ``budget`` tokens; 0-shot cut from
-    the left (BOS kept) when even that is too long."""
+    the left (BOS kept) when even that is too long.
+
+    A prompt grows with its shots, so the count is found by doubling up to the first prompt that does not fit,
+    then halving the gap: O(log k) prompts built of at most about twice the fitting one, instead of one per
+    count from ``shots`` down (quadratic in ``shots``, minutes before the first example of a large one). Each
+    shot adds at least one token, so more than ``budget`` shots never fit (callers cap ``shots`` at their pool:
+    ``build(k)`` holds k shots)."""
     if budget < 2:
         raise ValueError(f"no room for a prompt: {budget} tokens left in the context")
-    for k in range(shots, -1, -1):
+    built: dict[int, tuple[str, np.ndarray]] = {}
+
+    def fits(k: int) -> bool:
         text = build(k)
-        ids = enc.prompt(text)
-        if len(ids) <= budget:
-            return FittedPrompt(ids, text, k, False)
+        built[k] = (text, enc.prompt(text))
+        return len(built[k][1]) <= budget
+
+    best = _largest_fitting(fits, min(shots, budget))
+    if best >= 0:
+        text, ids = built[best]
+        return FittedPrompt(ids, text, best, False)
+    text, ids = built[0]
     head = [] if enc.bos is None else [enc.bos]
     ids = np.asarray(head + ids[len(ids) - (budget - len(head)):].tolist(), np.int32)
     return FittedPrompt(ids, text, 0, True)
+
+
+def _largest_fitting(fits: Callable[[int], bool], most: int) -> int:
+    """The largest k in 0..``most`` with ``fits(k)`` (-1 if none), for a ``fits`` true up to some k and false
+    after: doubling from 1, then bisecting."""
+    best, worst, k = -1, most + 1, min(1, most)
+    while k < worst:
+        if not fits(k):
+            worst = k
+            break
+        best = k
+        k = most + 1 if k == most else min(most, 2 * k)
+    while worst - best > 1:
+        mid = (best + worst) // 2
+        if fits(mid):
+            best = mid
+        else:
+            worst = mid
+    return best
 
 
 @dataclasses.dataclass

@@ -116,22 +116,34 @@ def mmlu_prompt(row: MultipleChoice, shots: list[MultipleChoice]) -> str:
     return mmlu_header(row.subject) + "".join(mmlu_question(s, True) for s in shots) + mmlu_question(row, False)
 
 
-def mmlu_requests(enc: Encoder, data: TaskData, shots: int, context: int) -> Iterator[Request]:
-    """Each example's prompt (the most shots that fit ``context``) and the four letters' continuations."""
-    for subject in dict.fromkeys(row.subject for row in data.examples):  # every subject's shots, before any work
+def check_mmlu_shots(data: TaskData, shots: int) -> None:
+    """Every subject's dev file supplies the ``shots`` asked, checked before any work."""
+    for subject in dict.fromkeys(row.subject for row in data.examples):
         where = data.shot_source.get(subject, f"the dev split of {subject}")
         if shots and subject not in data.shots:
             raise FileNotFoundError(f"mmlu {subject}: no dev file {where} for the {shots}-shot prompt "
                                     "(pass shots=0)")
         if len(data.shots.get(subject, [])) < shots:
             raise ValueError(f"mmlu {subject}: {shots} shots asked but {where} has {len(data.shots[subject])} rows")
+
+
+def _letters(enc: Encoder, prompt: str) -> list[list[int]]:
+    return [enc.continuation(prompt, f" {letter}") for letter in LETTERS]
+
+
+def mmlu_requests(enc: Encoder, data: TaskData, shots: int, context: int) -> Iterator[Request]:
+    """Each example's prompt (the most shots that fit ``context``) and the four letters' continuations, tokenised
+    after the prompt itself (the room they need taken from the 0-shot prompt, which ends the same way)."""
+    check_mmlu_shots(data, shots)
     for row in data.examples:
         pool = data.shots.get(row.subject, [])
-        conts = [enc.continuation(mmlu_prompt(row, pool[:shots]), f" {letter}") for letter in LETTERS]
-        extra = max(len(c) for c in conts) - 1
-        p = fit_prompt(enc, lambda k: mmlu_prompt(row, pool[:k]), shots, context - extra)  # noqa: B023
-        if p.shots != shots:
-            conts = [enc.continuation(p.text, f" {letter}") for letter in LETTERS]
+        build = lambda k: mmlu_prompt(row, pool[:k])  # noqa: B023, E731
+        extra = max(len(c) for c in _letters(enc, build(0))) - 1
+        p = fit_prompt(enc, build, shots, context - extra)
+        conts = _letters(enc, p.text)
+        if max(len(c) for c in conts) - 1 > extra:  # the letters tokenise longer after the shots: refit
+            p = fit_prompt(enc, build, p.shots, context - (max(len(c) for c in conts) - 1))
+            conts = _letters(enc, p.text)
         yield Request(row, p, continuations=conts)
 
 
