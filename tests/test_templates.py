@@ -55,10 +55,13 @@ def test_close_releases_a_render_in_progress_and_refuses_later_ones(monkeypatch)
 
     thread = threading.Thread(target=loop)
     thread.start()
-    time.sleep(1.0)
+    deadline = time.time() + 30
+    while not (worker.lock.locked() and worker.proc is not None) and time.time() < deadline:
+        time.sleep(0.05)
+    time.sleep(0.5)  # the render is under way
     t0 = time.time()
     templates.close()
     thread.join(10)
-    assert caught and caught[0][0] - t0 < 3 and "stopping" in caught[0][1]
+    assert not thread.is_alive() and caught and caught[0][0] - t0 < 3 and "stopping" in caught[0][1], caught
     with pytest.raises(templates.TemplateBudgetError, match="shut down"):
         templates.render("x", {})

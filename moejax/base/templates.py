@@ -86,13 +86,16 @@ class _Worker:
                 self.kill()
                 self.proc = self._start()
             proc = self.proc
+            if self.closed:  # close() ran while the worker started: it found no process to end
+                self.kill()
+                raise TemplateBudgetError("the chat template renderer is shut down (the process is stopping)")
             try:
                 proc.stdin.write((json.dumps(request) + "\n").encode())
                 proc.stdin.flush()
             except OSError:
                 self.kill()
                 raise TemplateBudgetError("the chat template renderer died before rendering") from None
-            line = _read_line(proc.stdout, deadline)
+            line = _read_line(proc.stdout, deadline, lambda: self.closed)
             if line is None:  # past the deadline, or the process died (closed, or killed by the system)
                 timed_out = time.monotonic() >= deadline
                 self.kill()
@@ -106,12 +109,12 @@ class _Worker:
             self.lock.release()
 
 
-def _read_line(stream, deadline: float) -> bytes | None:
-    """One line from ``stream`` before ``deadline`` (None if the time runs out or the stream ends)."""
+def _read_line(stream, deadline: float, stopped) -> bytes | None:
+    """One line from ``stream`` before ``deadline`` (None if the time runs out, the stream ends or ``stopped()``)."""
     fd, buf = stream.fileno(), bytearray()
     while not buf.endswith(b"\n"):
         left = deadline - time.monotonic()
-        if left <= 0:
+        if left <= 0 or stopped():
             return None
         try:  # close() from another thread ends the worker and closes its pipes under us
             ready, _, _ = select.select([fd], [], [], min(left, 0.25))
