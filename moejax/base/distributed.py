@@ -14,20 +14,33 @@ device of every process. moejax uses them in two ways:
 
 Multi-host set-up: ``initialize()`` reads the standard variables (``JAX_COORDINATOR_ADDRESS``,
 ``JAX_NUM_PROCESSES``, ``JAX_PROCESS_ID``) or takes them as arguments, and on CPU selects the gloo
-collectives (CPU processes on one machine or several then form one mesh).
+collectives (CPU processes on one machine or several then form one mesh). Joining waits at most
+``MOEJAX_COORDINATOR_TIMEOUT`` seconds (default ``JOIN_TIMEOUT_S``) for the coordinator and the other processes,
+says so on stderr, and stops at Ctrl-C or SIGTERM (see ``_join``).
 """
 
 from __future__ import annotations
 
 import json
+import math
 import os
+import signal
+import sys
+import threading
+import time
 
 import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from moejax.base import errors, interrupts
+
 ENV = ("JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID")
+TIMEOUT_ENV = "MOEJAX_COORDINATOR_TIMEOUT"
+JOIN_TIMEOUT_S = 300.0  # jax.distributed.initialize's own default
+#: seconds JAX's own timeout is set past ours: its expiry aborts the process with a C++ stack, ours ends it first
+JAX_TIMEOUT_MARGIN_S = 30
 POINTS = "points"
 EXPERTS = "experts"
 
@@ -37,10 +50,25 @@ def requested() -> bool:
     return bool(os.environ.get("JAX_COORDINATOR_ADDRESS"))
 
 
+def join_timeout(timeout: float | None = None) -> float:
+    """``timeout``, else ``$MOEJAX_COORDINATOR_TIMEOUT``, else ``JOIN_TIMEOUT_S``: seconds to wait for the others."""
+    text = os.environ.get(TIMEOUT_ENV, "").strip()
+    if timeout is None and text:
+        try:
+            timeout = float(text)
+        except ValueError:
+            raise ValueError(f"{TIMEOUT_ENV}={text!r}: a number of seconds") from None
+    timeout = JOIN_TIMEOUT_S if timeout is None else float(timeout)
+    if not 0 < timeout < 1e7:  # also refuses nan and inf
+        raise ValueError(f"the coordinator timeout must be a positive number of seconds, got {timeout}")
+    return timeout
+
+
 def initialize(coordinator: str | None = None, num_processes: int | None = None,
-               process_id: int | None = None) -> None:
+               process_id: int | None = None, timeout: float | None = None) -> None:
     """Join a multi-process JAX run (arguments, else the ``JAX_*`` variables; with neither, JAX's own
-    detection of a TPU slice or a Slurm / Kubernetes job). Call before any computation.
+    detection of a TPU slice or a Slurm / Kubernetes job). Call before any computation. An explicit
+    coordinator is waited for at most ``join_timeout(timeout)`` seconds (see ``_join``).
 
     CPU devices use gloo's cross-process collectives (set before the backend starts)."""
     coordinator = coordinator or os.environ.get("JAX_COORDINATOR_ADDRESS") or None
@@ -73,7 +101,51 @@ def initialize(coordinator: str | None = None, num_processes: int | None = None,
         raise ValueError(f"the number of processes must be >= 1, got {num_processes}")
     if not 0 <= process_id < num_processes:
         raise ValueError(f"process id {process_id} is not in 0..{num_processes - 1}")
-    jax.distributed.initialize(coordinator, num_processes=num_processes, process_id=process_id)
+    _join(coordinator, num_processes, process_id, join_timeout(timeout))
+
+
+def _join(coordinator: str, num_processes: int, process_id: int, timeout: float) -> None:
+    """``jax.distributed.initialize`` in a helper thread, waited for by this one. JAX's wait for the others is
+    one C++ call: it holds its thread past Ctrl-C and SIGTERM (Python runs handlers between bytecodes), says
+    nothing, and when its own timeout passes it aborts the process with a C++ stack. Here the wait is said on
+    stderr, a signal ends the process at once with its status, and at ``timeout`` one ``error:`` line does."""
+    what = "the coordinator" if process_id else f"the other {num_processes - 1} process(es) to join"
+    if num_processes > 1:
+        print(f"moejax: process {process_id} of {num_processes}: waiting up to {timeout:g} s for {what} at "
+              f"{coordinator} (Ctrl-C stops) ...", file=sys.stderr, flush=True)
+    done, failed = threading.Event(), []
+
+    def run() -> None:
+        try:
+            jax.distributed.initialize(coordinator, num_processes=num_processes, process_id=process_id,
+                                       initialization_timeout=math.ceil(timeout) + JAX_TIMEOUT_MARGIN_S)
+        except Exception as e:  # noqa: BLE001 - handed to the waiting thread
+            failed.append(e)
+        finally:
+            done.set()
+
+    threading.Thread(target=run, name="moejax-join", daemon=True).start()
+    # the exits below skip the interpreter's teardown: the helper thread is still inside JAX's C++ wait, which
+    # cannot be cancelled and would abort the process (or crash the teardown) later
+    deadline = time.monotonic() + timeout
+    try:
+        while not done.wait(min(0.1, max(0.0, deadline - time.monotonic()))):
+            if time.monotonic() >= deadline:
+                error = errors.Failure(_timed_out(coordinator, num_processes, process_id, timeout))
+                interrupts.hard_exit(errors.report(error))
+    except (SystemExit, KeyboardInterrupt) as e:  # a signal (``interrupts``) or Ctrl-C during the wait
+        interrupts.hard_exit(e.code if isinstance(e, SystemExit) and isinstance(e.code, int)
+                             else 128 + signal.SIGINT)
+    if failed:
+        raise errors.Failure(f"could not join the run at {coordinator}: {errors.excerpt(failed[0])}") from None
+
+
+def _timed_out(coordinator: str, num_processes: int, process_id: int, timeout: float) -> str:
+    if process_id:
+        return (f"no coordinator answered at {coordinator} within {timeout:g} s (process {process_id} of "
+                f"{num_processes}): start process 0 there, check the address, or raise {TIMEOUT_ENV}")
+    return (f"the other {num_processes - 1} process(es) did not all join the coordinator at {coordinator} within "
+            f"{timeout:g} s (process 0 of {num_processes}): start them, or raise {TIMEOUT_ENV}")
 
 
 def is_multiprocess() -> bool:

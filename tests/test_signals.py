@@ -1,0 +1,214 @@
+"""SIGTERM and Ctrl-C in the middle of a command's work, as a user or a scheduler sends them: real processes,
+real signals. A command ends with ``128 + signal`` within seconds, without a traceback or a crash in the
+interpreter's teardown, and leaves no temporary file behind; a distributed worker waiting for its coordinator
+says what it waits for, stops at a signal, and gives up after its timeout with one error line."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+
+pytestmark = pytest.mark.skipif(not os.path.exists("/proc/self/status"), reason="reads /proc/<pid>/status")
+
+STUDY = ["--only", "pareto", "--max-tokens", "45", "--context", "16", "--points", "2", "--batch-size", "1",
+         "--no-progress"]
+#: seconds a stopped command may take to end (the watchdog's grace is 5 s; a clean exit takes well under 1 s)
+PROMPT_S = 8.0
+
+
+def _start(module: str, args: list[str], err_path, env: dict | None = None) -> subprocess.Popen:
+    with open(err_path, "w") as err:
+        return subprocess.Popen([sys.executable, "-m", module, *args], stdout=subprocess.DEVNULL, stderr=err,
+                                env=env or dict(os.environ), text=True)
+
+
+def _catches_sigterm(pid: int) -> bool:
+    """Whether the process has a SIGTERM handler: the command's own (``interrupts``), installed once it starts."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            mask = next(int(line.split()[1], 16) for line in f if line.startswith("SigCgt:"))
+    except (OSError, StopIteration):
+        return False
+    return bool(mask >> (signal.SIGTERM - 1) & 1)
+
+
+def _wait_until(condition, proc: subprocess.Popen, timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert proc.poll() is None, f"the command ended ({proc.returncode}) before {what}"
+        assert time.monotonic() < deadline, f"no {what} within {timeout} s"
+        time.sleep(0.05)
+
+
+def _stop(proc: subprocess.Popen, sig: int) -> tuple[int, float]:
+    """Send ``sig``; the exit status and the seconds the process took to end."""
+    sent = time.monotonic()
+    proc.send_signal(sig)
+    try:
+        status = proc.wait(timeout=60)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+        pytest.fail(f"still running 60 s after {signal.Signals(sig).name}")
+    return status, time.monotonic() - sent
+
+
+def _assert_stopped(status: int, took: float, sig: int, err_path) -> None:
+    err = open(err_path).read()
+    assert status == 128 + sig, (status, err[-2000:])  # -11 or 139: a segmentation fault in the teardown
+    assert took < PROMPT_S, (took, err[-2000:])
+    assert "Traceback" not in err and "Segmentation fault" not in err and "Fatal Python error" not in err, err
+
+
+def _temporaries(folder) -> list[str]:
+    return sorted(n for n in os.listdir(folder) if n.startswith(".") or ".tmp-" in n) if os.path.isdir(folder) else []
+
+
+def _records(path) -> int:
+    """The whole records in a results file (a line that is not one JSON record fails)."""
+    if not os.path.exists(path):
+        return 0
+    with open(path) as f:
+        return len([json.loads(line) for line in f])
+
+
+@pytest.mark.parametrize("sig, when", [(signal.SIGTERM, "started"), (signal.SIGINT, "computing"),
+                                       (signal.SIGTERM, "first record")],
+                         ids=["SIGTERM-loading", "SIGINT-computing", "SIGTERM-after-a-record"])
+def test_a_study_stopped_by_a_signal_ends_with_its_status(tmp_path, sig, when):
+    """Delivered as soon as the command handles signals (loading the model), a few seconds later (compiling or
+    computing its first points), and once it has appended a record: the same status every time, and the
+    results file holds whole records only."""
+    out = tmp_path / "studies"
+    err_path = tmp_path / "stderr"
+    proc = _start("moejax.studies", [*STUDY, "--out", str(out)], err_path)
+    try:
+        _wait_until(lambda: _catches_sigterm(proc.pid), proc, 120, "signal handlers")
+        if when == "computing":
+            time.sleep(3.0)
+        elif when == "first record":
+            _wait_until(lambda: _records(out / "pareto.jsonl") >= 1, proc, 300, "first record")
+        status, took = _stop(proc, sig)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    _assert_stopped(status, took, sig, err_path)
+    assert _temporaries(out) == []
+    assert _records(out / "pareto.jsonl") >= (when == "first record")
+    assert not os.path.exists(out / "manifest.json")  # written only when a study finished
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(tmp_path, timeout_s: float):
+    """``moejax.evaluate`` as process 1 of 2 of a run whose coordinator never starts."""
+    address = f"127.0.0.1:{_free_port()}"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("JAX_") or k == "JAX_COMPILATION_CACHE_DIR"}
+    env.update(JAX_PLATFORMS="cpu", MOEJAX_COORDINATOR_TIMEOUT=str(timeout_s))
+    err_path = tmp_path / "stderr"
+    args = ["--max-tokens", "10", "--distributed", "--coordinator", address, "--num-processes", "2",
+            "--process-id", "1"]
+    return _start("moejax.evaluate", args, err_path, env), address, err_path
+
+
+def test_a_worker_without_a_coordinator_gives_up_with_one_error_line(tmp_path):
+    proc, address, err_path = _worker(tmp_path, 3)
+    try:
+        _wait_until(lambda: "waiting up to" in open(err_path).read(), proc, 120, "the waiting line")
+        waiting = time.monotonic()
+        status = proc.wait(timeout=60)
+        assert time.monotonic() - waiting < 3 + PROMPT_S
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    err = open(err_path).read()
+    assert status == 1, err[-2000:]
+    assert f"waiting up to 3 s for the coordinator at {address}" in err
+    errors = [line for line in err.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and address in errors[0], err
+    assert "Check failure" not in err and "Traceback" not in err and "***" not in err, err
+
+
+def test_a_worker_waiting_for_its_coordinator_stops_at_sigterm(tmp_path):
+    proc, address, err_path = _worker(tmp_path, 120)
+    try:
+        _wait_until(lambda: "waiting up to" in open(err_path).read(), proc, 120, "the waiting line")
+        status, took = _stop(proc, signal.SIGTERM)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    _assert_stopped(status, took, signal.SIGTERM, err_path)
+    assert took < 5.0
+    assert "error:" not in open(err_path).read()
+
+
+_COMPILING = r"""
+import jax, jax.numpy as jnp
+from moejax.base import interrupts
+interrupts.exit_cleanly_on_signals(own_process=True)
+
+def chain(x):
+    for i in range(1500):  # one program that takes XLA seconds to compile
+        x = jnp.sin(x @ x) * (i % 7) + jnp.cos(x)
+    return x
+
+lowered = jax.jit(chain).lower(jnp.ones((64, 64)))
+print("compiling", flush=True)
+lowered.compile()
+print("compiled", flush=True)
+"""
+
+
+def test_a_signal_during_an_xla_compilation_ends_the_command_at_once():
+    """XLA compiles on its own thread pool while the main thread waits, interruptibly: the interpreter's teardown
+    then destroyed the JAX client under the running compilation (a segmentation fault once it finished)."""
+    proc = subprocess.Popen([sys.executable, "-c", _COMPILING], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)
+    try:
+        assert proc.stdout.readline() == "compiling\n"
+        time.sleep(0.5)
+        status, took = _stop(proc, signal.SIGTERM)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        out, err = proc.communicate()
+    assert "compiled" not in out, "the compilation ended before the signal: make the program longer"
+    assert status == 128 + signal.SIGTERM and took < 3.0, (status, took, err[-2000:])
+
+
+_STUCK = r"""
+import hashlib
+from moejax.base import interrupts
+interrupts.exit_cleanly_on_signals(own_process=True)
+interrupts.GRACE_S = 1.0
+print("ready", flush=True)
+hashlib.pbkdf2_hmac("sha256", b"x", b"y", 10 ** 9)  # one C call of minutes: no Python handler runs meanwhile
+"""
+
+
+def test_a_main_thread_stuck_in_a_c_call_still_ends_after_the_grace():
+    proc = subprocess.Popen([sys.executable, "-c", _STUCK], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout.readline() == "ready\n"
+        time.sleep(0.5)
+        status, took = _stop(proc, signal.SIGTERM)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        _, err = proc.communicate()
+    assert status == 128 + signal.SIGTERM and took < 1.0 + 3.0, (status, took, err)
+    assert "still busy after SIGTERM" in err and "pbkdf2" not in err and "Traceback" not in err
