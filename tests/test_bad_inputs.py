@@ -967,6 +967,8 @@ CASES += [
     Case("generate-prefetch-overflows", "generate", G("--prefetch", "1e300"), USAGE, ("--prefetch",)),
     Case("generate-bandwidth-overflows", "generate", G("--offload", "--bandwidth-gbps", "1e300"), USAGE,
          ("--bandwidth-gbps",)),
+    Case("generate-max-rank-past-int32", "generate", G("--routing", "max-rank", "--max-rank", "9" * 23), USAGE,
+         ("max-rank M",)),
     Case("generate-temperature-overflows", "generate", G("--temperature", "1e300"), USAGE, ("--temperature",)),
     Case("evaluate-sweep-lam-range-overflows", "evaluate", E("--sweep", "lam=0:1e300:3"), USAGE, ("--sweep",), TEXT),
     Case("evaluate-sweep-lam-list-overflows", "evaluate", E("--sweep", "lam=0.5,1e300"), USAGE, ("--sweep",), TEXT),

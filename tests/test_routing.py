@@ -372,3 +372,14 @@ def test_group_limited_ranks_close_probabilities_in_the_chosen_groups_by_value()
     probs = np.asarray(g.probs(z))
     assert probs[1] > probs[0] and np.float32(probs[1] + 2.0) == np.float32(probs[0] + 2.0)  # the old tie
     assert np.asarray(g.ranking(z)).tolist() == [2, 3, 1, 0, 7, 6, 4, 5]
+
+
+@pytest.mark.parametrize("kind, params, words", [
+    ("cache-prior", dict(lam=1e300), "lambda"), ("cache-prior", dict(lam=-1e7), "lambda"),
+    ("cache-prior", dict(lam=float("inf")), "lambda"), ("max-rank", dict(max_rank=10**23), "max-rank M"),
+    ("max-rank", dict(max_rank=-1), "max-rank M"),
+])
+def test_make_policy_refuses_numbers_the_device_cannot_hold(kind, params, words):
+    """The API takes the command lines' ranges: λ = 1e300 became inf in float32, M = 10**23 overflowed int32."""
+    with pytest.raises(ValueError, match=words):
+        routing.make_policy(kind, 4, **params)

@@ -35,7 +35,9 @@ PARAM_KINDS = {"lam": ("cache-prior",), "delta": ("cache-prior",), "top_j": ("ca
 PARAM_DEFAULTS = {"lam": 0.5, "delta": None, "top_j": None, "max_rank": None, "cumsum_p": 0.9, "prune_h": None}
 #: the float parameters' ranges on every command line and in ``--sweep`` grids (argparse types): λ·Δ is added to
 #: float32 logits, so each stays far inside float32's range (λ = 1e6 already ranks every cached expert first)
-PARAM_RANGES = {"lam": flags.finite_float(-1e6, 1e6), "delta": flags.finite_float(0.0, 1e6),
+#: the largest |λ| and max-rank M a policy takes (the command lines' ranges; the device holds them as float32 / int32)
+LAM_LIMIT, MAX_RANK_LIMIT = 1e6, 2**31 - 1
+PARAM_RANGES = {"lam": flags.finite_float(-LAM_LIMIT, LAM_LIMIT), "delta": flags.finite_float(0.0, 1e6),
                 "cumsum_p": flags.finite_float(0.0, 1.0)}
 
 
@@ -147,16 +149,16 @@ def make_policy(kind: str, top_k: int, *, lam=None, top_j=None, max_rank=None, c
         raise ValueError(f"top-J must be in [0, K={top_k}], got {top_j}")
     if kind == "max-rank":
         m = top_k if max_rank is None else int(max_rank)
-        if m < 0:
-            raise ValueError(f"max-rank M must be >= 0, got {m}")
+        if not 0 <= m <= MAX_RANK_LIMIT:  # it becomes an int32 on the device
+            raise ValueError(f"max-rank M must be in [0, {MAX_RANK_LIMIT}], got {m}")
         return _max_rank_policy(m, top_j)
     if kind == "cumsum":
         if not 0.0 <= float(cumsum_p) <= 1.0:
             raise ValueError(f"cumsum p must be in [0, 1], got {cumsum_p}")
         return cumsum(cumsum_p, top_j)
     if kind == "cache-prior":
-        if not math.isfinite(float(lam)):
-            raise ValueError(f"lambda must be finite, got {lam}")
+        if not math.isfinite(float(lam)) or abs(float(lam)) > LAM_LIMIT:  # past it float32 holds inf
+            raise ValueError(f"lambda must be finite, in [-{LAM_LIMIT:g}, {LAM_LIMIT:g}], got {lam}")
         if delta is not None:
             delta = check_delta(delta)
         return cache_prior(lam, top_j, delta)
