@@ -15,8 +15,6 @@ import time
 
 import pytest
 
-pytestmark = pytest.mark.skipif(not os.path.exists("/proc/self/status"), reason="reads /proc/<pid>/status")
-
 STUDY = ["--only", "pareto", "--max-tokens", "45", "--context", "16", "--points", "2", "--batch-size", "1",
          "--no-progress"]
 #: seconds a stopped command may take to end (the watchdog's grace is 5 s; a clean exit takes well under 1 s)
@@ -68,17 +66,29 @@ def _assert_stopped(status: int, took: float, sig: int, err_path) -> None:
 
 
 def _temporaries(folder) -> list[str]:
-    return sorted(n for n in os.listdir(folder) if n.startswith(".") or ".tmp-" in n) if os.path.isdir(folder) else []
+    """Hidden or ``.tmp-`` names anywhere under ``folder`` (the temporary names ``atomic`` and ``tempfiles`` give)."""
+    return sorted(os.path.relpath(os.path.join(top, n), folder) for top, dirs, files in os.walk(folder)
+                  for n in dirs + files if n.startswith(".") or ".tmp-" in n)
+
+
+def _lines(path) -> int:
+    """The complete lines of a file being appended to (0 while it does not exist)."""
+    try:
+        with open(path, "rb") as f:
+            return f.read().count(b"\n")
+    except FileNotFoundError:
+        return 0
 
 
 def _records(path) -> int:
-    """The whole records in a results file (a line that is not one JSON record fails)."""
+    """The records of a finished results file: each line one whole JSON record (else this fails)."""
     if not os.path.exists(path):
         return 0
     with open(path) as f:
         return len([json.loads(line) for line in f])
 
 
+@pytest.mark.skipif(not os.path.exists("/proc/self/status"), reason="reads /proc/<pid>/status")
 @pytest.mark.parametrize("sig, when", [(signal.SIGTERM, "started"), (signal.SIGINT, "computing"),
                                        (signal.SIGTERM, "first record")],
                          ids=["SIGTERM-loading", "SIGINT-computing", "SIGTERM-after-a-record"])
@@ -94,7 +104,7 @@ def test_a_study_stopped_by_a_signal_ends_with_its_status(tmp_path, sig, when):
         if when == "computing":
             time.sleep(3.0)
         elif when == "first record":
-            _wait_until(lambda: _records(out / "pareto.jsonl") >= 1, proc, 300, "first record")
+            _wait_until(lambda: _lines(out / "pareto.jsonl") >= 1, proc, 300, "first record")
         status, took = _stop(proc, sig)
     finally:
         if proc.poll() is None:
@@ -112,19 +122,22 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _worker(tmp_path, timeout_s: float):
-    """``moejax.evaluate`` as process 1 of 2 of a run whose coordinator never starts."""
+def _worker(tmp_path, timeout_s: float, flag: bool = False):
+    """``moejax.evaluate`` as process 1 of 2 of a run whose coordinator never starts; its timeout from the
+    environment, or with ``flag`` from ``--coordinator-timeout``."""
     address = f"127.0.0.1:{_free_port()}"
     env = {k: v for k, v in os.environ.items() if not k.startswith("JAX_") or k == "JAX_COMPILATION_CACHE_DIR"}
-    env.update(JAX_PLATFORMS="cpu", MOEJAX_COORDINATOR_TIMEOUT=str(timeout_s))
+    env.update(JAX_PLATFORMS="cpu")
+    if not flag:
+        env["MOEJAX_COORDINATOR_TIMEOUT"] = str(timeout_s)
     err_path = tmp_path / "stderr"
     args = ["--max-tokens", "10", "--distributed", "--coordinator", address, "--num-processes", "2",
-            "--process-id", "1"]
+            "--process-id", "1"] + (["--coordinator-timeout", str(timeout_s)] if flag else [])
     return _start("moejax.evaluate", args, err_path, env), address, err_path
 
 
 def test_a_worker_without_a_coordinator_gives_up_with_one_error_line(tmp_path):
-    proc, address, err_path = _worker(tmp_path, 3)
+    proc, address, err_path = _worker(tmp_path, 3, flag=True)
     try:
         _wait_until(lambda: "waiting up to" in open(err_path).read(), proc, 120, "the waiting line")
         waiting = time.monotonic()
@@ -177,7 +190,7 @@ def test_a_signal_during_an_xla_compilation_ends_the_command_at_once():
     """XLA compiles on its own thread pool while the main thread waits, interruptibly: the interpreter's teardown
     then destroyed the JAX client under the running compilation (a segmentation fault once it finished)."""
     proc = subprocess.Popen([sys.executable, "-c", _COMPILING], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True)
+                            text=True, env=dict(os.environ, JAX_PLATFORMS="cpu"))
     try:
         assert proc.stdout.readline() == "compiling\n"
         time.sleep(0.5)
@@ -212,3 +225,16 @@ def test_a_main_thread_stuck_in_a_c_call_still_ends_after_the_grace():
         _, err = proc.communicate()
     assert status == 128 + signal.SIGTERM and took < 1.0 + 3.0, (status, took, err)
     assert "still busy after SIGTERM" in err and "pbkdf2" not in err and "Traceback" not in err
+
+
+def test_the_coordinator_timeout_comes_from_the_argument_else_the_environment(monkeypatch):
+    from moejax.base import distributed
+
+    monkeypatch.delenv(distributed.TIMEOUT_ENV, raising=False)
+    assert distributed.join_timeout() == distributed.JOIN_TIMEOUT_S
+    monkeypatch.setenv(distributed.TIMEOUT_ENV, "2.5")
+    assert distributed.join_timeout() == 2.5 and distributed.join_timeout(7) == 7.0
+    for bad in ("soon", "0", "-1", "nan", "inf"):
+        monkeypatch.setenv(distributed.TIMEOUT_ENV, bad)
+        with pytest.raises(ValueError, match="seconds"):
+            distributed.join_timeout()

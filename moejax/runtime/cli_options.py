@@ -138,6 +138,9 @@ def add_distributed_args(p: argparse.ArgumentParser) -> None:
                    help="process 0's address (default: JAX_COORDINATOR_ADDRESS)")
     g.add_argument("--num-processes", type=int, default=None, help="default: JAX_NUM_PROCESSES")
     g.add_argument("--process-id", type=int, default=None, help="default: JAX_PROCESS_ID")
+    g.add_argument("--coordinator-timeout", type=flags.finite_float(0.0, 1e7, low_open=True), default=None,
+                   metavar="SECONDS", help="seconds to wait for the coordinator and the other processes (default: "
+                                           "MOEJAX_COORDINATOR_TIMEOUT, else 300)")
 
 
 def start_distributed(args: argparse.Namespace):
@@ -149,7 +152,8 @@ def start_distributed(args: argparse.Namespace):
     if args.devices is not None and args.devices < 1:
         raise ValueError(f"--devices must be >= 1, got {args.devices}")
     if asked or distributed.requested():
-        distributed.initialize(args.coordinator, args.num_processes, args.process_id)
+        distributed.initialize(args.coordinator, args.num_processes, args.process_id,
+                               timeout=getattr(args, "coordinator_timeout", None))
     if getattr(args, "shard", None) is not None:
         if distributed.is_multiprocess():
             raise ValueError("--shard experts runs in one process (its devices); a multi-process run spreads "
