@@ -81,6 +81,9 @@ import urllib.request
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
+sys.path.insert(0, HERE)
+from bench_teacher_forced import cpu_model as cpu_name  # noqa: E402  (stdlib + numpy at import time)
+
 PARTS = ("offload", "start", "server")
 PROMPT_IDS = "1,2,3,4,5,6,7,8"
 SERVER_PROMPT = "The history of the city of Paris began in the Roman period, when"
@@ -220,17 +223,6 @@ def ratio(a: dict | None, b: dict | None) -> float | None:
 
 def fmt(x, spec: str = ".2f") -> str:
     return "-" if x is None else format(x, spec)
-
-
-def cpu_name() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
 
 
 def git_state() -> dict:
