@@ -186,19 +186,26 @@ print("compiled", flush=True)
 """
 
 
-def test_a_signal_during_an_xla_compilation_ends_the_command_at_once():
-    """XLA compiles on its own thread pool while the main thread waits, interruptibly: the interpreter's teardown
-    then destroyed the JAX client under the running compilation (a segmentation fault once it finished)."""
-    proc = subprocess.Popen([sys.executable, "-c", _COMPILING], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, env=dict(os.environ, JAX_PLATFORMS="cpu"))
+def _sigterm_child(code: str, ready: str) -> tuple[int, float, str, str]:
+    """Run ``code`` in a child, SIGTERM it half a second after it prints ``ready``: (status, seconds it took to
+    end, stdout, stderr)."""
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=dict(os.environ, JAX_PLATFORMS="cpu"))
     try:
-        assert proc.stdout.readline() == "compiling\n"
+        assert proc.stdout.readline() == ready + "\n"
         time.sleep(0.5)
         status, took = _stop(proc, signal.SIGTERM)
     finally:
         if proc.poll() is None:
             proc.kill()
         out, err = proc.communicate()
+    return status, took, out, err
+
+
+def test_a_signal_during_an_xla_compilation_ends_the_command_at_once():
+    """XLA compiles on its own thread pool while the main thread waits, interruptibly: the interpreter's teardown
+    then destroyed the JAX client under the running compilation (a segmentation fault once it finished)."""
+    status, took, out, err = _sigterm_child(_COMPILING, "compiling")
     assert "compiled" not in out, "the compilation ended before the signal: make the program longer"
     assert status == 128 + signal.SIGTERM and took < 3.0, (status, took, err[-2000:])
 
@@ -214,15 +221,7 @@ hashlib.pbkdf2_hmac("sha256", b"x", b"y", 10 ** 9)  # one C call of minutes: no 
 
 
 def test_a_main_thread_stuck_in_a_c_call_still_ends_after_the_grace():
-    proc = subprocess.Popen([sys.executable, "-c", _STUCK], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    try:
-        assert proc.stdout.readline() == "ready\n"
-        time.sleep(0.5)
-        status, took = _stop(proc, signal.SIGTERM)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-        _, err = proc.communicate()
+    status, took, _, err = _sigterm_child(_STUCK, "ready")
     assert status == 128 + signal.SIGTERM and took < 1.0 + 3.0, (status, took, err)
     assert "still busy after SIGTERM" in err and "pbkdf2" not in err and "Traceback" not in err
 
