@@ -230,7 +230,7 @@ def test_cli_table_and_errors(lm, tmp_path, capsys):
         (["--sweep", "lam=0:1"], "number of points"),
         (["--sweep", "lam=0:1:2", "--routing", "max-rank"], "applies to routing cache-prior"),
         (["--sweep", "cache_size=2,9"], "between 1 and N=8"),
-        (["--sweep", "cumsum_p=0.5,1.5"], "cumsum p must be in [0, 1]"),
+        (["--sweep", "cumsum_p=0.5,1.5"], "'1.5' is not in [0, 1]"),
         (["--max-tokens", "0"], "--max-tokens must be >= 1"),
         (["--task", "mmlu", "--limit", "0"], "--limit must be >= 1"),
         (["--context", str(lm.cfg.max_position_embeddings + 1)], "longer than the model's"),

@@ -234,6 +234,10 @@ def test_a_chat_template_that_never_ends_is_cut_off_and_signals_still_stop_the_s
     assert status in (500, 503)
 
 
-def test_an_offload_configuration_generate_refuses_is_refused_at_the_start(capsys):
-    assert serve.main(["--model", "default", "--offload", "--cache-size", "2"]) == 2
-    assert "K=" in capsys.readouterr().err.strip().splitlines()[-1]
+def test_an_offload_configuration_generate_refuses_is_refused_at_the_start():
+    """The model loads after the server listens: the refusal ends the server with one error line, status 2."""
+    proc = subprocess.run([sys.executable, "-m", "moejax.serve", "--port", "0", "--offload", "--cache-size", "2"],
+                          capture_output=True, text=True, timeout=300)
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 2 and lines[-1].startswith("error:") and "K=" in lines[-1], proc.stderr
+    assert sum(line.startswith("error:") for line in lines) == 1 and "Traceback" not in proc.stderr

@@ -90,7 +90,8 @@ def _number(text: str, kind: str, spec: str, allowed: flags.FloatRange = FINITE)
         what = "a number" if kind == "float" else "an integer"
         raise SweepError(f"--sweep {spec!r}: {text!r} is not {what}") from None
     if kind == "float" and not allowed.contains(value):
-        raise SweepError(f"--sweep {spec!r}: {text!r} is not finite or not in {allowed.describe()}")
+        why = "is not in" if math.isfinite(value) else "is not finite: a point must lie in"
+        raise SweepError(f"--sweep {spec!r}: {text!r} {why} {allowed.describe()}")
     return value
 
 

@@ -217,7 +217,7 @@ def run(args: argparse.Namespace) -> tuple[dict, Exception | None]:
             prefix = render(args.prompt if args.prompt is not None else DEFAULT_PROMPT)
             prefix += " " if not model.decode(ids[-1:]).endswith(" ") else ""
         streamer = Streamer(model, render, prefix=prefix)
-    with compile_note(enabled=not args.json):
+    with compile_note(enabled=not args.json and sys.stderr.isatty()):  # progress for a person, not a log
         result = model.generate(ids, max_new_tokens=args.max_new_tokens, **sampling, seed=args.seed or 0,
                                 stop_at_eos=not args.ignore_eos,
                                 on_tokens=streamer, routing=routing, cache=cache, offload=offload)
