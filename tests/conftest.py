@@ -585,7 +585,8 @@ FILE_SECONDS = {
     "test_trace.py": 23, "test_compile_cache.py": 22, "test_full_disk.py": 21, "test_evaluate.py": 20,
     "test_convert.py": 20, "test_cache.py": 18, "test_cache_memory.py": 16, "test_plots.py": 15,
     "test_prefill_paging.py": 15, "test_quant.py": 14, "test_page_writes.py": 14, "test_dispatch.py": 13,
-    "test_random_checkpoint.py": 12,
+    "test_random_checkpoint.py": 12, "test_serve_access.py": 95, "test_signals.py": 45, "test_output_paths.py": 20,
+    "test_safetensors_headers.py": 10, "test_templates.py": 5,
 }
 
 
