@@ -1,8 +1,11 @@
 """In-jit offloaded decoding (``OffloadConfig(paging="jit")``).
 
-The whole decode loop stays one ``lax.scan`` (``decode.generate``); the router hook (``JitPager``) pages
-inside jit with ``lax.dynamic_index_in_dim`` on host-memory arrays + ``jax.device_put`` to device memory
-under ``lax.cond`` (XLA does the transfer on GPU/TPU; on CPU the placement compiles to a plain copy).
+The whole decode loop stays one ``lax.scan`` (``decode.generate``): routing, the cache decision and the paging
+all run inside the decode program, so a token whose experts are all resident costs what a resident token costs
+plus the cache's bookkeeping. The router hook (``JitPager``) pages each change with ``lax.dynamic_index_in_dim``
+on host-memory stacks + ``jax.device_put`` to device memory (XLA does the transfer on GPU/TPU; on the CPU it
+is a plain copy), straight into the slot's own buffers, and computes with the slots exactly as the resident
+model computes with its experts.
 """
 
 from __future__ import annotations
@@ -12,33 +15,53 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
-from moejax.models import model as model_lib, weights
+from moejax.models import layout, model as model_lib, weights
 from moejax.models.config import ModelConfig
 from moejax.experts import routing as routing_lib
 from moejax.experts.router import prefetch_step, router_step
 from moejax.runtime import decode
-from moejax.runtime.expert_store import (EXPERT_KEYS, ExpertStore, _host_sharding, expert_stacks, fill_slots,
-    init_slots, split_params, tree_nbytes)
+from moejax.runtime.expert_store import (EXPERT_KEYS, _host_sharding, expert_stacks, init_slots, split_params,
+    tree_nbytes)
 from moejax.runtime.offload import OffloadConfig, check_capacity
 
 
-def host_memory_params(params: dict, cfg: ModelConfig) -> dict:
-    """``params`` with each MoE layer's expert stacks moved to ``pinned_host`` memory (where the backend
-    has it); everything else on the device. The in-jit pager slices one expert at a time from them."""
-    device = jax.devices()[0]
-    sharding = _host_sharding(device)
-    layers = []
+def host_expert_stacks(params: dict, cfg: ModelConfig, stores: dict | None = None) -> list[dict]:
+    """Per MoE layer, every routed expert in the serving layout as two stacks in host memory (``pinned_host``
+    where the backend has it; device memory on the CPU, which is the same memory): ``gate_up`` ``[N, 2F, D]``
+    and ``down`` ``[N, D, F]``. A page is one dynamic index into them, written straight into its slot's own
+    buffers. Made once per weights (kept in ``stores``, the model's store cache), read once from the files for
+    experts left there."""
+    key = ("jit-host", id(params))
+    if stores is not None and key in stores:
+        return stores[key]
+    sharding = _host_sharding(jax.devices()[0])
+    place = (lambda a: jax.device_put(a, sharding)) if sharding is not None else jnp.asarray  # noqa: E731
+    out = []
     for i, lp in enumerate(params["layers"]):
         if cfg.moe_layers[i]:
-            stacks = expert_stacks(lp["moe"])
-            moe = {k: v for k, v in lp["moe"].items() if k != "experts"}
-            for k in EXPERT_KEYS:  # experts left in the files (or in a serving layout) are read a stack at a time
-                stack = weights.to_host(stacks[k]) if weights.is_lazy(stacks[k]) else stacks[k]
-                moe[k] = jax.device_put(stack, sharding) if sharding is not None else jnp.asarray(stack)
-            lp = {**lp, "moe": moe}
-        layers.append(lp)
-    return {**params, "layers": layers}
+            gate_up, down = _serving_stacks(lp["moe"])
+            out.append({"gate_up": place(gate_up), "down": place(down)})
+    if stores is not None:
+        stores.clear()  # one host copy of the experts per model at a time
+        stores[key] = out
+    return out
+
+
+def _serving_stacks(moe: dict) -> tuple[np.ndarray, np.ndarray]:
+    """A MoE layer's experts as host stacks ``gate_up [N, 2F, D]``, ``down [N, D, F]`` (``host_expert_stacks``)."""
+    held = moe.get("experts")
+    if isinstance(held, layout.ExpertList):
+        if layout.is_int8(held.gate_up[0]):
+            raise ValueError("in-jit paging keeps the stored dtype; int8 experts page with paging='host'")
+        whole = lambda m: np.asarray(m) if not isinstance(m, layout.ColumnBlocks) else np.concatenate(  # noqa: E731
+            [np.asarray(b) for b in m.blocks], axis=1)
+        return (np.stack([whole(m) for m in held.gate_up]), np.stack([whole(m) for m in held.down]))
+    stacks = expert_stacks(moe)
+    host = {k: np.asarray(weights.to_host(stacks[k]) if weights.is_lazy(stacks[k]) else stacks[k]) for k in EXPERT_KEYS}
+    return (np.concatenate([np.swapaxes(host["gate"], 1, 2), np.swapaxes(host["up"], 1, 2)], axis=1),
+            np.ascontiguousarray(np.swapaxes(host["down"], 1, 2)))
 
 
 def _to_device(x):
@@ -52,13 +75,13 @@ def _to_device(x):
 class JitPager:
     """Router hook for ``model.forward`` that pages inside jit (offload ``paging="jit"``).
 
-    State: the simulation's {"cache", "routing", "policy"} plus "slots" (the device slot buffers) and
-    "pending" (this step's slot changes, [M] arrays, written by the hook's routing and paged by
-    ``compute`` — which is where the expert stacks in host memory are reachable)."""
+    State: the simulation's {"cache", "routing", "policy"} plus "slots" (the device slots: a serving-layout
+    ``ExpertList`` of C buffers per MoE layer, or one pool) and "pending" (this step's slot changes, [M] arrays,
+    written by the hook's routing and paged by ``compute``, which gets the layer's host stacks)."""
 
     gating: Any
     max_changes: int  # static bound on slot changes per router step (K + prefetch candidates)
-    # the slot stacks are written in place every step; decode does not roll them back after EOS (see
+    # the slot buffers are written in place every step; decode does not roll them back after EOS (see
     # decode.keep_when_done): they are rebuilt from the cache state at the next generate call
     no_rollback: tuple[str, ...] = ("slots",)
 
@@ -103,22 +126,19 @@ class JitPager:
         return e[None], w[None], state, {"hits": h[None]}
 
     def compute(self, moe_index, p, cfg, h, experts, weights, record, state):
-        """Page this step's changes for this layer from host memory into the slots, then compute.
-        Global scope: a prefetch can land in another layer's row; it is paged when that layer runs (its
-        slot was assigned now; nothing reads it before then)."""
+        """Page this step's changes for this layer from its host stacks into the slots, then compute with the
+        slots as the resident model computes with its experts (``model.switched_routed_experts``: each slot read
+        in place; same arithmetic, so the same result bit for bit). A step with no change runs no page at all
+        (a loop of zero trips). Global scope: a prefetch can land in another layer's row; it is paged when that
+        layer runs (its slot was assigned now; nothing reads it before then)."""
         pending = state["pending"]
         global_scope = state["cache"].scope == "global"
         slots = state["slots"] if global_scope else state["slots"][moe_index]
-        host = {k: p[k] for k in EXPERT_KEYS}
-        for j in range(self.max_changes):
-            row, expert, s = pending["row"][j], pending["expert"][j], pending["slot"][j]
-            # in global scope only rows of this layer can be paged from this layer's host stacks
-            need = pending["valid"][j] & (row == moe_index)
-            slots = jax.lax.platform_dependent(slots, host, need, expert, s, cpu=page_in_condition,
-                                               default=page_one_expert)
+        # in global scope only rows of this layer can be paged from this layer's host stacks
+        slots = page_changes(slots, p["paged"], pending, pending["valid"] & (pending["row"] == moe_index))
         slot_ids = state["cache"].slot[moe_index, jnp.maximum(experts, 0)]
-        y = model_lib.routed_experts({**p, **slots}, cfg, h, jnp.where(experts >= 0, slot_ids, -1), weights,
-                                     bias_ids=experts)  # GPT-OSS's biases: of the real experts
+        y = model_lib.routed_experts({**p, "experts": slots}, cfg, h, jnp.where(experts >= 0, slot_ids, -1),
+                                     weights, bias_ids=experts)  # GPT-OSS's biases: of the real experts
         if global_scope:
             state = {**state, "slots": slots}
         else:
@@ -128,44 +148,74 @@ class JitPager:
         return y, state
 
 
-def _fetch(host: dict, expert, like: dict) -> dict:
-    """One expert's matrices from the host stacks, on the device, in the slots' dtypes."""
-    return {k: _to_device(jax.lax.dynamic_index_in_dim(host[k], expert, 0, keepdims=False)).astype(like[k].dtype)
-            for k in EXPERT_KEYS}
+def page_changes(slots: layout.ExpertList, host: dict, pending: dict, need) -> layout.ExpertList:
+    """Write the pending changes flagged in ``need`` into the slots, one expert each, in a loop of as many
+    trips as there are changes: a step whose experts are all resident pays nothing (bench/bench_fixed_costs.py,
+    offload C=N rows)."""
+    (order,) = jnp.nonzero(need, size=need.shape[0], fill_value=0)
+
+    def one(j, buffers):
+        i = order[j]
+        return page_into(buffers, host, pending["expert"][i], pending["slot"][i])
+
+    return jax.lax.fori_loop(0, need.sum(), one, slots)
 
 
-def page_in_condition(slots: dict, host: dict, need, expert, s) -> dict:
-    """The slot write inside the condition (the CPU's form): a hit writes nothing. Its pass-through branch
-    copies the layer's slot stacks, but on XLA:CPU every bf16 slot write costs a float32 pass over the whole
-    stack anyway, and this form was the fastest of four measured there (bench/RESULTS.md, "On the H200")."""
-    def load(buf):
-        data = _fetch(host, expert, buf)
-        return {k: jax.lax.dynamic_update_index_in_dim(buf[k], data[k], s, 0) for k in EXPERT_KEYS}
+def page_into(slots: layout.ExpertList, host: dict, expert, s) -> layout.ExpertList:
+    """Expert ``expert`` of the host stacks written into slot ``s`` (any other value of ``s``: unchanged).
 
-    return jax.lax.cond(need, load, lambda buf: buf, slots)
-
-
-def page_one_expert(slots: dict, host: dict, need, expert, s) -> dict:
-    """Only one expert's matrices pass through the condition (the host's on a miss, the slot's own on a hit),
-    and the slot is written in place every time. Where a slot write is in place (GPU), this moves one expert
-    (12.6 MB at OLMoE shapes) instead of copying the layer's whole slot stacks through the condition's
-    pass-through branch (403 MB at C = 32: 32 such copies a token would be ~2.7 ms of an H200's bandwidth,
-    about what in-jit paging lost there against its roofline, session 13). Same slots as
-    ``page_in_condition``: a hit rewrites the slot with its own content."""
-    current = {k: jax.lax.dynamic_index_in_dim(slots[k], s, 0, keepdims=False) for k in EXPERT_KEYS}
-    data = jax.lax.cond(need, lambda cur: _fetch(host, expert, cur), lambda cur: cur, current)
-    return {k: jax.lax.dynamic_update_index_in_dim(slots[k], data[k], s, 0) for k in EXPERT_KEYS}
+    One condition per slot, each over that slot's own buffers: the taken one reads the page from host memory
+    straight into the slot, the others pass their buffers through, which XLA keeps in place. One ``lax.switch``
+    over the slots instead passes every slot through every branch, and XLA copies them all (a 16-slot layer
+    of 8 MB experts took 110 ms a page against 0.9 ms this way, XLA:CPU)."""
+    gate_up, down = list(slots.gate_up), list(slots.down)
+    for c in range(slots.n_experts):
+        gate_up[c], down[c] = jax.lax.cond(s == c, lambda old: _page(host, expert, old), lambda old: old,
+                                           (gate_up[c], down[c]))
+    return layout.ExpertList(tuple(gate_up), tuple(down))
 
 
-def jit_router_state(params, cfg: ModelConfig, router_state: dict) -> dict:
-    """The in-jit pager's state: the simulation state + device slots (filled from the cache state)."""
+def _page(host: dict, expert, old: tuple) -> tuple:
+    """One expert's ``(gate_up, down)`` from the host stacks, on the device, shaped like the slot ``old``
+    (its dtype, its column blocks)."""
+    return tuple(layout.blocked_like(o, _to_device(jax.lax.dynamic_index_in_dim(host[k], expert, 0, keepdims=False))
+                                     .astype(o.dtype))
+                 for k, o in zip(("gate_up", "down"), old))
+
+
+@jax.jit
+def _fill_slot(slots: layout.ExpertList, host: dict, expert, s) -> layout.ExpertList:
+    return page_into(slots, host, expert, s)
+
+
+def device_params(params: dict, cfg: ModelConfig, host: list[dict]) -> dict:
+    """``params`` without the routed experts, each MoE layer holding its host stacks as ``paged`` instead."""
+    layers, j = [], 0
+    for i, lp in enumerate(params["layers"]):
+        if cfg.moe_layers[i]:
+            moe = {k: v for k, v in lp["moe"].items() if k not in (*EXPERT_KEYS, "experts")}
+            lp = {**lp, "moe": {**moe, "paged": host[j]}}
+            j += 1
+        layers.append(lp)
+    return {**params, "layers": layers}
+
+
+def jit_router_state(host: list[dict], cfg: ModelConfig, router_state: dict, dtype) -> dict:
+    """The in-jit pager's state: the simulation state + device slots, filled with what the cache state says
+    is resident (a random initial cache, a carried-over one)."""
     cs = router_state["cache"]
     check_capacity(cfg, cs)
     if cs.scope == "global" and cs.prefetcher.enabled:
         raise ValueError("in-jit paging of a global cache with prefetch is not supported (a prefetch lands "
                          "in another layer's row); use paging='host'")
-    store = ExpertStore(params, cfg, "host")
-    slots = fill_slots(init_slots(cfg, cs, params["embed"].dtype, stacked=True), store, cs)
+    slots = init_slots(cfg, cs, dtype)
+    slot = np.asarray(cs.slot)
+    for layer, expert in zip(*np.nonzero(slot >= 0)):
+        s = jnp.int32(slot[layer, expert])
+        if cs.scope == "global":
+            slots = _fill_slot(slots, host[layer], jnp.int32(expert), s)
+        else:
+            slots[layer] = _fill_slot(slots[layer], host[layer], jnp.int32(expert), s)
     return {**router_state, "slots": slots, "moved": jnp.zeros((), jnp.int32),
             "pending": {"row": jnp.zeros((1,), jnp.int32), "expert": jnp.zeros((1,), jnp.int32),
                         "slot": jnp.zeros((1,), jnp.int32), "valid": jnp.zeros((1,), bool),
@@ -184,8 +234,9 @@ def jit_generate(params, cfg: ModelConfig, prompt_ids, router_state: dict, offlo
     max_changes = k + cs.prefetcher.count(k, cfg.n_experts)
     pager = JitPager(cfg.gating, max_changes)
     check_capacity(cfg, cs)
-    host_params = host_memory_params(params, cfg)
-    state = jit_router_state(host_params, cfg, router_state)
+    host = host_expert_stacks(params, cfg, stores)
+    host_params = device_params(params, cfg, host)
+    state = jit_router_state(host, cfg, router_state, params["embed"].dtype)
     state["pending"] = jax.tree.map(
         lambda a: jnp.zeros((max_changes,), a.dtype) if a.ndim else a, state["pending"])
     result = decode.generate(host_params, cfg, prompt_ids, max_new_tokens=max_new_tokens, sampling=sampling,
