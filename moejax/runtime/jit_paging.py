@@ -175,9 +175,10 @@ def page_into(slots: layout.ExpertList, host: dict, expert, s) -> layout.ExpertL
     return layout.ExpertList(tuple(gate_up), tuple(down))
 
 
+@jax.jit
 def _page(host: dict, expert, old: tuple) -> tuple:
     """One expert's ``(gate_up, down)`` from the host stacks, on the device, shaped like the slot ``old``
-    (its dtype, its column blocks)."""
+    (its dtype, its column blocks). Behind ``jit`` so that the C conditions of every layer reuse one trace."""
     return tuple(layout.blocked_like(o, _to_device(jax.lax.dynamic_index_in_dim(host[k], expert, 0, keepdims=False))
                                      .astype(o.dtype))
                  for k, o in zip(("gate_up", "down"), old))
