@@ -167,8 +167,9 @@ def add_offload_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--offload", action="store_true",
                    help="page experts from host memory into device slots for real (turns the cache on)")
     g.add_argument("--paging", action=flags.Given, choices=("host", "jit"), default=OFFLOAD_DEFAULTS["paging"],
-                   help="host: host-driven between jitted stages (everywhere, bandwidth emulation); "
-                        "jit: inside the scanned decode loop from host-memory arrays")
+                   help="host: host-driven between jitted stages (everywhere, bandwidth emulation, batched "
+                        "prompts); jit: routing, cache and paging inside one decode program, the fastest decode "
+                        "when the cache rarely misses (the prompt runs token by token; longer compiles)")
     g.add_argument("--expert-store", action=flags.Given, choices=("host", "flash"),
                    default=OFFLOAD_DEFAULTS["expert_store"],
                    help="host: host memory (pinned_host where the backend has it), read once from the checkpoint; "
