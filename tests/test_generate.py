@@ -334,6 +334,21 @@ def test_a_repeated_request_reuses_its_compiled_programs_and_other_weights_run_t
     assert b.generate(prompt, **kw).token_ids == reused and reused != first
 
 
+def test_a_prompt_compiles_once_per_prompt_bucket_whatever_the_generation_length():
+    """Bucketed, a prompt runs on a KV cache of its own bucket, grown to the generation's after it: a longer
+    generation from a prompt of the same bucket compiles its decode chunk (and the growth) but no prefill piece,
+    and gives the tokens the unbucketed generation gives."""
+    m = get_moejax_model("qwen3_moe")
+    prompt = np.arange(5, 28) % m.cfg.vocab_size  # 23 tokens: pieces of 16, 4, 2, 1
+    kw = dict(stop_at_eos=False, bucketed=True)
+    short = m.generate(prompt, max_new_tokens=4, **kw).token_ids
+    with compile_events() as compiles:
+        long = m.generate(prompt, max_new_tokens=150, **kw).token_ids  # a KV bucket of 256 rows, not 64
+    assert compiles and not [c for c in compiles if "prefill" in str(c)], compiles
+    assert long[:4] == short
+    assert long == m.generate(prompt, max_new_tokens=150, stop_at_eos=False).token_ids
+
+
 def test_on_cache_reports_every_fed_token_and_the_state_as_it_goes(tokenized_model):
     """on_cache (the server's live view) sees every token's experts and hits, simulated or offloaded, and its
     last cache state is the result's."""

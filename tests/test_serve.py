@@ -404,6 +404,14 @@ def test_warm_up_compiles_every_program_the_requests_within_its_bounds_need():
                 assert not compiles, (sampling, compiles)
             engine.run(serve_engine.Job(list(range(3, 43)), 2))  # past the bounds: compiles (the check can fail)
             assert compiles
+            # a second KV bucket: its decode chunk and the growth of the prompt's cache into it, no new prefill
+            compiles.clear()
+            engine.warm_up(max_prompt=20, max_tokens=100)
+            assert compiles and not [c for c in compiles if "prefill" in str(c)], compiles
+            compiles.clear()
+            for n, new in ((20, 100), (3, 70), (1, 50)):
+                engine.run(serve_engine.Job(list(range(3, 3 + n)), new))
+                assert not compiles, (n, new, compiles)
             assert engine.cache_view()["summary"]["tokens"] > 0
     finally:
         engine.close()

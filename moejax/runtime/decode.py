@@ -421,6 +421,19 @@ def kv_rows(prompt_tokens: int, new_tokens: int, chunk: int = CHUNK) -> int:
     return int(prompt_tokens) + chunk * max(0, -(-(int(new_tokens) - 1) // chunk)) + 1
 
 
+@functools.partial(jax.jit, static_argnames=("rows",), donate_argnums=(0,))
+def _grow_kv(kv, rows: int):
+    return jax.tree.map(lambda a: jnp.pad(a, [(0, rows - a.shape[0])] + [(0, 0)] * (a.ndim - 1)), kv)
+
+
+def grow_kv(kv, rows: int):
+    """A KV cache (every leaf's leading axis is its rows) with zero rows added up to ``rows``; itself when it
+    has them (positions past the current one are masked, so the added rows change nothing)."""
+    if all(a.shape[0] == rows for a in jax.tree.leaves(kv)):
+        return kv
+    return _grow_kv(kv, rows=rows)
+
+
 def kv_bucket(rows: int) -> int:
     """``rows`` rounded up to a power of two (at least ``MIN_KV_BUCKET``): with KV caches of these lengths
     the decode chunk compiles once per bucket instead of once per prompt length (positions past the
@@ -530,7 +543,8 @@ def generate(params, cfg: ModelConfig, prompt_ids, *, max_new_tokens: int, sampl
     ``prefill_policy`` (a routing policy) routes the prompt instead of ``router_state["policy"]``, which
     then acts during generation only (GSM8K protocol); the cache is shared by both phases. ``stop``: stop
     strings and cancellation, checked after the first token and after every chunk. ``bucketed``: a KV cache
-    of ``kv_bucket`` rows and the prompt prefilled in ``prompt_pieces``, so a long-running process (the
+    of ``kv_bucket`` rows and the prompt prefilled in ``prompt_pieces`` (on a cache of the prompt's own bucket,
+    grown after it), so a long-running process (the
     server, task evaluation) compiles a handful of programs for every prompt length instead of two per
     length; off, the prompt runs in one piece (what a single generation wants). ``on_cache(cache_state,
     experts, hits)``: with an expert cache, called after the prompt and after every chunk with the cache state
@@ -543,7 +557,11 @@ def generate(params, cfg: ModelConfig, prompt_ids, *, max_new_tokens: int, sampl
     n_chunks = max(0, -(-(max_new_tokens - 1) // chunk))
     dtype = params["embed"].dtype
     rows = kv_rows(prompt.size, max_new_tokens, chunk)
-    kv = init_kv(cfg, kv_bucket(rows) if bucketed else rows, dtype)
+    rows = kv_bucket(rows) if bucketed else rows
+    # bucketed, the prompt runs on a cache of its own bucket, grown to the generation's after it: its pieces
+    # compile once per prompt bucket, not once for every generation length as well (the server's warm-up)
+    prompt_rows = min(kv_bucket(prompt.size), rows) if bucketed else rows
+    kv = init_kv(cfg, prompt_rows, dtype)
     key = seeds.prng_key(seed)
     pieces = prompt_pieces(prompt.size) if bucketed else [int(prompt.size)]
     starts = np.cumsum([0] + pieces[:-1]).tolist()
@@ -571,6 +589,7 @@ def generate(params, cfg: ModelConfig, prompt_ids, *, max_new_tokens: int, sampl
         run_pieces.append(run)
     if decode_policy is not None:
         rs_s = {**rs_s, "policy": jax.eval_shape(lambda p: p, decode_policy)}
+    kv_s = jax.eval_shape(functools.partial(grow_kv, rows=rows), kv_s)
     state_s = DecodeState(kv_s, first_s, jax.ShapeDtypeStruct((), jnp.int32), key_s, rs_s,
                           jax.ShapeDtypeStruct((), jnp.bool_), jax.ShapeDtypeStruct((), jnp.int32), _shapes(seen))
     run_chunk = None
@@ -587,6 +606,7 @@ def generate(params, cfg: ModelConfig, prompt_ids, *, max_new_tokens: int, sampl
                                                               seen=seen, sampling=sampling)
         piece_records.append(rec)
     key = key_after
+    kv = grow_kv(kv, rows=rows)
     if len(pieces) > 1:  # joined on the host (as every reader of the records reads them), for the same reason
         rec = jax.tree.map(lambda *r: np.concatenate([np.asarray(x) for x in r], axis=1), *piece_records)
     check_step(cfg, rec["logits"], finite, "the prompt")
