@@ -5,8 +5,8 @@ memory (``pinned_host`` where the backend has it, read once from the checkpoint)
 checkpoint's own files, each page read as exactly its expert's bytes (``SafetensorsFile.read``: no copy of
 the model, no temporary file; a model loaded whole gets a temporary file, removed on exit). The device slots
 are what the cache state names: an ``ExpertList`` of C buffers per MoE layer (or one pool) in the stored dtype
-or int8, or stacked buffers for in-jit paging; a page is written into its slot's buffer (donated: paging does
-not grow the heap), or, read from the files in the serving layout, becomes it. ``offload`` drives the paging.
+or int8; a page is written into its slot's buffer (donated: paging does not grow the heap), or, read from the
+files in the serving layout, becomes it. ``offload`` drives the paging.
 """
 
 from __future__ import annotations
@@ -420,20 +420,14 @@ def slot_nbytes(cfg: ModelConfig, dtype, int8: bool = False) -> int:
     return tree_nbytes(jax.eval_shape(lambda: expert_list(cfg, 1, dtype, int8)))
 
 
-def init_slots(cfg: ModelConfig, cache_state: cache_lib.CacheState, dtype, stacked: bool = False,
-               int8: bool = False):
+def init_slots(cfg: ModelConfig, cache_state: cache_lib.CacheState, dtype, int8: bool = False):
     """Zeroed slot buffers, per MoE layer or one pool for a global cache: a ``layout.ExpertList`` of C slots
-    (one buffer per slot, what the host pager computes with: each expert read in place; ``int8``: each an
-    int8 ``quant.QuantizedTensor``, half the memory, filled by quantising the pages), or with ``stacked``
-    one ``[C, D, F]``/``[C, F, D]`` set (the in-jit pager writes into stacks)."""
+    (one buffer per slot, what both pagers compute with: each expert read in place; ``int8``: each an
+    int8 ``quant.QuantizedTensor``, half the memory, filled by quantising the pages)."""
     cap = int(cache_state.capacity)
-    d, f = cfg.hidden_size, cfg.moe_intermediate_size
-    if stacked:
-        one = lambda: {"gate": jnp.zeros((cap, d, f), dtype), "up": jnp.zeros((cap, d, f), dtype),  # noqa: E731
-                       "down": jnp.zeros((cap, f, d), dtype)}
-    else:
-        one = lambda: expert_list(cfg, cap, dtype, int8)  # noqa: E731
-    return one() if cache_state.scope == "global" else [one() for _ in range(cfg.n_moe_layers)]
+    if cache_state.scope == "global":
+        return expert_list(cfg, cap, dtype, int8)
+    return [expert_list(cfg, cap, dtype, int8) for _ in range(cfg.n_moe_layers)]
 
 
 def fill_slots(slots, store: ExpertStore, cache_state: cache_lib.CacheState):
@@ -452,7 +446,7 @@ def fill_slots(slots, store: ExpertStore, cache_state: cache_lib.CacheState):
 def write_slot(buf, data, s: int, flip: tuple[str, ...] = ()):
     """Slot buffers with expert ``data`` (``gate``/``up``/``down`` on the device; ``flip``: matrices stored
     transposed, i.e. Hugging Face's ``[out, in]``) in slot ``s``: a new buffer for that slot of an
-    ``ExpertList``, or written in place into stacked slots. ``data`` already in the serving layout, a
+    ``ExpertList``. ``data`` already in the serving layout, a
     ``(gate_up, down)`` pair on the device, becomes the slot's buffers as it is (no copy; the old ones are freed)."""
     if isinstance(data, tuple):  # already the serving layout (``ExpertStore.get(..., serving=True)``): swap it in
         if not isinstance(buf, layout.ExpertList) or (layout.is_int8(data[0]) and not layout.is_int8(buf.gate_up[0])):
@@ -462,20 +456,16 @@ def write_slot(buf, data, s: int, flip: tuple[str, ...] = ()):
             data = tuple(_quantized_out_in(m, True, np.dtype(buf.gate_up[0].dtype)) for m in data)
         return buf.replace(s, *_like_slot(buf.expert(s), tuple(data)))
     stored_int8 = all(layout.is_int8(data[k]) for k in EXPERT_KEYS)  # paged from an int8 folder: [out, in]
-    if isinstance(buf, layout.ExpertList):
-        old = buf.expert(s)
-        if layout.is_int8(old[0]) and stored_int8:
-            gate_up, down = _like_slot(old, (_stack_rows(data["gate"], data["up"]), data["down"]))
-        elif layout.is_int8(old[0]):
-            gate_up, down = _like_slot(old, _int8_expert(data, flip, np.dtype(old[0].dtype)))
-        elif stored_int8:
-            gate_up, down = _serving_expert_into(*old, _dequantized(data), EXPERT_KEYS)
-        else:
-            gate_up, down = _serving_expert_into(*old, data, flip)
-        return buf.replace(s, gate_up, down)
-    if stored_int8:
-        data, flip = _dequantized(data), EXPERT_KEYS
-    return _write_stacked_slot(buf, data, jnp.int32(s), flip)
+    old = buf.expert(s)
+    if layout.is_int8(old[0]) and stored_int8:
+        gate_up, down = _like_slot(old, (_stack_rows(data["gate"], data["up"]), data["down"]))
+    elif layout.is_int8(old[0]):
+        gate_up, down = _like_slot(old, _int8_expert(data, flip, np.dtype(old[0].dtype)))
+    elif stored_int8:
+        gate_up, down = _serving_expert_into(*old, _dequantized(data), EXPERT_KEYS)
+    else:
+        gate_up, down = _serving_expert_into(*old, data, flip)
+    return buf.replace(s, gate_up, down)
 
 
 @jax.jit
@@ -522,12 +512,6 @@ def _quantized_out_in(x, stored_out_in: bool, dtype):
 def _stack_rows(a: quant.QuantizedTensor, b: quant.QuantizedTensor) -> quant.QuantizedTensor:
     return a.replace(q=jnp.concatenate([a.q, b.q]), scale=jnp.concatenate([a.scale, b.scale]))
 
-
-@functools.partial(jax.jit, donate_argnums=(0,), static_argnames=("flip",))
-def _write_stacked_slot(buf: dict, data: dict, s, flip: tuple[str, ...] = ()):
-    """Write one expert into slot ``s`` of stacked slots (cast to their dtype)."""
-    return {k: jax.lax.dynamic_update_index_in_dim(buf[k], (data[k].T if k in flip else data[k]).astype(buf[k].dtype),
-                                                   s, 0) for k in buf}
 
 
 def slot_changes(before: np.ndarray, after: np.ndarray) -> list[tuple[int, int, int]]:

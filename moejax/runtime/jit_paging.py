@@ -55,9 +55,8 @@ def _serving_stacks(moe: dict) -> tuple[np.ndarray, np.ndarray]:
     if isinstance(held, layout.ExpertList):
         if layout.is_int8(held.gate_up[0]):
             raise ValueError("in-jit paging keeps the stored dtype; int8 experts page with paging='host'")
-        whole = lambda m: np.asarray(m) if not isinstance(m, layout.ColumnBlocks) else np.concatenate(  # noqa: E731
-            [np.asarray(b) for b in m.blocks], axis=1)
-        return (np.stack([whole(m) for m in held.gate_up]), np.stack([whole(m) for m in held.down]))
+        return (np.stack([np.asarray(layout.dense(m)) for m in held.gate_up]),
+                np.stack([np.asarray(layout.dense(m)) for m in held.down]))
     stacks = expert_stacks(moe)
     host = {k: np.asarray(weights.to_host(stacks[k]) if weights.is_lazy(stacks[k]) else stacks[k]) for k in EXPERT_KEYS}
     return (np.concatenate([np.swapaxes(host["gate"], 1, 2), np.swapaxes(host["up"], 1, 2)], axis=1),

@@ -112,8 +112,9 @@ class Telemetry:
 def warm_up_runs(context: int, max_prompt: int, max_tokens: int) -> list[tuple[int, int]]:
     """The generations (prompt tokens, new tokens) that compile every program prompts up to ``max_prompt``
     tokens with up to ``max_tokens`` new tokens need. Programs are keyed by (prefill piece, the prompt's KV
-    bucket), (decode chunk, KV bucket) and the growth of one to the other (``decode.grow_kv``): per bucket B, a prompt of 2^k - 1 tokens (every piece up to the largest a prompt
-    in B can have) with enough new tokens to land in B, and if that needed no decode chunk, one more
+    bucket), (decode chunk, KV bucket) and the growth of one to the other (``decode.grow_kv``): per bucket B,
+    a prompt of 2^k - 1 tokens (every piece up to the largest a prompt in B can have) with enough new tokens
+    to land in B, and if that needed no decode chunk, one more
     generation that fills B exactly. The programs serve every sampling setting (bucketed generation decides
     the sampling steps when the program runs)."""
     max_prompt = max(1, min(int(max_prompt), context - 1))
