@@ -5,11 +5,16 @@ Layers, lowest first; a module imports only from its own layer or lower ones (te
 → ``runtime`` (simulation, decode, offload, the API, the server) → ``evaluation`` | ``training`` (side by side).
 """
 
-from moejax.models.checkpoint import CheckpointError
-from moejax.models.config import SUPPORTED_MODEL_TYPES, ModelConfig, UnsupportedModelError
-from moejax.experts import prior, routing
-from moejax.runtime import offload, simulate
-from moejax.runtime.api import Model, ModelTooLargeError, Output, load
+from moejax.base import interrupts as _interrupts
+
+if _interrupts.is_a_command():  # a Ctrl-C while the command imports JAX ends it too (``base.interrupts``)
+    _interrupts.exit_cleanly_on_signals()
+
+from moejax.models.checkpoint import CheckpointError  # noqa: E402 - after the signal handlers
+from moejax.models.config import SUPPORTED_MODEL_TYPES, ModelConfig, UnsupportedModelError  # noqa: E402
+from moejax.experts import prior, routing  # noqa: E402
+from moejax.runtime import offload, simulate  # noqa: E402
+from moejax.runtime.api import Model, ModelTooLargeError, Output, load  # noqa: E402
 
 __version__ = "0.1.0"
 # the modules a user's calls take their arguments from: ``from moejax import routing, simulate`` (policies,

@@ -89,13 +89,13 @@ def _records(path) -> int:
 
 
 @pytest.mark.skipif(not os.path.exists("/proc/self/status"), reason="reads /proc/<pid>/status")
-@pytest.mark.parametrize("sig, when", [(signal.SIGTERM, "started"), (signal.SIGINT, "computing"),
-                                       (signal.SIGTERM, "first record")],
-                         ids=["SIGTERM-loading", "SIGINT-computing", "SIGTERM-after-a-record"])
+@pytest.mark.parametrize("sig, when", [(signal.SIGTERM, "started"), (signal.SIGINT, "started"),
+                                       (signal.SIGINT, "computing"), (signal.SIGTERM, "first record")],
+                         ids=["SIGTERM-importing", "SIGINT-importing", "SIGINT-computing", "SIGTERM-after-a-record"])
 def test_a_study_stopped_by_a_signal_ends_with_its_status(tmp_path, sig, when):
-    """Delivered as soon as the command handles signals (loading the model), a few seconds later (compiling or
-    computing its first points), and once it has appended a record: the same status every time, and the
-    results file holds whole records only."""
+    """Delivered as soon as the command handles signals (``import moejax``, before JAX is imported), a few
+    seconds later (compiling or computing its first points), and once it has appended a record: the same status
+    every time, and the results file holds whole records only."""
     out = tmp_path / "studies"
     err_path = tmp_path / "stderr"
     proc = _start("moejax.studies", [*STUDY, "--out", str(out)], err_path)
@@ -224,6 +224,50 @@ def test_a_main_thread_stuck_in_a_c_call_still_ends_after_the_grace():
     status, took, _, err = _sigterm_child(_STUCK, "ready")
     assert status == 128 + signal.SIGTERM and took < 1.0 + 3.0, (status, took, err)
     assert "still busy after SIGTERM" in err and "pbkdf2" not in err and "Traceback" not in err
+
+
+_IN_A_GC_CALLBACK = r"""
+import gc, signal, sys, time
+from moejax.base import interrupts
+interrupts.exit_cleanly_on_signals(own_process=True)
+sent = []
+
+def send_inside_the_callback(phase, info):  # as JAX's own gc callback: the handler runs in here
+    if phase == "start" and len(sent) < int(sys.argv[1]):
+        sent.append(1)
+        signal.raise_signal(signal.SIGTERM)
+        sum(range(1000))  # bytecode: the pending handler runs inside the callback
+
+gc.callbacks.append(send_inside_the_callback)
+print("ready", flush=True)
+for _ in range(100):
+    gc.collect()
+    time.sleep(0.01)
+print("ran on", flush=True)
+"""
+
+
+@pytest.mark.parametrize("times", [1, 2])
+def test_a_signal_whose_exit_a_gc_callback_drops_still_ends_the_command(times):
+    """Python runs a handler wherever the main thread next looks for one, also inside a garbage-collector callback
+    (JAX's runs often while it traces), where the exit it raises is printed and dropped: the command ran on to its
+    end as if no signal had come. Delivered again, the exit ends it at once, quietly; also when the second
+    delivery lands in a callback too."""
+    proc = subprocess.run([sys.executable, "-c", _IN_A_GC_CALLBACK, str(times)], capture_output=True, text=True,
+                          timeout=60)
+    assert proc.stdout == "ready\n" and proc.returncode == 128 + signal.SIGTERM, (proc.returncode, proc.stdout,
+                                                                                  proc.stderr)
+    assert "Exception ignored" not in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
+
+
+def test_a_moejax_command_is_known_from_the_interpreter_command_line():
+    from moejax.base.interrupts import _runs_a_moejax_module
+
+    assert _runs_a_moejax_module(["python", "-m", "moejax.studies", "--out", "x"])
+    assert _runs_a_moejax_module(["python", "-u", "-mmoejax.generate"]) and _runs_a_moejax_module(["py", "-m", "moejax"])
+    for other in (["python", "-m", "pytest", "-m", "moejax.x"], ["python", "-c", "import moejax"], ["python"],
+                  ["python", "script.py", "-m", "moejax.x"], ["python", "-m", "moejaxish"]):
+        assert not _runs_a_moejax_module(other), other
 
 
 def test_the_coordinator_timeout_comes_from_the_argument_else_the_environment(monkeypatch):

@@ -20,10 +20,17 @@ call that does not return to Python). If the handler has not run ``GRACE_S`` sec
 not ended ``CLEANUP_S`` seconds later, it says where the main thread is and exits with the signal's status (a
 clean-up still going at ``GRACE_S`` is said on stderr too). A temporary file left by that exit carries the
 process id in its name, and the next write of the same output removes it (``tempfiles.remove_stale``).
+
+Python runs a signal handler wherever the main thread next checks for one, which can be inside a garbage-collector
+callback or a finalizer (JAX registers a gc callback that runs often while it traces). An exception raised there
+is "ignored": printed and dropped, and the command would run on as if the signal never came. The
+``sys.unraisablehook`` installed with the handlers recognises that exception and delivers the signal again, to
+land in ordinary code.
 """
 
 from __future__ import annotations
 
+import _thread
 import atexit
 import contextlib
 import os
@@ -37,12 +44,15 @@ from typing import Iterator
 SIGNALS = (signal.SIGTERM, signal.SIGHUP)
 #: seconds the main thread has to take a signal (run its handler), and to finish the clean-up it starts
 GRACE_S, CLEANUP_S = 5.0, 30.0
+#: seconds before a signal whose exit was dropped (see the module docstring) is delivered again
+REDELIVER_S = 0.01
 #: JAX's exit functions: they clear the backends, which waits for (and races with) a compilation in flight
 _JAX_EXIT_FUNCTIONS = (("jax._src.api", "clean_up"), ("jax._src.dispatch", "wait_for_tokens"))
 
 _stopping: list[int] = []  # the signal that is ending this process, once one has
 _owner: list[bool] = []  # [True] once a command that owns this process has installed the handlers
 _watchdog_sockets: list[socket.socket] = []  # kept open for the life of the process
+_previous_unraisable_hook: list = []  # the hook ``_redeliver_dropped_exit`` replaced, once it has
 
 
 def _exit(signum, frame):  # noqa: ARG001 - the signal handler signature
@@ -66,17 +76,60 @@ def exit_cleanly_on_signals(own_process: bool | None = None) -> None:
         return
     for sig in (signal.SIGINT, *SIGNALS):
         signal.signal(sig, _exit)
+    if not _previous_unraisable_hook:
+        _previous_unraisable_hook.append(sys.unraisablehook)
+        sys.unraisablehook = _redeliver_dropped_exit
     if not _owner and (is_a_command() if own_process is None else own_process):
         _owner.append(True)
         atexit.register(_end_after_signal)
         _start_watchdog()
 
 
+def _redeliver_dropped_exit(unraisable) -> None:
+    """``sys.unraisablehook``: the exit a signal raised inside a gc callback or a finalizer was dropped there;
+    deliver the signal again (quietly) so that its handler runs in code that lets the exit propagate."""
+    value = unraisable.exc_value
+    signum = _signal_of(value)
+    if signum is None or threading.current_thread() is not threading.main_thread():
+        _previous_unraisable_hook[0](unraisable)
+        return
+    _stopping.clear()  # the exit this signal started never unwound: let the handler start it again
+    # from another thread, once this hook and the callback have returned (delivered in here, it would be dropped)
+    threading.Thread(target=_deliver_later, args=(signum,), name="moejax-signal-again", daemon=True).start()
+
+
+def _deliver_later(signum: int) -> None:
+    time.sleep(REDELIVER_S)
+    _thread.interrupt_main(signum)
+
+
+def _signal_of(exception) -> int | None:
+    """The signal an exception stands for: ``KeyboardInterrupt`` (SIGINT), or the ``SystemExit(128 + signal)``
+    that ``_exit`` raised for the signal ending this process; else None."""
+    if isinstance(exception, KeyboardInterrupt):
+        return int(signal.SIGINT)
+    code = exception.code if isinstance(exception, SystemExit) else None
+    return _stopping[0] if _stopping and code == 128 + _stopping[0] else None
+
+
 def is_a_command() -> bool:
-    """Whether this process runs a moejax command: ``python -m moejax....`` or a ``moejax-*`` script."""
+    """Whether this process runs a moejax command: ``python -m moejax....`` or a ``moejax-*`` script. Known from
+    the start: ``sys.orig_argv`` names the module before ``runpy`` has imported the package to run it."""
     spec = getattr(sys.modules.get("__main__"), "__spec__", None)
     script = os.path.basename(sys.argv[0]) if sys.argv else ""
-    return (getattr(spec, "name", None) or "").startswith("moejax.") or script.startswith("moejax-")
+    return (getattr(spec, "name", None) or "").startswith("moejax.") or script.startswith("moejax-") \
+        or _runs_a_moejax_module(getattr(sys, "orig_argv", []))
+
+
+def _runs_a_moejax_module(argv: list[str]) -> bool:
+    """Whether an interpreter command line runs ``-m moejax`` or ``-m moejax.<command>``."""
+    for i, arg in enumerate(argv[1:], start=1):
+        module = argv[i + 1] if arg == "-m" and i + 1 < len(argv) else arg[2:] if arg.startswith("-m") else None
+        if module is not None:
+            return module == "moejax" or module.startswith("moejax.")
+        if arg in ("-c", "-") or not arg.startswith("-"):  # a script, code or stdin runs, not a module
+            return False
+    return False
 
 
 def _end_after_signal() -> None:
