@@ -111,7 +111,7 @@ def test_load_options_place_int8_where_they_say():
             moe = lp.get("moe")
             if moe:
                 el = moe["experts"]
-                out.setdefault("experts", set()).update(layout.is_int8(w) for w in el.gate_up + el.down)
+                out.setdefault("experts", set()).update(layout.is_int8(w) for w in [*el.gate_up, *el.down])
                 out.setdefault("shared", set()).update(layout.is_int8(m.w) for m in moe["shared"].values()
                                                        if isinstance(m, layout.OutIn))
         out["head"] = {layout.is_int8(M.lm_head(params, full.cfg).w)}
@@ -224,8 +224,8 @@ def test_int8_expert_folder_loads_the_bits_that_int8_loading_makes(tmp_path):
     m = moejax.load(dst)
     for lp_ref, lp in zip(ref.params["layers"], m.params["layers"]):
         if "moe" in lp:
-            for a, b in zip(lp_ref["moe"]["experts"].gate_up + lp_ref["moe"]["experts"].down,
-                            lp["moe"]["experts"].gate_up + lp["moe"]["experts"].down):
+            for a, b in zip([*lp_ref["moe"]["experts"].gate_up, *lp_ref["moe"]["experts"].down],
+                            [*lp["moe"]["experts"].gate_up, *lp["moe"]["experts"].down]):
                 assert layout.is_int8(b) and b.dtype == a.dtype
                 np.testing.assert_array_equal(np.asarray(a.q), np.asarray(b.q))
                 np.testing.assert_array_equal(np.asarray(a.scale), np.asarray(b.scale))

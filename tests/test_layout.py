@@ -31,7 +31,14 @@ from test_dispatch import _Act, _problem
 
 
 def _as_list(p) -> layout.ExpertList:
+    """The experts as loading holds them (stacked, where ``layout.stacks`` allows)."""
     return layout.expert_list(int(p["gate"].shape[0]), lambda e: weights.expert_out_in(p, e))
+
+
+def _as_buffers(p) -> layout.ExpertList:
+    """The experts one buffer each (as slots hold them)."""
+    pairs = [weights.expert_out_in(p, e) for e in range(int(p["gate"].shape[0]))]
+    return layout.ExpertList(*([jnp.asarray(m[i]) for m in pairs] for i in (0, 1)))
 
 
 _dense = jax.jit(M.dense_routed_experts, static_argnums=1)
@@ -45,12 +52,12 @@ SHAPES = [(1, 4, 16, None), (1, 1, 8, None), (2, 2, 16, None), (37, 2, 8, 1), (5
 @pytest.mark.numerics
 @settings(max_examples=14, deadline=None)
 @given(seed=st.integers(0, 2**31 - 1), shape=st.sampled_from(SHAPES), drop=st.sampled_from([0.0, 0.3, 1.0]),
-       act=st.sampled_from(["silu", "gelu_pytorch_tanh"]))
-def test_switched_equals_dense(seed, shape, drop, act):
+       act=st.sampled_from(["silu", "gelu_pytorch_tanh"]), held=st.sampled_from([_as_list, _as_buffers]))
+def test_switched_equals_dense(seed, shape, drop, act, held):
     T, K, N, rows = shape
     p, x, e, w = _problem(seed, T, K, N, drop=drop)
     want = _dense(p, _Act(act), x, e, w)
-    got = _switched(_as_list(p), _Act(act), x, e, w, rows)
+    got = _switched(held(p), _Act(act), x, e, w, rows)
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=2e-5, atol=2e-5)
     if drop == 1.0:
         assert not np.asarray(got).any()
@@ -65,7 +72,7 @@ def test_copied_small_experts_equal_the_per_expert_branches(monkeypatch, dtype):
         (jax.ShapeDtypeStruct((2048, 2048), jnp.bfloat16),), (jax.ShapeDtypeStruct((2048, 1024), jnp.bfloat16),)))
     N = 16
     p, x, e, w = _problem(5, 40, 4, N, D=24, F=8, drop=0.2)
-    el = _as_list(p)
+    el = _as_buffers(p)
     if dtype == "int8":
         el = jax.tree.map(layout.quantize_matrix, el, is_leaf=lambda a: isinstance(a, jax.Array))
     elif dtype == "bfloat16":
@@ -80,6 +87,40 @@ def test_copied_small_experts_equal_the_per_expert_branches(monkeypatch, dtype):
     (branched, branch_dots), (copied, copy_dots) = runs[0], runs[1 << 30]
     np.testing.assert_array_equal(copied.view(np.uint32), branched.view(np.uint32))
     assert (copy_dots, branch_dots) == (2, 2 * N)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("T", [1, 40])
+def test_stacked_experts_equal_one_buffer_each_in_one_product_per_matrix(dtype, T):
+    """Loading stacks plain experts (``layout.stacks``): indexed by the traced expert id inside the product,
+    they give the bits of the per-expert ``lax.switch`` branches (decode) and copies (prompt), and the compiled
+    program holds one product per matrix, not one per expert: it compiles in the time of one expert."""
+    N = 16
+    p, x, e, w = _problem(7, T, 4, N, D=24, F=8, drop=0.2)
+    if dtype == "bfloat16":
+        p, x = jax.tree.map(lambda a: a.astype(jnp.bfloat16), p), x.astype(jnp.bfloat16)
+    stacked, buffers = _as_list(p), _as_buffers(p)
+    assert stacked.stacked and not buffers.stacked and stacked.n_experts == N
+    runs = []
+    for el in (stacked, buffers):
+        fn = jax.jit(lambda el, x, e, w: M.switched_routed_experts(el, _Act(), x, e, w))
+        compiled = fn.lower(el, x, e, w).compile()
+        runs.append((np.asarray(compiled(el, x, e, w).astype(jnp.float32)), compiled.as_text().count(" dot(")))
+    (got, stacked_dots), (want, buffer_dots) = runs
+    np.testing.assert_array_equal(got.view(np.uint32), want.view(np.uint32))
+    assert stacked_dots == 2 and buffer_dots == (2 * N if T == 1 else 2)
+
+
+def test_only_plain_experts_are_stacked():
+    """int8 experts (values and scales), experts wide enough for column blocks and experts of real models' size
+    (an OLMoE-1B-7B expert: 12.6 MB) keep one buffer each."""
+    assert layout.stacks([np.zeros((16, 8))], [np.zeros((8, 8))])
+    assert not layout.stacks([np.zeros((2048, 2048), np.float16)], [np.zeros((2048, 1024), np.float16)])
+    assert not layout.stacks([np.zeros((16, layout.ROW_DOT_MAX_IN + 1))], [np.zeros((8, 8))])
+    assert not layout.stacks([layout.quantize_matrix(jnp.ones((16, 8)))], [np.zeros((8, 8))])
+    p, *_ = _problem(1, 1, 2, 4)
+    int8 = layout.expert_list(4, lambda e: weights.expert_out_in(p, e), quantization=layout.Quantization(True))
+    assert not int8.stacked and layout.is_int8(int8.gate_up[0])
 
 
 @pytest.mark.numerics
@@ -196,11 +237,13 @@ def test_switched_under_vmap_equals_each_lane(T):
 
 def test_a_mapped_step_runs_the_chosen_experts_only():
     """Under vmap the dispatch must not become a select over every expert (a mapped ``lax.switch`` is
-    turned into running all branches and selecting: no ``cond`` would be left in the jaxpr)."""
+    turned into running all branches and selecting: no ``cond`` would be left in the jaxpr). Stacked experts
+    have no branches: one product per matrix, on the rows of the experts the lanes chose."""
     p, x, e, w = _problem(0, 1, 2, 8)
-    el = _as_list(p)
-    f = jax.vmap(lambda e, w: M.switched_routed_experts(el, _Act(), x, e, w))
-    assert "cond[" in str(jax.make_jaxpr(f)(jnp.stack([e, e]), jnp.stack([w, w])))
+    for el in (_as_buffers(p), _as_list(p)):
+        f = jax.vmap(lambda e, w: M.switched_routed_experts(el, _Act(), x, e, w))
+        jaxpr = str(jax.make_jaxpr(f)(jnp.stack([e, e]), jnp.stack([w, w])))
+        assert ("cond[" in jaxpr) if not el.stacked else (jaxpr.count("dot_general[") == 2 and "while[" in jaxpr)
     plain_vmap = jax.vmap(lambda e: jax.lax.switch(e[0, 0], [lambda: x] * 2))
     assert "cond[" not in str(jax.make_jaxpr(plain_vmap)(jnp.stack([e, e])))  # what the test would catch
 

@@ -681,6 +681,16 @@ def _expert_rows(act, rows: jax.Array, gate_up: jax.Array, down: jax.Array, gate
     return _plus(layout.nt_dot(h, down).astype(rows.dtype), down_bias).astype(jnp.float32)
 
 
+def _stacked_expert_rows(act, rows: jax.Array, el: layout.ExpertList, e, gate_up_bias=None,
+                         down_bias=None) -> jax.Array:
+    """``_expert_rows`` of expert ``e`` (traced) of a stacked list: the same arithmetic, the expert read
+    through ``layout.nt_dot_at`` (in place for one row on the CPU)."""
+    f = el.gate_up.shape[1] // 2
+    gu = _plus(layout.nt_dot_at(rows, el.gate_up, e).astype(rows.dtype), gate_up_bias)
+    h = glu(act, gu[:, :f], gu[:, f:])
+    return _plus(layout.nt_dot_at(h, el.down, e).astype(rows.dtype), down_bias).astype(jnp.float32)
+
+
 @functools.partial(jax.jit, static_argnums=0)
 def _expert_rows_once(act, rows: jax.Array, gate_up: jax.Array, down: jax.Array, gate_up_bias=None,
                       down_bias=None) -> jax.Array:
@@ -693,7 +703,7 @@ def _expert_rows_once(act, rows: jax.Array, gate_up: jax.Array, down: jax.Array,
 
 def _expert_branches(act, n: int) -> list:
     """``lax.switch`` branches: expert e's computation on (rows, ExpertList, bias tables or None); branch n
-    returns zeros."""
+    returns zeros. A stacked list needs none: ``_one_expert`` indexes it."""
     def one(e):
         return lambda rows, el, b: _expert_rows_once(act, rows, *el.expert(e), *_gate_up_bias(b, e))
 
@@ -724,9 +734,16 @@ def _expert_copy(el: layout.ExpertList, e):
     return jax.lax.switch(e, [functools.partial(lambda i, el: el.expert(i), i) for i in range(el.n_experts)], el)
 
 
-def _one_expert(branches: list, el: layout.ExpertList, x, e, biases=None):
-    """Expert ``e``'s output on one token's row (``_expert_branches``; zeros for ``e`` < 0): the one computation
-    ``one_token_expert_sum`` and ``one_token_expert_rows`` share, so their rows are the same bits."""
+def _one_expert(act, branches: list | None, el: layout.ExpertList, x, e, biases=None):
+    """Expert ``e``'s output on one token's row (``_expert_branches``, or the stack indexed; zeros for ``e`` < 0):
+    the one computation ``one_token_expert_sum`` and ``one_token_expert_rows`` share, so their rows are the same
+    bits."""
+    if el.stacked:
+        def compute(x, el, e, biases):
+            return _stacked_expert_rows(act, x, el, e, *_gate_up_bias(biases, e))
+
+        return jax.lax.cond(e >= 0, compute, lambda x, el, e, biases: jnp.zeros((x.shape[0], x.shape[-1]),
+                                                                                 jnp.float32), x, el, e, biases)
     return jax.lax.switch(jnp.where(e >= 0, e, len(branches) - 1), branches, x, el, biases)
 
 
@@ -737,10 +754,10 @@ def one_token_expert_sum(act, el: layout.ExpertList, x, experts, weights, early_
     (``one_token_expert_rows``, e.g. while the other experts were still being paged in) are taken for the
     positions ``early`` marks, whose ``experts`` entry is then -1; the sum is the same, bit for bit.
     ``biases``: GPT-OSS's bias tables aligned with ``el`` (``expert_biases``)."""
-    branches = _expert_branches(act, el.n_experts)
+    branches = None if el.stacked else _expert_branches(act, el.n_experts)
 
     def body(k, acc):
-        y = _one_expert(branches, el, x, experts[0, k], biases)
+        y = _one_expert(act, branches, el, x, experts[0, k], biases)
         if early_rows is not None:
             y = jnp.where(early[k], early_rows[k][None], y)
         return acc + y * weights[0, k].astype(jnp.float32)
@@ -753,10 +770,10 @@ def one_token_expert_rows(act, el: layout.ExpertList, x, experts, biases: dict |
     """Each of one token's K expert outputs [K, D] float32 (zero where ``experts[0,k]`` < 0), as
     ``one_token_expert_sum`` computes them: the part of the sum that can run before the rest is ready."""
     K = experts.shape[1]
-    branches = _expert_branches(act, el.n_experts)
+    branches = None if el.stacked else _expert_branches(act, el.n_experts)
 
     def body(k, rows):
-        return rows.at[k].set(_one_expert(branches, el, x, experts[0, k], biases)[0])
+        return rows.at[k].set(_one_expert(act, branches, el, x, experts[0, k], biases)[0])
 
     return jax.lax.fori_loop(0, K, body, jnp.zeros((K, x.shape[-1]), jnp.float32))
 
@@ -774,7 +791,10 @@ def _switched_sorted_rows(act, el: layout.ExpertList, x, experts, B: int, biases
     starts = jnp.cumsum(counts) - counts
     tok = order // K
     xs = jnp.concatenate([x[tok], jnp.zeros((B, D), x.dtype)])  # a chunk may read past the last row
-    if copies_experts(el):
+    if el.stacked:
+        def expert_on(e, rows):
+            return _stacked_expert_rows(act, rows, el, e, *_gate_up_bias(biases, e))
+    elif copies_experts(el):
         def expert_on(e, rows):
             return _expert_rows(act, rows, *_expert_copy(el, e), *_gate_up_bias(biases, e))
     else:
