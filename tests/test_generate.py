@@ -6,6 +6,8 @@ import json
 import os
 import shutil
 
+import threading
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -332,6 +334,28 @@ def test_a_repeated_request_reuses_its_compiled_programs_and_other_weights_run_t
     assert not compiles  # b's weights have a's shapes: its requests ran a's programs
     decode.clear_programs()
     assert b.generate(prompt, **kw).token_ids == reused and reused != first
+
+
+def test_a_generations_programs_compile_side_by_side_and_run_as_compiled_one_by_one(monkeypatch):
+    """``decode.compiled_programs``: the prompt's pieces and the decode chunk are compiled each on a thread of its
+    own (XLA compiles outside the interpreter lock), and the tokens are those of programs compiled one by one."""
+    m = get_moejax_model("qwen3_moe")
+    prompt, kw = np.arange(3, 40) % m.cfg.vocab_size, dict(max_new_tokens=20, stop_at_eos=False, bucketed=True)
+    decode.clear_programs()
+    threads = []
+    listen = lambda name: threads.append((name, threading.current_thread().name))  # noqa: E731
+    decode.COMPILE_LISTENERS.append(listen)
+    try:
+        together = m.generate(prompt, **kw).token_ids
+    finally:
+        decode.COMPILE_LISTENERS.remove(listen)
+    assert len(threads) >= 3 and all(t.startswith("moejax-compile") for _, t in threads), threads
+    assert {name for name, _ in threads} == {"prefill", "decode_chunk"}
+    decode.clear_programs()
+    monkeypatch.setattr(decode, "compiled_programs", lambda jobs, params, sig=None: [
+        decode.compiled_program(fn, params, args, statics, sig) for fn, args, statics in jobs])
+    assert m.generate(prompt, **kw).token_ids == together
+    decode.clear_programs()
 
 
 def test_a_prompt_compiles_once_per_prompt_bucket_whatever_the_generation_length():

@@ -9,9 +9,11 @@ donated to each chunk so the KV cache is updated in place.
 from __future__ import annotations
 
 import collections
+import concurrent.futures
 import dataclasses
 import functools
 import math
+import os
 import threading
 import time
 import typing
@@ -362,6 +364,7 @@ def check_step(cfg: ModelConfig, router_logits, logits_finite, where: str) -> No
 _PROGRAMS: "collections.OrderedDict" = collections.OrderedDict()
 _PROGRAMS_MAX = 256  # a warmed server holds one per (piece, KV bucket) and decode chunk: 45 for 512 tokens
 _PROGRAMS_LOCK = threading.Lock()
+_SHAPES: "collections.OrderedDict" = collections.OrderedDict()  # program_shapes, keyed as _PROGRAMS
 
 
 def _signature(tree) -> tuple:
@@ -384,13 +387,41 @@ def compiled_program(fn, params, args: dict, statics: dict, params_signature: tu
             return hit
     for listener in tuple(COMPILE_LISTENERS):
         listener(getattr(fn, "__name__", str(fn)))
-    program = (fn.lower(params, **args, **statics).compile(),
-               jax.eval_shape(functools.partial(fn, **statics), params, **args))
+    program = (fn.lower(params, **args, **statics).compile(), program_shapes(fn, params, args, statics, key))
     with _PROGRAMS_LOCK:
         _PROGRAMS[key] = program
         while len(_PROGRAMS) > _PROGRAMS_MAX:
             _PROGRAMS.popitem(last=False)
     return program
+
+
+def program_shapes(fn, params, args: dict, statics: dict, key: tuple | None = None):
+    """The output shapes of ``fn(params, **args, **statics)`` (``jax.eval_shape``), kept per signature like the
+    programs: what the next program's arguments look like, known before anything compiles."""
+    key = key or (fn, tuple(sorted(statics.items())), _signature(params), _signature(args))
+    with _PROGRAMS_LOCK:
+        hit = _SHAPES.get(key)
+    if hit is None:
+        hit = jax.eval_shape(functools.partial(fn, **statics), params, **args)
+        with _PROGRAMS_LOCK:
+            _SHAPES[key] = hit
+            while len(_SHAPES) > _PROGRAMS_MAX:
+                _SHAPES.popitem(last=False)
+    return hit
+
+
+def compiled_programs(jobs: list, params, params_signature: tuple | None = None) -> list:
+    """``compiled_program`` of each ``(fn, args, statics)``, compiled side by side on a thread each (XLA compiles
+    outside the interpreter lock): a generation's prompt and decode programs compile in the time of the longest
+    rather than their sum (the default model's cold ``generate``: two programs of ~4.5 s each on 2 cores;
+    ``bench/bench_fixed_costs.py --parts start``). The compile listeners hear every name first."""
+    if len(jobs) < 2:
+        return [compiled_program(fn, params, args, statics, params_signature) for fn, args, statics in jobs]
+    with concurrent.futures.ThreadPoolExecutor(max_workers=min(len(jobs), os.cpu_count() or 1),
+                                               thread_name_prefix="moejax-compile") as pool:
+        futures = [pool.submit(compiled_program, fn, params, args, statics, params_signature)
+                   for fn, args, statics in jobs]
+        return [f.result() for f in futures]
 
 
 #: called with a program's name before ``compiled_program`` compiles it (or loads it from the persistent cache):
@@ -402,6 +433,7 @@ def clear_programs() -> None:
     """Drop the kept programs (``compiled_program``), e.g. beside ``jax.clear_caches()``."""
     with _PROGRAMS_LOCK:
         _PROGRAMS.clear()
+        _SHAPES.clear()
 
 
 def _shapes(tree):
@@ -579,23 +611,24 @@ def generate(params, cfg: ModelConfig, prompt_ids, *, max_new_tokens: int, sampl
     # whose shape is the prompt's length) compiled a small program for every new prompt length, ~10 ms each,
     # after the server's warm-up had compiled everything its requests run
     seen = seen_tokens(sampling, cfg.vocab_size, prompt)
-    run_pieces, kv_s, rs_s = [], kv, router_state
+    jobs, kv_s, rs_s = [], kv, router_state
     weights_signature = _signature(params)
     for n, a in zip(pieces, starts):  # each piece sees the states the one before leaves
         # lowered from shapes alone, so a piece size compiles once whether it comes first or later
         args = _shapes(dict(tokens=prompt[a:a + n], kv=kv_s, key=key, router_state=rs_s, pos0=jnp.int32(a),
                             seen=seen, sampling=sampling))
-        run, (first_s, kv_s, key_s, rs_s, _, _) = compiled_program(prefill, params, args, statics, weights_signature)
-        run_pieces.append(run)
+        jobs.append((prefill, args, statics))
+        first_s, kv_s, key_s, rs_s, _, _ = program_shapes(prefill, params, args, statics)
     if decode_policy is not None:
         rs_s = {**rs_s, "policy": jax.eval_shape(lambda p: p, decode_policy)}
     kv_s = jax.eval_shape(functools.partial(grow_kv, rows=rows), kv_s)
     state_s = DecodeState(kv_s, first_s, jax.ShapeDtypeStruct((), jnp.int32), key_s, rs_s,
                           jax.ShapeDtypeStruct((), jnp.bool_), jax.ShapeDtypeStruct((), jnp.int32), _shapes(seen))
-    run_chunk = None
     if n_chunks:
-        run_chunk, _ = compiled_program(decode_chunk, params, dict(state=state_s, sampling=_shapes(sampling)),
-                                        dict(statics, steps=chunk, eos=eos), weights_signature)
+        jobs.append((decode_chunk, dict(state=state_s, sampling=_shapes(sampling)),
+                     dict(statics, steps=chunk, eos=eos)))
+    programs = [run for run, _ in compiled_programs(jobs, params, weights_signature)]
+    run_pieces, run_chunk = programs[:len(pieces)], (programs[-1] if n_chunks else None)
     compile_time = time.perf_counter() - t_compile
 
     t0 = time.perf_counter()

@@ -15,6 +15,7 @@ import contextlib
 import json
 import os
 import sys
+import threading
 import time
 
 from moejax.base import atomic, collector, compile_cache, errors, flags, interrupts, textproc
@@ -135,10 +136,12 @@ class Streamer:
 def compile_note(enabled: bool = True):
     """One stderr line when the generation starts compiling (a cold start waits seconds for XLA, and the
     wait should say what it is); the summary line then says how long it took."""
-    said = []
+    said, lock = [], threading.Lock()
 
-    def note(name: str) -> None:
-        if not said:
+    def note(name: str) -> None:  # called from the threads that compile (``decode.compiled_programs``)
+        with lock:
+            if said:
+                return
             said.append(name)
             sys.stderr.write("moejax.generate: compiling for this model and prompt shape (kept on disk: the next "
                              "run of this shape starts faster) ...\n")
