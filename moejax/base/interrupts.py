@@ -53,11 +53,14 @@ _stopping: list[int] = []  # the signal that is ending this process, once one ha
 _owner: list[bool] = []  # [True] once a command that owns this process has installed the handlers
 _watchdog_sockets: list[socket.socket] = []  # kept open for the life of the process
 _previous_unraisable_hook: list = []  # the hook ``_redeliver_dropped_exit`` replaced, once it has
+_redelivering: list[bool] = []  # [True] while ``_redeliver_dropped_exit`` runs
 
 
 def _exit(signum, frame):  # noqa: ARG001 - the signal handler signature
     if not _owner:
         raise SystemExit(128 + signum)
+    if _redelivering:  # inside the hook that delivers the signal again: an exit raised here would be dropped too
+        return
     if _stopping:  # already unwinding: a second exception would cut the clean-up short
         return
     _stopping.append(signum)
@@ -93,9 +96,14 @@ def _redeliver_dropped_exit(unraisable) -> None:
     if signum is None or threading.current_thread() is not threading.main_thread():
         _previous_unraisable_hook[0](unraisable)
         return
-    _stopping.clear()  # the exit this signal started never unwound: let the handler start it again
-    # from another thread, once this hook and the callback have returned (delivered in here, it would be dropped)
-    threading.Thread(target=_deliver_later, args=(signum,), name="moejax-signal-again", daemon=True).start()
+    _redelivering.append(True)  # a delivery due now (an earlier one's) must not raise in here: this one follows
+    try:
+        _stopping.clear()  # the exit this signal started never unwound: let the handler start it again
+        # from another thread, once this hook and the callback have returned (delivered in here, it would be
+        # dropped as well)
+        threading.Thread(target=_deliver_later, args=(signum,), name="moejax-signal-again", daemon=True).start()
+    finally:
+        _redelivering.clear()
 
 
 def _deliver_later(signum: int) -> None:

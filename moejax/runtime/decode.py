@@ -395,10 +395,11 @@ def compiled_program(fn, params, args: dict, statics: dict, params_signature: tu
     return program
 
 
-def program_shapes(fn, params, args: dict, statics: dict, key: tuple | None = None):
+def program_shapes(fn, params, args: dict, statics: dict, key: tuple | None = None,
+                   params_signature: tuple | None = None):
     """The output shapes of ``fn(params, **args, **statics)`` (``jax.eval_shape``), kept per signature like the
     programs: what the next program's arguments look like, known before anything compiles."""
-    key = key or (fn, tuple(sorted(statics.items())), _signature(params), _signature(args))
+    key = key or (fn, tuple(sorted(statics.items())), params_signature or _signature(params), _signature(args))
     with _PROGRAMS_LOCK:
         hit = _SHAPES.get(key)
     if hit is None:
@@ -618,7 +619,8 @@ def generate(params, cfg: ModelConfig, prompt_ids, *, max_new_tokens: int, sampl
         args = _shapes(dict(tokens=prompt[a:a + n], kv=kv_s, key=key, router_state=rs_s, pos0=jnp.int32(a),
                             seen=seen, sampling=sampling))
         jobs.append((prefill, args, statics))
-        first_s, kv_s, key_s, rs_s, _, _ = program_shapes(prefill, params, args, statics)
+        first_s, kv_s, key_s, rs_s, _, _ = program_shapes(prefill, params, args, statics,
+                                                          params_signature=weights_signature)
     if decode_policy is not None:
         rs_s = {**rs_s, "policy": jax.eval_shape(lambda p: p, decode_policy)}
     kv_s = jax.eval_shape(functools.partial(grow_kv, rows=rows), kv_s)
