@@ -200,11 +200,11 @@ class ExpertList:
                 f"{held})")
 
 
-#: one expert's bytes up to which loading holds a layer's experts ``stacked`` (``stacks``). Measured on the CPU,
-#: 2 cores, stacked against one buffer each: the default model (92 KB experts, 8 MoE layers x 64) compiled its
-#: decode program 3x faster (first ``generate`` 10.8-12.8 s instead of 33.6-33.9 s) and decoded at 0.96x (median
-#: of 10 alternating runs); an OLMoE-1B-7B expert (12.6 MB) read through the dynamic slice decoded at 0.32x and
-#: its 512-token pass ran at 0.62x (each expert copied per chunk), so experts that size keep their buffers.
+#: one expert's bytes up to which loading holds a layer's experts ``stacked`` (``stacks``). Stacked against one
+#: buffer each on the CPU (2 cores; ``python bench/bench_stacked_experts.py --models default,OLMOE_CUT``): the
+#: default model (92 KB experts, 8 MoE layers x 64) compiled its first ``generate`` 3x faster and decoded at 0.96x
+#: (median of 10 alternating runs); an OLMoE-1B-7B expert (12.6 MB) read through the dynamic slice decoded at
+#: 0.32x and its 512-token pass ran at 0.62x (each expert copied per chunk), so experts that size keep buffers.
 STACK_EXPERT_MAX_BYTES = 1 << 20
 
 
