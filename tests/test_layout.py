@@ -114,10 +114,10 @@ def test_stacked_experts_equal_one_buffer_each_in_one_product_per_matrix(dtype, 
 def test_only_plain_experts_are_stacked():
     """int8 experts (values and scales), experts wide enough for column blocks and experts of real models' size
     (an OLMoE-1B-7B expert: 12.6 MB) keep one buffer each."""
-    assert layout.stacks([np.zeros((16, 8))], [np.zeros((8, 8))])
-    assert not layout.stacks([np.zeros((2048, 2048), np.float16)], [np.zeros((2048, 1024), np.float16)])
-    assert not layout.stacks([np.zeros((16, layout.ROW_DOT_MAX_IN + 1))], [np.zeros((8, 8))])
-    assert not layout.stacks([layout.quantize_matrix(jnp.ones((16, 8)))], [np.zeros((8, 8))])
+    assert layout.stacks(np.zeros((16, 8)), np.zeros((8, 8)))
+    assert not layout.stacks(np.zeros((2048, 2048), np.float16), np.zeros((2048, 1024), np.float16))
+    assert not layout.stacks(np.zeros((16, layout.ROW_DOT_MAX_IN + 1)), np.zeros((8, 8)))
+    assert not layout.stacks(layout.quantize_matrix(jnp.ones((16, 8))), np.zeros((8, 8)))
     p, *_ = _problem(1, 1, 2, 4)
     int8 = layout.expert_list(4, lambda e: weights.expert_out_in(p, e), quantization=layout.Quantization(True))
     assert not int8.stacked and layout.is_int8(int8.gate_up[0])

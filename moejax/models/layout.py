@@ -208,12 +208,13 @@ class ExpertList:
 STACK_EXPERT_MAX_BYTES = 1 << 20
 
 
-def stacks(gate_up: list, down: list) -> bool:
-    """Whether experts of these matrices are held ``stacked`` (``ExpertList``): plain arrays read whole by the
-    one-row product (not int8, not ``ColumnBlocks``) of at most ``STACK_EXPERT_MAX_BYTES`` an expert."""
+def stacks(gate_up, down) -> bool:
+    """Whether experts like this one (its ``gate_up`` and ``down`` matrices) are held ``stacked``
+    (``ExpertList``): plain arrays read whole by the one-row product (not int8, not ``ColumnBlocks``) of at most
+    ``STACK_EXPERT_MAX_BYTES`` an expert."""
     plain = all(isinstance(w, (np.ndarray, jax.Array)) and w.ndim == 2 and w.shape[1] <= ROW_DOT_MAX_IN
-                for w in (gate_up[0], down[0]))
-    return plain and gate_up[0].nbytes + down[0].nbytes <= STACK_EXPERT_MAX_BYTES
+                for w in (gate_up, down))
+    return plain and gate_up.nbytes + down.nbytes <= STACK_EXPERT_MAX_BYTES
 
 
 @dataclasses.dataclass(frozen=True)
@@ -624,7 +625,7 @@ def expert_list(n: int, read: Callable[[int], tuple], put: Reader = jnp.asarray,
     gathered into one host stack per matrix and placed once (the host then holds one layer's experts)."""
     q = quantization or Quantization()
     first = read(0)
-    if not q.experts and all(isinstance(w, np.ndarray) for w in first) and stacks(*([w] for w in first)):
+    if not q.experts and all(isinstance(w, np.ndarray) for w in first) and stacks(*first):
         held = [np.empty((n, *w.shape), w.dtype) for w in first]
         for e in range(n):
             for stack, w in zip(held, first if e == 0 else read(e)):
