@@ -23,6 +23,10 @@ from moejax.base import atomic
 from moejax.experts import trace as trace_lib
 from moejax.evaluation import perplexity
 
+import common  # noqa: E402  (bench/common.py)
+
+common.score_the_shipped_wikitext()
+
 
 def record(model, n_chunks: int, context: int) -> trace_lib.Trace:
     ids = np.asarray(model.tokenizer.encode(perplexity.load_wikitext(), add_special_tokens=False), np.int32)

@@ -39,6 +39,10 @@ from moejax.evaluation import perplexity, studies, sweep_points
 from moejax.runtime import simulate
 from moejax.training import recipe
 
+import common  # noqa: E402  (bench/common.py)
+
+common.score_the_shipped_wikitext()
+
 WORD_PPL_GOAL = 150.0
 ENTROPY_GOAL = (0.85, 0.97)  # usage entropy / log2 N, every layer
 GOALS = ("word_ppl", "entropy", "no_dead_expert")  # the table's order (JSON files keep them sorted)
@@ -167,7 +171,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-tokens", type=int, default=None, help="score only the first N WikiText tokens (step 1)")
     p.add_argument("--pareto-tokens", type=int, default=8184, help="tokens of the pareto study (0: skip it)")
     p.add_argument("--points", type=int, default=11)
-    p.add_argument("--data", default=None, help="WikiText-2 raw test (default: ../shared/data copy)")
+    p.add_argument("--data", default=None, help="WikiText-2 raw test (default: the copy in tests/data)")
     p.add_argument("--work", default=os.path.join("bench", "results", "default_model"),
                    help="the pareto studies' folders, one per label (resumable)")
     p.add_argument("--out", default=os.path.join("bench", "results", "default_model.json"))

@@ -26,6 +26,10 @@ import sys
 # the tree this script is in, last: the results are written with moejax's atomic writer at the end, and a moejax that
 # only the workers' working directory provides would lose them
 sys.path.append(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import common  # noqa: E402  (bench/common.py)
+
+common.score_the_shipped_wikitext()
 
 WORKER = r"""
 import json, sys, time

@@ -35,6 +35,10 @@ from moejax.experts import routing
 from moejax.runtime import simulate
 from moejax.evaluation import perplexity, sweep, sweep_points
 
+import common  # noqa: E402  (bench/common.py)
+
+common.score_the_shipped_wikitext()
+
 
 def lam_points(model, label, n_points, tokens, context, size):
     out = []

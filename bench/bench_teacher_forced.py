@@ -51,6 +51,11 @@ from collections import OrderedDict
 
 import numpy as np
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import common  # noqa: E402  (bench/common.py)
+
+common.score_the_shipped_wikitext()
+
 PPL_RTOL = {"float32": 1e-3, "bfloat16": 2e-2}  # perplexities of two engines must agree to this relative tolerance
 MISS_ATOL = {"float32": 1e-3, "bfloat16": 2e-2}  # and miss rates to this absolute tolerance (bf16: a router
 # logit rounded differently flips a near-tie, and the cache carries the flip on)

@@ -37,11 +37,11 @@ import tempfile
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import common  # noqa: E402  (bench/common.py)
 import memlimit  # noqa: E402  (bench/memlimit.py)
 
 DEFAULT_LLAMA_CPP = "/work/llama.cpp"
-DEFAULT_TEXT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), os.pardir,
-                            "shared", "data", "wikitext-2-raw-v1", "test.txt")
+DEFAULT_TEXT = common.WIKITEXT2_TEST
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
 
 BUILD_HELP = """\
@@ -81,7 +81,7 @@ def ensure_tokenizer(hf_dir: str, vocab_size: int = 1000, text_path: str | None 
     """Give ``hf_dir`` a tokenizer if it has none (llama.cpp's converter needs one). Returns the files written.
 
     moejax's random checkpoints have no tokenizer. This trains a small byte-level BPE (``tokenizers``) on the
-    first ``text_bytes`` of ``text_path`` (default: the WikiText-2 copy in ../shared/data) and saves it with
+    first ``text_bytes`` of ``text_path`` (default: the WikiText-2 copy in tests/data) and saves it with
     ``transformers.PreTrainedTokenizerFast.save_pretrained`` into a temporary folder, then copies ONLY
     tokenizer.json, tokenizer_config.json and special_tokens_map.json into ``hf_dir`` (config.json and the
     weights are never touched). The converter pads the vocabulary to the config's vocab_size. Nothing is

@@ -84,6 +84,7 @@ _share_compiled_programs()
 # expert branches (4.6 s to compile at level 0, 1.4 s for the cut's 32); tests/test_default_model.py checks the
 # shipped one itself, and the predecessor stays as it is for the figures measured on it.
 CPU_DEFAULT_MODEL = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "cpu-default-model")
+WIKITEXT2_TEST = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "wikitext-2-raw-v1", "test.txt")
 CUT_LAYERS, CUT_EXPERTS = (0, 3), 16
 
 

@@ -19,6 +19,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import WIKITEXT2_TEST
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -26,7 +27,7 @@ import moejax
 from moejax.models.gating import GroupLimited, SoftmaxTopK, SparseMixer, original_routing
 from moejax.experts import cache, prior as prior_lib, router, routing
 from moejax.runtime import generate, simulate
-from moejax.evaluation import evaluate, perplexity
+from moejax.evaluation import evaluate
 from moejax.training import train_prior
 
 GATINGS = {
@@ -313,7 +314,7 @@ def zero_prior_path(tmp_path_factory, model):
 
 def test_evaluate_cli_with_learned_prior(zero_prior_path, tmp_path, capsys):
     data = tmp_path / "test.txt"
-    data.write_text(open(perplexity.WIKITEXT_TEST, encoding="utf-8").read()[:4000])
+    data.write_text(open(WIKITEXT2_TEST, encoding="utf-8").read()[:4000])
     common = ["--model", "default", "--data", str(data), "--context", "64", "--max-tokens", "126",
               "--cache-size", "0.5", "--json"]
     assert evaluate.main(common + ["--routing", "learned-prior", "--prior", zero_prior_path]) == 0

@@ -16,7 +16,7 @@ import chex
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import get_hf_model, get_moejax_model, run_main
+from conftest import WIKITEXT2_TEST, get_hf_model, get_moejax_model, run_main
 
 from moejax.models import assets, model as model_lib
 from moejax.experts import routing, trace as trace_lib
@@ -84,7 +84,7 @@ def test_lambda_zero_is_bit_identical_to_plain_forward_on_the_shipped_bf16_model
     another order, so the weights differed in the last bit and, a few layers on, the logits by 0.06
     (``gating.fenced_probs``). The tests' own default model happened to agree."""
     m = api.load(assets.DEFAULT_MODEL_DIR)
-    toks = np.asarray(m.tokenizer.encode(perplexity.load_wikitext(), add_special_tokens=False)[:256], np.int32)
+    toks = np.asarray(m.tokenizer.encode(perplexity.load_wikitext(WIKITEXT2_TEST), add_special_tokens=False)[:256], np.int32)
     plain = m.forward(toks)
     cached = m.forward(toks, routing=routing.make_policy("cache-prior", m.cfg.top_k, lam=0.0),
                        cache=simulate.CacheConfig(str(m.cfg.n_experts // 4)))

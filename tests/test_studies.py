@@ -120,9 +120,14 @@ def _lines(path):
         return f.read()
 
 
+CALIBRATION_TEXT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "corpus",
+                                "enwiki-2015-wikitext-style-07.txt.gz")
+
+
 def _run(lm, data, out, only, *extra):
+    calibration = ("--calibration-text", CALIBRATION_TEXT) if "delta" in only.split(",") else ()
     argv = ["--model", lm.path, "--data", data, "--max-tokens", "45", "--context", "16", "--points", "2",
-            "--batch-size", "1", "--out", out, "--no-progress", "--only", only, *extra]
+            "--batch-size", "1", "--out", out, "--no-progress", "--only", only, *calibration, *extra]
     assert studies.main(argv) == 0
     return argv
 

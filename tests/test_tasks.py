@@ -184,9 +184,10 @@ def test_mmlu_order_is_round_robin_over_sorted_subjects_and_limit_takes_the_firs
     assert [r.subject for r in one.examples] == ["virology"] * 2 and len(one.shots["virology"]) == 2
 
 
-def test_real_shared_data_parses():
-    if not os.path.isdir(tasks.DEFAULT_DATA["mmlu"]):
-        pytest.skip("no ../shared/data copy")
+def test_the_real_datasets_parse_where_moejax_data_names_a_copy_of_them():
+    """The full files (``$MOEJAX_DATA``: set it to a folder holding the real datasets to run this)."""
+    if not (os.environ.get("MOEJAX_DATA") and os.path.isdir(tasks.default_data("mmlu"))):
+        pytest.skip("$MOEJAX_DATA names no copy of the real datasets")
     mmlu = tasks.load_task("mmlu")
     assert len(mmlu.examples) == 14042 and len({r.subject for r in mmlu.examples[:57]}) == 57
     assert all(len(v) == 5 for v in mmlu.shots.values())
@@ -305,8 +306,7 @@ def _fake_datasets(calls: list) -> types.ModuleType:
 def test_hf_datasets_fallback_when_the_local_copy_is_missing(tmp_path, monkeypatch):
     calls: list = []
     monkeypatch.setitem(sys.modules, "datasets", _fake_datasets(calls))
-    for task in tasks.TASKS:
-        monkeypatch.setitem(tasks.DEFAULT_DATA, task, str(tmp_path / "missing" / task))
+    monkeypatch.delenv("MOEJAX_DATA", raising=False)
     mmlu = tasks.load_task("mmlu")
     assert [(r.subject, r.answer) for r in mmlu.examples] == [("astro", 0), ("math", 1)]
     assert mmlu.shots["math"][0].question == "1+1?" and mmlu.files == ["hf:cais/mmlu"]
@@ -320,9 +320,8 @@ def test_hf_datasets_fallback_when_the_local_copy_is_missing(tmp_path, monkeypat
     assert res["accuracy"] == 1.0 and res["data"] == ["hf:nq_open"] and ("nq_open", None, "validation") in calls
 
 
-def test_hf_fallback_failure_names_the_local_path(tmp_path, monkeypatch):
-    missing = str(tmp_path / "missing")
-    monkeypatch.setitem(tasks.DEFAULT_DATA, "gsm8k", missing)
+def test_without_local_data_a_failed_or_missing_hf_copy_names_both_ways_to_give_the_data(tmp_path, monkeypatch):
+    monkeypatch.delenv("MOEJAX_DATA", raising=False)
     broken = types.ModuleType("datasets")
 
     def offline(*args, **kw):
@@ -330,11 +329,17 @@ def test_hf_fallback_failure_names_the_local_path(tmp_path, monkeypatch):
 
     broken.load_dataset = offline
     monkeypatch.setitem(sys.modules, "datasets", broken)
-    with pytest.raises(FileNotFoundError, match=re.escape(missing) + ".*no network"):
+    with pytest.raises(FileNotFoundError, match="HF datasets copy of gsm8k.*no network.*pass --data PATH"):
         tasks.load_task("gsm8k")
     monkeypatch.setitem(sys.modules, "datasets", None)  # not installed
-    with pytest.raises(FileNotFoundError, match=re.escape(missing)):
+    with pytest.raises(FileNotFoundError, match=re.escape("pass --data PATH (or set $MOEJAX_DATA)") + ".*"
+                       + re.escape("pip install 'moejax[data]'")):
         tasks.load_task("gsm8k")
+    missing = str(tmp_path / "missing")
+    monkeypatch.setenv("MOEJAX_DATA", missing)  # named, so never a download in its place
+    with pytest.raises(FileNotFoundError, match=re.escape(os.path.join(missing, "gsm8k"))):
+        tasks.load_task("gsm8k")
+    monkeypatch.delenv("MOEJAX_DATA")
     bad = types.ModuleType("datasets")
     bad.load_dataset = lambda *a, split=None: [{"question": "q", "answer": "no number"}]
     monkeypatch.setitem(sys.modules, "datasets", bad)

@@ -43,7 +43,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default=None,
                    help="compute dtype (default: the checkpoint's)")
     p.add_argument("--task", choices=TASK_NAMES, default="wikitext")
-    p.add_argument("--data", help="path to the task's data file or folder (default: ../shared/data copy)")
+    p.add_argument("--data", help="the task's data file or folder (default: $MOEJAX_DATA/TASK, else the HF datasets copy)")
     p.add_argument("--context", type=int, default=None,
                    help="WikiText chunk length in tokens, BOS included (default: 1024, or the model's positions "
                         "if fewer; longer than the model's positions is refused)")

@@ -23,12 +23,12 @@ from moejax.models import gating
 from moejax.runtime import api, simulate
 from moejax.runtime import offload as offload_lib
 
-WIKITEXT_TEST = paths.WIKITEXT2_TEST
-
-
 def load_wikitext(path: str | None = None) -> str:
-    """WikiText-2 raw test text from ``path``, the repository's ``../shared/data`` copy, or HF datasets."""
+    """WikiText-2 raw test text from ``path``, else ``paths.wikitext_test()`` (``$MOEJAX_WIKITEXT`` or
+    ``$MOEJAX_DATA``), else the Hugging Face ``datasets`` copy."""
     path = path or paths.wikitext_test()
+    if path is None:
+        return _hf_wikitext_test()
     if os.path.isfile(path):
         try:
             with open(path, encoding="utf-8") as f:
@@ -40,16 +40,23 @@ def load_wikitext(path: str | None = None) -> str:
         return text
     if os.path.exists(path):  # a folder, a device, a pipe: never read (/dev/zero would fill memory)
         raise errors.Failure(f"WikiText file {path} is not a regular file")
-    if path != WIKITEXT_TEST:
-        raise FileNotFoundError(f"WikiText file {path} does not exist")
-    try:  # the usual recipe, where the network is there
-        import datasets
+    raise FileNotFoundError(f"WikiText file {path} does not exist")
 
+
+def _hf_wikitext_test() -> str:
+    """The test split through HF ``datasets`` (the usual recipe where the network is), or an error naming
+    both ways to give the text."""
+    try:
+        import datasets
+    except ImportError:
+        raise FileNotFoundError("no WikiText-2 test text: pass --data PATH/TO/wikitext-2-raw-v1/test.txt (or set "
+                                f"${paths.DATA_ENV}), or install HF datasets to fetch it ({paths.DATA_EXTRA})") from None
+    try:
         rows = datasets.load_dataset("wikitext", "wikitext-2-raw-v1", split="test")["text"]
-        return "\n\n".join(rows)
-    except Exception as e:  # noqa: BLE001 - report the real cause with the local path we looked for
-        raise FileNotFoundError(f"no WikiText-2 test text at {path} and the HF datasets copy failed ({e}); "
-                                "pass --data PATH/TO/test.txt") from e
+    except Exception as e:  # noqa: BLE001 - report the real cause, with the other way
+        raise FileNotFoundError(f"the HF datasets copy of WikiText-2 failed ({type(e).__name__}: {e}); pass "
+                                "--data PATH/TO/wikitext-2-raw-v1/test.txt") from e
+    return "\n\n".join(rows)
 
 
 def chunk_tokens(ids: np.ndarray, context: int, bos: int | None) -> list[np.ndarray]:

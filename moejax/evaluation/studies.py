@@ -48,6 +48,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import gzip
+import lzma
 import json
 import math
 import os
@@ -66,7 +67,8 @@ from moejax.runtime import api, cli_options, simulate
 from moejax.evaluation import perplexity, results as results_file, sweep, sweep_points
 
 STUDIES = ("pareto", "lifetimes", "init", "delta", "cache_size", "sensitivity", "eviction", "tasks")
-SHARD_07 = os.path.join(paths.CORPUS_DIR, "enwiki-2015-wikitext-style-07.txt.gz")
+CALIBRATION_SHARD = "enwiki-2015-wikitext-style-07.txt.gz"  # the training corpus's held-out shard
+CALIBRATION_CHARS = 200_000
 CACHE_SIZE_LAMS = (0.05, 0.1, 0.2, 0.3, 0.5)
 PPL_BOUNDS = (0.01, 0.05, 0.10)
 EVICTIONS = ("lru", "lfu", "fld", "score", "least-stale", "belady")
@@ -175,6 +177,7 @@ class Context:
     lifetimes_max_tokens: int | None = None
     cache_sizes: str = "default"
     mesh: Any = None  # distributed.points_mesh: a sweep's batches spread over these devices
+    calibration_text: str | None = None  # the delta study's text (None: ``calibration_source``)
 
     @property
     def cfg(self):
@@ -331,15 +334,42 @@ def study_init(ctx: Context) -> list[dict]:
     return ctx.runner("init").run(pts)
 
 
-def calibrate_delta(ctx: Context, path: str = SHARD_07) -> dict:
-    """Mean router-logit range max(z) - min(z) over the first ``max_tokens`` tokens (default 8184) of ``path``
-    (the held-out training shard: a text the evaluation never scores), per MoE layer and overall."""
+def calibration_source(path: str | None) -> str:
+    """The delta study's calibration text: ``path``, else the corpus's held-out shard in ``$MOEJAX_DATA/corpus``,
+    else ``hf:wikitext-2-raw-v1/train`` (a split the evaluation never scores)."""
+    corpus = paths.corpus_dir()
+    return path or (os.path.join(corpus, CALIBRATION_SHARD) if corpus else "hf:wikitext-2-raw-v1/train")
 
-    if not os.path.exists(path):
-        raise FileNotFoundError(f"calibration text {path} does not exist")
+
+def read_calibration_text(source: str, chars: int) -> str:
+    """The first ``chars`` characters of ``source``: a text file (``.gz`` and ``.xz`` read compressed) or the
+    HF ``datasets`` split ``calibration_source`` names."""
+    if source.startswith("hf:"):
+        try:
+            import datasets
+        except ImportError:
+            raise FileNotFoundError("the delta study needs a calibration text: pass --calibration-text PATH (or set "
+                                    f"${paths.DATA_ENV}), or install HF datasets ({paths.DATA_EXTRA})") from None
+        try:
+            rows = datasets.load_dataset("wikitext", "wikitext-2-raw-v1", split="train")["text"]
+        except Exception as e:  # noqa: BLE001 - the real cause, with the other way
+            raise FileNotFoundError(f"the HF datasets copy of WikiText-2's train split failed ({type(e).__name__}: "
+                                    f"{e}); pass --calibration-text PATH") from e
+        return "\n\n".join(rows)[:chars]
+    if not os.path.isfile(source):
+        raise FileNotFoundError(f"calibration text {source} does not exist" if not os.path.exists(source)
+                                else f"calibration text {source} is not a regular file")
+    opener = gzip.open if source.endswith(".gz") else lzma.open if source.endswith(".xz") else open
+    with opener(source, "rt", encoding="utf-8") as f:
+        return f.read(chars)
+
+
+def calibrate_delta(ctx: Context) -> dict:
+    """Mean router-logit range max(z) - min(z) over the first ``max_tokens`` tokens (default 8184) of the
+    calibration text (``calibration_source``: a text the evaluation never scores), per MoE layer and overall."""
+    source = calibration_source(ctx.calibration_text)
     want = ctx.max_tokens or 8184
-    with gzip.open(path, "rt", encoding="utf-8") as f:
-        text = f.read(max(200_000, want * 8))
+    text = read_calibration_text(source, max(CALIBRATION_CHARS, want * 8))
     ids = np.asarray(ctx.model.tokenizer.encode(text, add_special_tokens=False), np.int32)[:want]
     sums = np.zeros(ctx.cfg.n_moe_layers)
     count = 0
@@ -348,7 +378,9 @@ def calibrate_delta(ctx: Context, path: str = SHARD_07) -> dict:
         sums += (z.max(-1) - z.min(-1)).sum(-1)
         count += z.shape[1]
     per_layer = sums / count
-    return {"source": os.path.relpath(os.path.realpath(path), os.path.dirname(os.path.abspath(ctx.out))),
+    where = source if source.startswith("hf:") else os.path.relpath(os.path.realpath(source),
+                                                                     os.path.dirname(os.path.abspath(ctx.out)))
+    return {"source": where,
             "tokens": int(len(ids)), "routed_tokens": int(count), "per_layer": per_layer.tolist(),
             "delta": float(per_layer.mean())}
 
@@ -535,7 +567,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model", default=api.DEFAULT_MODEL_NAME)
     p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
                    help="compute dtype (default float32: faster than bf16 on XLA:CPU, and exact to report)")
-    p.add_argument("--data", default=None, help="WikiText-2 test text (default: ../shared/data copy)")
+    p.add_argument("--data", default=None, help="WikiText-2 test text (default: $MOEJAX_WIKITEXT, "
+                   "$MOEJAX_DATA/wikitext-2-raw-v1/test.txt, else the HF datasets copy)")
+    p.add_argument("--calibration-text", default=None, help="delta study: the text whose router-logit ranges "
+                   f"calibrate the fixed delta (.gz/.xz read compressed; default: $MOEJAX_DATA/corpus/"
+                   f"{CALIBRATION_SHARD}, else WikiText-2's train split from HF datasets)")
     p.add_argument("--protocol", choices=("quick", "paper"), default="quick",
                    help="quick (default): 11-point fronts on 8,184 tokens; paper: 50-point fronts on >= 65,536 tokens, "
                         "lifetimes on the whole text, every cache size (explicit flags override)")
@@ -563,7 +599,7 @@ PAPER_TOKENS = 65_536
 MMLU_LIMIT, GSM8K_LIMIT = 40, 10
 # Flags that only one study reads: given while --only leaves that study out, they are refused.
 STUDY_FLAGS = {"lifetimes_max_tokens": "lifetimes", "cache_sizes": "cache_size", "evictions": "eviction",
-               "mmlu_limit": "tasks", "gsm8k_limit": "tasks"}
+               "mmlu_limit": "tasks", "gsm8k_limit": "tasks", "calibration_text": "delta"}
 
 
 def apply_protocol(args: argparse.Namespace) -> None:
@@ -616,6 +652,9 @@ def check_args(args: argparse.Namespace) -> tuple[list[str], tuple[str, ...]]:
         cache_sizes(args.cache_sizes, None)  # the form only; the range is checked against N once loaded
     if os.path.lexists(args.out) and not os.path.isdir(args.out):
         raise errors.UsageError(f"--out {args.out} exists and is not a folder")
+    if args.calibration_text is not None and not os.path.isfile(args.calibration_text):
+        raise errors.UsageError(f"--calibration-text {args.calibration_text} "
+                                + ("is not a regular file" if os.path.exists(args.calibration_text) else "does not exist"))
     return chosen, evictions
 
 
@@ -639,7 +678,7 @@ def main(argv: list[str] | None = None) -> int:
                   args.batch_size or sweep.default_batch_size(), not args.no_progress, args.dtype, args.mmlu_limit,
                   args.gsm8k_limit, evictions,
                   args.max_tokens or None if args.lifetimes_max_tokens is None else args.lifetimes_max_tokens or None,
-                  args.cache_sizes, mesh)
+                  args.cache_sizes, mesh, args.calibration_text)
     try:
         cache_sizes(args.cache_sizes, model.cfg.n_experts)
     except ValueError as e:

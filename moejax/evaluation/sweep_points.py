@@ -335,8 +335,9 @@ def make_point(model, model_name: str, *, task: str = "wikitext", study: str | N
         shots = [f for f in tasks.shot_files(task, data_id) if os.path.isfile(f)] if task in tasks.TASKS else []
         if shots:  # where a task file's shots come from (gsm8k's train.jsonl beside it, MMLU's dev csv)
             identity["shot_digests"] = [data_digest(f) for f in shots]
-    elif task == "wikitext":  # the default text (``$MOEJAX_WIKITEXT`` or the shared copy) is data too
-        identity["data_digest"] = data_digest(paths.wikitext_test())
+    elif task == "wikitext":  # the default text (``$MOEJAX_WIKITEXT``, ``$MOEJAX_DATA``, else HF's) is data too
+        default = paths.wikitext_test()
+        identity["data_digest"] = data_digest(default) if default else "hf:wikitext/wikitext-2-raw-v1/test"
     if routing.get("prior"):  # a learned prior's files too: one retrained at the same path is evaluated again
         identity["prior_digest"] = data_digest(routing["prior"])
     record = {"study": study, "task": task, "model": model_name, "routing": routing, "cache": crec,

@@ -1,13 +1,13 @@
 """Training data: the WikiText-style Wikipedia corpus, a byte-level BPE tokenizer, packed token shards.
 
-    corpus (gzip text shards, ../shared/data/corpus/enwiki-2015-wikitext-style-NN.txt.gz; a shard recompressed
-            with xz, ``-NN.txt.xz``, a quarter smaller, reads the same)
+    corpus (gzip text shards ``enwiki-2015-wikitext-style-NN.txt.gz`` in ``--corpus-dir``, default
+            ``$MOEJAX_DATA/corpus``; a shard recompressed with xz, ``-NN.txt.xz``, a quarter smaller, reads the same)
       -> documents (an article starts at a ``" = Title = "`` line; streamed, never loaded whole)
       -> tokenizer.json (byte-level BPE trained with ``tokenizers``; ``<|endoftext|>`` is BOS and EOS)
       -> shard-NN.bin (uint16 token ids, every document preceded by ``<|endoftext|>``) + shard-NN.json
 
 Everything is cached in a data folder (default ``~/.cache/moejax/data``); a shard is tokenized the first
-time it is needed and written atomically. The last corpus shard (``-07``) is the validation split.
+time it is needed and written atomically. The last corpus shard is the validation split.
 """
 
 from __future__ import annotations
@@ -22,17 +22,15 @@ from typing import Iterable, Iterator
 
 import numpy as np
 
-from moejax.base import atomic, paths
+from moejax.base import atomic, errors, paths
 
 EOS = "<|endoftext|>"
 PAD = "<|padding|>"
 SPECIAL_TOKENS = (EOS, PAD)
 DEFAULT_VOCAB = 8192
 DEFAULT_DATA_DIR = os.path.join(os.path.expanduser("~"), ".cache", "moejax", "data")
-DEFAULT_CORPUS_DIR = paths.CORPUS_DIR
 CORPUS_PATTERN = "enwiki-2015-wikitext-style-*.txt.gz"
 CORPUS_PATTERNS = (CORPUS_PATTERN, "enwiki-2015-wikitext-style-*.txt.xz")
-WIKITEXT2_TEST = paths.WIKITEXT2_TEST
 _TITLE = re.compile(r"^ = [^=].* = $")
 
 
@@ -42,7 +40,7 @@ def shard_name(path: str) -> str:
     return os.path.basename(path).split(".")[0]
 
 
-def corpus_shards(corpus_dir: str = DEFAULT_CORPUS_DIR) -> list[str]:
+def corpus_shards(corpus_dir: str) -> list[str]:
     """All corpus shard paths, sorted; the last one is the validation split."""
     found = {}
     for pattern in CORPUS_PATTERNS:
@@ -56,7 +54,7 @@ def corpus_shards(corpus_dir: str = DEFAULT_CORPUS_DIR) -> list[str]:
     return sorted(ps[0] for ps in found.values())
 
 
-def split_shards(corpus_dir: str = DEFAULT_CORPUS_DIR) -> tuple[list[str], str]:
+def split_shards(corpus_dir: str) -> tuple[list[str], str]:
     """(training shards, validation shard)."""
     paths = corpus_shards(corpus_dir)
     if len(paths) < 2:
@@ -145,7 +143,7 @@ def tokenizer_sample(train_paths: list[str], chars_per_shard: int) -> Iterator[s
         yield from iter_documents(path, max_chars=chars_per_shard)
 
 
-def ensure_tokenizer(data_dir: str, corpus_dir: str = DEFAULT_CORPUS_DIR, vocab_size: int = DEFAULT_VOCAB,
+def ensure_tokenizer(data_dir: str, corpus_dir: str, vocab_size: int = DEFAULT_VOCAB,
                      chars_per_shard: int = 3_000_000, log=print):
     """Train the tokenizer on the first ``chars_per_shard`` characters of every training shard, once."""
     path = os.path.join(data_dir, "tokenizer.json")
@@ -219,7 +217,7 @@ class TokenData:
     function of (seed, position) and resuming needs only the position. Shards are tokenized lazily, when
     the stream reaches them."""
 
-    def __init__(self, data_dir: str = DEFAULT_DATA_DIR, corpus_dir: str = DEFAULT_CORPUS_DIR,
+    def __init__(self, data_dir: str, corpus_dir: str,
                  vocab_size: int = DEFAULT_VOCAB, seq_len: int = 256, seed: int = 0,
                  val_max_chars: int | None = 4_000_000, tokenizer_chars_per_shard: int = 3_000_000, log=print):
         self.data_dir, self.corpus_dir, self.seq_len, self.seed, self.log = data_dir, corpus_dir, seq_len, seed, log
@@ -303,11 +301,9 @@ def ngram_overlap(train_text: str, test_text: str, n: int = 13) -> dict:
             "examples": [" ".join(g) for g in sorted(shared)[:5]]}
 
 
-def leak_check(corpus_dir: str = DEFAULT_CORPUS_DIR, test_path: str = WIKITEXT2_TEST,
-               chars_per_shard: int = 5_000_000, n: int = 13) -> dict:
+def leak_check(corpus_dir: str, test_text: str, chars_per_shard: int = 5_000_000, n: int = 13) -> dict:
     """13-gram overlap between the WikiText-2 test text and a sample of every training shard."""
-    with open(test_path, encoding="utf-8") as f:
-        test = ngrams(f.read().split(), n)
+    test = ngrams(test_text.split(), n)
     shared: set = set()
     sampled_words = 0
     train_paths, _ = split_shards(corpus_dir)
@@ -319,3 +315,13 @@ def leak_check(corpus_dir: str = DEFAULT_CORPUS_DIR, test_path: str = WIKITEXT2_
     return {"n": n, "test_ngrams": len(test), "sampled_train_words": sampled_words, "shared": len(shared),
             "shared_fraction": len(shared) / max(1, len(test)),
             "examples": [" ".join(g) for g in sorted(shared)[:5]]}
+
+
+def corpus_folder(given: str | None, flag: str) -> str:
+    """The training corpus folder: ``given`` (the command's ``flag``), else ``$MOEJAX_DATA/corpus``, else a usage
+    error naming both."""
+    folder = given or paths.corpus_dir()
+    if not folder:
+        raise errors.UsageError(f"no training corpus: pass {flag} FOLDER (shards {CORPUS_PATTERN}, the last held out "
+                                f"for validation) or set ${paths.DATA_ENV} to a folder holding corpus/")
+    return os.path.abspath(os.path.expanduser(folder))

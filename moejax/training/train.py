@@ -626,7 +626,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="stop cleanly (final checkpoint) after M minutes")
     p.add_argument("--stop-after", type=int, default=None, help=argparse.SUPPRESS)  # tests: simulate an interruption
     p.add_argument("--data-dir", default=data.DEFAULT_DATA_DIR)
-    p.add_argument("--corpus-dir", default=data.DEFAULT_CORPUS_DIR)
+    p.add_argument("--corpus-dir", default=None, help="the training corpus: gzip/xz text shards "
+                   f"{data.CORPUS_PATTERN}, the last held out for validation (default: $MOEJAX_DATA/corpus)")
     p.add_argument("--vocab-size", type=int, default=data.DEFAULT_VOCAB)
     p.add_argument("--export", metavar="DIR", help="write OUT's latest params as a bf16 moejax folder and exit")
     p.add_argument("--export-at-end", metavar="DIR",
@@ -701,11 +702,11 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     args.given = given_flags(argv)
     args.data_dir = os.path.abspath(os.path.expanduser(args.data_dir))
-    args.corpus_dir = os.path.abspath(os.path.expanduser(args.corpus_dir))
     try:
         if args.export:
             print(export(args.out, args.export, overwrite=args.overwrite))
             return 0
+        args.corpus_dir = data.corpus_folder(args.corpus_dir, "--corpus-dir")
         check_args(args)
         train(args)
     except errors.HANDLED as e:

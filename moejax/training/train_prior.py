@@ -365,7 +365,7 @@ def check_args(args: argparse.Namespace) -> None:
 def run(args: argparse.Namespace, log=print) -> dict:
     weights = parse_weights(args.weights)
     check_args(args)
-    shard_paths = parse_shards(args.shards, args.corpus)
+    shard_paths = parse_shards(args.shards, data.corpus_folder(args.corpus, "--corpus"))
     for weight in weights:  # before the work: a folder in the way is refused, not found after an hour
         prior_lib.check_replaceable(os.path.join(args.out, weight_name(weight)))
     check_record_files(args.out)
@@ -459,7 +459,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--eviction", choices=cache_lib.ONLINE_EVICTIONS, default="lru")
     p.add_argument("--weights", type=flags.FloatList(flags.finite_float(0.0, 1e6), as_text=True),
                    default="0.1,0.3,1,3", help="comma-separated trade-off weights w")
-    p.add_argument("--corpus", default=data.DEFAULT_CORPUS_DIR, help="corpus folder (moejax.training.data layout)")
+    p.add_argument("--corpus", default=None, help="corpus folder (moejax.training.data layout; default: "
+                   "$MOEJAX_DATA/corpus)")
     p.add_argument("--shards", default="0", help="training shard numbers, comma-separated (07 is held out)")
     p.add_argument("--tokens", type=int, default=65536, help="training-text tokens to record")
     p.add_argument("--context", type=int, default=1024, help="chunk length of the recording passes")

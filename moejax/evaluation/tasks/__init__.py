@@ -85,7 +85,9 @@ from moejax.evaluation.tasks.truthfulqa import _truthful_question, read_truthful
 TASKS = ("mmlu", "gsm8k", "truthfulqa", "nq_open")
 
 
-DEFAULT_DATA = {task: os.path.join(paths.SHARED_DATA, task) for task in TASKS}
+def default_data(task: str) -> str | None:
+    """The task's local copy when no ``data`` is given: ``$MOEJAX_DATA/{task}``, or None (HF ``datasets``)."""
+    return paths.in_data_dir(task)
 
 
 DEFAULT_FILES = {"gsm8k": "test.jsonl", "truthfulqa": "mc_task.json", "nq_open": "NQ-open.dev.jsonl"}
@@ -178,7 +180,7 @@ def parse_hf(task: str, rows: dict[str, list], shots: int) -> TaskData:
 
 
 def load_task(task: str, data: str | None = None, shots: int = 0) -> TaskData:
-    """``data`` (file or folder), else the repository's ``../shared/data`` copy, else HF ``datasets``."""
+    """``data`` (file or folder), else ``$MOEJAX_DATA/{task}``, else HF ``datasets``, else an error naming both."""
     if task not in TASKS:
         raise ValueError(f"unknown task {task!r}; expected one of {TASKS}")
     if data is not None:
@@ -187,15 +189,23 @@ def load_task(task: str, data: str | None = None, shots: int = 0) -> TaskData:
         if not (os.path.isfile(data) or os.path.isdir(data)):  # a device (/dev/zero) or a pipe would never end
             raise OSError(f"{task} data {data} is neither a regular file nor a folder")
         return load_task_files(task, data, shots)
-    path = DEFAULT_DATA[task]
-    if os.path.exists(path):
+    path = default_data(task)
+    if path is not None:
+        if not os.path.exists(path):
+            raise FileNotFoundError(f"no {task} data at {path} (${paths.DATA_ENV}/{task}); pass data=PATH or unset "
+                                    f"${paths.DATA_ENV} to fetch it with HF datasets")
         return load_task_files(task, path, shots)
+    name, config, _ = HF_SOURCES[task]
     try:  # the usual recipe, where the network is there
+        import datasets  # noqa: F401 - only to tell "not installed" from a failed download
+    except ImportError:
+        raise FileNotFoundError(f"no {task} data: pass --data PATH (or set ${paths.DATA_ENV}), or install HF "
+                                f"datasets to fetch {name} ({paths.DATA_EXTRA})") from None
+    try:
         rows = fetch_hf(task)
-    except Exception as e:  # noqa: BLE001 - report the real cause with the local path we looked for
-        name, config, _ = HF_SOURCES[task]
-        raise FileNotFoundError(f"no {task} data at {path} and the HF datasets copy ({name} {config or ''}) failed "
-                                f"({type(e).__name__}: {e}); pass data=PATH") from e
+    except Exception as e:  # noqa: BLE001 - report the real cause, with the other way
+        raise FileNotFoundError(f"the HF datasets copy of {task} ({name} {config or ''}) failed "
+                                f"({type(e).__name__}: {e}); pass --data PATH") from e
     return parse_hf(task, rows, shots)
 
 
@@ -278,7 +288,7 @@ def evaluate_task(model, task: str, data: str | None = None, *, limit: int | Non
                   progress: bool = False, return_state: bool = False, **options) -> dict:
     """Accuracy of ``model`` on ``task`` (see the module docstring for each task's protocol).
 
-    ``data``: a file or folder (default: ``../shared/data/{task}``, else HF ``datasets``); ``limit``: score
+    ``data``: a file or folder (default: ``$MOEJAX_DATA/{task}``, else HF ``datasets``); ``limit``: score
     the first N examples; ``shots`` / ``max_new_tokens``: override the task's defaults (``max_new_tokens``
     only matters for gsm8k and nq_open); ``routing`` / ``cache`` / ``state``: simulate the expert cache, one
     state carried through the whole evaluation (``return_state=True`` returns ``(result, final_state)``);
