@@ -159,7 +159,8 @@ _compile_quickly()
 def with_fusion_emitters(env: dict) -> dict:
     """``env`` without the suite's ``OLDER_EMITTERS``: XLA:CPU's default (fusion) emitters. The older ones compile the
     tiny models' many small programs faster, but a large program slower: the shipped model's decode program (8 layers
-    x 64 expert branches) 13.3 against 10.4 s at level 0 (bench/RESULTS.md, session 36)."""
+    x 64 expert branches) 13.3 against 10.4 s at level 0 (``test_generate_with_no_arguments``'s child, AMD EPYC,
+    2 cores)."""
     return {**env, "XLA_FLAGS": " ".join(env.get("XLA_FLAGS", "").replace(OLDER_EMITTERS, "").split())}
 
 
@@ -171,7 +172,7 @@ def _float32_matmuls_on_gpus() -> None:
     ``JAX_DEFAULT_MATMUL_PRECISION`` is kept. No effect on CPU-only machines (CI)."""
     if os.path.exists("/dev/nvidiactl"):
         os.environ.setdefault("JAX_DEFAULT_MATMUL_PRECISION", "highest")
-        # Run to run and compile to compile, the same numbers: the H200's suite (session 18) saw one program
+        # Run to run and compile to compile, the same numbers: the suite on an H200 saw one program
         # give logits 1 ulp apart for inputs that differ only where nothing reads them (atomics in XLA:GPU
         # reductions), and two loads of one model disagree by 1 ulp (kernels autotuned per compile); the
         # tests that compare such runs bit for bit hold on the CPU, where both are deterministic.
@@ -573,7 +574,7 @@ def run_main(main: Callable[[list[str]], int], capsys, *argv) -> Ran:
 
 
 # ------------------------------------------------------------------- order of the files (CI's scheduling)
-#: Seconds each test file's slow tests took in CI's two passes together (session 34, AMD EPYC 2 cores,
+#: Seconds each test file's slow tests took in CI's two passes together (CI's machine: AMD EPYC, 2 cores,
 #: ``--durations``: tests of 2 s or more in the main pass, 1 s or more in the numerics pass), for the order below;
 #: ``QUICK_TEST_SECONDS`` for each of its tests stands for the many quick ones. Refresh when a file's share
 #: changes a lot.
@@ -596,10 +597,10 @@ QUICK_TEST_SECONDS = 0.35
 
 def pytest_collection_modifyitems(config, items):
     """The heaviest files first (``FILE_SECONDS`` + ``QUICK_TEST_SECONDS`` a test), each file's tests in their own
-    order. ``.ci/run`` gives the two
-    xdist workers whole files (``--dist loadfile --no-loadscope-reorder``): a file's models, servers and compiled
-    programs are then made by one worker instead of both (the main pass's CPU time: 2,160 -> 1,900 s), and handing
-    out the long files first keeps the run from ending with one worker on a long file while the other waits."""
+    order. ``.ci/run`` gives the two xdist workers whole files (``--dist loadfile --no-loadscope-reorder``): a
+    file's models, servers and compiled programs are then made by one worker instead of both (the main pass's CPU
+    time: 1,900 s against 2,160 s), and handing out the long files first keeps the run from ending with one worker
+    on a long file while the other waits."""
     tests = collections.Counter(item.path.name for item in items)
     items.sort(key=lambda item: -(FILE_SECONDS.get(item.path.name, 0) + QUICK_TEST_SECONDS * tests[item.path.name]))
 
@@ -607,8 +608,8 @@ def pytest_collection_modifyitems(config, items):
 def pytest_collection_finish(session):
     """The test processes collect cycles as the commands do (``collector.for_compiling``), in each xdist worker
     too: with the default thresholds, full collections of a worker's growing heap made the main pass 832-833 s
-    instead of 766-807 s (two back-to-back pairs; bench/RESULTS.md, session 35). ``_free_compiled_programs``
-    still collects in full after every module."""
+    instead of 766-807 s (``.ci/run``'s main pass, two back-to-back pairs, AMD EPYC, 2 cores).
+    ``_free_compiled_programs`` still collects in full after every module."""
     from moejax.base import collector
 
     collector.for_compiling()
@@ -640,7 +641,7 @@ FAILURE_LOG_ENV = "MOEJAX_TEST_FAILURE_LOG"
 def pytest_runtest_logreport(report):
     """With ``MOEJAX_TEST_FAILURE_LOG=FILE``, append each failure's traceback to FILE the moment it is reported
     (pytest prints them only at the end of the run). A device call's time box kills the suite before that
-    end: the H200's partial run (session 14) left 74 failures and not one traceback. Runs in the process that
+    end: a partial run on an H200 cut off so left 74 failures and not one traceback. Runs in the process that
     collects the reports (xdist's controller), so one writer."""
     path = os.environ.get(FAILURE_LOG_ENV)
     if not path or not report.failed or os.environ.get("PYTEST_XDIST_WORKER"):

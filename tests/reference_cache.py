@@ -1,8 +1,8 @@
 """Plain-Python reference expert cache (LRU, LFU), written independently of moejax.experts.cache for property tests
 and as the replay benchmark's baseline.
 
-Same semantics as moejax.experts.cache (DESIGN §2): steps in token-sequential order (token t, layers 0..L-1); in a
-step the experts arrive highest weight first; all are inserted, then entries are evicted while over
+Same semantics as moejax.experts.cache (docs/design.md §2): steps in token-sequential order (token t, layers
+0..L-1); in a step the experts arrive highest weight first; all are inserted, then entries are evicted while over
 capacity; this step's experts go last, the higher-weighted of them first (it counts as older); LFU counts
 accesses over the whole history and breaks ties by least recent use. Belady evicts the entry whose next
 use is farthest (ties: least recent), this step's experts last like every policy; ``belady-bypass`` lets

@@ -1,8 +1,8 @@
 """Run a function's jaxpr op by op and record every scatter whose indices leave the operand.
 
 Why: XLA:GPU's deterministic scatter (``--xla_gpu_deterministic_ops``) flattens a vmapped scatter's index
-vectors, so an index the scatter was meant to drop as out of range lands in the next batch element (the H200
-suite, session 20: the per-layer cache replay, a vmap over layers, counted a wrong miss). moejax's batched
+vectors, so an index the scatter was meant to drop as out of range lands in the next batch element (in the
+suite on an H200 the per-layer cache replay, a vmap over layers, counted a wrong miss so). moejax's batched
 state updates therefore keep every scatter index in range; this checks it on the CPU, where the rewrite
 does not run and the fault cannot show.
 """

@@ -25,8 +25,8 @@ from moejax.models import model as M
 from conftest import get_moejax_model
 
 SETTINGS = settings(max_examples=25, deadline=None, derandomize=True, suppress_health_check=list(HealthCheck))
-# the two blocked-attention equalities run eagerly, a cond per block (~1.3 s an example): fewer examples (12 until
-# session 34's CI cuts; the cases are derandomized, and the block-skipping rule itself has 25 below)
+# the two blocked-attention equalities run eagerly, a cond per block (~1.3 s an example): fewer examples, for CI's
+# time (the cases are derandomized, and the block-skipping rule itself has 25 below)
 BLOCKED_SETTINGS = settings(SETTINGS, max_examples=6)
 
 

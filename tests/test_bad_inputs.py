@@ -14,8 +14,8 @@ a bad flag value, a damaged or missing file, or an output it cannot write, and c
   the prior's recording) are replaced by tripwires, so a value that should have been refused up front
   fails fast here instead of running.
 
-A case that breaks the contract goes into ``BUGS`` (a strict xfail, "BUG: what happens today"): fix the
-code, then remove the entry. The 52 found when these cases were written (2026-11-23) are fixed.
+A case that breaks the contract goes into ``BUGS`` (a strict xfail, "BUG: what happens instead"): fix the
+code, then remove the entry.
 
 Cases already covered elsewhere are not repeated here (results files that are not ours, convert
 --overwrite onto the source or an unrelated folder, train --export/--out reuse, --store-dir, NaN router
@@ -989,8 +989,7 @@ CASES += [
                                                  "cache-prior", "--lam", "1e300"), USAGE, ("--lam",), _trace()),
 ]
 
-# case id -> what it does today, for a case that breaks the contract (strict xfail until the code is fixed);
-# the 52 found by the probe of 2026-11-23 (commit eefa0cc) were fixed on 2026-11-24
+# case id -> what it does instead, for a case that breaks the contract (a strict xfail until the code keeps it)
 BUGS: dict[str, str] = {
 }
 

@@ -313,7 +313,7 @@ def test_a_memory_size_gets_the_most_slots_it_holds(budget, n, layers, eb, scope
 
 
 def test_a_cache_config_refuses_a_size_no_model_could_take_when_it_is_made():
-    """``CacheConfig(size="abc")`` or ``"-3"`` used to be accepted and fail only at the first model call."""
+    """``CacheConfig(size="abc")`` or ``"-3"`` is refused where it is made, not at the first model call."""
     for good in ("4", "0.5", "5%", "6GiB", "auto", "1e-3", 4, 0.25):
         CacheConfig(size=good)
     for bad, match in (("abc", "is not a count"), ("-3", "positive"), ("0", "positive"), ("-0.5", "positive"),

@@ -314,9 +314,9 @@ def test_the_reserve_follows_the_prompt_a_run_may_have():
 
 
 def test_a_teacher_forced_pass_counts_the_logits_it_returns(monkeypatch):
-    """An offloaded forward returns float32 logits [T, V] (filled piece by piece: one piece's on top); a
-    1,024-token pass under 8 GiB with auto was OOM-killed at Qwen1.5-MoE shapes (1.2 GB of logits held
-    twice, not counted). Now they are in the plan and the pass fits (bench/RESULTS.md, "the reserve")."""
+    """An offloaded forward returns float32 logits [T, V] (filled piece by piece: one piece's on top), and the
+    plan counts them: uncounted, a 1,024-token pass under 8 GiB with auto at Qwen1.5-MoE shapes holds 1.2 GB of
+    logits twice beyond its plan and is OOM-killed (``python bench/bench_prompt_memory.py``)."""
     _on_host(monkeypatch)
     m = _offloaded()
     bare = m.memory_plan(CacheConfig(), None, 64)

@@ -170,7 +170,7 @@ def test_wide_models_compute_what_their_canonical_layout_computes(which, tmp_pat
     assert _blocked_matrices(serving) == _expected_blocks(which)
     # sums over 4,160 in column blocks round otherwise than one sum: measured against transformers in float64, the
     # serving layout is 2.3e-5 off and the canonical one 4.6e-5 (5.6e-5 apart), once random checkpoints' q/k norms
-    # are 1 (session 31; drawn at random they made attention nearly uniform and hid it)
+    # are 1 (drawn at random they make attention nearly uniform and hide it)
     canonical = assert_serving_equals_canonical(serving, cfg, new_tokens=10, tol=1e-4)
     assert checkpoint.params_fingerprint(serving) == checkpoint.params_fingerprint(canonical)
     saved = [checkpoint.save_moejax(p, cfg, str(tmp_path_factory.mktemp("save") / name))

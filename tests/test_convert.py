@@ -423,7 +423,7 @@ def test_existing_target_needs_overwrite(tmp_path, capsys):
     assert "already exists" in capsys.readouterr().err
     assert (target / "keep.txt").read_text() == "precious"
     assert _siblings(str(target)) == ["out"]
-    # reliability part 5: --overwrite replaces checkpoints only, never an unrelated folder
+    # --overwrite replaces checkpoints only, never an unrelated folder
     assert convert_cli.main(["hf-to-moejax", src, str(target), "--overwrite"]) == 2
     assert "not a checkpoint folder" in capsys.readouterr().err
     assert (target / "keep.txt").read_text() == "precious" and _siblings(str(target)) == ["out"]
@@ -452,7 +452,7 @@ def _tree(folder) -> dict:
 
 @pytest.mark.parametrize("direction", ["hf-to-moejax", "moejax-to-hf"])
 def test_overwrite_never_deletes_the_source_or_its_parent(tmp_path, capsys, direction):
-    """Reliability part 5: DST == SRC and DST an ancestor of SRC used to be deleted wholesale."""
+    """DST == SRC or DST an ancestor of SRC is refused, not deleted wholesale."""
     parent = tmp_path / "models"
     parent.mkdir()
     src = str(parent / "src")
@@ -512,7 +512,7 @@ def test_cli_end_to_end(tmp_path):
     assert r.returncode == 2 and "already exists" in r.stderr and "--overwrite" in r.stderr
 
 
-# ------------------------------------------------------------------ reliability part 7: untrusted headers
+# ------------------------------------------------------------------ untrusted headers
 def _bad_header(path, header_bytes, n=None, tail=b""):
     import struct
 
@@ -589,7 +589,7 @@ def test_a_model_folder_that_cannot_be_read_says_so(tmp_path, monkeypatch):
 
 def test_a_single_weights_file_wins_over_an_index_as_in_transformers(tmp_path):
     """A folder with both model.safetensors and an index (a re-save over a sharded one) loads the single file,
-    as transformers does; the index used to win, loading whatever its shards held."""
+    as transformers does, not whatever the index's shards hold."""
     src = get_hf_model("qwen3_moe").folder
     folder = tmp_path / "both"
     shutil.copytree(src, folder)

@@ -74,7 +74,7 @@ def test_default_model_uses_its_experts(default):
 
 @pytest.mark.numerics
 def test_right_padding_never_reaches_the_real_tokens(default):
-    """Reliability part 1. A causal pass right-padded (common.Stream pads to a multiple of 64) leaves the
+    """A causal pass right-padded (common.Stream pads to a multiple of 64) leaves the
     real tokens' logits as they are up to kernel rounding: checked on a float32 copy of the default model,
     where rounding is ~1e-6. (In bf16, XLA:CPU's shape-dependent matmul kernels round 1 ulp differently and
     near-tied top-k choices can flip, so padded and unpadded bf16 passes are close, not equal.)"""
@@ -124,7 +124,7 @@ def _bench(name: str):
 
 
 def test_the_side_by_side_bench_summarises_fronts_and_goals():
-    """bench/bench_default_model.py (issue 15's comparison): per method, the lowest miss rate within each
+    """bench/bench_default_model.py (the default model's side-by-side): per method, the lowest miss rate within each
     perplexity bound of original routing at C = N/2, the Pareto-optimal points, and the goals."""
     bench = _bench("bench_default_model")
 

@@ -121,7 +121,7 @@ def test_perplexity_matches_a_direct_computation(lm):
         count += len(chunk) - 1
     assert res["predicted_tokens"] == count == len(ids)
     # the same sums on the CPU; on a GPU the batched pass and the chunk-by-chunk one are different programs,
-    # whose products round differently (5.5e-9 apart on the H200, session 18)
+    # whose products round differently (5.5e-9 apart on an H200)
     tol = 1e-9 if jax.default_backend() == "cpu" else 1e-6
     assert math.isclose(res["ppl"], math.exp(total / count), rel_tol=tol)
     assert math.isclose(res["ppl_word"], math.exp(total / len(TEXT.split())), rel_tol=tol)
@@ -189,9 +189,9 @@ def test_cli_sweep_json_results_end_to_end(lm, tmp_path, capsys):
 
 
 def test_a_results_file_the_disk_cannot_take_does_not_lose_the_computed_points(lm, tmp_path, capsys, monkeypatch):
-    """A sweep (or a single point) whose record the results file could not take printed nothing but the error:
-    the computed perplexities were lost with the process. Now the run stops at that record, prints every record
-    it has, then the error; the rerun computes only what is not in the file."""
+    """A sweep (or a single point) whose record the results file cannot take does not lose the computed
+    perplexities with the process: the run stops at that record, prints every record it has, then the error;
+    the rerun computes only what is not in the file."""
     results = tmp_path / "lam.jsonl"
     argv = ["--model", lm.path, "--data", _data(tmp_path), "--context", "16", "--max-tokens", "45",
             "--sweep", "lam=0:1:3", "--cache-size", "4", "--results", str(results), "--json", "--batch-size", "3"]

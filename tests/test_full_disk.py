@@ -1,7 +1,7 @@
 """A full disk (ENOSPC) in the middle of a write: nothing the user had is lost or torn, nothing half-made is
 left, the error names the file the user asked for, and a finished computation is not thrown away. The
 disk is made full by making the write fail (a real small filesystem needs root and a mount; the probe
-that found these cases used tmpfs mounts, see bench/RESULTS.md, session 24)."""
+that found these cases used small tmpfs mounts)."""
 
 from __future__ import annotations
 
@@ -79,7 +79,7 @@ def test_a_trace_the_disk_cannot_take_does_not_lose_the_generation(tmp_path, mon
             "--trace-out", str(tmp_path / "t.npz")]
     assert generate_cli.main(argv) == 1
     out, err = capsys.readouterr()
-    assert len(json.loads(out)["token_ids"]) == 4  # printed before the error (it used to print nothing)
+    assert len(json.loads(out)["token_ids"]) == 4  # printed before the error, not lost
     assert err.strip().splitlines()[-1].startswith(
         "error: --trace-out: the generation was printed, its trace was not written: ")
 
@@ -131,8 +131,8 @@ def test_a_result_that_stdout_cannot_take_is_one_error_line_after_the_files_are_
 
 
 def test_a_figure_is_written_as_a_pair_or_not_at_all(tmp_path, monkeypatch):
-    """plots heatmap on a disk with room for the PNG and not the SVG left the PNG alone (and a new PNG beside
-    the old SVG when replacing); both are now written before either replaces its target."""
+    """plots heatmap on a disk with room for the PNG and not the SVG leaves neither a PNG alone nor a new PNG
+    beside the old SVG: both are written before either replaces its target."""
     from moejax.evaluation import plots
 
     fig, axes = plots.new_figure()
@@ -158,8 +158,8 @@ def test_a_figure_is_written_as_a_pair_or_not_at_all(tmp_path, monkeypatch):
 
 
 def test_a_report_and_its_figures_change_as_one_set(tmp_path, monkeypatch):
-    """A disk that filled between two figures left the report's figure set half replaced (new figures beside
-    old ones and the old report). The report and its figures are now renamed into place together, after all
+    """A disk that fills between two figures does not leave the report's figure set half replaced (new figures
+    beside old ones and the old report): the report and its figures are renamed into place together, after all
     of them are written; a failure anywhere leaves the old set and no temporary file."""
     from matplotlib.figure import Figure
 
@@ -203,8 +203,9 @@ def test_a_report_and_its_figures_change_as_one_set(tmp_path, monkeypatch):
 
 
 def test_a_file_that_fails_inside_a_new_folder_is_named_where_it_would_be(tmp_path):
-    """A folder is filled under a temporary name and renamed when whole; a write in it that fails used to name
-    ``.out.tmp-PID-xxxx/model.safetensors``, a path the user never asked for and gone by the time they read it."""
+    """A folder is filled under a temporary name and renamed when whole; a write in it that fails is named where
+    it would be, not as ``.out.tmp-PID-xxxx/model.safetensors``, a path the user never asked for and gone by the
+    time they read it."""
     target = tmp_path / "out"
     with pytest.raises(OSError) as e:
         with atomic.atomic_dir(str(target)) as tmp:

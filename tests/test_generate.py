@@ -189,7 +189,7 @@ def nan_router_model(tmp_path_factory):
 
 
 def test_nan_routing_is_an_error_naming_the_layer_not_empty_text(capsys, nan_router_model):
-    """Reliability part 6: NaN router logits used to give ids like 496 and empty text with exit 0."""
+    """NaN router logits are an error naming the layer, not ids like 496 and empty text with exit 0."""
     for extra in ([], ["--cache-size", "0.5", "--routing", "cache-prior"], ["--offload", "--cache-size", "0.5"]):
         rc, out, err = _run(capsys, "--model", nan_router_model, "--prompt-ids", "1,2,3", "--max-new-tokens", "3",
                             *extra)
@@ -207,7 +207,7 @@ def test_nan_routing_is_an_error_naming_the_layer_not_empty_text(capsys, nan_rou
 
 
 def test_context_cap_is_said_and_bad_options_fail_before_any_output(capsys, tmp_path, tokenized_model):
-    """Reliability part 7: a generation cut by the context says so (stderr and "stopped" in the JSON);
+    """A generation cut by the context says so (stderr and "stopped" in the JSON);
     bad options and an unwritable --trace-out fail before anything is printed or computed; the API refuses
     a negative budget."""
     import moejax
@@ -399,7 +399,8 @@ def test_on_cache_reports_every_fed_token_and_the_state_as_it_goes(tokenized_mod
 
 @pytest.mark.parametrize("temperature", [1e-30, 1e-39, 1e-45])
 def test_a_vanishing_temperature_samples_the_greedy_token(temperature):
-    """A subnormal temperature used to turn logits / T into inf / NaN and sample garbage (token 0, EOS)."""
+    """A subnormal temperature samples the greedy token: logits / T must not turn into inf / NaN and sample
+    garbage (token 0, EOS)."""
     logits = jnp.asarray(np.random.default_rng(0).standard_normal((1000,)) * 5, jnp.float32)
     for seed in range(5):
         for top_p in (1.0, 0.9):
@@ -408,7 +409,8 @@ def test_a_vanishing_temperature_samples_the_greedy_token(temperature):
 
 
 def test_a_cache_flag_alone_turns_the_cache_on(capsys):
-    """--eviction, --cache-scope, ... given alone used to run without a cache (exit 0, no statistics)."""
+    """--eviction, --cache-scope, ... given alone turn the cache on, not a run without one (exit 0, no
+    statistics)."""
     for flags, key, value in ((["--eviction", "lfu"], "eviction", "lfu"), (["--cache-scope", "global"], "scope", "global"),
                               (["--cache-init", "random"], "cache_init", "random"),
                               (["--eviction", "lru"], "eviction", "lru"),  # its default value: given all the same
@@ -430,8 +432,9 @@ def test_a_result_that_stdout_cannot_take_is_one_error_line():
 
 
 def test_generate_names_a_bad_argument_instead_of_coercing_it():
-    """Floats, bools, strings and ids past int32 used to be truncated or wrapped into other prompts; bad
-    scalars failed deep inside (or ran: seed=1.5 as 1); one stop string was split into characters."""
+    """Floats, bools, strings and ids past int32 are refused, not truncated or wrapped into other prompts; bad
+    scalars are named, not failing deep inside (or running: seed=1.5 as 1); one stop string is not split into
+    characters."""
     m = moejax.load(get_hf_model("qwen3_moe").folder)
     with pytest.raises(ValueError, match="floating type"):  # every weight cast to zeros, failing later
         moejax.load(get_hf_model("qwen3_moe").folder, dtype="int8")
@@ -524,7 +527,8 @@ def test_a_huge_temperature_samples_uniformly_without_overflow_warnings(temperat
 
 
 def test_api_arguments_that_failed_deep_inside_or_were_ignored_are_named():
-    """The API probe of session 22: each of these ran silently wrong, or failed far from the argument."""
+    """Arguments a probe of the Python API tried: each would run silently wrong, or fail far from the argument,
+    unless checked where it is given."""
     from moejax import offload, simulate
 
     m = moejax.load(get_hf_model("qwen3_moe").folder)

@@ -40,13 +40,13 @@ TOL = 1e-4
 PARITY = [n for n in HF_CONFIGS if n != "deepseek_v2_norm"]
 ONE_PER_FAMILY = list(FAMILIES)
 # the configs with the most options on: decode-loop tests run on these by default, on the rest with -m slow (CI
-# time, session 33: one DeepSeek-V2 config of three, and Qwen's two, with -m slow)
+# time: one DeepSeek-V2 config of three, and Qwen's two, only with -m slow)
 DECODE_FAST = ("mixtral_swa", "phimoe_longrope", "olmoe_clip", "deepseek_v2_group", "deepseek_v3", "glm4_moe",
                "granitemoeshared", "ernie4_5_moe")
 DECODE = [n if n in DECODE_FAST else pytest.param(n, marks=pytest.mark.slow) for n in PARITY]
 # incremental == full: the configs whose attention differs most by default (sliding window, longrope's switch, MLA
 # with yarn, GPT-OSS's sinks), every config with -m slow (greedy-vs-HF already decodes through the cache for every
-# family; CI time, sessions 33-34: DeepSeek-V3's MLA and Granite's multipliers went to -m slow)
+# family; CI time: DeepSeek-V3's MLA and Granite's multipliers only with -m slow)
 INCR_FAST = ("mixtral_swa", "phimoe_longrope", "deepseek_v2_group", "gpt_oss")
 INCREMENTAL = [n if n in INCR_FAST else pytest.param(n, marks=pytest.mark.slow) for n in PARITY]
 _jit_forward = jax.jit(model_forward, static_argnames=("cfg",))
@@ -112,7 +112,7 @@ def _seq_lengths(name: str) -> list[int]:
 
 # -------------------------------------------------------------------------------- logits and routing
 # CI also runs the numerics tests under AVX2 (README): each family's base config there, its variants (sliding
-# windows, rope scalings, biases, layer patterns: the same kernels on other shapes) in the main pass (session 34)
+# windows, rope scalings, biases, layer patterns: the same kernels on other shapes) in the main pass (CI time)
 @pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.numerics) if n in FAMILIES else n for n in PARITY])
 def test_logits_router_logits_and_experts_match_hf(name):
     hm, mj = get_hf_model(name), get_moejax_model(name)
@@ -139,7 +139,7 @@ def test_logits_router_logits_and_experts_match_hf(name):
 
 
 def test_every_family_and_option_is_covered():
-    """The config zoo covers every family with several configs and the options the issue lists."""
+    """The config zoo covers every family with several configs and the options moejax implements."""
     by_family = {f: [n for n, s in HF_CONFIGS.items() if s.model_type == f] for f in FAMILIES}
     assert all(len(v) >= 2 for v in by_family.values()), by_family
     assert set(FAMILIES) == set(moejax.SUPPORTED_MODEL_TYPES)
@@ -277,8 +277,8 @@ def _skip_where_hf_generate_is_wrong(name: str) -> None:
     ``original_max_position_embeddings`` (its ``prepare_inputs_for_generation`` drops the KV cache so that the
     whole sequence is recomputed with the long rope factors, but kept ``next_sequence_length``, fixed in
     5.20): its greedy tokens then part from moejax's (and from transformers >= 5.20's) right at that step.
-    The H200 machine's transformers 5.17.0 failed this test so (sessions 18 and 20); reproduced on the CPU
-    with 5.17, 5.18 and 5.19 installed, 5.20 and later pass (session 21)."""
+    A GPU machine's transformers 5.17.0 failed this test so; on the CPU too with 5.17, 5.18 and 5.19
+    installed, while 5.20 and later pass."""
     if "longrope" in name and Version(transformers.__version__) < Version("5.20"):
         pytest.skip(f"transformers {transformers.__version__} < 5.20 drops PhiMoE's KV-cache reset at the "
                     "long-rope switch in generate (the reference is wrong there)")

@@ -158,7 +158,7 @@ def test_one_row_product_equals_the_same_row_among_others(seed, shape, dtype):
         assert np.all(np.abs(among - exact) <= rounding)
         if jax.default_backend() == "cpu":  # row_dot: no activation rounding
             np.testing.assert_allclose(alone, exact, rtol=1e-5, atol=1e-5 * np.abs(exact).max())
-        else:  # elsewhere one row takes the library too (the H200 failed the exact check, session 18)
+        else:  # elsewhere one row takes the library too (an H200 fails the exact check)
             assert np.all(np.abs(alone - exact) <= rounding)
     else:
         scale = np.abs(np.asarray(x[:1], np.float64)) @ np.abs(np.asarray(w, np.float64)).T
@@ -248,7 +248,7 @@ def test_a_mapped_step_runs_the_chosen_experts_only():
     assert "cond[" not in str(jax.make_jaxpr(plain_vmap)(jnp.stack([e, e])))  # what the test would catch
 
 
-# CI time (session 33: the suite took 19-26 minutes): the main suite runs the families whose serving layouts differ
+# CI time (the whole suite must stay within CI's minutes): the main suite runs the families whose serving layouts differ
 # most — MLA with shared experts and dense layers (DeepSeek-V2) or sparsemixer + longrope + biases (Phi-MoE), one
 # per test, in the AVX2 numerics pass; q/k/v biases with a gated shared expert (Qwen1.5-MoE) and sinks + expert
 # biases + interleaved experts (GPT-OSS) in the main pass — and every family runs with -m slow
@@ -256,8 +256,8 @@ LAYOUT_MAIN_SUITE = ("qwen2_moe", "gpt_oss")
 
 
 def _families(numerics: str):
-    """Every family: ``numerics`` in CI's AVX2 numerics pass (session 34: one of DeepSeek-V2 and Phi-MoE per
-    test, where both ran in both), ``LAYOUT_MAIN_SUITE`` in the main pass, the others with -m slow."""
+    """Every family: ``numerics`` in CI's AVX2 numerics pass (one of DeepSeek-V2 and Phi-MoE per test, for CI's
+    time), ``LAYOUT_MAIN_SUITE`` in the main pass, the others with -m slow."""
     return [pytest.param(n, marks=pytest.mark.numerics) if n == numerics else n if n in LAYOUT_MAIN_SUITE
             else pytest.param(n, marks=pytest.mark.slow) for n in FAMILIES]
 

@@ -1,4 +1,4 @@
-"""Real expert offloading (issue 4): host-resident experts, device slots, paging, miss handling, prefetch.
+"""Real expert offloading: host-resident experts, device slots, paging, miss handling, prefetch.
 
 On CPU the bytes really move (``jax.device_put`` from host-memory arrays into device slot buffers), but
 their speed says nothing about a GPU; these tests check the logic: offload = simulation tokens, bytes
@@ -73,8 +73,8 @@ def check_pages(m, cc, routing, off) -> None:
     assert pages <= prompt_loads  # a batched prompt never moves more than the token path
 
 
-# LRU per layer and least-stale in one global pool in the main suite, the other evictions with -m slow (LFU too
-# since session 34: every eviction is the simulation's own code, tested against the reference simulator)
+# LRU per layer and least-stale in one global pool in the main suite, the other evictions (LFU too) with -m slow:
+# every eviction is the simulation's own code, tested against the reference simulator
 @pytest.mark.parametrize("eviction,scope,size", [(e, "layer", "3") if e == "lru" else
                                                   pytest.param(e, "layer", "3", marks=pytest.mark.slow)
                                                   for e in ("lru", "lfu", "fld", "score", "least-stale")]
@@ -231,8 +231,8 @@ def test_flash_store_reads_experts_from_a_mapped_file(tmp_path):
 
 
 def test_store_dir_never_overwrites_user_data_and_temp_store_is_removed(tmp_path):
-    """Reliability parts 3 and 5: --store-dir D used to overwrite any D/experts.safetensors; the temporary
-    store of a run without --store-dir was never removed."""
+    """--store-dir D never overwrites a D/experts.safetensors it did not write; the temporary store of a run
+    without --store-dir is removed."""
     m = _model()
     precious = tmp_path / "experts.safetensors"
     precious.write_bytes(b"not an expert store")
@@ -474,7 +474,7 @@ def test_host_pager_compiles_each_stage_once_while_the_cache_fills():
 
 
 # DeepSeek-V3's biases (sigmoid, group-limited) in the main suite; ERNIE-4.5's (softmax + biases) and in-jit paging
-# with -m slow (CI time, session 34; test_trace replays ERNIE's biased routing in the main suite)
+# with -m slow (CI time; test_trace replays ERNIE's biased routing in the main suite)
 @pytest.mark.parametrize("name, paging", [("deepseek_v3", "host"),
                                           pytest.param("ernie4_5_moe", "host", marks=pytest.mark.slow),
                                           pytest.param("deepseek_v3", "jit", marks=pytest.mark.slow),
@@ -495,7 +495,7 @@ def test_selection_biases_route_every_offload_path_as_the_simulation(name, pagin
 @pytest.mark.parametrize("cc, paging, prefill", [
     (CacheConfig(size="3", prefetch=1.0, miss="substitute"), "host", "batched"),
     # cascade offload is test_offload_equals_simulation_with_prefetch_and_miss_handling's, token prefill
-    # test_token_prefill_pages_every_load's: with GPT-OSS's biases, -m slow (CI time, session 34)
+    # test_token_prefill_pages_every_load's: with GPT-OSS's biases, -m slow (CI time)
     pytest.param(CacheConfig(size="3", miss="cascade", miss_rank=(1,), cascade_bits=(8,)), "host", "token",
                  marks=pytest.mark.slow),
 ], ids=["host-prefetch-substitute", "host-cascade"])

@@ -32,7 +32,7 @@ def _generate(name: str, overlap: bool, cache: CacheConfig, dtype=None, **offloa
 @pytest.mark.parametrize("name,dtype,cache,kw", [
     ("qwen2_moe", jnp.bfloat16, CacheConfig(size="0.5", prefetch=1.0), {}),  # gated shared expert, prefetch
     pytest.param("deepseek_v2_lite", jnp.bfloat16, CacheConfig(size="0.5"), {},  # two shared experts, scaled
-                 marks=pytest.mark.slow),  # CI time (session 33)
+                 marks=pytest.mark.slow),  # CI time
     ("olmoe_clip", None, CacheConfig(size="0.3", scope="global"), {}),  # one pool; no shared expert
     pytest.param("olmoe_clip", None, CacheConfig(size="4", miss="cascade", miss_rank=(2,), cascade_bits=(4,)), {},
                  marks=pytest.mark.slow),  # low-bit copies

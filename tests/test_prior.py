@@ -1,4 +1,4 @@
-"""The learned cache prior (issue 7): routing kind ``learned-prior``, its training, checkpoints and CLI.
+"""The learned cache prior: routing kind ``learned-prior``, its training, checkpoints and CLI.
 
 Properties: a zero output layer is original routing bit for bit (router step and the model, both cache
 scopes); the bias only re-ranks (weights from the original logits); jit = no-jit and vmap over a stack of
@@ -117,7 +117,7 @@ def test_zero_prior_reproduces_original_routing_through_the_model(model, scope):
         np.testing.assert_array_equal(plain.experts, learned.experts)
         if jax.default_backend() == "cpu":
             np.testing.assert_array_equal(plain.weights.view(np.uint32), learned.weights.view(np.uint32))
-        else:  # XLA:GPU fuses the two programs' softmaxes differently: 9 ulps apart on the H200 (session 18)
+        else:  # XLA:GPU fuses the two programs' softmaxes differently: 9 ulps apart on an H200
             np.testing.assert_allclose(plain.weights, learned.weights, rtol=1e-6, atol=0)
         np.testing.assert_allclose(plain.logits, learned.logits, atol=1e-5)
 
@@ -236,7 +236,7 @@ def test_train_prior_cli_records_trains_saves_and_resumes(model, tmp_path, capsy
     assert prior_lib.shape_of(params) == (L, N, 8)
     assert train_prior.main(argv + ["--resume"]) == 0
     assert json.loads(capsys.readouterr().out)["priors"][0]["skipped"] is True
-    # a damaged record (reliability part 7: was a traceback) is reported and recorded again
+    # a damaged record is reported (one line, no traceback) and recorded again
     good = (out / "record.npz").read_bytes()
     (out / "record.npz").write_bytes(good[: len(good) // 2])
     assert train_prior.main(argv + ["--resume"]) == 0

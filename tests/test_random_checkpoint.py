@@ -1,4 +1,4 @@
-"""Random checkpoints at real shapes (issue 12 part 3): every preset's config is read by moejax, the written
+"""Random checkpoints at real shapes: every preset's config is read by moejax, the written
 folder loads in transformers and in moejax with the same logits (tiny overrides), writing is streaming,
 deterministic and atomic, and bad arguments are one-line errors."""
 

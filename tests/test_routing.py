@@ -1,4 +1,4 @@
-"""Routing policies and the router step: DESIGN §2 properties (chex + hypothesis, fixed shapes)."""
+"""Routing policies and the router step: docs/design.md §2 properties (chex + hypothesis, fixed shapes)."""
 
 from __future__ import annotations
 
@@ -208,7 +208,7 @@ def test_layer_parallel_equals_token_sequential(eviction):
 
 
 def test_a_delta_per_layer_is_each_layers_own_delta():
-    """Δavg is per layer (DESIGN §2, paper eq. 10): a fixed Δ per MoE layer routes layer l as the single Δ_l
+    """Δavg is per layer (docs/design.md §2, paper eq. 10): a fixed Δ per MoE layer routes layer l as the single Δ_l
     does, on every path (token-sequential, layer-parallel, route_tokens layer by layer), and a batch may mix
     it with single values (``stack_policies`` spreads those over the layers)."""
     g = SoftmaxTopK(8, 2, True)
@@ -288,7 +288,7 @@ def test_make_policy_defaults_and_errors():
 @given(values=st.lists(st.sampled_from([0.0, 1.0, -2.5, 3.0, float("nan"), float("inf"), float("-inf")]),
                        min_size=1, max_size=12))
 def test_descending_order_is_a_permutation_even_with_nan(values):
-    """NaN used to break the pairwise ranking (ids such as 496 or -2**31): now NaN ranks last, ties by index."""
+    """NaN must not break the ranking (ids such as 496 or -2**31): NaN ranks last, ties by index."""
     from moejax.models.gating import descending_order
 
     order = np.asarray(descending_order(jnp.asarray(values, jnp.float32)))
@@ -308,10 +308,10 @@ def _cache_prior_ranking(z, mask, lam, delta):
 @settings(max_examples=30, deadline=None)
 @given(seed=st.integers(0, 2**31 - 1), n=st.sampled_from([8, 32, 64, 128]))
 def test_the_cache_prior_ranking_fused_into_one_program_is_a_permutation(seed, n):
-    """cache-prior's z' = z + λ·Δ, fused by XLA:CPU into the pairwise ranking, was computed once per side of
-    each pair and the two could round apart: at N = 64 half of random steps ranked an expert ahead of itself,
-    the ranking summed two ids into one that does not exist, and decode read NaN (session 18). Only the
-    ranking leaves the program (returning z' too would materialise it and hide the bug)."""
+    """cache-prior's z' = z + λ·Δ, where XLA:CPU fuses it into a pairwise ranking, is computed once per side of
+    each pair and the two can round apart: at N = 64 half of random steps then rank an expert ahead of itself,
+    the ranking sums two ids into one that does not exist, and decode reads NaN. Only the ranking leaves the
+    program (returning z' too would materialise it and hide the fault)."""
     rng = np.random.default_rng(seed)
     for _ in range(8):
         z = rng.normal(size=n).astype(np.float32) * np.float32(rng.uniform(0.5, 5.0))

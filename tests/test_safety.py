@@ -1,4 +1,4 @@
-"""Loading stays safe (reliability part 8): no moejax module unpickles, evaluates code, or trusts remote
+"""Loading stays safe: no moejax module unpickles, evaluates code, or trusts remote
 code on a path a user's file reaches, and chat templates render only in jinja2's sandbox.
 
 Two checks: a static scan of every moejax source file (so a new ``pickle.load`` or ``np.load`` without

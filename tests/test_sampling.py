@@ -49,7 +49,7 @@ def test_the_distribution_sampled_is_transformers(sampling):
 
 
 # no subnormal logits: XLA:CPU flushes them to zero, so [7.7e-40, 0] is a tie to it and not to numpy (hypothesis
-# found that pair in session 28; a logit that small is no real model's)
+# found that pair; a logit that small is no real model's)
 _ROWS = st.integers(1, 300).flatmap(lambda n: st.tuples(
     arrays(np.float32, n, elements=st.floats(-30, 30, width=32, allow_subnormal=False)),
     st.sampled_from([np.float32, jnp.bfloat16])))  # bfloat16-rounded rows tie often, as real logits do
@@ -74,8 +74,8 @@ def test_the_nucleus_found_without_sorting_is_the_sorted_one(row, top_p):
     """A token stays when the tokens more likely than it hold less than top_p of the mass (ties at the edge all
     stay): the sorted cumulative sum's rule, in float64 here; only tokens within float32's rounding of the
     edge may differ. "More likely" compares the float32 logits shifted to a maximum of 0, as the softmax sees
-    them: 1.2e-38 and 0 are one value less 1 (hypothesis found that row in session 30; comparing the unshifted
-    logits called the first more likely, so the reference dropped the two zeros the sampler rightly keeps)."""
+    them: 1.2e-38 and 0 are one value less 1 (hypothesis found that row: comparing the unshifted logits would
+    call the first more likely, and the reference would drop the two zeros the sampler rightly keeps)."""
     values, dtype = row
     logits = np.asarray(jnp.asarray(values).astype(dtype).astype(np.float32))
     ours = np.isfinite(np.asarray(decode.sampling_logits(jnp.asarray(logits), decode.Sampling(1.0, top_p))))
@@ -188,7 +188,8 @@ def test_generate_cli_starts_from_the_checkpoints_sampling(tmp_path, capsys):
 
 def test_one_compiled_program_serves_every_temperature_top_p_top_k_and_penalty():
     """The numbers are values of the program, not part of it: a server's requests each send their own, and each
-    new temperature used to compile the prompt and decode programs again (seconds; minutes at real shapes)."""
+    new temperature would otherwise compile the prompt and decode programs again (seconds; minutes at real
+    shapes)."""
     m = get_moejax_model("qwen3_moe")
     prompt = [5, 9, 5, 17, 3, 9]
     first = m.generate(prompt, max_new_tokens=20, stop_at_eos=False, temperature=0.7, top_p=0.9, top_k=5,

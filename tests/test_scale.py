@@ -1,4 +1,4 @@
-"""Models larger than memory (issue 12): weights read in place (lazy = eager), routed experts never on the
+"""Models larger than memory: weights read in place (lazy = eager), routed experts never on the
 device with offload, paged straight from the checkpoint's own files (HF per-expert, transformers 5's fused
 layout, the moejax format) with exactly the simulation's tokens, nothing written, nothing left behind."""
 
@@ -83,7 +83,7 @@ def _simulated(folder, cache, **kw):
     return m.generate(PROMPT, max_new_tokens=NEW, stop_at_eos=False, routing="original", cache=cache, **kw)
 
 
-# CI time (issue 20; session 33: the suite took 19-26 minutes): the hub layout (OLMoE), MLA with shared experts
+# CI time (the whole suite must stay within CI's minutes): the hub layout (OLMoE), MLA with shared experts
 # (DeepSeek-V2-Lite), selection biases float32 in bf16 files (GLM-4.5) and experts fused in the files (Granite) in the
 # main suite; all (Qwen1.5's gated shared expert, Moonlight, ERNIE-4.5's [1, N] biases ...) with `pytest -m slow`
 CI_PRESETS = ("olmoe-1b-7b", "deepseek-v2-lite", "glm-4.5-air", "granite-3.0-1b-a400m")
@@ -210,7 +210,7 @@ def test_version_1_moejax_folders_still_load(tiny, tmp_path):
     old = moejax.load(str(v1))
     jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), np.asarray(b)),
                  layout.to_canonical(old.params), params)
-    # damaged array data (reliability part 7: was a ~100-line orbax traceback): one line naming the folder
+    # damaged array data: one line naming the folder, not a ~100-line orbax traceback
     data = sorted((p for p in (v1 / "params").rglob("*") if p.is_file() and p.stat().st_size > 64),
                   key=lambda p: p.stat().st_size)[-1]
     data.write_bytes(b"\xff" * data.stat().st_size)

@@ -305,8 +305,8 @@ def test_sigterm_and_sigint_stop_the_server_cleanly():
 
 
 def test_ctrl_c_ends_an_open_stream_with_its_last_chunk():
-    """The generation is cancelled when the signal comes: the client gets a finish_reason and [DONE] (it used to
-    be cut off mid-stream after uvicorn's graceful wait, with 'Event loop is closed' tracebacks)."""
+    """The generation is cancelled when the signal comes: the client gets a finish_reason and [DONE], not a
+    stream cut off mid-way after uvicorn's graceful wait, with 'Event loop is closed' tracebacks."""
     port = _free_port()
     proc = _start(port, "--offload", "--bandwidth-gbps", "0.005")  # slow pages: the stream is still open
     lines: list[str] = []
@@ -472,9 +472,9 @@ def test_routing_parameters_alone_adjust_the_served_policy():
 
 
 def test_shutdown_answers_a_generation_that_cannot_stop_and_waits_for_it(monkeypatch):
-    """Ctrl-C while a request's program compiled (tens of seconds cold) cut its stream off, and the interpreter
-    then exited under the still-compiling worker (status 134). Now the request is answered 503 after
-    ``ABANDON_AFTER_S`` and ``close`` waits for the worker (``serve._close_engine``: with a note)."""
+    """Ctrl-C while a request's program compiles (tens of seconds cold): the request is answered 503 after
+    ``ABANDON_AFTER_S`` and ``close`` waits for the worker (``serve._close_engine``: with a note), instead of a
+    stream cut off and the interpreter exiting under the still-compiling worker (status 134)."""
     from conftest import get_moejax_model
 
     monkeypatch.setattr(serve_engine, "ABANDON_AFTER_S", 0.2)

@@ -224,7 +224,7 @@ def test_a_chat_template_that_never_ends_is_cut_off_and_signals_still_stop_the_s
     status, _, reply = _request(port, "POST", "/v1/chat/completions", chat)
     assert status == 500 and "within 5 s" in reply["error"]["message"] and time.time() - t0 < 20
     assert _request(port, "POST", "/v1/completions", _body())[0] == 200  # the server goes on
-    # SIGTERM while a template renders: the server stops within seconds (it used to need SIGKILL)
+    # SIGTERM while a template renders: the server stops within seconds, without SIGKILL
     with concurrent.futures.ThreadPoolExecutor(1) as pool:
         pending = pool.submit(_request, port, "POST", "/v1/chat/completions", chat)
         time.sleep(1.5)

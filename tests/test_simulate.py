@@ -33,7 +33,7 @@ def _tokens(n: int, seed: int = 0) -> np.ndarray:
     return np.random.RandomState(seed).randint(3, 96, size=n).astype(np.int32)
 
 
-# CI time (issue 20; sessions 33-34: the suite took 19-26 minutes): one family in the main suite, DeepSeek-V3 (biased
+# CI time (the whole suite must stay within CI's minutes): one family in the main suite, DeepSeek-V3 (biased
 # sigmoid scores, group-limited: the gating with the most parts), every family with `pytest -m slow`
 MAIN_SUITE = ("deepseek_v3",)
 
@@ -41,7 +41,7 @@ MAIN_SUITE = ("deepseek_v3",)
 @pytest.mark.parametrize("family", [f if f in MAIN_SUITE else pytest.param(f, marks=pytest.mark.slow)
                                     for f in FAMILIES])
 def test_every_policy_runs_on_every_family_and_paths_agree(family):
-    """Issue 3: every policy from the API on every architecture; layer-parallel == token-sequential."""
+    """Every policy from the API on every architecture; layer-parallel == token-sequential."""
     m = get_moejax_model(family)
     toks = _tokens(24)
     for kind, kw in POLICIES:

@@ -127,7 +127,7 @@ def test_results_file_torn_tail_and_errors(tmp_path):
 @pytest.mark.parametrize("content", [b'{"lr": 0.001}', b'{"lr": 0.001}\n{"warmup": 10}', b"plain text, no newline",
                                      b'{"key": "a", "ppl": 1.5}\n{"lr": 0.001}', b"[1, 2, 3]", b'{"k'])
 def test_results_file_never_truncates_a_bystander(tmp_path, content):
-    """Reliability part 5: only a results file's torn record is repaired; an unrelated file whose last line
+    """Only a results file's torn record is repaired; an unrelated file whose last line
     lacks its newline (any json.dump output) is refused, byte for byte intact."""
     path = tmp_path / "settings.json"
     path.write_bytes(content)
@@ -252,7 +252,7 @@ def test_resume_after_interruption(lm, data, tmp_path, monkeypatch):
 
 
 def test_resume_recomputes_when_the_weights_at_the_path_changed(lm, data, tmp_path):
-    """Reliability part 6: records are keyed by the weights' content, not the --model path."""
+    """Records are keyed by the weights' content, not the --model path."""
     results = str(tmp_path / "w.jsonl")
     pts = _points(lm, data, [0.5])
     first = _runner(lm, results).run(pts)
@@ -416,7 +416,7 @@ def test_replay_of_the_original_trace_equals_the_forward_cache(lm, data, tmp_pat
 
 
 def test_edited_data_is_a_new_point(lm, tmp_path):
-    """A point's key follows the data's contents, not only its path (a rerun after editing the file used to
+    """A point's key follows the data's contents, not only its path (a rerun after editing the file must not
     report the old file's records)."""
     f = tmp_path / "t.txt"
     f.write_text(TEXT)

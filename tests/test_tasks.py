@@ -671,8 +671,8 @@ def test_longest_pass_is_the_largest_call_the_evaluation_makes(task, kw):
 
 
 def test_evaluate_fits_an_offloaded_task_to_its_longest_pass():
-    """``evaluate --task mmlu --offload`` checks the cache's fit beside the task's longest pass (before: beside
-    ``--context``, 1,024 positions, which the task does not read: a longer prompt outgrew the plan)."""
+    """``evaluate --task mmlu --offload`` checks the cache's fit beside the task's longest pass, not beside
+    ``--context`` (1,024 positions, which the task does not read: a longer prompt would outgrow the plan)."""
     from moejax.evaluation import evaluate as ev
 
     model, data = FakeModel(_mmlu_scores, context=160), os.path.join(FIXTURES, "mmlu")

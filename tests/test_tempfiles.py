@@ -1,4 +1,4 @@
-"""Temporary folders (reliability part 3): named after their owner, under MOEJAX_TMPDIR when set, and a
+"""Temporary folders: named after their owner, under MOEJAX_TMPDIR when set, and a
 killed run's leftovers removed by the next run that makes one with the same prefix."""
 
 from __future__ import annotations
@@ -150,8 +150,8 @@ print("not interrupted")
 
 @pytest.mark.parametrize("what", ["dir", "file"])
 def test_a_signal_right_after_the_temporary_is_made_leaves_nothing(tmp_path, what):
-    """The window between creating a temporary and the ``try`` that removes it: a signal there used to leave
-    the folder behind (seen as a flaky SIGTERM test under load); ``interrupts.deferred`` closes it."""
+    """The window between creating a temporary and the ``try`` that removes it: a signal there would leave
+    the folder behind (it shows as a flaky SIGTERM test under load); ``interrupts.deferred`` closes it."""
     out = tmp_path / "out"
     out.mkdir()
     done = subprocess.run([sys.executable, "-c", _SIGNAL_AT_CREATION, what, str(out)], capture_output=True,
@@ -178,7 +178,7 @@ def test_deferred_delivers_the_signal_when_the_block_ends():
 
 
 def test_atomic_dir_gives_the_folder_a_normal_mode(tmp_path):
-    """mkdtemp makes 0700: converted checkpoints used to be unreadable to other users whatever the umask."""
+    """mkdtemp makes 0700: converted checkpoints get the umask's mode instead, readable to other users."""
     from moejax.base import atomic
 
     old = os.umask(0o027)

@@ -173,10 +173,9 @@ def test_resume_continues_exactly(dirs, baseline):
 
 
 def test_resume_keeps_the_runs_settings_and_refuses_to_change_its_training(dirs, tmp_path, capsys):
-    """`--resume --steps 24` on a 12-step run silently trained to step 12, and a resume that did not repeat
-    `--eval-every` / `--ckpt-every` fell back to the defaults. Now a training setting given with another value is
-    refused (exit 2, nothing touched); the session's settings (evaluation, checkpoints, data folders) are the
-    run's own unless given again."""
+    """A training setting given to `--resume` with another value is refused (exit 2, nothing touched), not
+    ignored (`--resume --steps 24` on a 12-step run training silently to step 12); the session's settings
+    (evaluation, checkpoints, data folders) are the run's own unless given again, not the defaults."""
     out, first = run(dirs, "settings", "--stop-after", "3", "--eval-every", "3", "--eval-seqs", "2")
     before = _snapshot(out)
     for changed, was in (("--steps", "12"), ("--lr", "0.01"), ("--config", "micro")):
@@ -202,8 +201,8 @@ def _snapshot(folder):
 
 
 def test_rerun_and_export_never_destroy_what_is_there(dirs, baseline, tmp_path, capsys):
-    """Reliability part 5: a rerun without --resume truncated metrics.jsonl and repointed latest.json;
-    --export replaced any folder, unrelated files included."""
+    """A rerun without --resume neither truncates metrics.jsonl nor repoints latest.json; --export does not
+    replace a folder holding unrelated files."""
     out, _ = baseline
     before = _snapshot(out)
     assert train.main(_argv(dirs, out)) == 2
@@ -259,8 +258,8 @@ def test_overwrite_starts_a_fresh_run(dirs, tmp_path):
 
 @pytest.mark.parametrize("failure", ["full disk", "ctrl-c"])
 def test_an_overwrite_that_fails_before_its_first_checkpoint_keeps_the_old_run(dirs, monkeypatch, capsys, failure):
-    """`--overwrite` deleted the old run before training: a full disk at the new run's first checkpoint (or
-    Ctrl-C before it) left neither run. The old run is now kept aside until the new one can be resumed."""
+    """`--overwrite` keeps the old run aside until the new one can be resumed: deleted before training, a full
+    disk at the new run's first checkpoint (or Ctrl-C before it) would leave neither run."""
     out, _ = run(dirs, f"kept-{failure.replace(' ', '-')}", "--stop-after", "3")
     before = _snapshot(out)
 
@@ -384,8 +383,8 @@ def test_lr_schedule_warmup_and_cosine_floor():
 
 
 def test_a_full_disk_at_the_export_keeps_the_trained_state_as_a_checkpoint(dirs, tmp_path, capsys, monkeypatch):
-    """--export-at-end with no checkpoints asked for: an export the disk cannot take used to lose the whole run
-    (exit 1, nothing kept). Now the state is saved as a checkpoint and the error says how to export it; a target
+    """--export-at-end with no checkpoints asked for: an export the disk cannot take does not lose the whole run
+    (exit 1, nothing kept): the state is saved as a checkpoint and the error says how to export it; a target
     that cannot be written at all is refused before training."""
     assert train.main(_argv(dirs, str(dirs["root"] / "ro"), "--export-at-end", "/proc/moejax-export")) == 1
     assert "--export-at-end /proc/moejax-export: cannot be written" in capsys.readouterr().err
@@ -419,16 +418,16 @@ def test_an_orbax_save_that_fails_is_a_failure_and_leaves_no_partial_folder(dirs
 
     monkeypatch.setattr(ocp.StandardCheckpointer, "save", full)
     out = str(dirs["root"] / "orbax-full")
-    assert train.main(_argv(dirs, out, "--ckpt-every", "6")) == 1  # was 2, a usage error
+    assert train.main(_argv(dirs, out, "--ckpt-every", "6")) == 1  # a failure, not a usage error (2)
     assert not os.path.exists(os.path.join(out, "checkpoints"))  # nor the folder the first checkpoint made
 
 
 def test_a_real_failed_save_is_one_error_line_not_orbaxs_tracebacks(dirs):
-    """A save that orbax really fails (a file-size limit: writes past 64 KiB fail as on a full disk) printed
-    some 300-700 lines: orbax's ERROR records with tracebacks, asyncio's "Task exception was never retrieved",
-    tensorstore's "Event loop is closed" tracebacks and "coroutine ... was never awaited", some after moejax's
-    own error line, which also shared a line with the progress bar; and a late metadata write could leave the
-    unfinished folder behind. Now the error is the last line, alone, and the folder is gone."""
+    """A save that orbax really fails (a file-size limit: writes past 64 KiB fail as on a full disk) is one
+    error, the last line, alone, and the unfinished folder is gone: left to itself, orbax prints some 300-700
+    lines (its ERROR records with tracebacks, asyncio's "Task exception was never retrieved", tensorstore's
+    "Event loop is closed" tracebacks and "coroutine ... was never awaited", some after moejax's own error line,
+    which would share a line with the progress bar), and a late metadata write can leave the folder behind."""
     out = str(dirs["root"] / "orbax-fsize")
 
     proc = run_module_with_file_limit("moejax.train", _argv(dirs, out, "--ckpt-every", "2", "--steps", "4"), 65536)
@@ -440,9 +439,9 @@ def test_a_real_failed_save_is_one_error_line_not_orbaxs_tracebacks(dirs):
 
 
 def test_a_token_file_the_disk_cannot_take_is_one_error_after_the_progress_bar(dirs, tmp_path):
-    """The first shard is tokenized when the first batch is read; that used to happen after the progress bar was
-    drawn and outside the block that closes it, so the error shared the bar's line and the bar was redrawn after it
-    at exit. Now the error is the last line, no bar follows it, and the unstarted run leaves nothing."""
+    """The first shard is tokenized when the first batch is read, inside the block that closes the progress bar:
+    the error is the last line, alone (not on the bar's line, and no bar is redrawn after it at exit), and the
+    unstarted run leaves nothing."""
     data_dir = tmp_path / "data"  # the tokenizer without the token files: the run must write them
     data_dir.mkdir()
     for name in data.TOKENIZER_FILES:
@@ -460,9 +459,9 @@ def test_a_token_file_the_disk_cannot_take_is_one_error_after_the_progress_bar(d
 
 @pytest.mark.parametrize("damage", ["truncated", "missing"])
 def test_a_damaged_checkpoint_is_one_error_naming_it(dirs, tmp_path, damage):
-    """A checkpoint with a data file cut short or gone: orbax raised a bare Exception from tensorstore and
-    `--resume` printed a 144-line traceback. Now `--resume` and `--export` say which checkpoint cannot be read,
-    in one line (run as commands: orbax's abandoned reads report from its threads until the process ends)."""
+    """A checkpoint with a data file cut short or gone: orbax raises a bare Exception from tensorstore (a
+    144-line traceback); `--resume` and `--export` say which checkpoint cannot be read, in one line (run as
+    commands: orbax's abandoned reads report from its threads until the process ends)."""
     out, _ = run(dirs, f"damaged-{damage}", "--ckpt-every", "6", "--stop-after", "6")
     ckpt = train.latest_checkpoint(out)
     biggest = max((p for p in Path(ckpt).rglob("*") if p.is_file() and p.parent.name == "d"),
@@ -484,15 +483,15 @@ def test_a_damaged_checkpoint_is_one_error_naming_it(dirs, tmp_path, damage):
 
 
 def test_a_tokenizer_set_left_incomplete_is_completed_not_fatal(dirs, tmp_path, monkeypatch):
-    """A full disk after tokenizer.json left the data folder without special_tokens_map.json, and every later run
-    failed on it; tokenizer.json is now written last, and a set left incomplete is completed."""
+    """A data folder left without special_tokens_map.json (a full disk after tokenizer.json) does not fail every
+    later run: tokenizer.json is written last, and a set left incomplete is completed."""
     folder = tmp_path / "data"
     folder.mkdir()
     (folder / "tokenizer.json").write_bytes((Path(dirs["data"]) / "tokenizer.json").read_bytes())
     monkeypatch.setattr(data, "train_tokenizer", lambda *a, **k: pytest.fail("retrained"))
     data.ensure_tokenizer(str(folder), dirs["corpus"])
     assert sorted(os.listdir(folder)) == sorted(data.TOKENIZER_FILES)
-    fresh = tmp_path / "fresh"  # and a disk that fills at the last file now leaves none of the set
+    fresh = tmp_path / "fresh"  # and a disk that fills at the last file leaves none of the set
 
     def full(*a, **k):
         raise OSError(errno.ENOSPC, "No space left on device")
@@ -515,9 +514,9 @@ def _stopped(argv, stop):
 
 @pytest.mark.parametrize("stop", [KeyboardInterrupt, MemoryError, OSError])
 def test_a_run_ended_before_its_first_step_leaves_nothing_a_rerun_would_need_resume_for(dirs, monkeypatch, stop):
-    """Ctrl-C during the first compile (or any failure before step 1) left run.json and tokenizer/ behind, and
-    the plain rerun was refused as a run to --resume; now what the run made goes, folders included. A folder
-    the user made stays; a resumed run, or one that has logged a step, keeps everything."""
+    """Ctrl-C during the first compile (or any failure before step 1) removes what the run made, folders
+    included, so that the plain rerun is not refused as a run to --resume. A folder the user made stays; a
+    resumed run, or one that has logged a step, keeps everything."""
     def stopped(*a, **k):
         raise stop("stopped while compiling")
 

@@ -3,7 +3,7 @@
 Tracing and lowering a program makes hundreds of thousands of short-lived Python objects. With the collector's
 default first generation (700 allocations) a process that compiles runs thousands of collections, and as its heap
 grows (models, compiled programs, torch in the tests) dozens of full ones at a few tenths of a second each. Measured
-with ``gc.callbacks`` (bench/RESULTS.md, session 35): a cold ``python -m moejax.generate`` spent 0.60 s of its 19.5 s
+with a ``gc.callbacks`` hook (AMD EPYC, 2 cores): a cold ``python -m moejax.generate`` spent 0.60 s of its 19.5 s
 collecting (0.04 s with ``THRESHOLDS``), one test process running test_offload.py and test_generate.py 10.3 s of
 220 s (3.1 s). Most of those objects are freed by reference counting anyway; the collector only has to find
 cycles, and finding them less often loses nothing. The commands call ``for_compiling`` (they own their process);

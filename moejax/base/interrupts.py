@@ -121,12 +121,12 @@ def _signal_of(exception) -> int | None:
 
 
 def is_a_command() -> bool:
-    """Whether this process runs a moejax command: ``python -m moejax....`` or a ``moejax-*`` script. Known from
-    the start: ``sys.orig_argv`` names the module before ``runpy`` has imported the package to run it."""
+    """Whether this process runs a moejax command: ``python -m moejax...``, ``moejax`` or a ``moejax-*`` script.
+    Known from the start: ``sys.orig_argv`` names the module before ``runpy`` has imported the package to run it."""
     spec = getattr(sys.modules.get("__main__"), "__spec__", None)
     script = os.path.basename(sys.argv[0]) if sys.argv else ""
-    return (getattr(spec, "name", None) or "").startswith("moejax.") or script.startswith("moejax-") \
-        or _runs_a_moejax_module(getattr(sys, "orig_argv", []))
+    return (getattr(spec, "name", None) or "").startswith("moejax.") or script == "moejax" \
+        or script.startswith("moejax-") or _runs_a_moejax_module(getattr(sys, "orig_argv", []))
 
 
 def _runs_a_moejax_module(argv: list[str]) -> bool:

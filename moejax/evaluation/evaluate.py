@@ -5,7 +5,7 @@
     python -m moejax.evaluate --task mmlu --limit 200 --routing cache-prior --lam 0.5 --json
     python -m moejax.evaluate --sweep lam=0:1:50 --cache-size 0.5 --max-tokens 32768 --results lam.jsonl
 
-WikiText protocol (paper §4.2, DESIGN §2): the raw test text (``test.txt`` is the rows joined by blank
+WikiText protocol (paper §4.2, docs/design.md §2): the raw test text (``test.txt`` is the rows joined by blank
 lines) is tokenised as one string and cut into consecutive chunks of ``context - 1`` tokens; each chunk gets
 the model's BOS token in front, so every text token is predicted exactly once and the totals give
 perplexity per token, per word (whitespace-separated words of the raw text) and bits per byte (UTF-8).
@@ -28,7 +28,7 @@ from typing import Any
 
 import jax.numpy as jnp
 
-from moejax.base import collector, compile_cache, distributed, errors, flags, interrupts
+from moejax.base import collector, commands, compile_cache, distributed, errors, flags, interrupts
 from moejax.experts.trace import json_safe
 from moejax.runtime import api, cli_options
 from moejax.evaluation import perplexity, sweep, sweep_points, tasks
@@ -37,8 +37,8 @@ TASK_NAMES = ("wikitext", "mmlu", "gsm8k", "truthfulqa", "nq_open")
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m moejax.evaluate", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(prog=commands.prog("evaluate"), description=__doc__,
+                                formatter_class=commands.HelpFormatter)
     p.add_argument("--model", default=api.DEFAULT_MODEL_NAME)
     p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default=None,
                    help="compute dtype (default: the checkpoint's)")

@@ -15,7 +15,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from moejax.base import atomic, errors, interrupts
+from moejax.base import atomic, commands, errors, interrupts
 from moejax.experts import cache as cache_lib, trace as trace_lib
 from moejax.evaluation.plots import figure_paths, new_figure, save_figure
 from moejax.evaluation.records import _eviction_name, EVICTION_ORDER
@@ -220,7 +220,8 @@ def trace_heatmap(trace_path_or_dict, layer: int, capacity, stem, eviction: str 
 
 def main(argv: list[str] | None = None) -> int:
     interrupts.exit_cleanly_on_signals()
-    parser = argparse.ArgumentParser(prog="python -m moejax.plots", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog=commands.prog("plots"), description=__doc__.split("\n")[0],
+                                     formatter_class=commands.HelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
     hp = sub.add_parser("heatmap", help="routing-trace heat map of one layer (paper figure 7)")
     hp.add_argument("traces", nargs="+", metavar="TRACE.npz", help="one or more traces (stacked panels)")

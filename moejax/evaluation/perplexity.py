@@ -1,4 +1,4 @@
-"""WikiText-2 perplexity with any routing policy, expert cache or offloading (paper §4.2, DESIGN §2).
+"""WikiText-2 perplexity with any routing policy, expert cache or offloading (paper §4.2, docs/design.md §2).
 
 The raw test text (``test.txt`` is the rows joined by blank lines) is tokenised as one string and cut into
 consecutive chunks of ``context - 1`` tokens; each chunk gets the model's BOS token in front, so every text

@@ -35,7 +35,7 @@ import warnings
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
-from moejax.base import atomic, errors, interrupts
+from moejax.base import atomic, commands, errors, interrupts
 from moejax.base.errors import Failure
 from moejax.base.typecheck import is_number
 from moejax.evaluation import heatmap, plots, records as rec
@@ -634,7 +634,8 @@ def check_report_target(out: Path, inputs: Sequence[str], overwrite: bool = Fals
 def main(argv: list[str] | None = None) -> int:
     interrupts.exit_cleanly_on_signals()
     errors.plain_warnings()
-    p = argparse.ArgumentParser(prog="python -m moejax.report", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog=commands.prog("report"), description=__doc__.split("\n")[0],
+                                     formatter_class=commands.HelpFormatter)
     p.add_argument("results", nargs="+", metavar="RESULTS.jsonl")
     p.add_argument("--out", default=None, help="report path (default: REPORT.md beside the first results file)")
     p.add_argument("--figures", default=None, help="figure folder (default: figures/ beside the report)")

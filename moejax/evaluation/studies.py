@@ -13,7 +13,8 @@ another study's file already holds, e.g. the λ grid the ``delta`` study shares 
 (rounded up to whole chunks: 65 x 1023 = 66,495 at context 1024), the lifetimes on the whole test text and
 the cache-size study at every C = 1..N; flags given explicitly still win.
 
-Studies (paper: cache-conditional-experts.md; SpecMD: specmd-expert-caching-policies.md):
+Studies (paper: Skliar et al., "Mixture of Cache-Conditional Experts for Efficient Mobile Device Inference";
+SpecMD: Hoang et al., "SpecMD: A Comprehensive Study on Speculative Expert Prefetching"):
 
   pareto       perplexity vs miss rate, per-layer LRU at C = N/2 and N/4: pruning h = 2..K, max-rank
                M = K..N (M <= K keeps the top-K set: it *is* original routing), cumsum p and cache-prior λ
@@ -60,7 +61,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from moejax.base import atomic, collector, compile_cache, distributed, errors, interrupts, paths, seeds
+from moejax.base import atomic, collector, commands, compile_cache, distributed, errors, interrupts, paths, seeds
 from moejax.models.gating import descending_order
 from moejax.experts import routing as routing_lib
 from moejax.runtime import api, cli_options, simulate
@@ -413,7 +414,7 @@ def study_delta(ctx: Context) -> list[dict]:
         calib = calibrate_delta(ctx)
         if distributed.is_leader():
             atomic.write_json(calib_path, calib, indent=None, sort_keys=False, make_parents=True)
-    delta = [round(d, 6) for d in calib["per_layer"]]  # Δavg is per layer (DESIGN §2; paper eq. 10, appendix D)
+    delta = [round(d, 6) for d in calib["per_layer"]]  # Δavg is per layer (docs/design.md §2; paper eq. 10, appendix D)
     pts = []
     for lam in ctx.grid():
         sv = {"cache_size": str(size), "lam": lam}
@@ -560,8 +561,8 @@ def summarize(study: str, records: list[dict]) -> str:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m moejax.studies", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(prog=commands.prog("studies"), description=__doc__,
+                                formatter_class=commands.HelpFormatter)
     p.add_argument("--out", default=os.path.join("results", "studies"))
     p.add_argument("--only", action="append", default=[], help=f"comma-separated subset of {', '.join(STUDIES)}")
     p.add_argument("--model", default=api.DEFAULT_MODEL_NAME)

@@ -1,4 +1,4 @@
-"""The expert cache as a pytree: residency, eviction bookkeeping and metrics (DESIGN §2).
+"""The expert cache as a pytree: residency, eviction bookkeeping and metrics (docs/design.md §2).
 
 Layout. Every per-entry array is dense over (MoE layer, expert), shape [L, N]; counters are per layer,
 shape [L]. Which entries compete for room is the *scope* (static): ``"layer"`` gives each layer its own
@@ -11,7 +11,7 @@ A routing step at layer l starts pass ``token[l] + 1``; in the token-sequential 
 layer therefore equals the token index, in both scopes. ``clock`` ticks once per touched expert and orders
 recency (LRU); in global scope all L entries of ``clock`` hold the same value (one shared clock).
 
-Same-step ordering (DESIGN §2, paper §4.2). The K experts of one step arrive highest weight first and get
+Same-step ordering (docs/design.md §2, paper §4.2). The K experts of one step arrive highest weight first and get
 increasing ticks, so the higher-weighted one is *older*; every policy evicts experts selected in the
 current step only after all others (Belady included: it is the bound of caches that must hold a token's
 K experts at once, as the offload engine must), in that LRU order — with capacity < K the lowest-weighted
@@ -70,7 +70,7 @@ MISS_MODES = ("fetch", "drop", "substitute", "cascade")
 
 @dataclasses.dataclass(frozen=True)
 class MissConfig:
-    """What a miss costs (DESIGN §2 miss handling). Static: it picks code paths at trace time.
+    """What a miss costs (docs/design.md §2 miss handling). Static: it picks code paths at trace time.
 
     ``rank``: 0-based positions in the chosen list (highest weight first) from which a miss counts as
     low-importance; positions before ``rank[0]`` are always fetched in full.
@@ -126,7 +126,7 @@ class MissConfig:
 
 @dataclasses.dataclass(frozen=True)
 class PrefetchConfig:
-    """Speculative next-layer prefetch (DESIGN §2): layer l+1's router applied to layer l's hidden state.
+    """Speculative next-layer prefetch (docs/design.md §2): layer l+1's router applied to layer l's hidden state.
 
     ``overfetch`` > 0: prefetch the top round(K · overfetch) predicted experts; or ``percentile`` q in
     (0, 100): every expert whose predicted probability is above the q-th percentile of the N. Off when both

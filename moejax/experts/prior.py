@@ -1,4 +1,4 @@
-"""The learned cache prior (paper appendix E; DESIGN §2 "learned prior"): a small MLP that biases the router.
+"""The learned cache prior (paper appendix E; docs/design.md §2 "learned prior"): a small MLP that biases the router.
 
 Per MoE layer l, a two-layer MLP reads the cache bitmask m [N] and the router logits z [N] and outputs a
 bias b [N]; the experts are ranked by ``z' = z + b`` (RANKING ONLY: the chosen experts' mixing weights

@@ -1,4 +1,4 @@
-"""Cache-aware routing policies (DESIGN §2) as data, and the re-ranking they define.
+"""Cache-aware routing policies (docs/design.md §2) as data, and the re-ranking they define.
 
 A policy only ever produces a new *ranking* of the N experts; the caller takes its first K (or h-1 for
 pruning) and weights them from the ORIGINAL logits. Policies are a pytree whose numeric fields are

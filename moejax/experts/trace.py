@@ -43,7 +43,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from moejax.base import atomic, collector, errors, flags, interrupts
+from moejax.base import atomic, collector, commands, errors, flags, interrupts
 from moejax.base.errors import Failure
 from moejax.base.typecheck import is_integer, is_number
 from moejax.models import gating as gating_lib
@@ -534,7 +534,8 @@ def _replay(args, trace: Trace) -> dict:
 def main(argv: list[str] | None = None) -> int:
     interrupts.exit_cleanly_on_signals()
     collector.for_compiling()
-    parser = argparse.ArgumentParser(prog="python -m moejax.trace", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog=commands.prog("trace"), description=__doc__.split("\n")[0],
+                                     formatter_class=commands.HelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
     rp = sub.add_parser("replay", help="replay a trace through an expert cache")
     rp.add_argument("trace")

@@ -25,15 +25,15 @@ import os
 import sys
 import time
 
-from moejax.base import errors, interrupts
+from moejax.base import commands, errors, interrupts
 from moejax.models import assets, checkpoint
 
 DTYPES = ("float32", "bfloat16", "float16")
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m moejax.convert", description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(prog=commands.prog("convert"), description=__doc__.split("\n\n")[0],
+                                formatter_class=commands.HelpFormatter)
     sub = p.add_subparsers(dest="direction", required=True, metavar="{" + ",".join(DIRECTIONS) + "}")
     for name, helptext in (("hf-to-moejax", "Hugging Face folder -> moejax checkpoint folder"),
                            ("moejax-to-moejax", "moejax checkpoint folder -> moejax checkpoint folder "

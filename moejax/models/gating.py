@@ -1,6 +1,6 @@
 """How each architecture turns router logits into a ranking and mixing weights.
 
-DESIGN §2: a routing policy only changes the *ranking*; the K experts chosen are the first K of it, and
+docs/design.md §2: a routing policy only changes the *ranking*; the K experts chosen are the first K of it, and
 their mixing weights always come from the **original** logits through the architecture's own weighting.
 Each gating here therefore offers three pure functions:
 

@@ -65,7 +65,7 @@ MIN_ROWS = 4  # rows of a 16-bit matmul: YNNPACK takes >= 2 (one row goes to the
 # Row counts at which XLA:CPU's matmul library (YNNPACK) multiplies by a bf16 matrix with more than 1,024 columns
 # at about half its speed per row, and the first count past each band that runs at full speed. Measured on AMD
 # Zen 4 (AVX-512 BF16, and the same bands under --xla_cpu_max_isa=AVX2), one thread and two, for
-# [out, in] = [2048, 2048], [2048, 1408], [1024, 4096], [50304, 2048] (bench/RESULTS.md, session 28): 64 rows
+# [out, in] = [2048, 2048], [2048, 1408], [1024, 4096], [50304, 2048] (``python bench/bench_row_counts.py``): 64 rows
 # of a [2048, 2048] matrix took 2.8 ms and 65 rows 1.3 ms. ``fast_rows`` pads a product's rows past such a
 # band; ``model.grouped_block_rows`` picks its chunk sizes outside them. Float32 and in <= 1,024 show no bands.
 SLOW_BF16_ROWS = ((9, 10, 11), (13, 15, 16), (17, 20, 21), (25, 30, 31), (37, 45, 46), (49, 55, 56), (61, 64, 65))

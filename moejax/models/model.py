@@ -423,8 +423,8 @@ def routed_experts(p: dict, cfg: ModelConfig, x: jax.Array, experts: jax.Array, 
     token (``dense_routed_experts``: at most twice the needed work when N ≤ 2K, and for a few tokens it costs
     little and compiles faster). Off the CPU many tokens also take the dense path, in chunks of tokens
     (``dense_chunk_rows``): the sorted path's loop of ~T·K/64 sequential small products per layer ran the
-    H200's teacher-forced pass at 0.40x transformers' grouped GEMM (session 20), where N/K times the work in
-    one large product costs a GPU less than the loop."""
+    H200's teacher-forced pass at 0.40x transformers' grouped GEMM (``bench/bench_teacher_forced.py``), where
+    N/K times the work in one large product costs a GPU less than the loop."""
     held = p.get("experts")
     n = held.n_experts if held is not None else p["gate"].shape[0]
     biases = expert_biases(p, experts, bias_ids, n)
@@ -656,7 +656,7 @@ def switched_routed_experts(experts_list: layout.ExpertList, cfg: ModelConfig, x
 
 #: chunk sizes of the grouped loop: multiples of 8 outside ``layout.SLOW_BF16_ROWS`` (64 rows of a bf16 expert ran
 #: at half the speed of 72 or 80: the OLMoE-1B-7B-shaped teacher-forced pass took 1.9 s a 1,024-token chunk with
-#: 64-row chunks, 1.42-1.54 s with any of 48-120; bench/RESULTS.md, session 28)
+#: 64-row chunks, 1.42-1.54 s with any of 48-120; ``python bench/bench_row_counts.py``)
 GROUPED_BLOCKS = (8, 16, 24, 32, 48, 56, 72, 80, 96, 112, 128)
 
 
@@ -717,7 +717,7 @@ def _expert_branches(act, n: int) -> list:
 #: shared computation on the copy, instead of computing inside a ``lax.switch`` branch per expert. XLA compiles
 #: every branch separately: the default model's prompt program held 8 x 64 expert computations and took ~5 s
 #: of the first ``generate``'s ~17 s to compile; with the copy the loop body is compiled once per layer, and
-#: at this size the copy (once per chunk of rows) costs nothing measurable (bench/RESULTS.md, session 21).
+#: at this size the copy (once per chunk of rows) costs nothing measurable (bench/bench_teacher_forced.py).
 #: Larger experts (every real model's: OLMoE 12.6 MB, Mixtral 352 MB) keep the in-place branches. Decode
 #: (one row) keeps its branches at every size: a copy per expert and token slowed the default model's decode.
 COPY_EXPERT_MAX_BYTES = 1 << 20

@@ -1,6 +1,6 @@
 """Low-bit expert copies that moejax makes itself: symmetric int8 / int4 weight quantisation.
 
-The precision cascade (DESIGN §2, miss handling) holds every expert also as int8 and int4 copies; a
+The precision cascade (docs/design.md §2, miss handling) holds every expert also as int8 and int4 copies; a
 low-importance miss pages in the low-bit copy, so the bytes it moves are the *real* stored size of the
 copy (``nbytes``: quantised values + scales).
 

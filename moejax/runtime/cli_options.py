@@ -22,7 +22,7 @@ OFFLOAD_DEFAULTS = {"paging": "host", "expert_store": "host"}
 
 
 def add_routing_args(p: argparse.ArgumentParser) -> None:
-    g = p.add_argument_group("routing policy (DESIGN §2)")
+    g = p.add_argument_group("routing policy (docs/design.md §2)")
     g.add_argument("--routing", choices=routing_lib.KINDS, default=None,
                    help="expert ranking policy (default: original); any routing option turns the cache on")
     g.add_argument("--lam", action=flags.Given, type=routing_lib.PARAM_RANGES["lam"],

@@ -360,7 +360,7 @@ def check_step(cfg: ModelConfig, router_logits, logits_finite, where: str) -> No
 #: compiled prefill pieces and decode chunks by (function, static arguments, shapes and shardings of the weights and
 #: arguments), with their output shapes: lowering a program again for every request re-traced it (``eval_shape``
 #: of a new partial each time) and called a new executable through JAX's slow first-call path, 25-65 ms a request
-#: on the shipped model's server (bench/RESULTS.md, session 28)
+#: on the shipped model's server (``python bench/bench_serve.py``)
 _PROGRAMS: "collections.OrderedDict" = collections.OrderedDict()
 _PROGRAMS_MAX = 256  # a warmed server holds one per (piece, KV bucket) and decode chunk: 45 for 512 tokens
 _PROGRAMS_LOCK = threading.Lock()

@@ -18,7 +18,7 @@ import sys
 import threading
 import time
 
-from moejax.base import atomic, collector, compile_cache, errors, flags, interrupts, textproc
+from moejax.base import atomic, collector, commands, compile_cache, errors, flags, interrupts, textproc
 from moejax.models import gating
 from moejax.experts import trace as trace_lib
 from moejax.runtime import api, cli_options, decode, offload as offload_lib
@@ -27,8 +27,8 @@ DEFAULT_PROMPT = "The history of the"
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m moejax.generate", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(prog=commands.prog("generate"), description=__doc__,
+                                formatter_class=commands.HelpFormatter)
     p.add_argument("--model", default=api.DEFAULT_MODEL_NAME,
                    help="moejax or Hugging Face checkpoint folder, or 'default' (the embedded model)")
     src = p.add_mutually_exclusive_group()

@@ -3,7 +3,7 @@
 Host-driven paging of one token at a time (``host_paging.HostPager.step``) pays a host round trip per token
 and MoE layer, pages an expert every time the cache misses it, and multiplies each expert by one row: at
 Qwen1.5-MoE shapes a prompt cost 0.15–0.27 s per token. A prefill here runs a piece of the prompt (T tokens)
-through each MoE layer together, as the simulation's prefill does (the layer-parallel path of DESIGN §3):
+through each MoE layer together, as the simulation's prefill does (the layer-parallel path of docs/design.md §3):
 
 1. attention, router logits and the cache's routing scan over the T tokens (``router.route_tokens``: each
    token routes with the cache state the one before it left, so routing, misses, loads and every cache

@@ -52,7 +52,7 @@ import threading
 import time
 import uuid
 
-from moejax.base import collector, compile_cache, errors, seeds, templates
+from moejax.base import collector, commands, compile_cache, errors, seeds, templates
 from moejax.base.typecheck import is_integer, is_number
 from moejax.models import hub
 from moejax.experts import routing as routing_lib, trace as trace_lib
@@ -609,8 +609,8 @@ def _dashboard_html() -> str:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m moejax.serve", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(prog=commands.prog("serve"), description=__doc__,
+                                formatter_class=commands.HelpFormatter)
     p.add_argument("--model", default=api.DEFAULT_MODEL_NAME,
                    help="moejax or Hugging Face checkpoint folder, or 'default' (the embedded model)")
     p.add_argument("--served-name", default=None, help="the model id clients send (default: the --model argument)")

@@ -1,7 +1,7 @@
 """Simulation mode: the model runs with an expert cache kept as bookkeeping around the router step.
 
 All experts stay on the device; at every MoE layer the router hook calls ``router.router_step`` (one
-token) or ``router.route_tokens`` (all tokens of a layer: the layer-parallel path of DESIGN §3), so the
+token) or ``router.route_tokens`` (all tokens of a layer: the layer-parallel path of docs/design.md §3), so the
 chosen experts, their weights and the cache statistics are exactly what an offloaded run would see.
 
 The router state that flows through the model (and through the decode loop) is one pytree::
@@ -273,7 +273,8 @@ def forward_routed_on_host(params, cfg: ModelConfig, tokens, router_state: dict,
 
     The scan routes a layer's T tokens one after another (each with the cache the one before left): on an
     H200 its small per-token steps cost ~75 µs each as GPU kernels, ~9 µs on one CPU core, so the
-    teacher-forced cache pass spent 1.2 s of 1.6 s a 1,024-token chunk (16 layers) routing (session 20).
+    teacher-forced cache pass spent 1.2 s of 1.6 s a 1,024-token chunk (16 layers) routing
+    (``bench/bench_teacher_forced.py`` on the GPU).
     Here the accelerator runs attention, router logits and experts; each layer's logits [T, N] go to the
     host, the cache and router state stay there, the chosen experts and weights come back. Same routing,
     statistics and state as the one-program pass (the scan is the same function); logits agree up to the

@@ -32,7 +32,7 @@ import zlib
 import ml_dtypes
 import numpy as np
 
-from moejax.base import atomic, errors, flags, interrupts
+from moejax.base import atomic, commands, errors, flags, interrupts
 from moejax.base.memory import format_bytes
 from moejax.base.typecheck import is_integer
 from moejax.models import checkpoint, hf_keys, mxfp4, safetensors_io, weights
@@ -251,9 +251,9 @@ def write_checkpoint(config: dict, out: str, *, dtype: str = "bfloat16", seed: i
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m moejax.testing.random_checkpoint",
+    p = argparse.ArgumentParser(prog=commands.prog("random-checkpoint"),
                                 description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
+                                formatter_class=commands.HelpFormatter, epilog=__doc__)
     p.add_argument("preset", nargs="?", help="preset name or a config.json path")
     p.add_argument("out", nargs="?", help="folder to write (must not exist unless --overwrite)")
     p.add_argument("--list", action="store_true", help="list the presets and their sizes, then exit")

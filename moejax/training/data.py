@@ -122,8 +122,8 @@ TOKENIZER_FILES = ("tokenizer_config.json", "special_tokens_map.json", "tokenize
 
 def save_tokenizer(tok, folder: str, model_max_length: int = 1024) -> None:
     """The three tokenizer files, as one set (``atomic.together``), ``tokenizer.json`` last: it marks the set
-    complete (a full disk used to leave it without ``special_tokens_map.json``, and every later run failed on
-    the missing file; then two files of three, which the next run completed)."""
+    complete (a full disk could otherwise leave a set without ``special_tokens_map.json``, and every later run
+    would fail on the missing file)."""
     os.makedirs(folder, exist_ok=True)
     with atomic.together():
         atomic.write_json(os.path.join(folder, "tokenizer_config.json"), tokenizer_config(model_max_length))
@@ -148,7 +148,7 @@ def ensure_tokenizer(data_dir: str, corpus_dir: str, vocab_size: int = DEFAULT_V
     """Train the tokenizer on the first ``chars_per_shard`` characters of every training shard, once."""
     path = os.path.join(data_dir, "tokenizer.json")
     if os.path.isfile(path) and not all(os.path.isfile(os.path.join(data_dir, f)) for f in TOKENIZER_FILES):
-        save_tokenizer(load_tokenizer(data_dir), data_dir)  # a set left incomplete (before the order above)
+        save_tokenizer(load_tokenizer(data_dir), data_dir)  # a set left incomplete (a writer not in that order)
     if not os.path.isfile(path):
         train_paths, _ = split_shards(corpus_dir)
         log(f"training a {vocab_size}-token byte-level BPE on {chars_per_shard / 1e6:.1f}M chars x "

@@ -27,7 +27,7 @@ CONFIGS = {
     "tiny": (128, 2, 4, 2, 32, 32, 4, 64),
     "small": (256, 4, 8, 4, 32, 32, 4, 112),
     "medium": (384, 6, 12, 4, 32, 64, 8, 96),
-    # the GPU-trained default (issue 15): OLMoE-like granularity, 64 experts top-8, ~30M parameters
+    # the GPU-trained default model's: OLMoE-like granularity, 64 experts top-8, ~30M parameters
     "granular": (384, 8, 6, 2, 64, 64, 8, 40),
 }
 

@@ -32,7 +32,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from moejax.base import atomic, collector, errors, flags, interrupts, orbax_io, seeds, tempfiles
+from moejax.base import atomic, collector, commands, errors, flags, interrupts, orbax_io, seeds, tempfiles
 from moejax.models import checkpoint
 from moejax.models.config import ModelConfig, from_hf
 from moejax.training import data, recipe
@@ -570,8 +570,8 @@ corpus (Wikipedia contributors, CC BY-SA 3.0 / GFDL; share-alike applies to verb
 
 # --------------------------------------------------------------------------------------------- CLI
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m moejax.train", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(prog=commands.prog("train"), description=__doc__,
+                                formatter_class=commands.HelpFormatter)
     p.add_argument("--out", required=True, help="run folder: checkpoints, metrics.jsonl, run.json, tokenizer")
     p.add_argument("--config", default="small", choices=sorted(recipe.CONFIGS))
     p.add_argument("--steps", type=_steps_arg, default=3000,

@@ -46,7 +46,7 @@ import numpy as np
 import optax
 from jax import lax
 
-from moejax.base import atomic, collector, errors, flags, interrupts, seeds
+from moejax.base import atomic, collector, commands, errors, flags, interrupts, seeds
 from moejax.experts import cache as cache_lib, prior as prior_lib, router as router_lib, routing as routing_lib
 from moejax.experts.trace import json_safe
 from moejax.runtime import api, simulate
@@ -451,8 +451,8 @@ def run(args: argparse.Namespace, log=print) -> dict:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m moejax.train_prior", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(prog=commands.prog("train-prior"), description=__doc__,
+                                formatter_class=commands.HelpFormatter)
     p.add_argument("--out", required=True, help="folder for the recording and one checkpoint per weight")
     p.add_argument("--model", default=api.DEFAULT_MODEL_NAME)
     p.add_argument("--cache-size", default="0.5", help="LRU capacity per layer: a count, a fraction of N or a memory size ('400MB')")

@@ -105,7 +105,7 @@ class ProgramBudget:
     """Drops XLA's compiled programs (``jax.clear_caches``) before they exhaust the process's memory maps.
 
     Without padding every prompt length is its own program, and on XLA:CPU one program with a simulated
-    cache maps ~700 regions (a cached generation ~1,600): a 100-example MMLU run with a cache used to die
+    cache maps ~700 regions (a cached generation ~1,600): a 100-example MMLU run with a cache would die
     in LLVM ("Cannot allocate memory") at the kernel's ``vm.max_map_count`` (65,530). So when a new shape
     is about to compile and the process holds more than half that many regions (or, without /proc, after
     ``fallback_shapes`` new shapes), the caches are cleared; the lengths that come back compile again."""

@@ -1,20 +1,22 @@
 #!/usr/bin/env bash
-# Issue 14 in ONE device call, in order of what is still unmeasured, each step boxed by what is left of
-# DEADLINE_S so that a slow step leaves the others their results:
+# Offloaded decode on the GPU, the research loop at OLMoE-1B-7B shapes and the suite with the GPU visible, in ONE
+# device call, each step boxed by what is left of DEADLINE_S so that a slow step leaves the others their results:
 #   0. the int8 product by row count (bench/gpu_numerics_probe.py, seconds)
 #   1. in the background, on the CPU: a random bf16 checkpoint with OLMoE-1B-7B's config (LAYERS, default all 16;
 #      13.8 GB) written on the device machine (never carried) for step 3
-#   2. parts 2-3: bench_offload.py's GPU suite (pinned host -> device peak; offloaded decode vs the roofline)
+#   2. bench_offload.py's GPU suite (pinned host -> device peak; offloaded decode vs the roofline)
 #      over SHAPES x ROUTINGS x SIZES x PAGINGS, the GPU otherwise quiet (the writer only uses one CPU core)
-#   3. part 4: bench_teacher_forced.py on that checkpoint, GPU visible: moejax vs transformers (bf16, same GPU, same
-#      weights) without and with the Python routing hook (cache-prior λ = 0.5 + per-layer LRU, C = N/2), and a
-#      16-point vmapped λ sweep vs 16 passes
-#   4. part 1: the test suite with the GPU visible in what is left (FIRST_TESTS first, then the rest)
+#   3. the research loop: bench_teacher_forced.py on that checkpoint, GPU visible: moejax vs transformers (bf16,
+#      same GPU, same weights) without and with the Python routing hook (cache-prior λ = 0.5 + per-layer LRU,
+#      C = N/2), and a 16-point vmapped λ sweep vs 16 passes
+#   4. the test suite with the GPU visible in what is left (FIRST_TESTS first, then the rest)
 # $OUT gets at most 8 files (the run tool's limit): env.txt, probe.txt, bench.txt, offload_gpu.json,
 # teacher_forced.txt, teacher_forced_gpu.json, suite.txt, failures.txt.
 #
-#     DEADLINE_S=560 bash bench/gpu_issue14.sh        # on the device (run tool, timeout_s 590; carry .shared-data.tar.xz)
-#     SMALL=1 OUT=/tmp/gpu-14 DEADLINE_S=300 bash bench/gpu_issue14.sh    # the same path on this CPU (tiny shapes)
+#     DEADLINE_S=560 bash bench/gpu_offload_loop_and_suite.sh
+#         # on the device (run tool, timeout_s 590; carry .shared-data.tar.xz)
+#     SMALL=1 OUT=/tmp/gpu-offload-loop DEADLINE_S=300 bash bench/gpu_offload_loop_and_suite.sh
+#         # the same path on this CPU (tiny shapes)
 #
 # Call from a throw-away branch without results/ and the shipped model (the tree must fit 64 MiB; see
 # gpu_offload.sh). A second call on the same warm machine finds the checkpoint already written (REUSE=1 keeps it;
@@ -96,8 +98,8 @@ if want loop; then
     [[ -n "${REUSE:-}" ]] || rm -rf "$work"
 fi
 
-# 4. the suite with the GPU visible, in what is left: FIRST_TESTS, then the other files (session 20's one call
-# with both ran the folder in its own order, so the files it had never reached were not reached again)
+# 4. the suite with the GPU visible, in what is left: FIRST_TESTS, then the other files (two pytest runs: one run
+# given both would take the folder in its own order, and a call cut short would never reach the files chosen first)
 if want suite && (( $(left) > 40 )); then
     first=${FIRST_TESTS:-"tests/test_int8.py tests/test_layout.py tests/test_offload.py tests/test_overlap.py
         tests/test_page_writes.py tests/test_prefill_paging.py tests/test_prior.py tests/test_quant.py

@@ -1,0 +1,85 @@
+"""The ``moejax`` command: every command as ``moejax COMMAND`` and ``python -m moejax COMMAND``, running the same
+``main`` as ``python -m moejax.COMMAND`` (which keeps working), with usage lines naming the form typed."""
+
+from __future__ import annotations
+
+import importlib
+import os
+import subprocess
+import sys
+import tomllib
+
+import pytest
+from conftest import run_main
+
+from moejax import cli
+from moejax.base import commands, interrupts
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _python_m(*argv: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", *argv], capture_output=True, text=True, timeout=120, cwd=REPO)
+
+
+def test_moejax_help_lists_every_command_and_python_m_moejax_is_the_same_command():
+    ran = _python_m("moejax", "--help")
+    assert ran.returncode == 0, ran.stderr
+    listed = ran.stdout[ran.stdout.index("commands:"):]
+    for name, (_, what) in commands.COMMANDS.items():
+        assert f"  {name} " in listed and what in " ".join(listed.split())
+    assert ran.stdout.startswith("usage: moejax ")
+
+
+def test_each_command_is_a_module_main_and_the_old_module_form_still_runs_it():
+    for name, (module, _) in commands.COMMANDS.items():
+        assert callable(importlib.import_module(module).main), name
+    via_moejax = _python_m("moejax", "generate", "--help")
+    via_module = _python_m("moejax.generate", "--help")
+    assert via_moejax.returncode == via_module.returncode == 0
+    assert via_moejax.stdout.startswith("usage: moejax generate ")
+    assert via_module.stdout.startswith("usage: python -m moejax.generate ")
+    options = lambda text: text[text.index("options:"):]  # noqa: E731 - the same options, only the name differs
+    assert options(via_moejax.stdout) == options(via_module.stdout)
+
+
+def test_a_missing_or_unknown_command_is_a_usage_error(capsys):
+    ran = run_main(cli.main, capsys)
+    assert ran.returncode == 2 and "required: COMMAND" in ran.stderr
+    ran = run_main(cli.main, capsys, "sample")
+    assert ran.returncode == 2 and "invalid choice: 'sample'" in ran.stderr and "generate" in ran.stderr
+
+
+def test_a_command_run_by_moejax_names_itself_so_and_the_name_does_not_outlive_it(capsys):
+    ran = run_main(cli.main, capsys, "train-prior", "--model", "default")  # --out missing: argparse refuses
+    assert ran.returncode == 2 and "usage: moejax train-prior " in ran.stderr
+    assert "moejax train-prior: error: the following arguments are required: --out" in ran.stderr
+    assert commands.prog("train-prior") == "python -m moejax.train_prior"  # back to the module form
+    assert commands.prog("generate") == "python -m moejax.generate"
+
+
+def test_the_moejax_script_is_declared_and_known_as_a_command(monkeypatch):
+    with open(os.path.join(REPO, "pyproject.toml"), "rb") as f:
+        scripts = tomllib.load(f)["project"]["scripts"]
+    assert scripts["moejax"] == "moejax.cli:main"
+    monkeypatch.setattr(sys, "argv", ["/usr/local/bin/moejax", "generate"])
+    monkeypatch.setattr(sys, "orig_argv", [sys.executable, "/usr/local/bin/moejax", "generate"])
+    monkeypatch.setattr(sys.modules["__main__"], "__spec__", None, raising=False)
+    assert interrupts.is_a_command()  # Ctrl-C handlers from the first import, as for python -m moejax.X
+
+
+@pytest.mark.parametrize("name", sorted(commands.COMMANDS))
+def test_every_command_answers_help_through_moejax(name, capsys):
+    ran = run_main(cli.main, capsys, name, "--help")
+    assert ran.returncode == 0 and ran.stdout.startswith(f"usage: moejax {name} "), ran.stderr
+
+
+def test_every_option_with_a_default_shows_it_in_help(capsys):
+    ran = run_main(cli.main, capsys, "generate", "--help")
+    text = " ".join(ran.stdout.split())
+    assert "--max-new-tokens MAX_NEW_TOKENS default: 64" in text  # no help text of its own: the default alone
+    assert "--port PORT (default: 8000)" not in text  # generate's own options only
+    assert "--prompt PROMPT prompt text (default: 'The history of the')" in text  # stated once, not twice
+    assert text.count("(default:") >= 10
+    ran = run_main(cli.main, capsys, "serve", "--help")
+    assert "--port PORT default: 8000" in " ".join(ran.stdout.split())
