@@ -1,5 +1,5 @@
 """The Belady bound under the co-residency rule vs the looser bypass variant, on the default model's own
-original-routing trace (issue 13 part 2).
+original-routing trace.
 
     python bench/bench_belady.py [--chunks 8] [--context 1024] [--out bench/results/belady.json]
 

@@ -1,4 +1,4 @@
-"""Batch-1 greedy decode tokens/s: moejax vs transformers on the same weights (issue 2 benchmark).
+"""Batch-1 greedy decode tokens/s: moejax vs transformers on the same weights.
 
     python bench/bench_decode.py [--new-tokens 128] [--repeats 3] [--out bench/results/decode.json]
 

@@ -1,4 +1,4 @@
-"""Issue 15's side-by-side of default-model candidates: quality, routing shape and the cache-prior front.
+"""A side-by-side of default-model candidates: quality, routing shape and the cache-prior front.
 
     python bench/bench_default_model.py                                     # the shipped default alone
     python bench/bench_default_model.py --model default --model RUN/export  # the current one beside a candidate
@@ -14,11 +14,11 @@ Per model (float32 compute, as the studies run):
    ``--points`` 11 points, max-rank M = K..N, first ``--pareto-tokens`` 8,184 tokens), resumable in
    ``--work/<label>``; summarised at C = N/2 as the lowest miss rate each method reaches within +1/5/10 %
    of original routing's perplexity. Where the fronts coincide, the paper's comparison cannot show.
-3. Issue 15's goals: word perplexity <= 150, usage entropy within 85-97 % of log2 N in every layer, no dead
+3. The default model's goals: word perplexity <= 150, usage entropy within 85-97 % of log2 N in every layer, no dead
    expert.
 
 Prints a markdown table (models side by side) and writes every figure to ``--out`` (atomically).
-bench/RESULTS.md ("The default model, side by side") has the figures.
+docs/benchmarks.md#training has the figures.
 """
 
 from __future__ import annotations

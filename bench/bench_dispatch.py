@@ -1,4 +1,4 @@
-"""Where the time of a multi-token pass goes, and which expert dispatch wins where (issue 13 benchmark).
+"""Where the time of a multi-token pass goes, and which expert dispatch wins where.
 
     python bench/bench_dispatch.py [--repeats 5] [--olmoe] [--out bench/results/dispatch.json]
 

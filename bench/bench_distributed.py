@@ -1,4 +1,4 @@
-"""Sweeps over devices and the communication of expert sharding (issue 17) — ``moejax.base.distributed``.
+"""Sweeps over devices and the communication of expert sharding — ``moejax.base.distributed``.
 
     python bench/bench_distributed.py [--devices 1,2,4] [--points 16] [--max-tokens 2046] [--out bench/results/distributed.json]
 

@@ -1,4 +1,4 @@
-"""Evaluation harness benchmark (issue 6): full WikiText-2 test perplexity + miss rate for one policy point,
+"""Evaluation harness benchmark: full WikiText-2 test perplexity + miss rate for one policy point,
 and a λ sweep timed as a loop of single points and as vmapped batches, extrapolated to the full text.
 
     python bench/bench_evaluate.py [--model default] [--dtype float32] [--context 1024]

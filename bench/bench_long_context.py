@@ -8,8 +8,8 @@ Greedy decode of ``--new-tokens`` after prompts of each ``--lengths`` (best of `
 tokens/s, ms a token, the time to the first token (the prompt's prefill), the KV cache held (``decode.kv_rows`` rows, as ``model.generate`` allocates, or its
 ``decode.kv_bucket`` with ``--bucketed``) and the rate at which it would have to be read if attention's time
 were all reading it. The default model is a random bf16 decoder whose experts are tiny (d = 1024, 8 layers,
-8 heads of 128, experts of F = 32), so that attention dominates. bench/RESULTS.md ("Long-context decode on
-the CPU") has the figures: before the cache was held as bit patterns and read in blocks, XLA:CPU rewrote
+8 heads of 128, experts of F = 32), so that attention dominates. docs/benchmarks.md#long-contexts has the
+figures: before the cache was held as bit patterns and read in blocks, XLA:CPU rewrote
 each layer's whole bf16 cache to write one row and widened it whole to float32 to read it, every token.
 """
 

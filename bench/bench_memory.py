@@ -2,7 +2,7 @@
 
     python bench/bench_memory.py --model /work/scale/olmoe [--convert-to /work/scale/olmoe-mj] [--out FILE]
 
-Bounds checked (issue 12, GB = 2**30 bytes here):
+Bounds checked (GB = 2**30 bytes here):
 
 - ``moejax.load(path)`` (everything on the device; CPU: host memory)   ≤ model bytes + 1.5 GB (no second copy)
 - ``generate --offload --expert-store host``                           ≤ all weights once + 1.5 GB

@@ -1,4 +1,4 @@
-"""Offloaded decoding benchmarks (issue 4). Prints comparable ratios and writes JSON results.
+"""Offloaded decoding benchmarks. Prints comparable ratios and writes JSON results.
 
 CPU suite (any machine; SpecMD appendix A.4 emulation): the embedded default model with its experts in
 host memory, host-driven paging through an emulated link of B GB/s. Tokens/s of LRU with original routing
@@ -171,11 +171,11 @@ def preset_model(preset: str, layers: int, small: bool, dtype=jnp.bfloat16):
     return random_model(random_checkpoint.with_overrides(hf, layers, tiny), dtype)
 
 
-# the GPU suite's models: OLMoE's expert shapes on a Qwen3-MoE decoder (the runs since 2026-11-26), and
+# the GPU suite's models: OLMoE's expert shapes on a Qwen3-MoE decoder (the default), and
 # Qwen1.5-MoE-A2.7B's own config (60 experts of F = 1408, top-4, a shared expert of 5632)
 SHAPES = {"olmoe": lambda layers, small: real_size_model(layers, small),
           "qwen1.5": lambda layers, small: preset_model("qwen1.5-moe-a2.7b", layers, small)}
-# routing + cache variants of issue 14 part 3: (routing policy, lambda, prefetch overfetch factor)
+# routing + cache variants of the GPU suite: (routing policy, lambda, prefetch overfetch factor)
 ROUTINGS = {"original": ("original", None, 0.0), "cache-prior": ("cache-prior", 0.5, 0.0),
             "prefetch": ("cache-prior", 0.5, 1.0)}
 

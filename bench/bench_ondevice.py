@@ -10,7 +10,7 @@ a cgroup-v1 memory cgroup of ``--budget-gb`` (created and removed by ``bench/mem
 charged to it, so expert pages that do not fit really come from storage), after dropping the page cache.
 Reported per run: load time, time to first token, decode tokens/s, expert bytes requested per decode token
 (what the cache asked for), bytes actually read from storage per decode token (``/proc/self/io``
-``read_bytes`` inside the process, decode phase only), peak RSS (rusage) against the issue's bound
+``read_bytes`` inside the process, decode phase only), peak RSS (rusage) against its bound
 (non-expert weights + cache slots + KV cache + 1.5 GB), and the miss rate. ``--sizes 8,4,2`` means C = N/8,
 N/4, N/2 per layer; ``--prefills batched,token`` runs each configuration with both ways of paging the prompt
 (time to first token side by side); ``--overlaps on,off`` with and without computing a step's resident experts

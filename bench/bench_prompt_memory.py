@@ -14,7 +14,7 @@ samples ``RssAnon`` of ``/proc/self/status`` every 20 ms. Printed per prompt:
 - ``reserve``: ``offload.reserve_bytes(positions)`` for the run, and ``margin`` = reserve + held − over.
 
 Anonymous memory is what a memory cgroup cannot reclaim (page cache it can), so a negative margin is an
-OOM kill waiting for a budget that tight. bench/RESULTS.md ("the reserve") has the figures.
+OOM kill waiting for a budget that tight. docs/benchmarks.md#the-reserve has the figures.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Cost of cache-aware routing in a teacher-forced pass (issue 3 benchmarks).
+"""Cost of cache-aware routing in a teacher-forced pass.
 
     python bench/bench_routing.py [--tokens 512] [--points 16] [--out bench/results/routing.json]
 

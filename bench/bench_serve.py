@@ -1,4 +1,4 @@
-"""Serving benchmark (issue 16): ``python -m moejax.serve`` under 1, 4 and 8 concurrent clients, original
+"""Serving benchmark: ``python -m moejax.serve`` under 1, 4 and 8 concurrent clients, original
 routing vs cache-prior, with the one expert cache that every request shares.
 
     python bench/bench_serve.py [--out bench/results/serve.json] [--articles 8] [--per-article 4]
@@ -362,7 +362,7 @@ def main(argv: list[str] | None = None) -> int:
     import moejax
 
     result = {
-        "benchmark": "python -m moejax.serve under concurrent streaming clients (issue 16): default model, "
+        "benchmark": "python -m moejax.serve under concurrent streaming clients: default model, "
                      f"--offload --bandwidth-gbps {args.bandwidth_gbps}, cache N/2 per layer (LRU), batch-1 engine",
         "command": " ".join(["python", *sys.argv]),
         "prompts": "WikiText-2 raw test: first sentences of 12-40 words of the first articles that have enough",

@@ -1,11 +1,11 @@
-"""Teacher-forced pass: moejax vs transformers on the same weights (issues 13 and 14 benchmark).
+"""Teacher-forced pass: moejax vs transformers on the same weights, on the CPU or a GPU.
 
     python bench/bench_teacher_forced.py [--chunks 8] [--context 1024] [--repeats 2] [--lam 0.5]
                                          [--cache-size 0.5] [--out bench/results/teacher_forced.json]
-    python bench/bench_teacher_forced.py --model OLMOE_DIR --dtype bfloat16 --sweep-points 16   # issue 14, GPU
+    python bench/bench_teacher_forced.py --model OLMOE_DIR --dtype bfloat16 --sweep-points 16   # OLMoE shapes, GPU
 
-``--model default`` (the embedded default model: 8 layers, 64 experts, top-8; the figures of issue 13 were
-measured on its predecessor, ``--model tests/data/cpu-default-model``: 4 layers, 32 experts, top-4) is exported with ``moejax.convert moejax-to-hf``
+``--model default`` (the embedded default model: 8 layers, 64 experts, top-8; or the tests' smaller stand-in,
+``--model tests/data/cpu-default-model``: 4 layers, 32 experts, top-4) is exported with ``moejax.convert moejax-to-hf``
 into a temporary folder and loaded in ``transformers``; a Hugging Face folder (a random checkpoint of
 ``moejax.testing.random_checkpoint olmoe-1b-7b``, say) is loaded by both as it is. Both engines compute in
 ``--dtype``; with a GPU visible JAX uses it and torch runs on ``cuda`` (``--torch-device``). Both run the same
@@ -27,7 +27,7 @@ process holds one of the cores, XLA's far less, which inflates the ratios.
    hook researchers write today. As in ``moejax.evaluate``, the cache and the running Δ (mean logit range)
    carry across chunks; every timed repeat starts from an empty cache and Δ state.
 
-3. ``--sweep-points N`` (issue 14, goal ≥ 3×): an N-point λ sweep (λ evenly spaced over [0, 1], the same cache)
+3. ``--sweep-points N`` (goal ≥ 3×): an N-point λ sweep (λ evenly spaced over [0, 1], the same cache)
    as ONE vmapped moejax pass per chunk (``moejax.evaluation.sweep.batched_pass``, what ``moejax.sweep`` runs)
    vs N sequential cache-aware passes (2. above, once per λ); every point's perplexity and miss rate must
    agree between the two.

@@ -1,11 +1,11 @@
-"""Decode and prefill against llama.cpp on the same weights, with the memory-bandwidth roofline (issue 19).
+"""Decode and prefill against llama.cpp on the same weights, with the memory-bandwidth roofline.
 
     python bench/bench_vs_llamacpp.py --model /work/scale/olmoe4 [--new-tokens 64] [--prompt-tokens 8] \
         [--prefill 256,1024] [--repeats 3] [--threads 2] [--profile] [--default] [--out bench/results/vs_llamacpp.json]
 
 One run measures, on this machine and in this order:
 
-1. the read bandwidth the roofline divides by: ``numpy`` sum over 1 GiB with one thread (the issue's
+1. the read bandwidth the roofline divides by: ``numpy`` sum over 1 GiB with one thread (the
    "single-stream" figure) and with ``--threads`` threads (what a 2-thread engine can draw);
 2. moejax in a fresh process (``generate`` through the Python API, the model's stored dtype): load time,
    batch-1 greedy decode tokens/s (``--prompt-tokens`` prompt, ``--new-tokens`` new; the median of

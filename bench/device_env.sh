@@ -18,8 +18,8 @@ device_out() {
     mkdir -p "$OUT"
 }
 
-# ../shared/data (WikiText-2 and the task sets, not the corpus) where the device machine lacks it: the suite's
-# evaluation, distributed and prior tests read it (session 18's H200 suite failed six tests on its absence).
+# ../shared/data (WikiText-2 and the task sets, not the corpus) where the device machine lacks it, for runs there
+# given `MOEJAX_DATA=../shared/data` (the full task sets; the suite itself reads its own copies in tests/data).
 # Here, before the call: `bash bench/device_env.sh --pack-shared` writes .shared-data.tar.xz (git-ignored,
 # ~4 MB); carry it, and the device script unpacks it beside the checkout.
 shared_data() {

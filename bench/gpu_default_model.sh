@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# Issue 15 (and issue 14's first two parts beside it) on the lent GPU machine in ONE device call: train the
-# granular default model on the corpus carried there and export it; meanwhile run the offload equality tests
+# The default model's training on a lent GPU machine, offloading measured beside it, in ONE device call: train
+# the granular default model on the corpus carried there and export it; meanwhile run the offload equality tests
 # with the GPU visible; once training is done and the GPU is quiet, bench_offload.py's GPU suite in what is
 # left of the time. $OUT gets what must come back (at most 8 files of <= 16 MiB, 64 MiB together). The
 # model's card (bench_default_model.py) runs back on the CPU, at no device time.
@@ -17,18 +17,15 @@
 # A dry run of the whole path on this CPU (tiny model, minutes): CONFIG=micro MINUTES=0.5 BATCH=4 SEQ=128 \
 #     SMALL=1 DEADLINE_S=400 OUT=/tmp/gpu-out bash bench/gpu_default_model.sh
 #
-# Measured on the H200 (2026-11-26, session 13; bench/RESULTS.md "On the H200"): tokenizing the four shards 10 s;
-# the first training step 225 s (XLA compiling, two "very slow compile" alarms for one reduce fusion, before
-# the capacity dispatch's one-hot running count became a sort); then 200 ms a step (328K tokens/s); the
-# first evaluation 15 s; the first checkpoint 72 s (orbax starting; later ones are quick). So a checkpoint
-# is written only at the end, and the time budget must cover the compile: check the first step's time.
-# Session 14 (2026-11-27): the compile was 258 s again, plus 84 s for the eval step: the returned HLO named
-# gating.descending_order's pairwise ranking batched to [65536, 64, 64] (now a sort off the CPU); no
-# checkpoint (--export-at-end), 628 steps, 41M tokens, shipped as the default. Check the first step again.
+# On an H200: tokenizing the four shards takes 10 s; the first training step compiles in ~30 s (a fusion XLA
+# compiles slowly shows as minutes there: the training step's optimized HLO comes back to name it; a pairwise
+# ranking batched to [65536, 64, 64] and a one-hot running count compile so: off the CPU both sort); then 200 ms a
+# step (328K tokens/s); the first evaluation 15 s; the first checkpoint 72 s (orbax starting; later ones are
+# quick). So a checkpoint is written only at the end (--export-at-end), and the time budget must cover the
+# compile: check the first step's time.
 #
-# Session 18 (2026-11-27): the first step compiled in 29 s; SUITE=1 (the whole suite beside the training; the
-# tree must then keep tests/data, so only SHARDS="00 01" fit) and OFFSET_DECAY_STEPS=600, MINUTES=6: 1,416 steps,
-# 92.8M tokens, shipped. Carry .shared-data.tar.xz too (bash bench/device_env.sh --pack-shared) for the suite.
+# SUITE=1 runs the whole suite beside the training (the tree must then keep tests/data, so only SHARDS="00 01"
+# fit); with OFFSET_DECAY_STEPS=600 and MINUTES=6 that call trained 1,416 steps (92.8M tokens) on an H200.
 #
 # Why the corpus is recompressed: the call carries the working tree and the carried paths in 64 MiB. With the
 # shipped model's 28 MB in the tree one gzip shard (18.8 MB, 13.3M tokens) fits; xz makes a shard 13.3 MB, and a
@@ -91,7 +88,7 @@ with ProcessPoolExecutor(len(train)) as pool:
     sizes = list(pool.map(data.shard_bin, [sys.argv[1]] * len(train), train))
 print(f"tokenized {len(train)} shards: {sum(s.size for s in sizes) / 1e6:.1f}M tokens in {time.time() - t:.0f} s")
 EOF
-    # issue 14 part 1, beside the training: the offload equality tests with the GPU visible (tiny models), or
+    # beside the training: the offload equality tests with the GPU visible (tiny models), or
     # with SUITE=1 the whole suite (SUITE_WORKERS processes, each failure's traceback written as it happens to
     # failures.txt; the tree must hold tests/data: carry fewer shards, SHARDS="00 01" at --prepare)
     if [[ "${SUITE:-0}" == 1 ]]; then
@@ -104,16 +101,16 @@ EOF
             > "$WORK/offload/tests.txt" 2>&1 &
     fi
     tests_pid=$!
-    # the recipe (bench/train_default.md, "The GPU run"): balancing 0.01 with the router remedies; no
+    # the recipe (docs/benchmarks.md#training): balancing 0.01 with the router remedies; no
     # checkpoint (orbax's first save took 72 s here, and the optimizer state cannot come back anyway): the
     # model is exported from memory when training stops (CKPT_MINUTES=1 for a checkpoint a minute). The
-    # optimized HLO of the training step is dumped, to name the fusion if its compile is slow again.
+    # optimized HLO of the training step is dumped, to name the fusion if its compile is slow.
     # OFFSET_DECAY_STEPS=N fades the offset penalty over the first N steps: usage entropy down (the shipped
     # run's 98.5-99.4 % is above the goal's 97 %), at a cost in loss and starved experts in a CPU pilot
-    # (bench/train_default.md, "Fading the offset penalty"); 0 (the default) keeps the shipped model's recipe.
-    # AUX_COEF_START + AUX_DECAY_STEPS: the balancing weight decays from AUX_COEF_START to AUX_COEF (session 18:
-    # with 0.01 throughout, usage evened out to 98.9-99.6 % of the maximum entropy by step 1,416 although the offset
-    # penalty was gone after step 600; e.g. AUX_COEF=0.001 AUX_COEF_START=0.01 AUX_DECAY_STEPS=600 lets it go)
+    # (docs/benchmarks.md#training); 0 (the default) keeps the shipped model's recipe.
+    # AUX_COEF_START + AUX_DECAY_STEPS: the balancing weight decays from AUX_COEF_START to AUX_COEF (with 0.01
+    # throughout, usage evens out to 98.9-99.6 % of the maximum entropy by step 1,416 even with the offset
+    # penalty gone after step 600; e.g. AUX_COEF=0.001 AUX_COEF_START=0.01 AUX_DECAY_STEPS=600 lets it go)
     aux_decay=()
     if [[ -n "${AUX_COEF_START:-}" ]]; then aux_decay=(--aux-coef-start "$AUX_COEF_START" --aux-decay-steps "${AUX_DECAY_STEPS:?}"); fi
     train() {  # $1: attention, $2: minutes
@@ -142,7 +139,7 @@ EOF
     pack
     wait "$tests_pid"; echo "tests exit $? (124 = time box)"; tail -3 "$WORK/offload/tests.txt"
     grep -c " PASSED " "$WORK/offload/tests.txt" || true; grep " FAILED \| ERROR " "$WORK/offload/tests.txt" | head -60 || true
-    # issue 14 part 2-3 on the quiet GPU: pinned host -> device bandwidth, offloaded decode vs the roofline
+    # on the quiet GPU: pinned host -> device bandwidth, offloaded decode vs the roofline
     box=$(( DEADLINE_S - (SECONDS - t0) - 15 ))
     echo "bench_offload --suite gpu: ${box} s left for it"
     if (( box > 20 )); then

@@ -1,6 +1,6 @@
-"""What the H200's suite left unexplained, measured directly on the device (seconds, no model files).
+"""XLA:GPU's int8 product by row count, measured directly on the device (seconds, no model files).
 
-Session 18's suite with the GPU visible failed ``test_every_family_int8_equals_its_dequantised_model`` for all
+The suite with the GPU visible, on an H200, failed ``test_every_family_int8_equals_its_dequantised_model`` for all
 three families CI runs: the int8 model's greedy decode (prompt of 3 rows, then 1 row a step) disagreed with its
 own teacher-forced argmax (40 and 8 rows) on 4-5 of 6 decisive tokens, while the forward matched the
 dequantised float32 model, and the same test with every ``platform_dependent`` forced to its non-CPU branch

@@ -1,20 +1,20 @@
 #!/usr/bin/env bash
-# Issue 14, parts 1-3 on the lent GPU machine in ONE device call (timeout_s 600): the offload equality tests
-# with the GPU visible (host and in-jit paging: same tokens as the simulation, bytes = loads x expert bytes)
-# and the whole suite in TESTS_BOX seconds, then bench_offload.py's GPU suite (81 s on the H200; it now
-# prints where host paging's 24 ms a token went) (pinned host -> device bandwidth; offloaded decode at OLMoE expert shapes
-# vs the roofline, host and in-jit paging, C = N/2 and N/4). Everything lands in $OUT (<= 8 files).
+# Offloading on a lent GPU machine in ONE device call (timeout_s 600): the offload equality tests with the GPU
+# visible (host and in-jit paging: same tokens as the simulation, bytes = loads x expert bytes) and the whole
+# suite in TESTS_BOX seconds, then bench_offload.py's GPU suite (81 s on an H200; it prints where host paging's
+# time a token goes) (pinned host -> device bandwidth; offloaded decode at OLMoE expert shapes vs the roofline,
+# host and in-jit paging, C = N/2 and N/4). Everything lands in $OUT (<= 8 files).
 #
 #     bash bench/gpu_offload.sh                                # on the device (run tool; carry .shared-data.tar.xz)
 #
 # The tree a call carries must fit 64 MiB, and main's is 98 MB: the shipped model (60), tests/data (28: the
 # suite's stand-in default model) and results/ (6). Call from a throw-away branch without the shipped model and
 # results/ (32 MB; `git checkout -b device-call && git rm -rq results moejax/assets/default-model && git commit
-# -qm tmp`): only tests/test_default_model.py then fails (5 tests, expected). Never drop tests/data (half of
-# session 14's failures were a missing default). `bash bench/device_env.sh --pack-shared` first, and carry
-# .shared-data.tar.xz: the tests reading ../shared/data (WikiText-2, the tasks) failed without it (session 18).
-# The suite runs FIRST_TESTS first (default: the files session 18's suite did not reach, then those it failed
-# and that were fixed on the CPU), then the rest.
+# -qm tmp`): only tests/test_default_model.py then fails (5 tests, expected). Never drop tests/data (without it
+# every test of the stand-in default model fails). For runs that read the full task sets there
+# (MOEJAX_DATA), `bash bench/device_env.sh --pack-shared` first and carry .shared-data.tar.xz.
+# The suite runs FIRST_TESTS first (default: the files a suite cut short by its box would otherwise not reach, and
+# those whose numerics differ on a GPU), then the rest.
 # The device machine is released 30 s after a call ends: a second call must be the very next step.
 #     SMALL=1 OUT=/tmp/gpu-offload bash bench/gpu_offload.sh   # the same path on this CPU (tiny shapes, ~2 min)
 #
@@ -38,12 +38,12 @@ if [[ -n "${SMALL:-}" ]]; then small=(--small); fi
     shared_data
 } > "$OUT/env.txt" 2>&1
 cat "$OUT/env.txt"
-# 0. the int8 product by row count (seconds): session 18's int8 decode failures (bench/gpu_numerics_probe.py)
+# 0. the int8 product by row count (seconds): XLA:GPU's int8 decode on few rows (bench/gpu_numerics_probe.py)
 timeout 60 python3 bench/gpu_numerics_probe.py > "$OUT/probe.txt" 2>&1; echo "probe exit $?"; tail -1 "$OUT/probe.txt"
 
 # 1. the test suite, GPU visible (the offload equality tests first, then the rest; 8 workers, each without
-# preallocating the GPU's memory). On the H200 (2026-11-26) the offload ones passed but one, which TF32
-# matmuls broke (tests/conftest.py now asks for full float32 there): this checks that fix first.
+# preallocating the GPU's memory). TF32 matmuls break a float32 offload comparison (tests/conftest.py asks for full
+# float32 where a GPU is visible): the offload tests run first to check it.
 export XLA_PYTHON_CLIENT_PREALLOCATE=false MOEJAX_TEST_FAILURE_LOG="$OUT/failures.txt"
 tests_rc=skipped
 if [[ "${TESTS:-1}" != 0 ]]; then

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Issue 14, part 4 on the lent GPU machine in ONE device call: the research loop at OLMoE-1B-7B shapes. A random
+# The research loop at OLMoE-1B-7B shapes on a lent GPU machine, in ONE device call. A random
 # bf16 checkpoint with OLMoE-1B-7B's config (16 layers, 64 experts, top-8, 6.9B parameters, 13.8 GB) is written
 # on the device machine itself (never carried), then bench_teacher_forced.py runs on it with the GPU visible:
 # moejax vs transformers (bf16, same GPU, same weights) on a teacher-forced pass, without and with the Python
@@ -11,7 +11,7 @@
 #
 # Time on the device: writing the checkpoint took 9 s a layer on this 2-core CPU (numpy's generator, one
 # thread): ~2.5 minutes for 16 layers, so LAYERS (default 16) may cut it (a cut keeps the real per-layer shapes:
-# say which in RESULTS). The tree a call carries must fit 64 MiB: call from a branch without results/ (see
+# say which in docs/benchmarks.md). The tree a call carries must fit 64 MiB: call from a branch without results/ (see
 # gpu_offload.sh). The device image has torch (the tests need it); torch runs on cuda when it sees the GPU.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -30,9 +30,9 @@ if [[ -n "${SMALL:-}" ]]; then
     run=(--chunks 2 --context 128 --repeats 1)
 else
     shape=(--layers "${LAYERS:-16}")
-    # session 18: LAYERS=4 CHUNKS=4 with 2 repeats ran past a 190 s box without a figure (the bench printed only
-    # at its end; it now logs every run): a λ sweep's 16 sequential passes are run 1 + repeats times, so the
-    # defaults are 2 chunks and 1 timed repeat; raise them when the log shows the time is there
+    # a λ sweep's 16 sequential passes run 1 + repeats times (LAYERS=4 CHUNKS=4 with 2 repeats ran past a 190 s
+    # box on an H200), so the defaults are 2 chunks and 1 timed repeat; the bench logs every run: raise them
+    # when the log shows the time is there
     run=(--chunks "${CHUNKS:-2}" --context 1024 --repeats "${REPEATS:-1}" --threads 16)
 fi
 t0=$(date +%s)

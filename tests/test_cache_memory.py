@@ -299,7 +299,7 @@ def test_headroom_is_the_tightest_limit(monkeypatch, tmp_path):
 
 
 def test_the_reserve_follows_the_prompt_a_run_may_have():
-    """Measured at Qwen1.5-MoE shapes (bench/RESULTS.md, "the reserve"): ~0.52 GiB of runtime at 8 tokens, a
+    """Measured at Qwen1.5-MoE shapes (docs/benchmarks.md#the-reserve): ~0.52 GiB of runtime at 8 tokens, a
     batched piece's activations up to 512 tokens, little per position after; the piece part grows with the
     hidden size. The old flat 1.5 GiB refused C = 4 under 6 GiB, which runs."""
     gib = 1 << 30

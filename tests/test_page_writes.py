@@ -141,7 +141,7 @@ def test_a_slot_is_never_written_in_place_while_a_computation_reads_it():
 def test_the_readers_list_does_not_keep_finished_outputs_alive():
     """The pager's list of computations reading the slots held every finished prompt piece's rows ([T·K, D]
     float32 per MoE layer) until that layer was paged again: ~0.75 GiB per 1,024 prompt tokens at Qwen1.5-MoE
-    shapes (bench/RESULTS.md, "the reserve"). A finished or donated output is dropped as soon as the list is
+    shapes (docs/benchmarks.md#the-reserve). A finished or donated output is dropped as soon as the list is
     looked at: on the next ``reading`` and by ``release_finished`` (after each layer of a prompt piece)."""
     import gc
     import weakref

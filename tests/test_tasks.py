@@ -589,7 +589,7 @@ def test_default_model_mmlu_original_routing_with_cache_equals_no_cache(default_
     # padded forward's real rows. Versus the unpadded pass a bf16 model is NOT bit-identical: XLA:CPU picks
     # its matmul kernel (and each row's summation order) from the shape, and on AVX2 the 1-ulp bf16
     # differences flip near-tied top-k choices (measured on this model: logits up to 0.07 apart below 64
-    # tokens and 1.7 at 1,000, argmax agreement >= 98 %; bench/RESULTS.md). That the padding itself never
+    # tokens and 1.7 at 1,000, argmax agreement >= 98 %). That the padding itself never
     # reaches the real tokens is checked in float32 in test_default_model.
     ids = common.Encoder(m).prompt(prompts[0])
     padded = np.zeros(common.padded_length(len(ids), m.cfg.max_position_embeddings, m.cfg.rope_long_after), int)

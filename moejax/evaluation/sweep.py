@@ -43,8 +43,8 @@ from moejax.evaluation.sweep_points import Point, make_point, make_record, point
 
 def default_batch_size() -> int:
     """Points per vmapped batch: 1 on CPU, where a teacher-forced pass is compute-bound and a batch of
-    policies measured no faster per point than the loop while compiling slower (bench/RESULTS.md,
-    "Evaluation harness"); 8 on accelerators, where a pass leaves the device mostly idle."""
+    policies measured no faster per point than the loop while compiling slower (bench_evaluate.py on
+    the CPU-trained model in tests/data/cpu-default-model); 8 on accelerators, where a pass leaves the device mostly idle."""
     return 1 if jax.default_backend() == "cpu" else 8
 
 

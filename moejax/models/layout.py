@@ -2,8 +2,8 @@
 
 Why another layout. moejax's canonical parameters (``model.py``: ``x @ W``, experts stacked ``[N, in, out]``)
 are what training, conversion and the checkpoint formats use. On XLA:CPU two things about them cost a
-bandwidth-bound decode step most of its speed (measured in bench/RESULTS.md, "decode at the bandwidth
-limit"):
+bandwidth-bound decode step most of its speed (measured in docs/benchmarks.md#decode-speed
+and #one-row-products):
 
 - a product with a bf16 matrix and one row of activations goes to XLA's f32 matrix-vector emitter, which
   first writes an f32 copy of the whole matrix (read 2 bytes, write 4, read 4 per weight);
@@ -467,7 +467,7 @@ def row_dot(row: jax.Array, w: jax.Array) -> jax.Array:
     Written as a product with the transposed matrix, XLA:CPU fuses the conversion of ``w`` to float32, the
     transpose and the dot into one loop over ``w``'s rows, split over the threads, reading ``w`` in place
     once: 2-3x the weights per second of the matmul library with padded rows, near the memory bandwidth
-    for large matrices (bench/RESULTS.md, "One row: the fused matrix-vector loop").
+    for large matrices (docs/benchmarks.md#one-row-products).
 
     The row must be a buffer of shape ``[1, in]``: one that XLA sees as a reshape of another shape
     (attention's ``[1, heads, head_dim]``) makes the loop index every element through that shape, 10x

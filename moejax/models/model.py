@@ -217,8 +217,7 @@ def _attend_cache_blocks(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Arr
     blocks no query sees.
 
     XLA:CPU multiplies in float32: a bfloat16 cache was widened (and transposed) whole every step, 23 ms a
-    layer for 8,192 rows of 8 heads of 128 against 0.6 ms for the product itself (bench/RESULTS.md
-    "Long-context decode on the CPU"). Per block the widened rows stay in the processor's cache, and blocks
+    layer for 8,192 rows of 8 heads of 128 against 0.6 ms for the product itself (docs/benchmarks.md#long-contexts). Per block the widened rows stay in the processor's cache, and blocks
     past the last position are not read at all (the cache is allocated to a power-of-two bucket). Scores,
     softmax and the values' sum run in float32 and are rounded once, at the end."""
     T, H, hd = q.shape
@@ -362,8 +361,7 @@ def _latent_values(out_latent: jax.Array, w_v: jax.Array) -> jax.Array:
     """MLA's values from the attended latent: ``Σ_r out_latent[t, h, r] · w_v[r, h, v]`` -> [T, H, vd].
 
     One token on the CPU is the elementwise product summed over r: XLA's batched product for it took 1.8 ms
-    a layer at DeepSeek-V2-Lite's shapes (16 heads, r = 512, 128 values), the sum 0.25 ms (bench/RESULTS.md,
-    "One row"). The barrier keeps a decode loop from hoisting ``w_v``'s conversion (an f32 copy) out."""
+    a layer at DeepSeek-V2-Lite's shapes (16 heads, r = 512, 128 values), the sum 0.25 ms (docs/benchmarks.md#one-row-products). The barrier keeps a decode loop from hoisting ``w_v``'s conversion (an f32 copy) out."""
     def summed(out_latent, w_v):
         out_latent, w_v = jax.lax.optimization_barrier((out_latent, w_v))
         terms = w_v.astype(jnp.float32) * out_latent[0].astype(jnp.float32).T[:, :, None]
@@ -380,7 +378,7 @@ def dense_mlp(p: dict, cfg: ModelConfig, x: jax.Array) -> jax.Array:
     return linear(h, p["down"], p.get("down_bias"))
 
 
-SORTED_MIN_TOKENS = 64  # below this the dense einsum is within ~1.5x of the sorted path (RESULTS.md)
+SORTED_MIN_TOKENS = 64  # below this the dense einsum is within ~1.5x of the sorted path (one MoE layer of tests/data/cpu-default-model)
 
 
 EXPERT_BIASES = ("gate_bias", "up_bias", "down_bias")  # GPT-OSS's, [N, F], [N, F], [N, D]: resident, never paged
@@ -416,7 +414,7 @@ def routed_experts(p: dict, cfg: ModelConfig, x: jax.Array, experts: jax.Array, 
     """Σ_k weights[t,k] · E_{experts[t,k]}(x_t) over T tokens. Invalid slots (id < 0) must carry weight 0.
     ``bias_ids``: where ``experts`` are slot ids, the real experts they hold (GPT-OSS's biases: ``expert_biases``).
 
-    Picks the exact path by shape (all give the same result; measured in bench/RESULTS.md): one token
+    Picks the exact path by shape (all give the same result; measured in docs/benchmarks.md#evaluation-speed): one token
     gathers the K chosen experts' weights; from ``SORTED_MIN_TOKENS`` tokens on, when N > 2K, the CPU sorts
     the T·K assignments by expert and runs each expert on its own tokens only (``sorted_routed_experts``: on
     the default model 2.1x faster than dense at T = 128, 2.8x at 1024); otherwise every expert runs on every
@@ -503,7 +501,7 @@ def dense_routed_experts(p: dict, cfg: ModelConfig, x, experts, weights, chunk_r
 def sorted_block_rows(T: int, K: int, n: int) -> int:
     """Rows per block of the sorted layout: about half the mean number of assignments per expert, a power
     of two in [8, 64] (smaller blocks waste fewer padding rows, larger ones make better matmuls; on the
-    default model at T = 1024 every size from 8 to 128 ran within 10 %, see RESULTS.md)."""
+    CPU-trained model in tests/data/cpu-default-model at T = 1024 every size from 8 to 128 ran within 10 %)."""
     half_mean = max(1, (T * K) // (2 * n))
     return int(min(64, max(8, 1 << (half_mean - 1).bit_length())))
 
@@ -672,23 +670,22 @@ def grouped_block_rows(T: int, K: int, n: int) -> int:
 
 
 def _expert_rows(act, rows: jax.Array, gate_up: jax.Array, down: jax.Array, gate_up_bias=None,
-                 down_bias=None) -> jax.Array:
+                 down_bias=None, product=layout.nt_dot) -> jax.Array:
     """One serving-layout expert on rows [R, D] -> [R, D] float32; rounded after each matmul (and bias) to the
-    rows' dtype as the canonical path (and Hugging Face) round."""
-    f = gate_up.shape[0] // 2
-    gu = _plus(layout.nt_dot(rows, gate_up).astype(rows.dtype), gate_up_bias)
+    rows' dtype as the canonical path (and Hugging Face) round. ``product(x, w)`` is x @ w.T: ``layout.nt_dot``
+    on one expert's matrices, or ``layout.nt_dot_at`` bound to expert e of a stacked list's [N, ., .] stacks
+    (read in place for one row on the CPU): the same arithmetic either way."""
+    f = gate_up.shape[-2] // 2
+    gu = _plus(product(rows, gate_up).astype(rows.dtype), gate_up_bias)
     h = glu(act, gu[:, :f], gu[:, f:])
-    return _plus(layout.nt_dot(h, down).astype(rows.dtype), down_bias).astype(jnp.float32)
+    return _plus(product(h, down).astype(rows.dtype), down_bias).astype(jnp.float32)
 
 
 def _stacked_expert_rows(act, rows: jax.Array, el: layout.ExpertList, e, gate_up_bias=None,
                          down_bias=None) -> jax.Array:
-    """``_expert_rows`` of expert ``e`` (traced) of a stacked list: the same arithmetic, the expert read
-    through ``layout.nt_dot_at`` (in place for one row on the CPU)."""
-    f = el.gate_up.shape[1] // 2
-    gu = _plus(layout.nt_dot_at(rows, el.gate_up, e).astype(rows.dtype), gate_up_bias)
-    h = glu(act, gu[:, :f], gu[:, f:])
-    return _plus(layout.nt_dot_at(h, el.down, e).astype(rows.dtype), down_bias).astype(jnp.float32)
+    """``_expert_rows`` of expert ``e`` (traced) of a stacked list."""
+    return _expert_rows(act, rows, el.gate_up, el.down, gate_up_bias, down_bias,
+                        product=lambda x, stack: layout.nt_dot_at(x, stack, e))
 
 
 @functools.partial(jax.jit, static_argnums=0)

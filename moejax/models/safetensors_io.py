@@ -134,7 +134,7 @@ class SafetensorsFile:
         reads of exactly its bytes, from the page cache or storage, with no page of the mapping touched. For
         pages read once and copied on (offloaded experts) this is several times faster than faulting the
         mapping in: measured 3.0 GB/s cold against 1.2 GB/s for the mapping with ``MADV_WILLNEED`` up front and
-        0.07 GB/s with readahead off (bench/RESULTS.md). ``out``: a C-contiguous array of the view's shape and
+        0.07 GB/s with readahead off (docs/benchmarks.md#reading-pages-from-storage). ``out``: a C-contiguous array of the view's shape and
         dtype to read into (e.g. one half of a larger buffer) instead of a new one. A strided view (GPT-OSS's
         interleaved gate and up columns) reads the bytes it spans and keeps its own elements."""
         if view.size and not view.flags.c_contiguous:

@@ -341,7 +341,7 @@ class Model:
         count = cache.capacity(self.cfg)
         # a size given is held to the prompt's part of the reserve (without it a long prompt was OOM-killed:
         # C = 9 under 8 GiB with 1,024 prompt tokens), not the runtime's margin (C = 4 ran under 5.75 GiB with
-        # 8 tokens; bench/RESULTS.md); a default size keeps all of it
+        # 8 tokens; docs/benchmarks.md#the-reserve); a default size keeps all of it
         reserve, reserved_for = ((plan["prompt_reserve"], "prompt") if mode == "check"
                                  else (plan["reserve"], "runtime and the prompt"))
         need = count * plan["slot_set"] + plan["fixed"] - plan["reserve"] + reserve  # ``fixed`` holds all of it

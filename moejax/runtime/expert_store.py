@@ -267,7 +267,7 @@ def _alternating_block(gate: np.ndarray) -> np.ndarray:
                                            writeable=False)
 
 
-TILE = 256  # rows and columns of a host transpose's tiles: numpy's whole strided copy is 4-5x slower (RESULTS)
+TILE = 256  # rows and columns of a host transpose's tiles: numpy's whole strided copy is 4-5x slower (docs/benchmarks.md)
 
 
 def _rows_of_alternate_columns(block: np.ndarray, out: np.ndarray) -> None:

@@ -79,7 +79,7 @@ class OffloadConfig:
 
 
 #: what an offloaded run's memory peaks at beyond its weights, slots, KV cache and staging buffers, held back
-#: by ``--cache-size auto`` and the fit check (bench/RESULTS.md, "the reserve", Qwen1.5-MoE shapes, peak anonymous
+#: by ``--cache-size auto`` and the fit check (docs/benchmarks.md#the-reserve, Qwen1.5-MoE shapes, peak anonymous
 #: memory over the accounted bytes): the runtime and compiling the stage programs, ~0.52 GiB with an 8-token
 #: prompt; a batched prompt piece's activations (``prefill_paging.MAX_PIECE`` tokens), +0.5 GiB at 512 tokens;
 #: then little per position (0.96–1.19 GiB from 2,048 to 4,096). Each term is rounded up; what the process

@@ -588,7 +588,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--aux-coef", type=flags.finite_float(0.0, 1e6), default=0.5,
                    help="load-balancing loss coefficient (0.01-0.1 let the CPU run's router collapse onto 4 experts "
                         "early on; at 0.01 the granular config collapses for ~50 steps with every remedy, and "
-                        "--z-coef 1e-3 --router-lr-scale 0.1 --offset-coef 1 recovers best: bench/train_default.md)")
+                        "--z-coef 1e-3 --router-lr-scale 0.1 --offset-coef 1 recovers best: docs/benchmarks.md#training)")
     p.add_argument("--aux-coef-start", type=flags.finite_float(0.0, 1e6), default=None,
                    help="balancing weight at step 0, decaying linearly to --aux-coef over --aux-decay-steps")
     p.add_argument("--aux-decay-steps", type=int, default=0)
