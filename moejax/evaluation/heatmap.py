@@ -220,7 +220,7 @@ def trace_heatmap(trace_path_or_dict, layer: int, capacity, stem, eviction: str 
 
 def main(argv: list[str] | None = None) -> int:
     interrupts.exit_cleanly_on_signals()
-    parser = argparse.ArgumentParser(prog=commands.prog("plots"), description=__doc__.split("\n")[0],
+    parser = argparse.ArgumentParser(prog=commands.prog("plots"), description=__doc__.split("\n\n")[0],
                                      formatter_class=commands.HelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
     hp = sub.add_parser("heatmap", help="routing-trace heat map of one layer (paper figure 7)")

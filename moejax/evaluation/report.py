@@ -634,7 +634,7 @@ def check_report_target(out: Path, inputs: Sequence[str], overwrite: bool = Fals
 def main(argv: list[str] | None = None) -> int:
     interrupts.exit_cleanly_on_signals()
     errors.plain_warnings()
-    p = argparse.ArgumentParser(prog=commands.prog("report"), description=__doc__.split("\n")[0],
+    p = argparse.ArgumentParser(prog=commands.prog("report"), description=__doc__.split("\n\n")[0],
                                      formatter_class=commands.HelpFormatter)
     p.add_argument("results", nargs="+", metavar="RESULTS.jsonl")
     p.add_argument("--out", default=None, help="report path (default: REPORT.md beside the first results file)")

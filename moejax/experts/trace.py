@@ -534,7 +534,7 @@ def _replay(args, trace: Trace) -> dict:
 def main(argv: list[str] | None = None) -> int:
     interrupts.exit_cleanly_on_signals()
     collector.for_compiling()
-    parser = argparse.ArgumentParser(prog=commands.prog("trace"), description=__doc__.split("\n")[0],
+    parser = argparse.ArgumentParser(prog=commands.prog("trace"), description=__doc__.split("\n\n")[0],
                                      formatter_class=commands.HelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
     rp = sub.add_parser("replay", help="replay a trace through an expert cache")

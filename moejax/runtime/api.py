@@ -425,7 +425,9 @@ class Model:
         routing and statistics; on a GPU the scan's per-token steps cost far less there.
 
         ``offload`` (``offload.OffloadConfig``): the experts live in host memory and each token's misses are
-        paged into device slots for real (token by token, host-driven); ``stats["offload"]`` has the
+        paged into device slots for real (host-driven; a layer at a time over the whole pass with
+        ``OffloadConfig(prefill="batched")``, the default, or token by token with ``prefill="token"``: the same
+        result); ``stats["offload"]`` has the
         bytes moved, transfer time and device memory."""
         tokens = self._tokens(token_ids)
         for name, flag in (("sequential", sequential), ("route_on_host", route_on_host)):

@@ -29,7 +29,7 @@ def add_routing_args(p: argparse.ArgumentParser) -> None:
                    default=ROUTING_PARAMS["lam"][0],
                    help="cache-prior strength λ (default 0.5)")
     g.add_argument("--top-j", action=flags.Given, type=int, default=ROUTING_PARAMS["top_j"][0],
-                   help="always keep the top-J (default 1 if K=2 else 2)")
+                   help="always keep the top-J (default 1 if K <= 2 else 2)")
     g.add_argument("--max-rank", action=flags.Given, type=int, default=ROUTING_PARAMS["max_rank"][0],
                    help="max-rank M (default K)")
     g.add_argument("--cumsum-p", action=flags.Given, type=routing_lib.PARAM_RANGES["cumsum_p"],

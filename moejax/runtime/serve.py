@@ -632,7 +632,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--warmup", type=int, default=0, metavar="TOKENS",
                    help="before listening, compile everything prompts up to TOKENS tokens need (with up to 256 "
                         "new tokens), so no request waits for XLA (default 0: compile on first use; a few "
-                        "seconds per program on a CPU; JAX_COMPILATION_CACHE_DIR keeps them across restarts)")
+                        "seconds per program on a CPU; the compilation cache, MOEJAX_COMPILE_CACHE, keeps them across "
+                        "restarts)")
     p.add_argument("--warmup-new-tokens", type=int, default=256, metavar="N",
                    help="the most new tokens a request the warm-up prepares for may ask (default 256)")
     cli_options.add_generation_config_arg(p, "sampling fields a request leaves out")

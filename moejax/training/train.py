@@ -1,9 +1,9 @@
 """``python -m moejax.train``: train a small granular Qwen3-MoE on the WikiText-style corpus, and ship it.
 
-    python -m moejax.train --out /work/train-run/run1 --config small --steps 3000 --batch 16 --seq-len 256 \
-        --time-budget-min 50 --data-dir /work/train-run/data
-    python -m moejax.train --out /work/train-run/run1 --resume            # continue from the last checkpoint
-    python -m moejax.train --out /work/train-run/run1 --export moejax/assets/default-model   # bf16 moejax folder
+    python -m moejax.train --out runs/run1 --corpus-dir CORPUS --config small --steps 3000 --batch 16
+        --seq-len 256 --time-budget-min 50 --data-dir runs/data             # (one command)
+    python -m moejax.train --out runs/run1 --corpus-dir CORPUS --resume  # continue from the last checkpoint
+    python -m moejax.train --out runs/run1 --export runs/model           # a bf16 moejax folder
 
 The model is the pure ``moejax.models.model.forward`` (vmapped over the batch) with the architecture's own
 routing, so what is trained is exactly what inference runs. Loss = cross-entropy + ``aux_coef`` × the
