@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import argparse
 import importlib
 import os
 import subprocess
@@ -83,3 +84,40 @@ def test_every_option_with_a_default_shows_it_in_help(capsys):
     assert text.count("(default:") >= 10
     ran = run_main(cli.main, capsys, "serve", "--help")
     assert "--port PORT default: 8000" in " ".join(ran.stdout.split())
+
+
+def _parser_of(module: str, monkeypatch) -> argparse.ArgumentParser:
+    """The parser a command's ``main`` builds (caught at its ``parse_args``; nothing else runs)."""
+    caught = []
+
+    def catch(self, *args, **kwargs):
+        caught.append(self)
+        raise SystemExit(0)
+
+    with monkeypatch.context() as m:
+        m.setattr(argparse.ArgumentParser, "parse_args", catch)
+        with pytest.raises(SystemExit):
+            importlib.import_module(module).main(["--help"])
+    return caught[0]
+
+
+def _options(parser: argparse.ArgumentParser):
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for sub in action.choices.values():
+                yield from _options(sub)
+        elif action.option_strings and not isinstance(action, (argparse._HelpAction, argparse._VersionAction)):
+            yield action
+
+
+def test_every_option_says_what_happens_when_it_is_left_out(monkeypatch):
+    """An option either is required, is a switch, has a default the help shows (the formatter adds it), or says
+    in its own help what its absence means ("default: ...")."""
+    silent = []
+    for name, (module, _) in commands.COMMANDS.items():
+        for action in _options(_parser_of(module, monkeypatch)):
+            if action.required or action.help == argparse.SUPPRESS or action.nargs == 0:
+                continue
+            if action.default is None and "default" not in (action.help or "").lower():
+                silent.append(f"{name} {action.option_strings[-1]}")
+    assert silent == []

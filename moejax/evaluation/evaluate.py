@@ -47,10 +47,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--context", type=int, default=None,
                    help="WikiText chunk length in tokens, BOS included (default: 1024, or the model's positions "
                         "if fewer; longer than the model's positions is refused)")
-    p.add_argument("--max-tokens", type=int, default=None, help="WikiText: score only the first N text tokens")
-    p.add_argument("--limit", type=int, default=None, help="tasks: only the first N examples")
+    p.add_argument("--max-tokens", type=int, default=None, help="WikiText: score only the first N text tokens (default: all)")
+    p.add_argument("--limit", type=int, default=None, help="tasks: only the first N examples (default: all)")
     p.add_argument("--shots", type=int, default=None, help="tasks: few-shot examples (task default: MMLU 5, GSM8K 8)")
-    p.add_argument("--max-new-tokens", type=int, default=None, help="generative tasks: generation budget")
+    p.add_argument("--max-new-tokens", type=int, default=None, help="generative tasks: generation budget (default: the task's own)")
     p.add_argument("--json", action="store_true", help="print JSON (one object; with --sweep/--results one per point)")
     p.add_argument("--no-progress", action="store_true")
     s = p.add_argument_group("sweeps and results (moejax.evaluation.sweep)")
@@ -58,11 +58,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="lam=0:1:50 (n points a..b), max_rank=4:8 (integers a..b), cache_size=1,2,4 (list); "
                         "parameters: " + ", ".join(sorted(sweep_points.SWEEP_PARAMS)) + "; several flags = a grid")
     s.add_argument("--results", metavar="FILE.jsonl",
-                   help="append each point as one JSON line as soon as it is done; points already there are skipped")
+                   help="append each point as one JSON line as soon as it is done; points already there are skipped "
+                        "(default: no file)")
     s.add_argument("--batch-size", type=int, default=None,
                    help="WikiText points of one policy kind evaluated together in one vmapped pass "
                         "(default: 1 on CPU, 8 on accelerators)")
-    s.add_argument("--study", default=None, help="label stored in each record's 'study' field")
+    s.add_argument("--study", default=None, help="label stored in each record's 'study' field (default: none)")
     cli_options.add_weight_args(p)
     cli_options.add_routing_args(p)
     cli_options.add_offload_args(p)

@@ -234,7 +234,7 @@ def main(argv: list[str] | None = None) -> int:
     hp.add_argument("--seed", type=errors.seed_arg, default=None, help="seed of --cache-init random (default 0)")
     hp.add_argument("--max-tokens", type=int, default=200)
     hp.add_argument("--start", type=int, default=0, help="first token shown (the replay starts at token 0)")
-    hp.add_argument("--label", action="append", default=None, help="panel title, once per trace")
+    hp.add_argument("--label", action="append", default=None, help="panel title, once per trace (default: the trace's file name)")
     hp.add_argument("--out", required=True, help="figure file: FIG.png, FIG.svg or FIG.pdf writes that file; a "
                                                  "stem without such a suffix writes STEM.png and STEM.svg")
     hp.add_argument("--overwrite", action="store_true", help="replace the figure file(s) if they exist")

@@ -649,7 +649,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--trace-cache-size", default="0.5", help="count or fraction of N for the heat map replay")
     p.add_argument("--trace-eviction", default="lru", choices=("lru", "lfu", "fld", "score", "least-stale", "belady"))
     p.add_argument("--trace-tokens", type=int, default=200, help="tokens shown in the heat map")
-    p.add_argument("--trace-note", default=None, help="text for the heat-map section (e.g. how the traces were made)")
+    p.add_argument("--trace-note", default=None, help="text for the heat-map section (e.g. how the traces were made; default: "
+                        "none)")
     args = p.parse_args(argv)
     out = Path(args.out) if args.out else Path(args.results[0]).parent / "REPORT.md"
     fig_dir = None if args.no_figures else (Path(args.figures) if args.figures else out.parent / "figures")

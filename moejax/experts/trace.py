@@ -545,31 +545,39 @@ def main(argv: list[str] | None = None) -> int:
     rp.add_argument("--eviction", choices=cache_lib.EVICTIONS, default="lru")
     rp.add_argument("--cache-init", choices=cache_lib.INITS, default="empty")
     rp.add_argument("--seed", type=errors.seed_arg, default=0)
-    rp.add_argument("--expert-bytes", type=int, default=None)
+    rp.add_argument("--expert-bytes", type=int, default=None,
+                    help="bytes of one expert, for bytes moved (default: the trace's own record)")
     rp.add_argument("--routing", choices=routing_lib.KINDS, default=None,
                     help="re-route from the trace's logits with this policy (default: replay recorded experts)")
     d = routing_lib.PARAM_DEFAULTS  # as in generate and evaluate: replay used λ = 0 and p = 0 (original routing)
     rp.add_argument("--lam", action=flags.Given, type=routing_lib.PARAM_RANGES["lam"], default=d["lam"],
                     help="cache-prior strength λ (default 0.5)")
-    rp.add_argument("--top-j", action=flags.Given, type=int, default=d["top_j"])
-    rp.add_argument("--max-rank", action=flags.Given, type=int, default=d["max_rank"])
+    rp.add_argument("--top-j", action=flags.Given, type=int, default=d["top_j"],
+                    help="always keep the top-J (default 1 if K <= 2 else 2)")
+    rp.add_argument("--max-rank", action=flags.Given, type=int, default=d["max_rank"],
+                    help="max-rank M (default K)")
     rp.add_argument("--cumsum-p", action=flags.Given, type=routing_lib.PARAM_RANGES["cumsum_p"],
                     default=d["cumsum_p"],
                     help="cumsum threshold p (default 0.9)")
-    rp.add_argument("--prune-h", action=flags.Given, type=int, default=d["prune_h"])
+    rp.add_argument("--prune-h", action=flags.Given, type=int, default=d["prune_h"],
+                    help="pruning: keep ranks 1..h-1 (default K)")
     rp.add_argument("--delta", action=flags.Given, type=routing_lib.delta_arg, default=d["delta"],
                     help="fixed Δ for cache-prior (default: running mean); comma-separated: one per MoE layer")
     rp.add_argument("--prior", default=None, metavar="PATH",
-                    help="learned-prior: checkpoint folder written by `python -m moejax.train_prior`")
+                    help="learned-prior: checkpoint folder written by `moejax train-prior` (default: none)")
     rp.add_argument("--gating", choices=GATING_KINDS, default=None,
                     help="gating for re-routing (default: the trace's stored 'gating'; sigmoid-group-limited "
                          "and softmax-biased rank with the trace's 'score_bias' where it has one)")
-    rp.add_argument("--top-k", type=int, default=None)
-    rp.add_argument("--normalize", action=argparse.BooleanOptionalAction, default=None)
-    rp.add_argument("--scale", type=flags.finite_float(-1e6, 1e6), default=None)
-    rp.add_argument("--n-group", type=int, default=None)
-    rp.add_argument("--topk-group", type=int, default=None)
-    rp.add_argument("--jitter-eps", type=flags.finite_float(0.0, 1e6), default=None)
+    stored = "(default: the trace's stored gating)"
+    rp.add_argument("--top-k", type=int, default=None, help=f"re-routing: experts per token K {stored}")
+    rp.add_argument("--normalize", action=argparse.BooleanOptionalAction, default=None,
+                    help=f"re-routing: renormalise the kept weights {stored}")
+    rp.add_argument("--scale", type=flags.finite_float(-1e6, 1e6), default=None,
+                    help=f"re-routing: routed-weight scale {stored}")
+    rp.add_argument("--n-group", type=int, default=None, help=f"re-routing: expert groups {stored}")
+    rp.add_argument("--topk-group", type=int, default=None, help=f"re-routing: groups kept per token {stored}")
+    rp.add_argument("--jitter-eps", type=flags.finite_float(0.0, 1e6), default=None,
+                    help=f"re-routing: SparseMixer's jitter ε {stored}")
     rp.add_argument("--json", action="store_true", help="print one JSON object")
     sp = sub.add_parser("synth", help="write a random trace with temporal locality")
     sp.add_argument("out", metavar="OUT", help="trace file (.npz appended unless the name ends so); an existing "

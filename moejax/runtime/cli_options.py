@@ -38,10 +38,11 @@ def add_routing_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--prune-h", action=flags.Given, type=int, default=ROUTING_PARAMS["prune_h"][0],
                    help="pruning: keep ranks 1..h-1 (default K)")
     g.add_argument("--delta", action=flags.Given, type=routing_lib.delta_arg, default=ROUTING_PARAMS["delta"][0],
-                   help="cache-prior: fixed calibrated Δ instead of the running mean of max(z)-min(z); one "
+                   help="cache-prior: fixed calibrated Δ (default: the running mean of max(z)-min(z)); one "
                         "number for every layer, or comma-separated, one per MoE layer")
     g.add_argument("--prior", default=None, metavar="PATH",
-                   help="learned-prior: checkpoint folder written by `python -m moejax.train_prior`")
+                   help="learned-prior: checkpoint folder written by `moejax train-prior` (default: none; "
+                        "--routing learned-prior needs one)")
     c = p.add_argument_group("expert cache")
     c.add_argument("--cache-size", default=None,
                    help="capacity: a count ('6'), with a decimal point a fraction of N ('0.5'), in global scope "
@@ -71,7 +72,8 @@ def add_routing_args(p: argparse.ArgumentParser) -> None:
                    help="speculative next-layer prefetch of the top round(K·F) predicted experts (0 = off)")
     c.add_argument("--prefetch-percentile", type=flags.finite_float(0.0, 100.0, low_open=True, high_open=True),
                    default=None, metavar="Q",
-                   help="prefetch every expert whose predicted probability is above the Q-th percentile")
+                   help="prefetch every expert whose predicted probability is above the Q-th percentile (default: "
+                        "off)")
 
 
 def _int_list(text: str, flag: str) -> tuple[int, ...]:
@@ -88,7 +90,7 @@ def add_weight_args(p: argparse.ArgumentParser) -> None:
                         "per output row, quantised on load: half the memory and bytes per token of bf16, "
                         "like llama.cpp's Q8_0 (default: stored)")
     g.add_argument("--expert-dtype", choices=("stored", "int8"), default=None,
-                   help="the same for the routed experts alone (overrides --weight-dtype for them)")
+                   help="the same for the routed experts alone (default: as --weight-dtype)")
 
 
 def weight_kwargs(args: argparse.Namespace) -> dict:
@@ -175,7 +177,8 @@ def add_offload_args(p: argparse.ArgumentParser) -> None:
                    help="host: host memory (pinned_host where the backend has it), read once from the checkpoint; "
                         "flash: paged straight from the checkpoint's own files through their memory map")
     g.add_argument("--bandwidth-gbps", type=flags.finite_float(1e-6, 1e9), default=None,
-                   help="emulate a host→device link of this bandwidth (GB/s), e.g. 2 (flash), 25 (PCIe)")
+                   help="emulate a host→device link of this bandwidth (GB/s), e.g. 2 (flash), 25 (PCIe) (default: "
+                        "off, the machine's own speed)")
     g.add_argument("--latency-us", type=flags.finite_float(0.0, 1e9), default=0.0,
                    help="emulated per-transfer latency (µs)")
     g.add_argument("--prefill", choices=PREFILLS, default=None,

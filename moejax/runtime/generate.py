@@ -33,7 +33,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="moejax or Hugging Face checkpoint folder, or 'default' (the embedded model)")
     src = p.add_mutually_exclusive_group()
     src.add_argument("--prompt", help=f"prompt text (default: {DEFAULT_PROMPT!r})")
-    src.add_argument("--prompt-ids", help="comma-separated token ids, e.g. 5,17,42 (no tokenizer needed)")
+    src.add_argument("--prompt-ids", help="comma-separated token ids, e.g. 5,17,42 (no tokenizer needed; "
+                     "default: --prompt)")
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--temperature", type=flags.finite_float(0.0, 1e6), default=None,
                    help="0 = greedy (the default, unless the checkpoint's generation_config.json samples)")
@@ -52,7 +53,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="print one JSON object with text, token_ids and stats")
     p.add_argument("--trace-out", metavar="FILE.npz",
                    help="record the routing trace (experts, weights, router logits per token and MoE layer); "
-                        ".npz is appended unless the name ends so; an existing file is kept unless --overwrite")
+                        ".npz is appended unless the name ends so; an existing file is kept unless --overwrite "
+                        "(default: no trace)")
     p.add_argument("--overwrite", action="store_true", help="replace an existing --trace-out file")
     cli_options.add_weight_args(p)
     cli_options.add_routing_args(p)

@@ -257,7 +257,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("preset", nargs="?", help="preset name or a config.json path")
     p.add_argument("out", nargs="?", help="folder to write (must not exist unless --overwrite)")
     p.add_argument("--list", action="store_true", help="list the presets and their sizes, then exit")
-    p.add_argument("--layers", type=int, default=None, help="keep the first L decoder layers")
+    p.add_argument("--layers", type=int, default=None, help="keep the first L decoder layers (default: all)")
     p.add_argument("--dtype", default="bfloat16", choices=tuple(DTYPES))
     p.add_argument("--seed", type=errors.seed_arg, default=0)
     p.add_argument("--std", type=flags.finite_float(0.0, flags.FLOAT32_MAX / 10),

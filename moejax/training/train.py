@@ -590,7 +590,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "early on; at 0.01 the granular config collapses for ~50 steps with every remedy, and "
                         "--z-coef 1e-3 --router-lr-scale 0.1 --offset-coef 1 recovers best: docs/benchmarks.md#training)")
     p.add_argument("--aux-coef-start", type=flags.finite_float(0.0, 1e6), default=None,
-                   help="balancing weight at step 0, decaying linearly to --aux-coef over --aux-decay-steps")
+                   help="balancing weight at step 0, decaying linearly to --aux-coef over --aux-decay-steps "
+                        "(default: --aux-coef throughout)")
     p.add_argument("--aux-decay-steps", type=int, default=0)
     p.add_argument("--z-coef", type=flags.finite_float(0.0, 1e6),
                    default=0.0, help="router z-loss coefficient (ST-MoE uses 1e-3)")
@@ -623,17 +624,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--ckpt-minutes", type=flags.finite_float(0.0, 1e7),
                    default=10.0, help="also checkpoint every M minutes")
     p.add_argument("--time-budget-min", type=flags.finite_float(0.0, 1e7, low_open=True), default=None,
-                   help="stop cleanly (final checkpoint) after M minutes")
+                   help="stop cleanly (final checkpoint) after M minutes (default: no limit)")
     p.add_argument("--stop-after", type=int, default=None, help=argparse.SUPPRESS)  # tests: simulate an interruption
     p.add_argument("--data-dir", default=data.DEFAULT_DATA_DIR)
     p.add_argument("--corpus-dir", default=None, help="the training corpus: gzip/xz text shards "
                    f"{data.CORPUS_PATTERN}, the last held out for validation (default: $MOEJAX_DATA/corpus)")
     p.add_argument("--vocab-size", type=int, default=data.DEFAULT_VOCAB)
-    p.add_argument("--export", metavar="DIR", help="write OUT's latest params as a bf16 moejax folder and exit")
+    p.add_argument("--export", metavar="DIR", help="write OUT's latest params as a bf16 moejax folder and exit "
+                   "(default: train)")
     p.add_argument("--export-at-end", metavar="DIR",
                    help="when training stops, write its params as --export would, straight from memory; with "
                         "--ckpt-every 0 --ckpt-minutes 0 this replaces the final checkpoint (no orbax at all: a run "
-                        "that will not be resumed)")
+                        "that will not be resumed; default: no export)")
     return p
 
 
