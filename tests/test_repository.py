@@ -27,7 +27,7 @@ LABELS = (re.compile(r"(?i)\b" + _SESSION + r"s? \d+"),
 #: the same in a file's path: "gpu_<issue>14.sh", "results-s31.json", "h200-2026-11-27-s18/", any "<session>"
 LABEL_IN_NAME = re.compile(r"(?i)" + _ISSUE + r"\d+|[-_]s\d{2}\b|" + _SESSION)
 
-#: a design document outside the repository: "DESIGN §2", "DESIGN.md §3" (``docs/design.md`` is spelled in
+#: a design document outside the repository: "<DESIGN> §2", "<DESIGN>.md §3" (``docs/design.md`` is spelled in
 #: lower case, so a case-sensitive match on the upper-case name finds only the outside one)
 OUTSIDE_DESIGN = re.compile("DES" + r"IGN(?:\.md)?\s*§|" + "DES" + r"IGN\.md")
 #: the data folder beside a checkout, which only a lent GPU machine's set-up has
