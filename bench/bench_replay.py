@@ -1,5 +1,5 @@
 """Trace-replay throughput: per-layer LRU through moejax (jit: vmap over layers of a scan over tokens) vs
-the plain-Python reference simulator (tests/reference_cache.py). Goal: >= 1M expert accesses/s.
+the plain-Python reference simulator (tests/support/reference_cache.py). Goal: >= 1M expert accesses/s.
 
     python bench/bench_replay.py [--tokens 20000 --layers 16 --top-k 8 --experts 64 --cache-size 0.5]
                                  [--out bench/results/replay.json]
@@ -22,7 +22,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
 
 from moejax.experts import cache, trace  # noqa: E402
-from reference_cache import simulate  # noqa: E402
+from support.reference_cache import simulate  # noqa: E402
 
 
 def main() -> int:

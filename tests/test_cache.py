@@ -17,8 +17,8 @@ from hypothesis import strategies as st
 
 from moejax.experts import cache, trace
 from moejax.runtime.simulate import CacheConfig
-from reference_cache import simulate
-from scatter_bounds import out_of_range_scatters
+from support.reference_cache import simulate
+from support.scatter_bounds import out_of_range_scatters
 
 T, L, K, N = 24, 3, 3, 8
 ONLINE = ("lru", "lfu", "fld", "score", "least-stale")

@@ -14,7 +14,7 @@ import pytest
 from moejax.base import textproc
 from moejax.runtime.api import Tokenizer
 from moejax.training import data
-from train_fixtures import write_corpus
+from support.train_fixtures import write_corpus
 
 
 @pytest.fixture(scope="module")

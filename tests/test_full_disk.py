@@ -18,7 +18,7 @@ from moejax.evaluation import results
 from moejax.experts import trace as trace_lib
 from moejax.testing import random_checkpoint
 
-from file_limit import run_module_with_file_limit
+from support.file_limit import run_module_with_file_limit
 
 
 def _full(*a, **k):

@@ -16,7 +16,7 @@ import huggingface_hub.constants as hub_constants
 import numpy as np
 import pytest
 from conftest import get_hf_model
-from fake_hub import FakeHub
+from support.fake_hub import FakeHub
 
 import moejax
 from moejax import convert as convert_cli, generate as generate_cli

@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from scatter_bounds import out_of_range_scatters
+from support.scatter_bounds import out_of_range_scatters
 from test_evaluate import TEXT, make_word_model
 
 from moejax.models import checkpoint
@@ -205,7 +205,7 @@ def test_vmapped_batch_equals_the_loop(lm, data):
 
 def test_the_vmapped_pass_keeps_every_scatter_index_in_range(lm):
     """The sweep vmaps the cache and router state over points; XLA:GPU's deterministic scatter lands a
-    dropped out-of-range index in the next point (tests/scatter_bounds.py), so none may occur."""
+    dropped out-of-range index in the next point (tests/support/scatter_bounds.py), so none may occur."""
     ids = jnp.asarray(np.arange(1, 13, dtype=np.int32) % lm.cfg.vocab_size)
     cc = simulate.CacheConfig("0.5", "layer", "lru")
     states = [simulate.init_router_state(lm.cfg, routing.make_policy("cache-prior", lm.cfg.top_k, lam=lam), cc)

@@ -13,7 +13,7 @@ import pytest
 
 from conftest import run_main
 from moejax.experts import prior as prior_lib, routing, trace
-from reference_cache import simulate
+from support.reference_cache import simulate
 
 T, L, K, N = 24, 3, 3, 8
 

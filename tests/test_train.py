@@ -26,8 +26,8 @@ from moejax.models import model as M
 from moejax.models.config import from_hf
 from moejax.runtime import api
 from moejax.training import data, recipe, train
-from file_limit import run_module_with_file_limit
-from train_fixtures import write_corpus
+from support.file_limit import run_module_with_file_limit
+from support.train_fixtures import write_corpus
 
 
 @pytest.fixture(scope="module")
