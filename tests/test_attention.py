@@ -22,7 +22,7 @@ from hypothesis import strategies as st
 
 from moejax.models import model as M
 
-from conftest import get_moejax_model
+from support.hf_models import get_moejax_model
 
 SETTINGS = settings(max_examples=25, deadline=None, derandomize=True, suppress_health_check=list(HealthCheck))
 # the two blocked-attention equalities run eagerly, a cond per block (~1.3 s an example): fewer examples, for CI's

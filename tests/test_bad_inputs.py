@@ -45,7 +45,7 @@ from typing import Callable
 
 import numpy as np
 import pytest
-from conftest import CUT_EXPERTS
+from support.shipped_data import CUT_EXPERTS
 
 USAGE, FAILURE = 2, 1
 

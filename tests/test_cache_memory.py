@@ -16,7 +16,7 @@ from moejax.models import checkpoint, weights
 from moejax.runtime import api, generate, offload
 from moejax.runtime.simulate import CacheConfig
 
-from conftest import get_hf_model
+from support.hf_models import get_hf_model
 
 PROMPT = [3, 5, 7, 11]
 

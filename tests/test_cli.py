@@ -11,7 +11,7 @@ import sys
 import tomllib
 
 import pytest
-from conftest import run_main
+from support.commands import run_main
 
 from moejax import cli
 from moejax.base import commands, interrupts

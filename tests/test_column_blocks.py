@@ -26,7 +26,7 @@ from moejax.runtime import host_paging, offload
 from moejax.runtime.simulate import CacheConfig
 from moejax.testing import random_checkpoint
 
-from conftest import get_hf_model
+from support.hf_models import get_hf_model
 
 import test_page_writes as page_writes
 from test_layout import _decode_program, assert_serving_equals_canonical, materialised_matrices

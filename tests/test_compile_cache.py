@@ -9,7 +9,7 @@ import os
 import subprocess
 import sys
 
-from conftest import get_hf_model
+from support.hf_models import get_hf_model
 
 from moejax.base import compile_cache
 

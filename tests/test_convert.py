@@ -24,7 +24,7 @@ from moejax.models import checkpoint, convert as convert_cli, layout, safetensor
 from moejax.models.checkpoint import CheckpointError
 from moejax.models.config import SUPPORTED_MODEL_TYPES, UnsupportedModelError
 
-from conftest import FAMILIES, VOCAB, get_hf_model, get_moejax_model
+from support.hf_models import FAMILIES, VOCAB, get_hf_model, get_moejax_model
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DTYPE_KEYS = ("dtype", "torch_dtype")

@@ -12,7 +12,7 @@ import sys
 import types
 
 import pytest
-from conftest import run_main
+from support.commands import run_main
 
 import moejax
 from moejax.base import paths

@@ -22,7 +22,7 @@ from moejax.models import layout, model as M
 from moejax.models.model import forward as model_forward
 from moejax.models.model import original_router
 
-from conftest import FAMILIES, VOCAB, get_hf_model, get_moejax_model
+from support.hf_models import FAMILIES, VOCAB, get_hf_model, get_moejax_model
 from test_hf_parity import hf_forward
 
 

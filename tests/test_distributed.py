@@ -183,7 +183,7 @@ def test_expert_sharded_models_equal_one_device(families):
     forced logits on the sorted/dense paths (70 and 9 tokens) within 1e-5 of one device (f32), the same
     greedy tokens (the one-token path) and the same cache simulation; each device holds N/4 experts.
     Every family passes (``-m slow`` runs the other five: 2 minutes of compilation)."""
-    from conftest import get_hf_model
+    from support.hf_models import get_hf_model
 
     folders = {name: get_hf_model(name).folder for name in families}
     p = subprocess.run([sys.executable, "-c", SHARDED_CHECK, json.dumps(folders)], env=_env(4), capture_output=True,

@@ -14,7 +14,7 @@ import jax
 import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
-from conftest import VOCAB, get_hf_model
+from support.hf_models import VOCAB, get_hf_model
 
 import moejax
 from moejax.models import gating

@@ -12,7 +12,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import compile_events, get_hf_model, get_moejax_model, run_main
+from support.commands import run_main
+from support.hf_models import get_hf_model, get_moejax_model
+from support.programs import compile_events
 from test_evaluate import TEXT, _word_tokenizer
 
 import moejax

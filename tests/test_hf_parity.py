@@ -1,6 +1,6 @@
 """moejax against Hugging Face ``transformers`` on tiny random models of every supported family.
 
-Each config of ``conftest.HF_CONFIGS`` is built with ``transformers`` (routers scaled so routing is
+Each config of ``support.hf_models.HF_CONFIGS`` is built with ``transformers`` (routers scaled so routing is
 decisive), saved with ``save_pretrained`` and loaded with ``moejax.load``. Checked per config:
 
 - fp32 logits and per-MoE-layer router logits within 1e-4 of HF; the chosen experts (as sets per token)
@@ -33,7 +33,8 @@ from moejax.models.gating import GroupLimited, SoftmaxTopK
 from moejax.models.model import forward as model_forward
 from moejax.models.model import init_kv
 
-from conftest import FAMILIES, HF_CONFIGS, VOCAB, get_hf_model, get_moejax_model, record_parity, router_modules
+from conftest import record_parity
+from support.hf_models import FAMILIES, HF_CONFIGS, VOCAB, get_hf_model, get_moejax_model, router_modules
 
 TOL = 1e-4
 # every config HF runs as moejax does (deepseek_v2_norm: HF 5.x ignores norm_topk_prob, tested separately)

@@ -15,7 +15,7 @@ import time
 import huggingface_hub.constants as hub_constants
 import numpy as np
 import pytest
-from conftest import get_hf_model
+from support.hf_models import get_hf_model
 from support.fake_hub import FakeHub
 
 import moejax

@@ -25,7 +25,7 @@ from moejax.models import checkpoint, layout, model as M, quant
 from moejax.models.config import from_hf
 from moejax.runtime import cli_options, decode, generate, offload, simulate
 
-from conftest import FAMILIES, get_hf_model
+from support.hf_models import FAMILIES, get_hf_model
 from test_layout import _big_expert_config, _decode_program, _random_params, materialised_matrices
 
 

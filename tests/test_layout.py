@@ -26,7 +26,7 @@ from moejax.models import checkpoint, layout, model as M, quant, weights
 from moejax.models.config import from_hf
 from moejax.runtime import decode
 
-from conftest import FAMILIES, get_hf_model, get_moejax_model
+from support.hf_models import FAMILIES, get_hf_model, get_moejax_model
 from test_dispatch import _Act, _problem
 
 

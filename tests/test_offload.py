@@ -22,7 +22,8 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 import moejax
-from conftest import get_hf_model, get_moejax_model, run_main
+from support.commands import run_main
+from support.hf_models import get_hf_model, get_moejax_model
 
 from moejax.models import layout, weights
 from moejax.models.gating import SoftmaxTopK

@@ -17,7 +17,7 @@ from typing import Callable
 import numpy as np
 import pytest
 
-from conftest import run_main
+from support.commands import run_main
 
 PRECIOUS = b"precious: the user's own file\n"
 

@@ -15,7 +15,8 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 import moejax
-from conftest import get_hf_model, run_main
+from support.commands import run_main
+from support.hf_models import get_hf_model
 from moejax.runtime import generate, host_paging, offload
 from moejax.runtime.simulate import CacheConfig
 

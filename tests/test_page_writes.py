@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 import moejax
-from conftest import get_hf_model
+from support.hf_models import get_hf_model
 from moejax.models import checkpoint, layout
 from moejax.runtime import expert_store, host_paging, offload
 from moejax.runtime.simulate import CacheConfig

@@ -119,7 +119,8 @@ def test_the_warm_up_compiles_every_program_the_timed_prompt_runs(monkeypatch):
     """Time to first token measures the model: every program of the batched prefill is compiled before the
     clock starts (``HostPager.compile_prefill``: lowered from committed shapes, so the calls hit the cache)."""
     import moejax
-    from conftest import compile_events, get_hf_model
+    from support.hf_models import get_hf_model
+    from support.programs import compile_events
     from moejax.runtime import host_paging
     from moejax.runtime.simulate import CacheConfig
 
@@ -150,7 +151,7 @@ def test_pages_are_read_exactly_from_the_files(tmp_path):
     import ml_dtypes
 
     import moejax
-    from conftest import get_hf_model
+    from support.hf_models import get_hf_model
     from moejax.models import safetensors_io
     from moejax.runtime import expert_store
 

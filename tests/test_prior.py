@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import WIKITEXT2_TEST
+from support.shipped_data import WIKITEXT2_TEST
 from hypothesis import given, settings
 from hypothesis import strategies as st
 

@@ -15,7 +15,7 @@ import shutil
 
 import numpy as np
 import pytest
-from conftest import get_hf_model
+from support.hf_models import get_hf_model
 
 import moejax
 

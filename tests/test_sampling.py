@@ -13,7 +13,7 @@ import torch
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 from hypothesis.extra.numpy import arrays
-from conftest import get_hf_model, get_moejax_model
+from support.hf_models import get_hf_model, get_moejax_model
 from test_hf_parity import _informative_prompt
 
 import moejax

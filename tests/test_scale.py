@@ -166,7 +166,7 @@ def _fused_folder(tmp_path, model_type: str):
     import transformers
     from safetensors.torch import save_file
 
-    from conftest import HF_CONFIGS, build_hf_model
+    from support.hf_models import HF_CONFIGS, build_hf_model
 
     spec = HF_CONFIGS[model_type]
     model = build_hf_model(spec)

@@ -353,7 +353,7 @@ def test_bad_options_are_one_line_errors(capsys):
 def test_a_failing_model_gets_500_and_the_server_goes_on(tmp_path):
     """Damaged weights (NaN router logits): each request is a 500 naming the layer, streamed or not, and the
     server keeps answering."""
-    from conftest import get_hf_model
+    from support.hf_models import get_hf_model
     from safetensors.numpy import load_file, save_file
 
     folder = str(tmp_path / "model")
@@ -385,7 +385,8 @@ def test_a_failing_model_gets_500_and_the_server_goes_on(tmp_path):
 def test_warm_up_compiles_every_program_the_requests_within_its_bounds_need():
     """After ``warm_up`` no request within its bounds makes XLA compile anything (counted by JAX's backend-compile
     events, not by time: CI's run once took 0.58 s to lower an already compiled program in a long-lived worker)."""
-    from conftest import compile_events, get_moejax_model
+    from support.hf_models import get_moejax_model
+    from support.programs import compile_events
 
     m = get_moejax_model("qwen3_moe")
     engine = serve_engine.Engine(m, routing.make_policy("cache-prior", m.cfg.top_k), simulate.CacheConfig())
@@ -432,7 +433,7 @@ def test_top_k_and_repetition_penalty_act_as_in_model_generate(server, model):
 def test_requests_leaving_sampling_out_get_the_checkpoints_settings():
     """As vLLM: the checkpoint's generation_config.json fills the sampling fields a request leaves out
     (``--generation-config none``: the engine gets no defaults); what a request sends wins."""
-    from conftest import get_moejax_model
+    from support.hf_models import get_moejax_model
 
     m = get_moejax_model("qwen3_moe")
     defaults = {"temperature": 0.7, "top_p": 0.8, "top_k": 20, "repetition_penalty": 1.05}
@@ -451,7 +452,7 @@ def test_requests_leaving_sampling_out_get_the_checkpoints_settings():
 def test_routing_parameters_alone_adjust_the_served_policy():
     """``"moejax": {"top_j": 1}`` on a cache-prior server was refused as if the server routed 'original'; it
     adjusts the served policy, keeping the parameters the server was started with."""
-    from conftest import get_moejax_model
+    from support.hf_models import get_moejax_model
 
     m = get_moejax_model("qwen3_moe")
     served = routing.make_policy("cache-prior", m.cfg.top_k, lam=0.8, delta=2.0)
@@ -475,7 +476,7 @@ def test_shutdown_answers_a_generation_that_cannot_stop_and_waits_for_it(monkeyp
     """Ctrl-C while a request's program compiles (tens of seconds cold): the request is answered 503 after
     ``ABANDON_AFTER_S`` and ``close`` waits for the worker (``serve._close_engine``: with a note), instead of a
     stream cut off and the interpreter exiting under the still-compiling worker (status 134)."""
-    from conftest import get_moejax_model
+    from support.hf_models import get_moejax_model
 
     monkeypatch.setattr(serve_engine, "ABANDON_AFTER_S", 0.2)
     m = get_moejax_model("qwen3_moe")

@@ -16,7 +16,9 @@ import chex
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import WIKITEXT2_TEST, get_hf_model, get_moejax_model, run_main
+from support.commands import run_main
+from support.hf_models import get_hf_model, get_moejax_model
+from support.shipped_data import WIKITEXT2_TEST
 
 from moejax.models import assets, model as model_lib
 from moejax.experts import routing, trace as trace_lib
@@ -208,7 +210,7 @@ def test_routing_on_the_host_moves_between_two_devices():
     code = """if True:
         import sys; sys.path.insert(0, "tests")
         import numpy as np, jax, jax.numpy as jnp
-        from conftest import get_moejax_model
+        from support.hf_models import get_moejax_model
         from moejax.experts import routing
         from moejax.runtime import simulate
         m = get_moejax_model("qwen3_moe"); cfg = m.cfg

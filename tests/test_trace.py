@@ -11,7 +11,7 @@ import jax
 import numpy as np
 import pytest
 
-from conftest import run_main
+from support.commands import run_main
 from moejax.experts import prior as prior_lib, routing, trace
 from support.reference_cache import simulate
 
@@ -180,7 +180,7 @@ def test_a_selection_biased_trace_carries_its_biases_and_replays_the_live_routin
     probability + bias): its traces store the biases (``score_bias``), and re-routing the recorded logits through
     the same cache and policy reproduces the live pass's experts and misses. Without the biases the same replay
     chooses differently (the test can fail)."""
-    from conftest import get_moejax_model
+    from support.hf_models import get_moejax_model
 
     from moejax.models import gating as gating_lib
     from moejax.runtime import simulate as simulate_lib
