@@ -1,6 +1,6 @@
 """Learned prior vs training-free cache-prior: WikiText perplexity against miss rate at C = N/2 and N/4.
 
-    python results/learned_prior/compare.py --priors build/priors/default-c{size} [--tokens 32768]
+    python bench/bench_learned_prior.py --priors build/priors/default-c{size} [--tokens 32768]
         [--context 1024] [--sizes 0.5,0.25] [--lams 0,0.1,...] [--resume]
 
 Every point is ``perplexity.wikitext_perplexity`` on the first ``--tokens`` tokens of the WikiText-2 raw test
@@ -8,7 +8,8 @@ text (context 1024, cache carried across chunks, per-layer LRU), with the defaul
 read from ``--priors`` (``{size}`` is replaced by each cache size; one checkpoint folder ``w*`` per trained
 weight, as ``python -m moejax.train_prior --out`` writes them). Points are appended to ``points.jsonl`` as
 they are computed (``--resume`` skips those already there); ``front.png``/``front.svg`` and
-``summary.json`` (fronts, dominance) are written from all points at the end.
+``summary.json`` (fronts, dominance) are written from all points at the end, in ``--out`` (default
+``results/learned_prior``). With no text given the shipped WikiText-2 copy in ``tests/data`` is scored.
 """
 
 from __future__ import annotations
@@ -22,7 +23,11 @@ import time
 
 import numpy as np
 
-HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import common  # noqa: E402  (bench/common.py)
+
+common.score_the_shipped_wikitext()
+RESULTS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "results", "learned_prior")
 
 
 def point_key(p: dict) -> tuple:
@@ -138,7 +143,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--weights", default=None, help="only these trained weights (default: every w* folder)")
     ap.add_argument("--tokens", type=int, default=32768)
     ap.add_argument("--context", type=int, default=1024)
-    ap.add_argument("--out", default=HERE)
+    ap.add_argument("--out", default=RESULTS)
     ap.add_argument("--resume", action="store_true")
     ap.add_argument("--plot-only", action="store_true")
     args = ap.parse_args(argv)
