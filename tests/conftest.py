@@ -27,6 +27,10 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # no test reaches the Hugging Face hub or the user's hub cache: a hub id resolves offline, from a cache of the
 # run's own (tests/test_hub.py serves the hub's answers from local files itself)
 os.environ["HF_HUB_OFFLINE"] = "1"
+# the WikiText-2 text a test scores when it names none is the copy the repository ships (``tests/data``), in every
+# worker and CLI subprocess too: never a folder beside the checkout, never a download
+os.environ["MOEJAX_WIKITEXT"] = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "wikitext-2-raw-v1",
+                                             "test.txt")
 
 
 def _run_folder() -> str:
