@@ -20,6 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from support.shipped_data import WIKITEXT2_TEST
+from support.train_fixtures import write_corpus
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -217,8 +218,9 @@ def test_training_reduces_the_loss_on_a_fixed_seed():
 def test_train_prior_cli_records_trains_saves_and_resumes(model, tmp_path, capsys):
     L, N = model.cfg.n_moe_layers, model.cfg.n_experts
     out = tmp_path / "priors"
-    argv = ["--out", str(out), "--tokens", "128", "--context", "64", "--steps", "30", "--batch", "32",
-            "--weights", "0.5", "--hidden", "8", "--lr", "1e-2", "--json"]
+    write_corpus(str(tmp_path / "corpus"), n_shards=8)  # shard 07, the last, is the held-out one
+    argv = ["--out", str(out), "--corpus", str(tmp_path / "corpus"), "--tokens", "128", "--context", "64",
+            "--steps", "30", "--batch", "32", "--weights", "0.5", "--hidden", "8", "--lr", "1e-2", "--json"]
     assert train_prior.main(argv) == 0
     res = json.loads(capsys.readouterr().out)
     (entry,) = res["priors"]
@@ -244,7 +246,7 @@ def test_train_prior_cli_records_trains_saves_and_resumes(model, tmp_path, capsy
     assert "damaged routing record ignored" in captured.err and "Traceback" not in captured.err
     with np.load(out / "record.npz") as f:
         assert f["z"].shape == (128, L, N)
-    assert train_prior.main(["--out", str(out), "--shards", "7"]) == 2
+    assert train_prior.main(["--out", str(out), "--corpus", str(tmp_path / "corpus"), "--shards", "7"]) == 2
     assert "held-out" in capsys.readouterr().err
 
 
