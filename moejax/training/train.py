@@ -2,7 +2,7 @@
 
     python -m moejax.train --out runs/run1 --corpus-dir CORPUS --config small --steps 3000 --batch 16
         --seq-len 256 --time-budget-min 50 --data-dir runs/data             # (one command)
-    python -m moejax.train --out runs/run1 --corpus-dir CORPUS --resume  # continue from the last checkpoint
+    python -m moejax.train --out runs/run1 --resume            # continue from the last checkpoint (its corpus too)
     python -m moejax.train --out runs/run1 --export runs/model           # a bf16 moejax folder
 
 The model is the pure ``moejax.models.model.forward`` (vmapped over the batch) with the architecture's own
@@ -225,7 +225,9 @@ def train(args: argparse.Namespace) -> dict:
     run_path = os.path.join(out, "run.json")
     run_prev = resume_args(args, run_path) if args.resume and os.path.isfile(run_path) else {}
     check_schedule(args)
-    data.split_shards(args.corpus_dir)  # no corpus: fail before creating or deleting anything
+    # the corpus given, a resumed run's own, else $MOEJAX_DATA/corpus; none: fail before creating or deleting anything
+    args.corpus_dir = data.corpus_folder(args.corpus_dir, "--corpus-dir")
+    data.split_shards(args.corpus_dir)
     if args.export_at_end:  # before anything, not after training: a folder that cannot be written fails now
         checkpoint.check_replaceable(args.export_at_end, args.overwrite, protect=(out,))
         atomic.check_creatable(args.export_at_end, "--export-at-end")
@@ -708,7 +710,6 @@ def main(argv: list[str] | None = None) -> int:
         if args.export:
             print(export(args.out, args.export, overwrite=args.overwrite))
             return 0
-        args.corpus_dir = data.corpus_folder(args.corpus_dir, "--corpus-dir")
         check_args(args)
         train(args)
     except errors.HANDLED as e:
