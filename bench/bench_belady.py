@@ -14,6 +14,7 @@ then the same for one global pool of 5/10/25/50 % of all L·N experts.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 import numpy as np
@@ -23,6 +24,7 @@ from moejax.base import atomic
 from moejax.experts import trace as trace_lib
 from moejax.evaluation import perplexity
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # bench/, also when imported by path
 import common  # noqa: E402  (bench/common.py)
 
 common.score_the_shipped_wikitext()

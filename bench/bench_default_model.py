@@ -39,6 +39,7 @@ from moejax.evaluation import perplexity, studies, sweep_points
 from moejax.runtime import simulate
 from moejax.training import recipe
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # bench/, also when imported by path
 import common  # noqa: E402  (bench/common.py)
 
 common.score_the_shipped_wikitext()

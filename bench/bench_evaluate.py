@@ -35,6 +35,7 @@ from moejax.experts import routing
 from moejax.runtime import simulate
 from moejax.evaluation import perplexity, sweep, sweep_points
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # bench/, also when imported by path
 import common  # noqa: E402  (bench/common.py)
 
 common.score_the_shipped_wikitext()

@@ -513,7 +513,7 @@ def test_routing_cache_and_state_arguments_of_the_wrong_kind_are_named():
         with pytest.raises((TypeError, ValueError), match=message):
             tasks.evaluate_task(d, "mmlu", folder, shots=0, **kw)
     with pytest.raises(TypeError, match="option 'bogus', which Model.generate"):
-        tasks.evaluate_task(d, "gsm8k", shots=0, limit=1, bogus=1)
+        tasks.evaluate_task(d, "gsm8k", os.path.join(os.path.dirname(folder), "gsm8k"), shots=0, limit=1, bogus=1)
 
 
 @pytest.mark.parametrize("temperature", [1e300, float("inf")])
