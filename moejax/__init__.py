@@ -9,6 +9,11 @@ from moejax.base import interrupts as _interrupts
 
 if _interrupts.is_a_command():  # a Ctrl-C while the command imports JAX ends it too (``base.interrupts``)
     _interrupts.exit_cleanly_on_signals()
+    # ... once JAX's extension modules exist: an exit raised while one is being created (its initialisation calls
+    # back into Python, where the handler runs) crashed the interpreter (a segmentation fault in about one start
+    # in four; tests/test_signals.py, SIGTERM-importing); held back, the signal ends the command a moment later
+    with _interrupts.deferred():
+        import jax  # noqa: F401
 
 from moejax.models.checkpoint import CheckpointError  # noqa: E402 - after the signal handlers
 from moejax.models.config import SUPPORTED_MODEL_TYPES, ModelConfig, UnsupportedModelError  # noqa: E402
