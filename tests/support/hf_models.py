@@ -310,7 +310,9 @@ _MOEJAX: dict[str, Any] = {}
 
 def _root() -> str:
     if not _ROOT:
-        _ROOT.append(tempfile.mkdtemp(prefix="models-", dir=RUN_FOLDER[0] if RUN_FOLDER else None))
+        # a child process the tests start (no conftest there) saves inside the run's folder too, which the run removes
+        folder = RUN_FOLDER[0] if RUN_FOLDER else os.environ.get("MOEJAX_TESTS_TMP")
+        _ROOT.append(tempfile.mkdtemp(prefix="models-", dir=folder if folder and os.path.isdir(folder) else None))
     return _ROOT[0]
 
 
