@@ -28,7 +28,7 @@ def load_wikitext(path: str | None = None) -> str:
     ``$MOEJAX_DATA``), else the Hugging Face ``datasets`` copy."""
     path = path or paths.wikitext_test()
     if path is None:
-        return _hf_wikitext_test()
+        return hf_wikitext("test", "WikiText-2 test text", "--data PATH/TO/wikitext-2-raw-v1/test.txt")
     if os.path.isfile(path):
         try:
             with open(path, encoding="utf-8") as f:
@@ -43,19 +43,20 @@ def load_wikitext(path: str | None = None) -> str:
     raise FileNotFoundError(f"WikiText file {path} does not exist")
 
 
-def _hf_wikitext_test() -> str:
-    """The test split through HF ``datasets`` (the usual recipe where the network is), or an error naming
-    both ways to give the text."""
+def hf_wikitext(split: str, wanted: str, option: str) -> str:
+    """WikiText-2 raw ``split`` through HF ``datasets`` (the usual recipe where the network is), its rows joined
+    by blank lines, or an error naming both ways to give the text: ``wanted`` is what the caller needs it for,
+    ``option`` the command-line option that gives it instead."""
     try:
         import datasets
     except ImportError:
-        raise FileNotFoundError("no WikiText-2 test text: pass --data PATH/TO/wikitext-2-raw-v1/test.txt (or set "
-                                f"${paths.DATA_ENV}), or install HF datasets to fetch it ({paths.DATA_EXTRA})") from None
+        raise FileNotFoundError(f"no {wanted}: pass {option} (or set ${paths.DATA_ENV}), or install HF datasets "
+                                f"to fetch it ({paths.DATA_EXTRA})") from None
     try:
-        rows = datasets.load_dataset("wikitext", "wikitext-2-raw-v1", split="test")["text"]
+        rows = datasets.load_dataset("wikitext", "wikitext-2-raw-v1", split=split)["text"]
     except Exception as e:  # noqa: BLE001 - report the real cause, with the other way
-        raise FileNotFoundError(f"the HF datasets copy of WikiText-2 failed ({type(e).__name__}: {e}); pass "
-                                "--data PATH/TO/wikitext-2-raw-v1/test.txt") from e
+        raise FileNotFoundError(f"the HF datasets copy of WikiText-2's {split} split failed ({type(e).__name__}: "
+                                f"{e}); pass {option}") from e
     return "\n\n".join(rows)
 
 

@@ -346,17 +346,8 @@ def read_calibration_text(source: str, chars: int) -> str:
     """The first ``chars`` characters of ``source``: a text file (``.gz`` and ``.xz`` read compressed) or the
     HF ``datasets`` split ``calibration_source`` names."""
     if source.startswith("hf:"):
-        try:
-            import datasets
-        except ImportError:
-            raise FileNotFoundError("the delta study needs a calibration text: pass --calibration-text PATH (or set "
-                                    f"${paths.DATA_ENV}), or install HF datasets ({paths.DATA_EXTRA})") from None
-        try:
-            rows = datasets.load_dataset("wikitext", "wikitext-2-raw-v1", split="train")["text"]
-        except Exception as e:  # noqa: BLE001 - the real cause, with the other way
-            raise FileNotFoundError(f"the HF datasets copy of WikiText-2's train split failed ({type(e).__name__}: "
-                                    f"{e}); pass --calibration-text PATH") from e
-        return "\n\n".join(rows)[:chars]
+        return perplexity.hf_wikitext("train", "calibration text for the delta study",
+                                      "--calibration-text PATH")[:chars]
     if not os.path.isfile(source):
         raise FileNotFoundError(f"calibration text {source} does not exist" if not os.path.exists(source)
                                 else f"calibration text {source} is not a regular file")
