@@ -28,6 +28,8 @@ import numpy as np
 import moejax
 from moejax.base import atomic
 from moejax.models import model as M
+from moejax.models import attention as attention_lib
+from moejax.models import moe as moe_lib
 
 
 def best_ms(fn, *args, repeats: int = 5) -> float:
@@ -43,20 +45,20 @@ def best_ms(fn, *args, repeats: int = 5) -> float:
 def routed(cfg, lp, T, seed=0, dtype=jnp.float32):
     """Hidden states [T, D] and the layer's own top-K routing for them."""
     x = jax.random.normal(jax.random.PRNGKey(seed), (T, lp["gate"].shape[1]), dtype)
-    z = M.router_logits(lp, x)
+    z = moe_lib.router_logits(lp, x)
     w, e = jax.lax.top_k(jax.nn.softmax(z, -1), cfg.top_k)
     return x, e.astype(jnp.int32), (w / w.sum(-1, keepdims=True)).astype(jnp.float32)
 
 
 def moe_layer_table(cfg, lp, repeats):
     rows = []
-    dense = jax.jit(lambda p, x, e, w: M.dense_routed_experts(p, cfg, x, e, w))
-    sorted_ = jax.jit(lambda p, x, e, w: M.sorted_routed_experts(p, cfg, x, e, w))
+    dense = jax.jit(lambda p, x, e, w: moe_lib.dense_routed_experts(p, cfg, x, e, w))
+    sorted_ = jax.jit(lambda p, x, e, w: moe_lib.sorted_routed_experts(p, cfg, x, e, w))
     for T in (2, 8, 32, 128, 256, 1024):
         x, e, w = routed(cfg, lp, T)
         d, s = best_ms(dense, lp, x, e, w, repeats=repeats), best_ms(sorted_, lp, x, e, w, repeats=repeats)
-        picked = "sorted" if T >= M.SORTED_MIN_TOKENS and lp["gate"].shape[0] > 2 * cfg.top_k else "dense"
-        rows.append({"T": T, "dense_ms": d, "sorted_ms": s, "block_rows": M.sorted_block_rows(T, cfg.top_k, cfg.n_experts),
+        picked = "sorted" if T >= moe_lib.SORTED_MIN_TOKENS and lp["gate"].shape[0] > 2 * cfg.top_k else "dense"
+        rows.append({"T": T, "dense_ms": d, "sorted_ms": s, "block_rows": moe_lib.sorted_block_rows(T, cfg.top_k, cfg.n_experts),
                      "speedup": d / s, "picked": picked})
         print(f"T={T:5d}  dense {d:8.2f} ms  sorted {s:8.2f} ms  ({d / s:4.1f}x)  picked: {picked}", flush=True)
     return rows
@@ -71,17 +73,17 @@ def forward_parts(model, repeats):
         return best_ms(jax.jit(lambda p, i: M.forward(p, cfg, i).logits), params, ids, repeats=repeats)
 
     out["forward_ms"] = forward_ms()
-    block, M.ATTENTION_BLOCK = M.ATTENTION_BLOCK, 1 << 30
+    block, attention_lib.ATTENTION_BLOCK = attention_lib.ATTENTION_BLOCK, 1 << 30
     try:
         out["forward_one_attention_block_ms"] = forward_ms()
     finally:
-        M.ATTENTION_BLOCK = block
-    original = M.routed_experts
-    M.routed_experts = M.dense_routed_experts
+        attention_lib.ATTENTION_BLOCK = block
+    original = moe_lib.routed_experts
+    moe_lib.routed_experts = moe_lib.dense_routed_experts
     try:
         out["forward_dense_experts_ms"] = forward_ms()
     finally:
-        M.routed_experts = original
+        moe_lib.routed_experts = original
     x = jax.random.normal(jax.random.PRNGKey(1), (1024, cfg.hidden_size))
     out["lm_head_ms"] = best_ms(jax.jit(lambda e, x: x @ e.T), params["embed"], x, repeats=repeats)
     for k, v in out.items():
@@ -103,8 +105,8 @@ def olmoe_layer(repeats):
         hidden_act, top_k, n_experts = "silu", K, N
 
     x, e, w = routed(Cfg, lp, T, dtype=jnp.bfloat16)
-    ms = best_ms(jax.jit(lambda p, x, e, w: M.sorted_routed_experts(p, Cfg, x, e, w)), lp, x, e, w, repeats=repeats)
-    B = M.sorted_block_rows(T, K, N)
+    ms = best_ms(jax.jit(lambda p, x, e, w: moe_lib.sorted_routed_experts(p, Cfg, x, e, w)), lp, x, e, w, repeats=repeats)
+    B = moe_lib.sorted_block_rows(T, K, N)
     counts = np.bincount(np.asarray(e).reshape(-1), minlength=N)
     rows = int((-(-counts // B) * B).sum())
     flops = 2 * 3 * D * F * rows

@@ -29,7 +29,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import moejax  # noqa: E402
 from moejax.base import atomic  # noqa: E402
 from moejax.models.config import ModelConfig  # noqa: E402
-from moejax.models.model import init_kv  # noqa: E402
+from moejax.models.attention import init_kv  # noqa: E402
 from moejax.runtime import decode  # noqa: E402
 from moejax.runtime.api import Model  # noqa: E402
 from moejax.runtime.expert_store import tree_nbytes  # noqa: E402

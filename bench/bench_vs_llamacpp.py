@@ -109,7 +109,7 @@ def profile_decode_step(model, repeats: int = 30) -> dict:
 
     from moejax.runtime import decode
     from moejax.models import gating
-    from moejax.models import model as M
+    from moejax.models import attention as attention_lib, model as M, moe as moe_lib, ops as ops_lib
 
     cfg, P = model.cfg, model.params
     rng = np.random.default_rng(0)
@@ -117,7 +117,7 @@ def profile_decode_step(model, repeats: int = 30) -> dict:
     D, K, N = cfg.hidden_size, cfg.top_k, cfg.n_experts
     x = jnp.asarray(rng.standard_normal((1, D)).astype(np.float32) * 0.1).astype(dt)
     S = 128
-    kv = M.init_kv(cfg, S, dt)
+    kv = attention_lib.init_kv(cfg, S, dt)
     pos = jnp.int32(S // 2)
     layers = P["layers"]
     moe_ids = [i for i in range(cfg.num_layers) if cfg.moe_layers[i]]
@@ -136,17 +136,17 @@ def profile_decode_step(model, repeats: int = 30) -> dict:
 
     def attention(layers, x, kv, pos):
         positions = pos[None]
-        cos, sin = M.rope_tables(cfg, positions)
-        attend = M.mla_attention if cfg.mla else M.gqa_attention
+        cos, sin = attention_lib.rope_tables(cfg, positions)
+        attend = attention_lib.mla_attention if cfg.mla else attention_lib.gqa_attention
         for i, lp in enumerate(layers):
-            a, _ = attend(lp["attn"], cfg, i, M.norm(x, lp["attn_norm"], cfg), cos, sin, positions, kv[i], pos)
+            a, _ = attend(lp["attn"], cfg, i, ops_lib.norm(x, lp["attn_norm"], cfg), cos, sin, positions, kv[i], pos)
             x = x + a
         return x
 
     def routers(layers, x):
         out = []
         for i in moe_ids:
-            z = M.router_logits(layers[i]["moe"], M.norm(x, layers[i]["mlp_norm"], cfg))
+            z = moe_lib.router_logits(layers[i]["moe"], ops_lib.norm(x, layers[i]["mlp_norm"], cfg))
             out.append(gating.original_routing(cfg.gating, z))
         return out
 
@@ -154,19 +154,19 @@ def profile_decode_step(model, repeats: int = 30) -> dict:
 
     def experts(layers, x, ids):
         for j, i in enumerate(moe_ids):
-            x = x + M.routed_experts(layers[i]["moe"], cfg, x, ids[j], w)
+            x = x + moe_lib.routed_experts(layers[i]["moe"], cfg, x, ids[j], w)
         return x
 
     def other_mlps(layers, x):
         for i, lp in enumerate(layers):
             if not cfg.moe_layers[i]:
-                x = x + M.dense_mlp(lp["mlp"], cfg, x)
+                x = x + ops_lib.dense_mlp(lp["mlp"], cfg, x)
             elif "shared" in lp["moe"]:
-                x = x + M.shared_experts(lp["moe"], cfg, x)
+                x = x + moe_lib.shared_experts(lp["moe"], cfg, x)
         return x
 
     def head(P, x):
-        logits = M.linear(M.norm(x, P["final_norm"], cfg), M.lm_head(P, cfg), P.get("lm_head_bias"))
+        logits = ops_lib.linear(ops_lib.norm(x, P["final_norm"], cfg), M.lm_head(P, cfg), P.get("lm_head_bias"))
         return decode.sample(logits[0].astype(jnp.float32), jax.random.PRNGKey(0), decode.Sampling())
 
     def embed(P, tok):
@@ -186,13 +186,13 @@ def profile_decode_step(model, repeats: int = 30) -> dict:
         "LM head + sampling": timed(head, lambda: (P, x)),
     }
     # the whole step as decode runs it: a 16-step chunk of the scan, per token
-    state = decode.DecodeState(M.init_kv(cfg, S, dt), jnp.int32(5), jnp.int32(3), jax.random.PRNGKey(0), None,
+    state = decode.DecodeState(attention_lib.init_kv(cfg, S, dt), jnp.int32(5), jnp.int32(3), jax.random.PRNGKey(0), None,
                                jnp.bool_(False), jnp.int32(S - 2))
     chunk = decode.decode_chunk.lower(P, cfg=cfg, state=state, router=None, sampling=decode.Sampling(), steps=16,
                                       eos=()).compile()
     ts = []
     for _ in range(6):
-        st = decode.DecodeState(M.init_kv(cfg, S, dt), jnp.int32(5), jnp.int32(3), jax.random.PRNGKey(0), None,
+        st = decode.DecodeState(attention_lib.init_kv(cfg, S, dt), jnp.int32(5), jnp.int32(3), jax.random.PRNGKey(0), None,
                                 jnp.bool_(False), jnp.int32(S - 2))
         t = time.perf_counter()
         jax.block_until_ready(chunk(P, state=st, sampling=decode.Sampling()))  # a pytree: an argument at call time

@@ -59,7 +59,7 @@ CLIS = {
 # Compute entry points: a bad input must be refused before any of these runs (module, attribute path).
 TRIPWIRES = (
     ("moejax.runtime.decode", "init_kv"),  # generation: after the prompt checks, before compiling
-    ("moejax.models.model", "init_kv"),  # offloaded generation and forward passes
+    ("moejax.models.attention", "init_kv"),  # offloaded generation and forward passes
     ("moejax.runtime.api", "_forward_original"),  # teacher-forced passes (evaluate)
     ("moejax.runtime.simulate", "forward_with_cache"),
     ("moejax.runtime.simulate", "sweep_forward"),

@@ -22,6 +22,7 @@ from hypothesis import strategies as st
 
 import moejax
 from moejax.models import checkpoint, layout, model as M, quant
+from moejax.models import attention as attention_lib
 from moejax.runtime import host_paging, offload
 from moejax.runtime.simulate import CacheConfig
 from moejax.testing import random_checkpoint
@@ -220,7 +221,7 @@ def test_wide_int8_model_blocks_its_int8_matrices(tmp_path_factory):
     dequantised = jax.tree.map(lambda x: layout.dense(x) if is_matrix(x) else x, m8.params, is_leaf=is_matrix)
 
     def steps(p):  # token by token: every product has one row
-        kv, logits = M.init_kv(cfg, 32), []
+        kv, logits = attention_lib.init_kv(cfg, 32), []
         for t in range(6):
             out = M.forward(p, cfg, ids[t:t + 1], t, kv)
             kv, logits = out.kv, logits + [out.logits]

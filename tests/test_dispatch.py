@@ -19,6 +19,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from moejax.models import layout, model as M
+from moejax.models import moe as moe_lib
 from moejax.models.model import forward as model_forward
 from moejax.models.model import original_router
 
@@ -48,8 +49,8 @@ def _problem(seed, T, K, N, D=16, F=8, drop=0.2, dtype=jnp.float32):
 
 # (T, K, N, block rows): a long and a short input, K = 1, blocks of one row, blocks larger than any run
 SHAPES = [(48, 4, 16, None), (37, 2, 8, 1), (5, 3, 4, 32), (17, 1, 8, 8), (2, 2, 16, None)]
-_dense = jax.jit(M.dense_routed_experts, static_argnums=1)
-_sorted = jax.jit(M.sorted_routed_experts, static_argnums=(1, 5))
+_dense = jax.jit(moe_lib.dense_routed_experts, static_argnums=1)
+_sorted = jax.jit(moe_lib.sorted_routed_experts, static_argnums=(1, 5))
 
 
 @settings(max_examples=12, deadline=None)
@@ -72,17 +73,17 @@ def test_dense_in_chunks_equals_dense(seed, T, chunk):
     rounding: a product's blocking depends on its row count)."""
     p, x, e, w = _problem(seed, T, 3, 8, drop=0.3)
     want = _dense(p, _Act(), x, e, w)
-    got = jax.jit(M.dense_routed_experts, static_argnums=(1, 5))(p, _Act(), x, e, w, chunk)
+    got = jax.jit(moe_lib.dense_routed_experts, static_argnums=(1, 5))(p, _Act(), x, e, w, chunk)
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=2e-5, atol=2e-5)
 
 
 def test_dense_chunks_bound_the_intermediate():
-    assert M.dense_chunk_rows(64, 1024) == 1024  # OLMoE: [1024, 64, 1024] float32 = 256 MiB
-    assert M.dense_chunk_rows(8, 14336) == 512  # Mixtral
-    assert M.dense_chunk_rows(160, 1536) == 256 and M.dense_chunk_rows(4, 8) == 4096 and M.dense_chunk_rows(
+    assert moe_lib.dense_chunk_rows(64, 1024) == 1024  # OLMoE: [1024, 64, 1024] float32 = 256 MiB
+    assert moe_lib.dense_chunk_rows(8, 14336) == 512  # Mixtral
+    assert moe_lib.dense_chunk_rows(160, 1536) == 256 and moe_lib.dense_chunk_rows(4, 8) == 4096 and moe_lib.dense_chunk_rows(
         2048, 8192) == 64
     for n, f in ((64, 1024), (128, 768), (8, 14336), (160, 1536)):
-        assert M.dense_chunk_rows(n, f) * n * f * 4 <= 1 << 28
+        assert moe_lib.dense_chunk_rows(n, f) * n * f * 4 <= 1 << 28
 
 
 def test_sorted_equals_dense_bf16_within_rounding():
@@ -99,10 +100,10 @@ def test_sorted_under_vmap_over_policies_and_jit():
     p, x, _, _ = _problem(2, 24, 2, 8)
     batch = [_problem(10 + i, 24, 2, 8, drop=0.25 * i)[2:] for i in range(4)]
     es, ws = jnp.stack([b[0] for b in batch]), jnp.stack([b[1] for b in batch])
-    run = jax.jit(jax.vmap(lambda e, w: M.sorted_routed_experts(p, _Act(), x, e, w)))
+    run = jax.jit(jax.vmap(lambda e, w: moe_lib.sorted_routed_experts(p, _Act(), x, e, w)))
     got = run(es, ws)
     for i, (e, w) in enumerate(batch):
-        np.testing.assert_allclose(np.asarray(got[i]), np.asarray(M.dense_routed_experts(p, _Act(), x, e, w)),
+        np.testing.assert_allclose(np.asarray(got[i]), np.asarray(moe_lib.dense_routed_experts(p, _Act(), x, e, w)),
                                    rtol=2e-5, atol=2e-5)
 
 
@@ -115,17 +116,17 @@ def test_vmap_folds_lanes_into_tokens_and_equals_each_lane_alone():
     xs = jnp.stack([jnp.stack([q[0] for q in row]) for row in probs])  # [3, 2, T, D]
     es = jnp.stack([jnp.stack([q[1] for q in row]) for row in probs])
     ws = jnp.stack([jnp.stack([q[2] for q in row]) for row in probs])
-    want = np.stack([np.stack([np.asarray(M.dense_routed_experts(p, _Act(), *q)) for q in row]) for row in probs])
-    one = jax.jit(jax.vmap(lambda x, e, w: M.sorted_routed_experts(p, _Act(), x, e, w)))
+    want = np.stack([np.stack([np.asarray(moe_lib.dense_routed_experts(p, _Act(), *q)) for q in row]) for row in probs])
+    one = jax.jit(jax.vmap(lambda x, e, w: moe_lib.sorted_routed_experts(p, _Act(), x, e, w)))
     np.testing.assert_allclose(np.asarray(one(xs[0], es[0], ws[0])), want[0], rtol=2e-5, atol=2e-5)
-    nested = jax.jit(jax.vmap(jax.vmap(lambda x, e, w: M.sorted_routed_experts(p, _Act(), x, e, w))))
+    nested = jax.jit(jax.vmap(jax.vmap(lambda x, e, w: moe_lib.sorted_routed_experts(p, _Act(), x, e, w))))
     np.testing.assert_allclose(np.asarray(nested(xs, es, ws)), want, rtol=2e-5, atol=2e-5)
     jaxpr = str(jax.make_jaxpr(one)(xs[0], es[0], ws[0]))
     assert "f32[48,16]" in jaxpr  # the rule ran: one dispatch over the 2·T = 48 tokens of both lanes
     scaled = jnp.stack([jnp.full((), 1.0), jnp.full((), 0.5)])
-    per_lane_weights = jax.vmap(lambda s, x, e, w: M.sorted_routed_experts(
+    per_lane_weights = jax.vmap(lambda s, x, e, w: moe_lib.sorted_routed_experts(
         jax.tree.map(lambda a: a * s, p), _Act(), x, e, w))(scaled, xs[0], es[0], ws[0])
-    np.testing.assert_allclose(np.asarray(per_lane_weights[1]), np.asarray(M.dense_routed_experts(
+    np.testing.assert_allclose(np.asarray(per_lane_weights[1]), np.asarray(moe_lib.dense_routed_experts(
         jax.tree.map(lambda a: a * 0.5, p), _Act(), xs[0, 1], es[0, 1], ws[0, 1])), rtol=2e-5, atol=2e-5)
 
 
@@ -138,20 +139,20 @@ def test_gradients_through_the_sorted_path_under_vmap_equal_the_dense_path():
     def loss(fn):
         return lambda p, xs, ws: jnp.sum(jax.vmap(lambda x, e, w: fn(p, _Act(), x, e, w))(xs, es, ws) ** 2)
 
-    got = jax.jit(jax.grad(loss(M.sorted_routed_experts), argnums=(0, 1, 2)))(p, xs, ws)
-    want = jax.grad(loss(M.dense_routed_experts), argnums=(0, 1, 2))(p, xs, ws)
+    got = jax.jit(jax.grad(loss(moe_lib.sorted_routed_experts), argnums=(0, 1, 2)))(p, xs, ws)
+    want = jax.grad(loss(moe_lib.dense_routed_experts), argnums=(0, 1, 2))(p, xs, ws)
     for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
         np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-4, atol=1e-4)
 
 
 def test_dispatcher_picks_the_sparse_path_for_long_inputs_unless_n_is_at_most_2k():
     loops = ("scan", "while")  # the sorted path's loop over blocks
-    jaxpr = lambda p, x, e, w: str(jax.make_jaxpr(lambda x, e, w: M.routed_experts(p, _Act(), x, e, w))(x, e, w))  # noqa: E731
+    jaxpr = lambda p, x, e, w: str(jax.make_jaxpr(lambda x, e, w: moe_lib.routed_experts(p, _Act(), x, e, w))(x, e, w))  # noqa: E731
     p, x, e, w = _problem(3, 256, 4, 32, D=8, F=4)
     assert any(op in jaxpr(p, x, e, w) for op in loops)
-    np.testing.assert_allclose(np.asarray(M.routed_experts(p, _Act(), x, e, w)),
-                               np.asarray(M.dense_routed_experts(p, _Act(), x, e, w)), rtol=2e-5, atol=2e-5)
-    assert not any(op in jaxpr(p, x[:M.SORTED_MIN_TOKENS - 1], e[:M.SORTED_MIN_TOKENS - 1], w[:M.SORTED_MIN_TOKENS - 1])
+    np.testing.assert_allclose(np.asarray(moe_lib.routed_experts(p, _Act(), x, e, w)),
+                               np.asarray(moe_lib.dense_routed_experts(p, _Act(), x, e, w)), rtol=2e-5, atol=2e-5)
+    assert not any(op in jaxpr(p, x[:moe_lib.SORTED_MIN_TOKENS - 1], e[:moe_lib.SORTED_MIN_TOKENS - 1], w[:moe_lib.SORTED_MIN_TOKENS - 1])
                    for op in loops)
     p, x, e, w = _problem(3, 256, 2, 4, D=8, F=4)
     assert not any(op in jaxpr(p, x, e, w) for op in loops)
@@ -165,9 +166,9 @@ def _forced_router(cfg, path: str, params):
 
     def compute(moe_index, p, cfg, h, experts, weights, record, state):
         if path == "sorted":
-            return M.sorted_routed_experts(p, cfg, h, experts, weights, block_rows=4), state
-        return M.switched_routed_experts(p["experts"], cfg, h, experts, weights, block_rows=4,
-                                         biases=M.expert_biases(p)), state
+            return moe_lib.sorted_routed_experts(p, cfg, h, experts, weights, block_rows=4), state
+        return moe_lib.switched_routed_experts(p["experts"], cfg, h, experts, weights, block_rows=4,
+                                         biases=moe_lib.expert_biases(p)), state
 
     hook.compute = compute
     return hook

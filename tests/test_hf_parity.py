@@ -31,7 +31,7 @@ from packaging.version import Version
 import moejax
 from moejax.models.gating import GroupLimited, SoftmaxTopK
 from moejax.models.model import forward as model_forward
-from moejax.models.model import init_kv
+from moejax.models.attention import init_kv
 
 from conftest import record_parity
 from support.hf_models import FAMILIES, HF_CONFIGS, VOCAB, get_hf_model, get_moejax_model, router_modules

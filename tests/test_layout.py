@@ -23,6 +23,8 @@ from hypothesis import strategies as st
 
 import moejax
 from moejax.models import checkpoint, layout, model as M, quant, weights
+from moejax.models import attention as attention_lib
+from moejax.models import moe as moe_lib
 from moejax.models.config import from_hf
 from moejax.runtime import decode
 
@@ -41,8 +43,8 @@ def _as_buffers(p) -> layout.ExpertList:
     return layout.ExpertList(*([jnp.asarray(m[i]) for m in pairs] for i in (0, 1)))
 
 
-_dense = jax.jit(M.dense_routed_experts, static_argnums=1)
-_switched = jax.jit(M.switched_routed_experts, static_argnums=(1, 5))
+_dense = jax.jit(moe_lib.dense_routed_experts, static_argnums=1)
+_switched = jax.jit(moe_lib.switched_routed_experts, static_argnums=(1, 5))
 
 # (T, K, N, chunk rows): one token, two, a chunk of one row, chunks larger than any expert's run
 SHAPES = [(1, 4, 16, None), (1, 1, 8, None), (2, 2, 16, None), (37, 2, 8, 1), (5, 3, 4, 32), (48, 4, 16, None),
@@ -68,7 +70,7 @@ def test_copied_small_experts_equal_the_per_expert_branches(monkeypatch, dtype):
     """The grouped loop runs experts up to ``COPY_EXPERT_MAX_BYTES`` on a copy with one shared computation
     (compiled once, not once per expert): the same bits as the per-expert ``lax.switch`` branches, and the
     compiled program holds 2 products where the branches hold 2 per expert."""
-    assert not M.copies_experts(layout.ExpertList(  # an OLMoE-1B-7B expert (12.6 MB in bf16) keeps its branches
+    assert not moe_lib.copies_experts(layout.ExpertList(  # an OLMoE-1B-7B expert (12.6 MB in bf16) keeps its branches
         (jax.ShapeDtypeStruct((2048, 2048), jnp.bfloat16),), (jax.ShapeDtypeStruct((2048, 1024), jnp.bfloat16),)))
     N = 16
     p, x, e, w = _problem(5, 40, 4, N, D=24, F=8, drop=0.2)
@@ -79,9 +81,9 @@ def test_copied_small_experts_equal_the_per_expert_branches(monkeypatch, dtype):
         el, x = jax.tree.map(lambda a: a.astype(jnp.bfloat16), el), x.astype(jnp.bfloat16)
     runs = {}
     for limit in (0, 1 << 30):
-        monkeypatch.setattr(M, "COPY_EXPERT_MAX_BYTES", limit)
-        assert M.copies_experts(el) == bool(limit)
-        fn = jax.jit(lambda el, x, e, w: M.switched_routed_experts(el, _Act(), x, e, w))  # a fresh trace each
+        monkeypatch.setattr(moe_lib, "COPY_EXPERT_MAX_BYTES", limit)
+        assert moe_lib.copies_experts(el) == bool(limit)
+        fn = jax.jit(lambda el, x, e, w: moe_lib.switched_routed_experts(el, _Act(), x, e, w))  # a fresh trace each
         compiled = fn.lower(el, x, e, w).compile()  # once: run and read
         runs[limit] = (np.asarray(compiled(el, x, e, w).astype(jnp.float32)), compiled.as_text().count(" dot("))
     (branched, branch_dots), (copied, copy_dots) = runs[0], runs[1 << 30]
@@ -103,7 +105,7 @@ def test_stacked_experts_equal_one_buffer_each_in_one_product_per_matrix(dtype, 
     assert stacked.stacked and not buffers.stacked and stacked.n_experts == N
     runs = []
     for el in (stacked, buffers):
-        fn = jax.jit(lambda el, x, e, w: M.switched_routed_experts(el, _Act(), x, e, w))
+        fn = jax.jit(lambda el, x, e, w: moe_lib.switched_routed_experts(el, _Act(), x, e, w))
         compiled = fn.lower(el, x, e, w).compile()
         runs.append((np.asarray(compiled(el, x, e, w).astype(jnp.float32)), compiled.as_text().count(" dot(")))
     (got, stacked_dots), (want, buffer_dots) = runs
@@ -210,14 +212,14 @@ def test_grouped_chunks_hold_an_experts_typical_count_in_few_fast_chunks(T, K, n
     """The grouped loop's chunk size is one of ``GROUPED_BLOCKS`` (never a row count the library runs slowly),
     and an expert with the mean count plus two standard deviations needs at most ceil(need / 128) chunks:
     one chunk up to that, never many small ones."""
-    b = M.grouped_block_rows(T, K, n)
-    assert b in M.GROUPED_BLOCKS
-    assert all(layout.fast_rows(b, 4096, jnp.bfloat16) == b for b in M.GROUPED_BLOCKS)
+    b = moe_lib.grouped_block_rows(T, K, n)
+    assert b in moe_lib.GROUPED_BLOCKS
+    assert all(layout.fast_rows(b, 4096, jnp.bfloat16) == b for b in moe_lib.GROUPED_BLOCKS)
     mean = T * K / n
     need = mean + 2 * np.sqrt(mean)
-    assert -(-need // b) <= -(-need // M.GROUPED_BLOCKS[-1])
-    if need <= M.GROUPED_BLOCKS[-1]:
-        assert b >= need - 1e-9 and (b == M.GROUPED_BLOCKS[0] or M.GROUPED_BLOCKS[M.GROUPED_BLOCKS.index(b) - 1] < need)
+    assert -(-need // b) <= -(-need // moe_lib.GROUPED_BLOCKS[-1])
+    if need <= moe_lib.GROUPED_BLOCKS[-1]:
+        assert b >= need - 1e-9 and (b == moe_lib.GROUPED_BLOCKS[0] or moe_lib.GROUPED_BLOCKS[moe_lib.GROUPED_BLOCKS.index(b) - 1] < need)
 
 
 @pytest.mark.parametrize("T", [1, 6])
@@ -229,7 +231,7 @@ def test_switched_under_vmap_equals_each_lane(T):
     lanes = [_problem(s, T, 3, 8)[2:] for s in range(4)]
     e = jnp.stack([a for a, _ in lanes])
     w = jnp.stack([b for _, b in lanes])
-    mapped = jax.jit(jax.vmap(lambda e, w: M.switched_routed_experts(el, _Act(), x, e, w)))(e, w)
+    mapped = jax.jit(jax.vmap(lambda e, w: moe_lib.switched_routed_experts(el, _Act(), x, e, w)))(e, w)
     for i in range(4):
         alone = _dense(p, _Act(), x, e[i], w[i])
         np.testing.assert_allclose(np.asarray(mapped[i]), np.asarray(alone), rtol=2e-5, atol=2e-5)
@@ -241,7 +243,7 @@ def test_a_mapped_step_runs_the_chosen_experts_only():
     have no branches: one product per matrix, on the rows of the experts the lanes chose."""
     p, x, e, w = _problem(0, 1, 2, 8)
     for el in (_as_buffers(p), _as_list(p)):
-        f = jax.vmap(lambda e, w: M.switched_routed_experts(el, _Act(), x, e, w))
+        f = jax.vmap(lambda e, w: moe_lib.switched_routed_experts(el, _Act(), x, e, w))
         jaxpr = str(jax.make_jaxpr(f)(jnp.stack([e, e]), jnp.stack([w, w])))
         assert ("cond[" in jaxpr) if not el.stacked else (jaxpr.count("dot_general[") == 2 and "while[" in jaxpr)
     plain_vmap = jax.vmap(lambda e: jax.lax.switch(e[0, 0], [lambda: x] * 2))
@@ -279,7 +281,7 @@ def assert_serving_equals_canonical(serving, cfg, new_tokens: int = 12, tol: flo
     np.testing.assert_allclose(np.asarray(fwd(serving, ids)), np.asarray(fwd(canonical, ids)), atol=tol, rtol=tol)
 
     def step(p):
-        kv = M.init_kv(cfg, 32)
+        kv = attention_lib.init_kv(cfg, 32)
         out = M.forward(p, cfg, ids[:5], 0, kv)
         return M.forward(p, cfg, ids[5:6], 5, out.kv).logits
 
@@ -300,7 +302,7 @@ def _bf16_errors(folder, arrangement, ids):
 
     def both(params, dtype):
         full = M.forward(params, cfg, ids).logits
-        kv = M.init_kv(cfg, 32, dtype)
+        kv = attention_lib.init_kv(cfg, 32, dtype)
         out = M.forward(params, cfg, ids[:7], 0, kv)
         step = M.forward(params, cfg, ids[7:8], 7, out.kv).logits
         return jnp.concatenate([full, step])
@@ -369,7 +371,7 @@ def _random_params(cfg, dtype):
 
 
 def _decode_program(params, cfg):
-    kv = M.init_kv(cfg, 32, jnp.bfloat16)
+    kv = attention_lib.init_kv(cfg, 32, jnp.bfloat16)
     state = decode.DecodeState(kv, jnp.int32(5), jnp.int32(3), jax.random.PRNGKey(0), None, jnp.bool_(False),
                                jnp.int32(30))
     return decode.decode_chunk.lower(params, cfg=cfg, state=state, router=None, sampling=decode.Sampling(),

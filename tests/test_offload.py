@@ -198,7 +198,7 @@ def test_slots_always_hold_what_the_cache_state_names():
     for cc in [CacheConfig(size="5", prefetch=1.0), CacheConfig(size="0.3", scope="global", eviction="fld")]:
         state = m.router_state("cache-prior", cc)
         pager = host_paging.HostPager(m.params, m.cfg, state, offload.OffloadConfig())
-        kv = jax.tree.map(lambda a: a, __import__("moejax.models.model", fromlist=["init_kv"]).init_kv(m.cfg, 16))
+        kv = jax.tree.map(lambda a: a, __import__("moejax.models.attention", fromlist=["init_kv"]).init_kv(m.cfg, 16))
         key = jax.random.PRNGKey(0)
         moe_ids = [i for i in range(m.cfg.num_layers) if m.cfg.moe_layers[i]]
         for pos, tok in enumerate(PROMPT.tolist()):

@@ -22,7 +22,7 @@ from hypothesis import strategies as st
 
 from moejax.base import tempfiles
 from moejax.models import checkpoint
-from moejax.models import model as M
+from moejax.models import moe as moe_lib
 from moejax.models.config import from_hf
 from moejax.runtime import api
 from moejax.training import data, recipe, train
@@ -90,7 +90,7 @@ def test_queue_positions_are_the_running_count(n, values):
     before it (what the one-hot cumulative sum gave), by one stable sort."""
     a = np.asarray([v % n for v in values], np.int32)
     want = [int(np.sum(a[:i] == v)) for i, v in enumerate(a)]
-    np.testing.assert_array_equal(np.asarray(jax.jit(M.queue_positions, static_argnums=1)(jnp.asarray(a), n)), want)
+    np.testing.assert_array_equal(np.asarray(jax.jit(moe_lib.queue_positions, static_argnums=1)(jnp.asarray(a), n)), want)
 
 
 def test_steps_auto_leaves_evaluation_and_checkpoints_out_of_the_speed():

@@ -20,7 +20,8 @@ from moejax.base.typecheck import is_integer, is_number
 from moejax.models import assets, checkpoint, gating, layout as layout_lib, weights
 from moejax.models import config as config_lib
 from moejax.models.config import ModelConfig
-from moejax.models.model import forward as model_forward, init_kv, selection_biases as layer_selection_biases
+from moejax.models.model import forward as model_forward, selection_biases as layer_selection_biases
+from moejax.models.attention import init_kv
 from moejax.experts import cache as cache_lib, routing as routing_lib
 from moejax.runtime import (decode, expert_store, host_paging, jit_paging, offload as offload_lib, prefill_paging,
                             simulate)

@@ -27,7 +27,8 @@ from moejax.base import seeds
 from moejax.base.typecheck import is_integer, is_number
 from moejax.models import gating
 from moejax.models.config import ModelConfig
-from moejax.models.model import forward, forward_sequential, init_kv
+from moejax.models.model import forward, forward_sequential
+from moejax.models.attention import init_kv
 
 
 @dataclasses.dataclass(frozen=True)

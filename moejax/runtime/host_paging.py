@@ -22,6 +22,9 @@ import numpy as np
 
 from moejax.base import seeds
 from moejax.models import layout, model as model_lib, quant
+from moejax.models import attention as attention_lib
+from moejax.models import moe as moe_lib
+from moejax.models import ops as ops_lib
 from moejax.models.config import ModelConfig
 from moejax.experts import routing as routing_lib
 from moejax.experts.router import prefetch_step, router_step
@@ -82,8 +85,8 @@ def _stage_a(lp, next_lp, cfg: ModelConfig, layer: int, moe_index, x, pos, kv, s
     the host starts its transfers right away). Event order = the simulation's: route(l), prefetch(l+1).
     ``moe_index`` is traced, so layers of one structure share one compiled stage."""
     x, kv = prefill_paging.attention(lp, cfg, layer, x, pos, kv)
-    h = model_lib.norm(x, lp["mlp_norm"], cfg)
-    z = model_lib.router_logits(lp["moe"], h)[0]
+    h = ops_lib.norm(x, lp["mlp_norm"], cfg)
+    z = moe_lib.router_logits(lp["moe"], h)[0]
     cs, rs, policy = state["cache"], state["routing"], state["policy"]
     experts, weights, hits, tier, cs, rs = router_step(z, cs, rs, policy, cfg.gating, moe_index,
                                                        prediction=prediction, with_tier=True)
@@ -92,7 +95,7 @@ def _stage_a(lp, next_lp, cfg: ModelConfig, layer: int, moe_index, x, pos, kv, s
     slot_mid = cs.slot
     next_prediction = None
     if next_lp is not None and cs.prefetcher.enabled:
-        z_pred = model_lib.router_logits(next_lp["moe"], model_lib.norm(x, next_lp["mlp_norm"], cfg))[0]
+        z_pred = moe_lib.router_logits(next_lp["moe"], ops_lib.norm(x, next_lp["mlp_norm"], cfg))[0]
         cs, next_prediction = prefetch_step(cs, moe_index + 1, z_pred, cfg.gating,
                                             routing_lib.layer_bias(rs, moe_index + 1))
     state = {**state, "cache": cs, "routing": rs}
@@ -103,8 +106,8 @@ def _stage_a(lp, next_lp, cfg: ModelConfig, layer: int, moe_index, x, pos, kv, s
 def _stage_b(p, cfg: ModelConfig, x, h, slots, staging, experts, weights, tier, slot_ids, tiers: tuple):
     """Routed experts from the slot buffers (full precision) and the low-bit staging buffers, + residual."""
     full = (tier == 0) & (experts >= 0)
-    y = model_lib.routed_experts({**p, "experts": slots}, cfg, h, jnp.where(full, slot_ids, -1)[None],
-                                 jnp.where(full, weights, 0.0)[None], bias_ids=experts[None])
+    y = moe_lib.routed_experts({**p, "experts": slots}, cfg, h, jnp.where(full, slot_ids, -1)[None],
+                               jnp.where(full, weights, 0.0)[None], bias_ids=experts[None])
     return _low_bit_and_residual(p, cfg, x, h, y, staging, experts, weights, tier, tiers)
 
 
@@ -113,9 +116,9 @@ def _stage_b_early(p, cfg: ModelConfig, h, slots, early_ids, experts):
     """The part of stage B no page of this step is needed for: the experts already resident (``early_ids``:
     their slots, -1 elsewhere; this step's misses never write them) and the shared experts. Dispatched before
     the host reads the misses, it computes while they are read (``OffloadConfig.overlap``)."""
-    biases = model_lib.expert_biases(p, early_ids[None], experts[None], slots.n_experts)
-    rows = model_lib.one_token_expert_rows(cfg.expert_act, slots, h, early_ids[None], biases)
-    return rows, (model_lib.shared_expert_parts(p, cfg, h) if "shared" in p else None)
+    biases = moe_lib.expert_biases(p, early_ids[None], experts[None], slots.n_experts)
+    rows = moe_lib.one_token_expert_rows(cfg.expert_act, slots, h, early_ids[None], biases)
+    return rows, (moe_lib.shared_expert_parts(p, cfg, h) if "shared" in p else None)
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "tiers"))
@@ -125,9 +128,9 @@ def _stage_b_late(p, cfg: ModelConfig, x, h, slots, staging, experts, weights, t
     bit for bit: tested)."""
     full = (tier == 0) & (experts >= 0)
     late = jnp.where(full & ~early, slot_ids, -1)[None]
-    y = model_lib.one_token_expert_sum(cfg.expert_act, slots, h, late, jnp.where(full, weights, 0.0)[None],
-                                       early_rows=rows, early=early,
-                                       biases=model_lib.expert_biases(p, late, experts[None], slots.n_experts))
+    y = moe_lib.one_token_expert_sum(cfg.expert_act, slots, h, late, jnp.where(full, weights, 0.0)[None],
+                                     early_rows=rows, early=early,
+                                       biases=moe_lib.expert_biases(p, late, experts[None], slots.n_experts))
     return _low_bit_and_residual(p, cfg, x, h, y, staging, experts, weights, tier, tiers, shared)
 
 
@@ -137,26 +140,26 @@ def _low_bit_and_residual(p, cfg: ModelConfig, x, h, y, staging, experts, weight
     for bits in tiers:
         sel = (tier == bits) & (experts >= 0)
         low = {k: quant.dequantize(staging[bits][k], h.dtype) for k in EXPERT_KEYS}
-        low.update(model_lib.expert_biases(p) or {})  # GPT-OSS's, by the real ids below
-        y = y + model_lib.routed_experts(low, cfg, h, jnp.where(sel, jnp.arange(tier.shape[0]), -1)[None],
-                                         jnp.where(sel, weights, 0.0)[None], bias_ids=experts[None])
+        low.update(moe_lib.expert_biases(p) or {})  # GPT-OSS's, by the real ids below
+        y = y + moe_lib.routed_experts(low, cfg, h, jnp.where(sel, jnp.arange(tier.shape[0]), -1)[None],
+                                       jnp.where(sel, weights, 0.0)[None], bias_ids=experts[None])
     if "shared" in p:  # the gate is applied here also when the rest came early: XLA fuses the product into the
         # sum (one rounding, not two: seen on float32 Qwen2-MoE), so it must be in this program either way
-        y = y + model_lib.combine_shared(*(model_lib.shared_expert_parts(p, cfg, h) if shared is None else shared))
+        y = y + moe_lib.combine_shared(*(moe_lib.shared_expert_parts(p, cfg, h) if shared is None else shared))
     return model_lib.residual(cfg, x, y)
 
 
 @functools.partial(jax.jit, static_argnames=("cfg",))
 def _logits(params, cfg: ModelConfig, x):
     """Logits [T, V] (float32) of every row of hidden states x."""
-    return model_lib.output_logits(params, cfg, model_lib.norm(x, params["final_norm"], cfg))
+    return model_lib.output_logits(params, cfg, ops_lib.norm(x, params["final_norm"], cfg))
 
 
 @functools.partial(jax.jit, static_argnames=("cfg",))
 def _head(params, cfg: ModelConfig, x, key, sampling, seen=None):
     """Sample the token after the last row of x (one split of the key, as ``decode.prefill``; ``seen``: the
     tokens so far, with a repetition penalty)."""
-    logits = model_lib.output_logits(params, cfg, model_lib.norm(x[-1:], params["final_norm"], cfg))
+    logits = model_lib.output_logits(params, cfg, ops_lib.norm(x[-1:], params["final_norm"], cfg))
     key, sub = jax.random.split(key)
     return decode.sample(logits[0], sub, sampling, seen), logits[0], key
 
@@ -613,7 +616,7 @@ def host_forward(params, cfg: ModelConfig, tokens, router_state: dict, offload: 
     after the pass and the offload statistics."""
     tokens = np.asarray(tokens, np.int32)
     pager = HostPager(params, cfg, router_state, offload, stores)
-    kv = pager.committed(model_lib.init_kv(cfg, tokens.size, params["embed"].dtype))
+    kv = pager.committed(attention_lib.init_kv(cfg, tokens.size, params["embed"].dtype))
     key = jax.random.PRNGKey(0)
     rec = []
     t0 = time.perf_counter()
@@ -678,7 +681,7 @@ def host_generate(params, cfg: ModelConfig, prompt_ids, router_state: dict, offl
         pager = HostPager(params, cfg, router_state, offload, stores)
     dtype = params["embed"].dtype
     kv_rows = prompt.size + max_new_tokens + 1
-    kv = pager.committed(model_lib.init_kv(cfg, decode.kv_bucket(kv_rows) if bucketed else kv_rows, dtype))
+    kv = pager.committed(attention_lib.init_kv(cfg, decode.kv_bucket(kv_rows) if bucketed else kv_rows, dtype))
 
     key = seeds.prng_key(seed)
     seen = pager.committed(decode.seen_tokens(sampling, cfg.vocab_size, prompt))
@@ -690,7 +693,7 @@ def host_generate(params, cfg: ModelConfig, prompt_ids, router_state: dict, offl
         # cache state names as resident is paged in again, so the slots hold exactly what it says
         saved = (pager.state, dataclasses.replace(pager.stats), pager.link.__dict__.copy(),
                  {b: dict(v) for b, v in pager.staging.items()})
-        warm_kv = pager.committed(model_lib.init_kv(cfg, kv[0][next(iter(kv[0]))].shape[0], dtype))
+        warm_kv = pager.committed(attention_lib.init_kv(cfg, kv[0][next(iter(kv[0]))].shape[0], dtype))
         link = pager.link
         pager.link = Link()
         # two steps: the second sees states that come out of jitted stages (what every later token sees)

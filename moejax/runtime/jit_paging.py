@@ -17,7 +17,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from moejax.models import layout, model as model_lib, weights
+from moejax.models import layout, weights
+from moejax.models import moe as moe_lib
 from moejax.models.config import ModelConfig
 from moejax.experts import routing as routing_lib
 from moejax.experts.router import prefetch_step, router_step
@@ -136,8 +137,8 @@ class JitPager:
         # in global scope only rows of this layer can be paged from this layer's host stacks
         slots = page_changes(slots, p["paged"], pending, pending["valid"] & (pending["row"] == moe_index))
         slot_ids = state["cache"].slot[moe_index, jnp.maximum(experts, 0)]
-        y = model_lib.routed_experts({**p, "experts": slots}, cfg, h, jnp.where(experts >= 0, slot_ids, -1),
-                                     weights, bias_ids=experts)  # GPT-OSS's biases: of the real experts
+        y = moe_lib.routed_experts({**p, "experts": slots}, cfg, h, jnp.where(experts >= 0, slot_ids, -1),
+                                   weights, bias_ids=experts)  # GPT-OSS's biases: of the real experts
         if global_scope:
             state = {**state, "slots": slots}
         else:

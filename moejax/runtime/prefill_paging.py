@@ -33,6 +33,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from moejax.models import layout, model as model_lib
+from moejax.models import attention as attention_lib
+from moejax.models import moe as moe_lib
+from moejax.models import ops as ops_lib
 from moejax.models.config import ModelConfig
 from moejax.experts.router import route_tokens
 
@@ -130,14 +133,14 @@ def layer_programs(cfg: ModelConfig) -> dict[int, int]:
 def _rope(cfg: ModelConfig, pos0, n: int):
     """(positions, cos, sin) of ``n`` tokens from position ``pos0``."""
     positions = jnp.asarray(pos0, jnp.int32) + jnp.arange(n, dtype=jnp.int32)
-    return positions, *model_lib.rope_tables(cfg, positions)
+    return positions, *attention_lib.rope_tables(cfg, positions)
 
 
 def attention(lp, cfg: ModelConfig, layer: int, x, pos0, kv):
     """A layer's attention on x [T, D] at positions pos0.. (KV written there), added to the residual."""
     positions, cos, sin = _rope(cfg, pos0, x.shape[0])
-    attend = model_lib.mla_attention if cfg.mla else model_lib.gqa_attention
-    a, kv = attend(lp["attn"], cfg, layer, model_lib.norm(x, lp["attn_norm"], cfg), cos, sin, positions, kv, pos0)
+    attend = attention_lib.mla_attention if cfg.mla else attention_lib.gqa_attention
+    a, kv = attend(lp["attn"], cfg, layer, ops_lib.norm(x, lp["attn_norm"], cfg), cos, sin, positions, kv, pos0)
     return model_lib.residual(cfg, x, a), kv
 
 
@@ -145,7 +148,7 @@ def attention(lp, cfg: ModelConfig, layer: int, x, pos0, kv):
 def dense_layer(lp, cfg: ModelConfig, layer: int, x, pos0, kv):
     """A dense (non-MoE) layer on x [T, D] at positions pos0.. (T = 1: a decode step)."""
     x, kv = attention(lp, cfg, layer, x, pos0, kv)
-    return model_lib.residual(cfg, x, model_lib.dense_mlp(lp["mlp"], cfg, model_lib.norm(x, lp["mlp_norm"], cfg))), kv
+    return model_lib.residual(cfg, x, ops_lib.dense_mlp(lp["mlp"], cfg, ops_lib.norm(x, lp["mlp_norm"], cfg))), kv
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "layer"), donate_argnames=("kv",))
@@ -154,7 +157,7 @@ def attend_piece(lp, cfg: ModelConfig, layer: int, x, pos0, kv):
     Apart from ``route_piece``: this program is compiled per piece length and KV-cache length, the routing
     scan (the larger program) per piece length only."""
     x, kv = attention(lp, cfg, layer, x, pos0, kv)
-    return x, model_lib.norm(x, lp["mlp_norm"], cfg), kv
+    return x, ops_lib.norm(x, lp["mlp_norm"], cfg), kv
 
 
 @functools.partial(jax.jit, static_argnames=("cfg",))
@@ -162,13 +165,13 @@ def route_piece(p, next_lp, cfg: ModelConfig, moe_index, x, h, state, z_pred):
     """The MoE layer's router logits and the cache's routing scan over the piece's tokens (with this layer's
     prefetch prediction ``z_pred`` from the previous MoE layer, as the simulation does); with ``next_lp`` (a
     prefetching cache) also the next MoE layer's prediction from this layer's post-attention state."""
-    z = model_lib.router_logits(p, h)
+    z = moe_lib.router_logits(p, h)
     cs, rs = state["cache"], state["routing"]
     experts, weights, hits, _, cs, rs = route_tokens(z, moe_index, cs, rs, state["policy"], cfg.gating,
                                                      z_pred=z_pred, with_tier=True)
     z_next = None
     if next_lp is not None:
-        z_next = model_lib.router_logits(next_lp["moe"], model_lib.norm(x, next_lp["mlp_norm"], cfg))
+        z_next = moe_lib.router_logits(next_lp["moe"], ops_lib.norm(x, next_lp["mlp_norm"], cfg))
     return {**state, "cache": cs, "routing": rs}, z_next, (experts, weights, hits, z)
 
 
@@ -177,16 +180,16 @@ def expert_round(experts_list: layout.ExpertList, cfg: ModelConfig, h, ids, rows
                  bias_tables: dict | None = None, experts=None):
     """``rows`` [T·K, D] float32 plus this round's assignments (``ids`` into ``experts_list``) computed.
     ``bias_tables``: GPT-OSS's expert biases, taken by the real ``experts`` [T, K] (``model.expert_biases``)."""
-    biases = None if bias_tables is None else model_lib.expert_biases(bias_tables, ids, experts, experts_list.n_experts)
-    return rows + model_lib.switched_expert_rows(experts_list, cfg, h, ids, block_rows, biases)
+    biases = None if bias_tables is None else moe_lib.expert_biases(bias_tables, ids, experts, experts_list.n_experts)
+    return rows + moe_lib.switched_expert_rows(experts_list, cfg, h, ids, block_rows, biases)
 
 
 @functools.partial(jax.jit, static_argnames=("cfg",))
 def finish_layer(p, cfg: ModelConfig, x, h, rows, experts, weights):
     """The MoE block's output from the per-assignment rows (+ shared experts), added to the residual."""
-    y = model_lib.combine_expert_rows(rows, experts, weights, h.dtype)
+    y = moe_lib.combine_expert_rows(rows, experts, weights, h.dtype)
     if "shared" in p:
-        y = y + model_lib.shared_experts(p, cfg, h)
+        y = y + moe_lib.shared_experts(p, cfg, h)
     return model_lib.residual(cfg, x, y)
 
 
@@ -210,7 +213,7 @@ def run_piece(pager, tokens: np.ndarray, pos0: int, kv: list, record: list | Non
     updated. ``record`` receives one block {experts, weights, hits, router_logits}, each [moe_layers, T, ...]."""
     cfg = pager.cfg
     T = int(tokens.size)
-    block_rows = model_lib.grouped_block_rows(T, cfg.top_k, cfg.n_experts)  # the simulation's chunk size
+    block_rows = moe_lib.grouped_block_rows(T, cfg.top_k, cfg.n_experts)  # the simulation's chunk size
     pos = jnp.int32(pos0)
     x = embed_tokens(pager.params["embed"], cfg, jax.device_put(np.asarray(tokens, np.int32), pager.device))
     z_pred, blocks, moe_index = None, [], 0
@@ -226,7 +229,7 @@ def run_piece(pager, tokens: np.ndarray, pos0: int, kv: list, record: list | Non
         experts, weights = routed[0], routed[1]
         experts_np = np.asarray(experts)
         plan = plan_layer(before, np.asarray(pager.state["cache"].slot)[moe_index], experts_np)
-        rows = _run_rounds(pager, moe_index, plan, h, experts_np, block_rows, model_lib.expert_biases(lp["moe"]),
+        rows = _run_rounds(pager, moe_index, plan, h, experts_np, block_rows, moe_lib.expert_biases(lp["moe"]),
                            experts)
         x = finish_layer(lp["moe"], cfg, x, h, rows, experts, weights)
         blocks.append(routed)
@@ -281,7 +284,7 @@ def compile_piece(pager, n_tokens: int, kv: list) -> None:
         lowered.compile()
         return shaped(lowered.out_info)
 
-    block_rows = model_lib.grouped_block_rows(n_tokens, cfg.top_k, cfg.n_experts)
+    block_rows = moe_lib.grouped_block_rows(n_tokens, cfg.top_k, cfg.n_experts)
     x = compiled(embed_tokens, pager.params["embed"], cfg, shaped(jax.ShapeDtypeStruct((n_tokens,), jnp.int32)))
     pos, state, z_pred, moe_index = jnp.int32(0), shaped(pager.state), None, 0
     rows = compiled(zero_rows, n=n_tokens * cfg.top_k, d=cfg.hidden_size)
@@ -295,6 +298,6 @@ def compile_piece(pager, n_tokens: int, kv: list) -> None:
                                          jnp.int32(moe_index), x, h, state, z_pred)
         experts, weights = routed[0], routed[1]
         compiled(expert_round, pager.round_experts(moe_index), cfg, h, experts, rows, block_rows=block_rows,
-                 bias_tables=model_lib.expert_biases(lp["moe"]), experts=experts)
+                 bias_tables=moe_lib.expert_biases(lp["moe"]), experts=experts)
         x = compiled(finish_layer, lp["moe"], cfg, x, h, rows, experts, weights)
         moe_index += 1

@@ -22,9 +22,13 @@ import jax.numpy as jnp
 from moejax.base import distributed, seeds
 from moejax.base.typecheck import is_integer, is_number
 from moejax.models import layout, model as model_lib, quant, weights
+from moejax.models import moe as moe_lib
+from moejax.models import ops as ops_lib
 from moejax.models.config import ModelConfig
 from moejax.models.gating import Gating
-from moejax.models.model import ForwardOutput, forward, forward_sequential, init_kv, routed_experts
+from moejax.models.model import ForwardOutput, forward, forward_sequential
+from moejax.models.attention import init_kv
+from moejax.models.moe import routed_experts
 from moejax.experts import cache as cache_lib, routing as routing_lib
 from moejax.experts.router import route_tokens, router_step
 from moejax.runtime import prefill_paging
@@ -104,7 +108,7 @@ def lowbit_experts(p: dict, ids: jax.Array | None, bits: int, group_size: int | 
 def compute_tiers(p: dict, cfg: ModelConfig, h, experts, weights, tier, miss: cache_lib.MissConfig):
     """Routed experts where ``tier`` [T, K] says which are computed from a low-bit copy (cascade)."""
     y = routed_experts(p, cfg, h, jnp.where(tier == 0, experts, -1), jnp.where(tier == 0, weights, 0.0))
-    biases = model_lib.expert_biases(p) or {}  # GPT-OSS's stay full precision, by the real expert ids
+    biases = moe_lib.expert_biases(p) or {}  # GPT-OSS's stay full precision, by the real expert ids
     for bits in sorted(set(miss.bits)):
         sel = tier == bits
         if h.shape[0] == 1:  # gather the K experts, then quantise them: ids are 0..K-1 in the copy
@@ -236,11 +240,11 @@ def _attend_and_route_logits(lp, next_lp, cfg: ModelConfig, layer: int, x):
     """A MoE layer's attention (teacher-forced, no KV cache), the hidden state its router and experts read,
     its router logits, and with ``next_lp`` the next MoE layer's prediction from this state (prefetch)."""
     x, _ = prefill_paging.attention(lp, cfg, layer, x, 0, None)
-    h = model_lib.norm(x, lp["mlp_norm"], cfg)
+    h = ops_lib.norm(x, lp["mlp_norm"], cfg)
     z_next = None
     if next_lp is not None:
-        z_next = model_lib.router_logits(next_lp["moe"], model_lib.norm(x, next_lp["mlp_norm"], cfg))
-    return x, h, model_lib.router_logits(lp["moe"], h), z_next
+        z_next = moe_lib.router_logits(next_lp["moe"], ops_lib.norm(x, next_lp["mlp_norm"], cfg))
+    return x, h, moe_lib.router_logits(lp["moe"], h), z_next
 
 
 @functools.partial(jax.jit, static_argnames=("router",))
@@ -253,7 +257,7 @@ def _route_layer(router: CacheRouter, moe_index, z, state: dict, z_pred):
 def _experts_and_residual(p, cfg: ModelConfig, x, h, experts, weights, tier, miss):
     y = expert_output(p, cfg, h, experts, weights, tier, miss)
     if "shared" in p:
-        y = y + model_lib.shared_experts(p, cfg, h)
+        y = y + moe_lib.shared_experts(p, cfg, h)
     return model_lib.residual(cfg, x, y)
 
 
@@ -264,7 +268,7 @@ def _embed(table, cfg: ModelConfig, tokens):
 
 @functools.partial(jax.jit, static_argnames=("cfg",))
 def _logits(head: dict, cfg: ModelConfig, x):
-    return model_lib.output_logits(head, cfg, model_lib.norm(x, head["final_norm"], cfg))
+    return model_lib.output_logits(head, cfg, ops_lib.norm(x, head["final_norm"], cfg))
 
 
 def forward_routed_on_host(params, cfg: ModelConfig, tokens, router_state: dict,

@@ -16,6 +16,9 @@ import numpy as np
 import optax
 
 from moejax.models import checkpoint, model as M
+from moejax.models import attention as attention_lib
+from moejax.models import moe as moe_lib
+from moejax.models import ops as ops_lib
 from moejax.models.config import ModelConfig
 from moejax.models.gating import original_routing
 from moejax.models.model import forward
@@ -117,11 +120,11 @@ def cast_params(params, dtype):
 def batched_attention(lp: dict, cfg: ModelConfig, h: jax.Array, cos, sin, implementation: str | None):
     """Causal grouped-query attention over a batch [B, T, D] with ``jax.nn.dot_product_attention``
     (``implementation`` None lets JAX pick a fused kernel, e.g. cuDNN flash attention on GPUs)."""
-    q, k, v = M.gqa_qkv(lp, cfg, h, cos, sin)
+    q, k, v = attention_lib.gqa_qkv(lp, cfg, h, cos, sin)
     out = jax.nn.dot_product_attention(q, k, v, scale=cfg.attn_scale, is_causal=True,
                                        implementation=implementation)
     B, T = h.shape[:2]
-    return M.linear(out.reshape(B, T, -1), lp["o"], lp.get("o_bias"))
+    return ops_lib.linear(out.reshape(B, T, -1), lp["o"], lp.get("o_bias"))
 
 
 def batch_forward(params, cfg: ModelConfig, tokens: jax.Array):
@@ -136,13 +139,13 @@ def sparse_batch_forward(params, cfg: ModelConfig, tokens: jax.Array, capacity_f
                          attention: str = "model"):
     """The decoder of ``moejax.models.model`` over [B, T] with capacity-based sparse experts (batch-wide
     capacity ``ceil(capacity_factor · B·T·K / N)``); routing is ``model``'s own function. ``attention``:
-    "model" = ``model.gqa_attention`` per sequence; "auto" / "xla" / "cudnn" = ``batched_attention``
+    "model" = ``attention.gqa_attention`` per sequence; "auto" / "xla" / "cudnn" = ``batched_attention``
     (full causal attention only: no sliding windows, no MLA)."""
     B, T = tokens.shape
     S = B * T
     capacity = min(S, int(np.ceil(capacity_factor * S * cfg.top_k / cfg.n_experts)))
     positions = jnp.arange(T, dtype=jnp.int32)
-    cos, sin = M.rope_tables(cfg, positions)
+    cos, sin = attention_lib.rope_tables(cfg, positions)
     x = M.scale_embeddings(cfg, params["embed"][tokens])  # [B, T, D]
     zs, es, drops = [], [], []
     fused = attention != "model"
@@ -150,18 +153,18 @@ def sparse_batch_forward(params, cfg: ModelConfig, tokens: jax.Array, capacity_f
         raise ValueError("batched attention supports full causal grouped-query attention only")
     for i, lp in enumerate(params["layers"]):
         if fused:
-            x = M.residual(cfg, x, batched_attention(lp["attn"], cfg, M.norm(x, lp["attn_norm"], cfg), cos, sin,
+            x = M.residual(cfg, x, batched_attention(lp["attn"], cfg, ops_lib.norm(x, lp["attn_norm"], cfg), cos, sin,
                                                      None if attention == "auto" else attention))
         else:
-            attend = lambda h: M.gqa_attention(lp["attn"], cfg, i, h, cos, sin, positions, None, 0)[0]  # noqa: E731,B023
-            x = M.residual(cfg, x, jax.vmap(attend)(M.norm(x, lp["attn_norm"], cfg)))
-        h = M.norm(x, lp["mlp_norm"], cfg).reshape(S, -1)
-        z = M.router_logits(lp["moe"], h)
+            attend = lambda h: attention_lib.gqa_attention(lp["attn"], cfg, i, h, cos, sin, positions, None, 0)[0]  # noqa: E731,B023
+            x = M.residual(cfg, x, jax.vmap(attend)(ops_lib.norm(x, lp["attn_norm"], cfg)))
+        h = ops_lib.norm(x, lp["mlp_norm"], cfg).reshape(S, -1)
+        z = moe_lib.router_logits(lp["moe"], h)
         e, w = original_routing(cfg.gating, z, lp["moe"].get("score_bias"))
-        y, drop = M.capacity_experts(lp["moe"], cfg, h, e, w, capacity)
+        y, drop = moe_lib.capacity_experts(lp["moe"], cfg, h, e, w, capacity)
         x = M.residual(cfg, x, y.reshape(B, T, -1))
         zs.append(z.reshape(B, T, -1)), es.append(e.reshape(B, T, -1)), drops.append(drop)
-    x = M.norm(x, params["final_norm"], cfg)
+    x = ops_lib.norm(x, params["final_norm"], cfg)
     head = params["embed"].T if cfg.tie_word_embeddings else params["lm_head"]
     return M.scale_logits(cfg, x @ head).astype(jnp.float32), jnp.stack(zs), jnp.stack(es), jnp.stack(drops).mean()
 

@@ -608,7 +608,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--compute-dtype", default="float32", choices=("float32", "bfloat16"),
                    help="forward/backward precision (float32 master weights and routers either way)")
     p.add_argument("--attention", default="model", choices=("model", "auto", "xla", "cudnn"),
-                   help="training attention: model.gqa_attention per sequence, or jax.nn.dot_product_attention "
+                   help="training attention: attention.gqa_attention per sequence, or jax.nn.dot_product_attention "
                         "over the batch (auto: fused kernel where the backend has one)")
     p.add_argument("--capacity-factor", type=flags.finite_float(0.0, 1e6), default=1.25,
                    help="sparse expert capacity per batch (x B·T·K/N); 0 = exact dense experts (model.forward)")
