@@ -21,7 +21,8 @@ import jax
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
 
-from moejax.experts import cache, trace  # noqa: E402
+from moejax.experts import trace  # noqa: E402
+from moejax.experts import capacity as capacity_lib
 from support.reference_cache import simulate  # noqa: E402
 
 
@@ -41,7 +42,7 @@ def main() -> int:
 
     tr = trace.synthetic_trace(args.tokens, args.layers, args.experts, args.top_k, seed=0)
     accesses = args.tokens * args.layers * args.top_k
-    capacity = cache.parse_capacity(args.cache_size, args.experts)
+    capacity = capacity_lib.parse_capacity(args.cache_size, args.experts)
 
     start = time.perf_counter()
     first = trace.replay(tr, args.cache_size, "layer", args.eviction)

@@ -382,7 +382,7 @@ def main() -> int:
     import transformers
 
     import moejax
-    from moejax.experts import cache as cache_lib
+    from moejax.experts import capacity as capacity_lib
     from moejax.models import convert
     from moejax.experts import routing
     from moejax.runtime import simulate
@@ -401,7 +401,7 @@ def main() -> int:
     top_j = routing.default_top_j(cfg.top_k) if args.top_j is None else args.top_j
     policy = routing.make_policy("cache-prior", cfg.top_k, lam=args.lam, top_j=top_j)
     cache_cfg = simulate.CacheConfig(str(args.cache_size), "layer", "lru")
-    capacity = cache_lib.parse_capacity(str(args.cache_size), cfg.n_experts)
+    capacity = capacity_lib.parse_capacity(str(args.cache_size), cfg.n_experts)
 
     if is_hf_folder(args.model):
         hf_model = load_transformers(args.model, args.hf_experts, args.dtype, device)

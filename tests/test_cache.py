@@ -16,6 +16,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from moejax.experts import cache, trace
+from moejax.experts import cache_metrics
+from moejax.experts import capacity as capacity_lib
 from moejax.runtime.simulate import CacheConfig
 from support.reference_cache import simulate
 from support.scatter_bounds import out_of_range_scatters
@@ -55,20 +57,20 @@ def run(tr, capacity, scope, eviction, init="empty", seed=0):
 
 
 def test_parse_capacity():
-    assert cache.parse_capacity("6", 64) == 6
-    assert cache.parse_capacity(6, 64) == 6
-    assert cache.parse_capacity("0.5", 60) == 30
-    assert cache.parse_capacity("1.0", 60) == 60
-    assert cache.parse_capacity("0.25", 10) == 3  # 2.5 rounds half up
-    assert cache.parse_capacity("0.05", 64, 16, "global") == 51  # 5% of 1024 entries
-    assert cache.parse_capacity("5%", 64, 16, "global") == 51
-    assert cache.parse_capacity("100", 64, 16, "global") == 100
+    assert capacity_lib.parse_capacity("6", 64) == 6
+    assert capacity_lib.parse_capacity(6, 64) == 6
+    assert capacity_lib.parse_capacity("0.5", 60) == 30
+    assert capacity_lib.parse_capacity("1.0", 60) == 60
+    assert capacity_lib.parse_capacity("0.25", 10) == 3  # 2.5 rounds half up
+    assert capacity_lib.parse_capacity("0.05", 64, 16, "global") == 51  # 5% of 1024 entries
+    assert capacity_lib.parse_capacity("5%", 64, 16, "global") == 51
+    assert capacity_lib.parse_capacity("100", 64, 16, "global") == 100
     for bad, match in [("0", "between 1"), ("-3", "between 1"), ("65", "between 1"), ("1.5", r"\(0, 1\]"),
                        ("0.0", r"\(0, 1\]"), ("0.001", "rounds to 0"), ("abc", "not a count"), ("nan", "not a count")]:
         with pytest.raises(ValueError, match=match):
-            cache.parse_capacity(bad, 64)
+            capacity_lib.parse_capacity(bad, 64)
     with pytest.raises(ValueError, match="scope"):
-        cache.parse_capacity("6", 64, scope="pool")
+        capacity_lib.parse_capacity("6", 64, scope="pool")
 
 
 def test_init_cache_random_is_seeded_and_full():
@@ -166,7 +168,7 @@ def test_prefetch_counts_loads_not_misses():
     np.testing.assert_array_equal(new, [True, True, False])
     st_, hits = _access(st_, 1, jnp.asarray([4, 3]), jnp.asarray([0.5, 0.5]))
     assert np.asarray(hits).all()
-    s = cache.summarize(st_, expert_bytes=100)
+    s = cache_metrics.summarize(st_, expert_bytes=100)
     assert s["misses"] == 0 and s["prefetch_loads"] == 2 and s["bytes_moved"] == 200
 
 
@@ -174,9 +176,9 @@ def test_summarize_lifetimes():
     st_ = cache.init_cache(1, 8, 1, "layer", "lru")
     for e in (0, 0, 0, 1, 1):  # expert 0 lives tokens 0..2 (evicted at 3), expert 1 from 3, still resident
         st_, _ = _access(st_, 0, jnp.asarray([e]), jnp.ones(1))
-    s = cache.summarize(st_, include_resident=False)
+    s = cache_metrics.summarize(st_, include_resident=False)
     assert s["evictions"] == 1 and s["lifetime_mean"] == 3.0 and s["lifetime_std"] == 0.0
-    s = cache.summarize(st_)  # + expert 1, resident for tokens 3..4 -> 2
+    s = cache_metrics.summarize(st_)  # + expert 1, resident for tokens 3..4 -> 2
     assert s["lifetime_mean"] == 2.5 and s["lifetime_std"] == pytest.approx(0.5)
     assert s["misses"] == 2 and s["accesses"] == 5 and s["miss_rate"] == 0.4 and s["tokens"] == 5
 
@@ -266,7 +268,7 @@ def test_full_capacity_misses_are_compulsory(scope):
         tr = random_trace(seed)
         for eviction in ("lru", "least-stale", "belady"):
             state = run(tr, "1.0", scope, eviction)
-            s = cache.summarize(state)
+            s = cache_metrics.summarize(state)
             assert s["misses"] == s["compulsory_misses"] and s["evictions"] == 0
             # every distinct (layer, expert) of the trace is missed exactly once
             assert s["misses"] == len({(l_, e) for t in tr.experts.tolist() for l_, es in enumerate(t) for e in es if e >= 0})
@@ -276,25 +278,25 @@ def test_parse_capacity_of_a_memory_size():
     """A memory size is the bytes all cached experts may take: ⌊bytes / (L · expert bytes)⌋ per layer, the
     pool's ⌊bytes / expert bytes⌋ in global scope, at most the limit; units binary or decimal, any case."""
     eb = 1_000_000  # one expert: 1 MB
-    assert cache.parse_capacity("64MB", 64, 16, "layer", eb) == 4
-    assert cache.parse_capacity("63.9 MB", 64, 16, "layer", eb) == 3
-    assert cache.parse_capacity("64MiB", 64, 16, "layer", eb) == 4  # 67.1 MB
-    assert cache.parse_capacity("0.1gb", 64, 16, "global", eb) == 100
-    assert cache.parse_capacity("1TB", 64, 16, "layer", eb) == 64  # more than every expert: all of them
-    assert cache.parse_capacity("1TB", 64, 16, "global", eb) == 1024
-    assert cache.parse_byte_size("6GiB") == 6 * 2**30 and cache.parse_byte_size("6") is None
-    assert cache.parse_byte_size("5%") is None and cache.parse_byte_size("0.5") is None
+    assert capacity_lib.parse_capacity("64MB", 64, 16, "layer", eb) == 4
+    assert capacity_lib.parse_capacity("63.9 MB", 64, 16, "layer", eb) == 3
+    assert capacity_lib.parse_capacity("64MiB", 64, 16, "layer", eb) == 4  # 67.1 MB
+    assert capacity_lib.parse_capacity("0.1gb", 64, 16, "global", eb) == 100
+    assert capacity_lib.parse_capacity("1TB", 64, 16, "layer", eb) == 64  # more than every expert: all of them
+    assert capacity_lib.parse_capacity("1TB", 64, 16, "global", eb) == 1024
+    assert capacity_lib.parse_byte_size("6GiB") == 6 * 2**30 and capacity_lib.parse_byte_size("6") is None
+    assert capacity_lib.parse_byte_size("5%") is None and capacity_lib.parse_byte_size("0.5") is None
     huge = "9" * 400 + "GB"  # past a float: exact, and more than every expert (a float overflowed, a traceback)
-    assert cache.parse_byte_size(huge) == int("9" * 400) * 10**9 and cache.parse_byte_size("1.5 kB") == 1500
-    assert cache.parse_capacity(huge, 64, 16, "layer", eb) == 64
+    assert capacity_lib.parse_byte_size(huge) == int("9" * 400) * 10**9 and capacity_lib.parse_byte_size("1.5 kB") == 1500
+    assert capacity_lib.parse_capacity(huge, 64, 16, "layer", eb) == 64
     for bad, match in [("15MB", r"less than one expert per MoE layer \(16 × 1.0 MB\): give at least 16.0 MB"),
                        ("0GB", "less than"), ("6 XB", "unknown unit 'XB'"), ("6e", "unknown unit")]:
         with pytest.raises(ValueError, match=match):
-            cache.parse_capacity(bad, 64, 16, "layer", eb)
+            capacity_lib.parse_capacity(bad, 64, 16, "layer", eb)
     with pytest.raises(ValueError, match="less than one expert"):
-        cache.parse_capacity("999kB", 64, 16, "global", eb)
+        capacity_lib.parse_capacity("999kB", 64, 16, "global", eb)
     with pytest.raises(ValueError, match="only a loaded model knows"):
-        cache.parse_capacity("6GiB", 64, 16)
+        capacity_lib.parse_capacity("6GiB", 64, 16)
 
 
 @settings(max_examples=200, deadline=None)
@@ -304,7 +306,7 @@ def test_a_memory_size_gets_the_most_slots_it_holds(budget, n, layers, eb, scope
     sets = layers if scope == "layer" else 1
     limit = n if scope == "layer" else n * layers
     try:
-        c = cache.parse_capacity(f"{budget}B", n, layers, scope, eb)
+        c = capacity_lib.parse_capacity(f"{budget}B", n, layers, scope, eb)
     except ValueError:
         assert budget < sets * eb
         return

@@ -28,6 +28,7 @@ from support.hf_models import get_hf_model, get_moejax_model
 from moejax.models import layout, weights
 from moejax.models.gating import SoftmaxTopK
 from moejax.experts import cache as cache_lib, router
+from moejax.experts import cache_metrics
 from moejax.runtime import decode, expert_store, generate, host_paging, jit_paging, offload, simulate
 from moejax.runtime.simulate import CacheConfig
 
@@ -378,7 +379,7 @@ def test_prefetch_precision_and_recall_counts():
     z_pred = jnp.asarray([0.0, 5.0, 4.0, 3.0, 0.0, -1.0])  # predicts 1, 2, 3
     _, _, hits, cs, _ = router.router_step(z, cs, rs, policy, gating, 0, z_pred=z_pred)
     np.testing.assert_array_equal(hits, [False, True])  # expert 1 was prefetched
-    s = cache_lib.summarize(cs)
+    s = cache_metrics.summarize(cs)
     assert s["prefetch_precision"] == pytest.approx(1 / 3) and s["prefetch_recall"] == pytest.approx(1 / 2)
     assert s["prefetch_loads"] == 3 and s["misses"] == 1
 

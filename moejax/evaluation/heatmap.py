@@ -17,6 +17,7 @@ import numpy as np
 
 from moejax.base import atomic, commands, errors, interrupts
 from moejax.experts import cache as cache_lib, trace as trace_lib
+from moejax.experts import capacity as capacity_lib
 from moejax.evaluation.plots import figure_paths, new_figure, save_figure
 from moejax.evaluation.records import _eviction_name, EVICTION_ORDER
 
@@ -97,7 +98,7 @@ def check_heatmap(traces: Sequence, layer: int, capacity, scope: str = "layer",
         if not 0 <= int(layer) < tr.shape[1]:
             raise ValueError(f"{flags[0]} {layer} is out of range: {t} has {tr.shape[1]} MoE layers")
         try:
-            cache_lib.parse_capacity(capacity, tr.n_experts, tr.shape[1], scope)
+            capacity_lib.parse_capacity(capacity, tr.n_experts, tr.shape[1], scope)
         except ValueError as err:
             raise ValueError(f"{flags[1]}: {err}") from None
 
@@ -125,7 +126,7 @@ def classify_trace(trace, layer: int, capacity, eviction: str = "lru", scope: st
     n = tr.n_experts
     _check_layer(layer, n_layers)
     layer = int(layer)
-    cap = cache_lib.parse_capacity(capacity, n, n_layers, scope)
+    cap = capacity_lib.parse_capacity(capacity, n, n_layers, scope)
     if eviction == "score" and tr.weights is None:
         raise trace_lib.TraceError("score-based eviction needs trace 'weights' [T, L, K]; this trace has none")
     weights = tr.weights if tr.weights is not None else np.zeros(tr.shape, np.float32)

@@ -45,7 +45,8 @@ import numpy as np
 from moejax.base import flags, paths
 from moejax.models import hub
 from moejax.models.assets import DEFAULT_MODEL_NAME
-from moejax.experts import cache as cache_lib, routing as routing_lib
+from moejax.experts import routing as routing_lib
+from moejax.experts import capacity as capacity_lib
 from moejax.evaluation import results as results_file, tasks
 
 
@@ -99,7 +100,7 @@ def _size(text: str, spec: str) -> str:
     """A cache size as the string ``parse_capacity`` reads: a count ('6'), fraction ('0.5'), '5%' or '6GiB'."""
     text = text.strip()
     try:
-        cache_lib.parse_capacity(text, 10**9, 1, "layer", 1)  # syntax and sign only; the model checks the range
+        capacity_lib.parse_capacity(text, 10**9, 1, "layer", 1)  # syntax and sign only; the model checks the range
     except ValueError as e:  # the stand-in N is no N of the model: not in the message
         raise SweepError(f"--sweep {spec!r}: {e}".replace(f"N={10**9}", "N")) from None
     return text

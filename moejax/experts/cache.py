@@ -45,18 +45,14 @@ last token when asked to.
 from __future__ import annotations
 
 import dataclasses
-import fractions
 import math
-import re
 
 import flax.struct
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax import lax
 
 from moejax.base import seeds
-from moejax.base.memory import format_bytes
 from moejax.base.typecheck import is_integer
 
 SCOPES = ("layer", "global")
@@ -216,106 +212,6 @@ class CacheState:
 
 
 # ------------------------------------------------------------------------------------------ capacity
-
-
-BYTE_UNITS = {"b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
-              "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
-_BYTE_SIZE = re.compile(r"^\s*(\d+(?:\.\d*)?|\.\d+)\s*([a-z]+)\s*$", re.IGNORECASE)
-
-
-def parse_byte_size(spec) -> int | None:
-    """``"6GiB"`` / ``"1.5 GB"`` / ``"800MiB"`` as a number of bytes (binary and decimal units, any case);
-    None when ``spec`` is not a memory size (a count or fraction of experts). An unknown unit is an error."""
-    m = _BYTE_SIZE.match(str(spec))
-    if m is None:
-        return None
-    unit = m.group(2).lower()
-    if unit not in BYTE_UNITS:
-        raise ValueError(f"cache size {spec!r}: unknown unit {m.group(2)!r}; a memory size takes one of "
-                         "B, kB, MB, GB, TB, KiB, MiB, GiB, TiB")
-    return int(fractions.Fraction(m.group(1)) * BYTE_UNITS[unit])  # exact: a float overflowed for 400 digits
-
-
-def slot_sets(n_layers: int, scope: str) -> int:
-    """How many sets of slots a cache has: one per MoE layer, or the one global pool."""
-    return n_layers if scope == "layer" else 1
-
-
-def capacity_limit(n_experts: int, n_layers: int, scope: str) -> int:
-    """The most slots one set can have: N per layer, L·N in the global pool."""
-    return n_experts if scope == "layer" else n_experts * n_layers
-
-
-def parse_capacity(spec, n_experts: int, n_layers: int = 1, scope: str = "layer",
-                   expert_bytes: int | None = None) -> int:
-    """Cache capacity as a count of experts.
-
-    "6" (no decimal point) is a count; "0.5" / "1.0" (decimal point) is a fraction of N per layer, or of
-    L·N for the global pool; "5%" is a percentage of the same. Rounded half up; must land in [1, limit].
-    "6GiB" (a memory size) is what the cached experts may occupy in all, ``expert_bytes`` each: per layer
-    ⌊bytes / (L · expert_bytes)⌋ slots, for the global pool ⌊bytes / expert_bytes⌋, at most the limit
-    (a budget above every expert caches them all); below one expert per slot set it is an error.
-    """
-    if scope not in SCOPES:
-        raise ValueError(f"unknown cache scope {scope!r}; expected one of {SCOPES}")
-    limit = capacity_limit(n_experts, n_layers, scope)
-    what = "N" if scope == "layer" else "L*N"
-    if str(spec).strip().lower() == "auto":
-        raise ValueError("cache size 'auto' is the most device slots the free memory holds: only a model loaded "
-                         "for offloading resolves it (Model.resolve_cache)")
-    budget = parse_byte_size(spec)
-    if budget is not None:
-        return _capacity_of_bytes(spec, budget, limit, slot_sets(n_layers, scope), expert_bytes)
-    frac, count = _count_or_fraction(spec)
-    if count is None:
-        if not (math.isfinite(frac) and 0.0 < frac <= 1.0):
-            raise ValueError(f"cache size fraction {spec!r} must be in (0, 1] of {what}={limit}")
-        count = int(math.floor(frac * limit + 0.5))
-        if count < 1:
-            raise ValueError(f"cache size {spec!r} of {what}={limit} rounds to 0 experts")
-    if not 1 <= count <= limit:
-        raise ValueError(f"cache size {spec!r} must be between 1 and {what}={limit} experts")
-    return count
-
-
-def _count_or_fraction(spec) -> tuple[float | None, int | None]:
-    """A size that is not a memory size: (fraction, None) for '0.5' / '5%', (None, count) for '6'."""
-    text = str(spec).strip()
-    try:
-        if text.endswith("%"):
-            return float(text[:-1]) / 100.0, None
-        if "." in text or "e" in text.lower():
-            return float(text), None
-        return None, int(text)
-    except ValueError:
-        raise ValueError(f"cache size {spec!r} is not a count ('6'), a fraction ('0.5'), a percentage ('5%') "
-                         "or a memory size ('6GiB')") from None
-
-
-def check_size(spec) -> None:
-    """What of a cache size can be checked before a model is known: its form, and that it is positive
-    (``parse_capacity`` then checks it against N, and a memory size against the experts' bytes)."""
-    if str(spec).strip().lower() == "auto":
-        return
-    budget = parse_byte_size(spec)
-    frac, count = (None, budget) if budget is not None else _count_or_fraction(spec)
-    if not (count is not None and count > 0 or frac is not None and math.isfinite(frac) and frac > 0):
-        raise ValueError(f"cache size {spec!r} must be positive: a count ('6'), a fraction of N ('0.5'), a "
-                         "percentage ('5%') or a memory size ('6GiB')")
-
-
-def _capacity_of_bytes(spec, budget: int, limit: int, sets: int, expert_bytes: int | None) -> int:
-    """Slots per set (a layer's, or the one global pool) that ``budget`` bytes hold over ``sets`` sets."""
-    if expert_bytes is None:
-        raise ValueError(f"cache size {spec!r} is a memory size: it needs the size of one expert, which only a "
-                         "loaded model knows (give a count or a fraction of N here)")
-    one = sets * int(expert_bytes)
-    count = budget // one
-    if count < 1:
-        per = (f"one expert per MoE layer ({sets} × {format_bytes(expert_bytes)})" if sets > 1
-               else f"one expert ({format_bytes(one)})")
-        raise ValueError(f"cache size {spec!r} holds less than {per}: give at least {format_bytes(one)}")
-    return int(min(count, limit))
 
 
 # ------------------------------------------------------------------------------------------ initial state
@@ -653,81 +549,3 @@ def prefetch(state: CacheState, layer, expert_ids: jax.Array, valid: jax.Array |
         return _pool_prefetch(state, layer, expert_ids, valid)
     row, new = _pool_prefetch(row_view(state, layer), 0, expert_ids, valid)
     return write_row(state, row, layer), new
-
-
-# ------------------------------------------------------------------------------------------ metrics
-
-
-def summarize(state: CacheState, expert_bytes: int | None = None, include_resident: bool = True,
-              low_bit_bytes: dict | None = None) -> dict:
-    """Python-float metrics. miss_rate = misses / accesses with accesses = K · tokens · layers.
-
-    Lifetime (tokens from load to eviction): over every completed residency; with ``include_resident`` the
-    entries still cached are added as residencies censored at the last routed token (so a cache that never
-    evicts still reports how long its entries have lived rather than nothing).
-    """
-    s = jax.tree.map(np.asarray, state.stats)
-    acc = s.accesses.astype(np.float64)
-    life_n = s.evictions.astype(np.float64)
-    life_sum = s.life_sum.astype(np.float64)
-    life_sq = s.life_sq.astype(np.float64)
-    if include_resident:
-        res = np.asarray(state.resident)
-        last = int(np.asarray(state.token).max())
-        age = np.where(res, last - np.asarray(state.load_pass) + 1, 0).astype(np.float64)
-        if last >= 0:
-            life_n = life_n + res.sum(axis=1)
-            life_sum = life_sum + age.sum(axis=1)
-            life_sq = life_sq + (age * age).sum(axis=1)
-    n = life_n.sum()
-    mean = life_sum.sum() / n if n else float("nan")
-    var = life_sq.sum() / n - mean * mean if n else float("nan")
-    tokens = int(np.asarray(state.token).max()) + 1
-    loads = int(s.loads.sum())
-    prefetch_loads = int(s.prefetch_loads.sum())
-    low = {8: int(s.low8_loads.sum()), 4: int(s.low4_loads.sum())}
-    rate = lambda m, a: float(m / a) if a else 0.0  # noqa: E731
-    ratio = lambda m, a: float(m / a) if a else None  # noqa: E731
-    out = {
-        "tokens": tokens,
-        "accesses": int(acc.sum()),
-        "misses": int(s.misses.sum()),
-        "miss_rate": rate(s.misses.sum(), acc.sum()),
-        "compulsory_misses": int(s.compulsory.sum()),
-        "collision_misses": int(s.collisions.sum()),
-        "loads": loads,
-        "prefetch_loads": prefetch_loads,
-        "evictions": int(s.evictions.sum()),
-        "lifetime_mean": float(mean),
-        "lifetime_std": float(math.sqrt(max(var, 0.0))) if n else float("nan"),
-        "dropped": int(s.dropped.sum()),
-        "substituted": int(s.substituted.sum()),
-        "int8_loads": low[8],
-        "int4_loads": low[4],
-        "prefetch_predicted": int(s.predicted.sum()),
-        "prefetch_precision": ratio(s.predicted_used.sum(), s.predicted.sum()),
-        "prefetch_recall": ratio(s.predicted_used.sum(), s.predicted_for.sum()),
-        "per_layer": {
-            "accesses": [int(x) for x in s.accesses],
-            "misses": [int(x) for x in s.misses],
-            "miss_rate": [rate(m, a) for m, a in zip(s.misses, acc)],
-            "compulsory_misses": [int(x) for x in s.compulsory],
-            "collision_misses": [int(x) for x in s.collisions],
-            "loads": [int(x) for x in s.loads],
-            "lifetime_mean": [float(ls / ln) if ln else float("nan") for ls, ln in zip(life_sum, life_n)],
-            "hit_rate": [1.0 - rate(m, a) for m, a in zip(s.misses, acc)],
-            "prefetch_precision": [ratio(u, p) for u, p in zip(s.predicted_used, s.predicted)],
-            "prefetch_recall": [ratio(u, f) for u, f in zip(s.predicted_used, s.predicted_for)],
-        },
-    }
-    if expert_bytes is not None:
-        moved = (loads + prefetch_loads) * int(expert_bytes)
-        for bits, n_low in low.items():
-            if n_low:
-                if not low_bit_bytes or bits not in low_bit_bytes:
-                    raise ValueError(f"{n_low} int{bits} loads need the int{bits} expert size (low_bit_bytes)")
-                moved += n_low * int(low_bit_bytes[bits])
-        out["prefetch_bytes"] = prefetch_loads * int(expert_bytes)
-        out["bytes_moved"] = moved
-        out["bytes_per_token"] = moved / tokens if tokens > 0 else 0.0
-    return out

@@ -49,6 +49,8 @@ from moejax.base.typecheck import is_integer, is_number
 from moejax.models import gating as gating_lib
 from moejax.models.config import MAX_EXPERTS
 from moejax.experts import cache as cache_lib, prior as prior_lib, router as router_lib, routing as routing_lib
+from moejax.experts import cache_metrics
+from moejax.experts import capacity as capacity_lib
 
 TRACE_KEYS = ("experts", "weights", "logits", "n_experts", "gating", "score_bias")
 
@@ -326,7 +328,7 @@ def replay_state(trace: Trace, cache_size, scope: str = "layer", eviction: str =
     actually used [T, L, K] (the recorded ones, or the re-routed ones when ``policy`` is given)."""
     n_tokens, n_layers, k = trace.shape
     if state is None:
-        capacity = cache_lib.parse_capacity(cache_size, trace.n_experts, n_layers, scope)
+        capacity = capacity_lib.parse_capacity(cache_size, trace.n_experts, n_layers, scope)
         state = cache_lib.init_cache(n_layers, trace.n_experts, capacity, scope, eviction, init, seed)
     if policy is not None:
         if trace.logits is None:
@@ -358,7 +360,7 @@ def replay(trace: Trace, cache_size, scope: str = "layer", eviction: str = "lru"
            init: str = "empty", seed: int = 0, expert_bytes: int | None = None) -> dict:
     """Replay a trace and return ``cache.summarize`` metrics plus the replay configuration."""
     state, _ = replay_state(trace, cache_size, scope, eviction, policy=policy, gating=gating, init=init, seed=seed)
-    out = cache_lib.summarize(state, expert_bytes)
+    out = cache_metrics.summarize(state, expert_bytes)
     out.update(capacity=int(state.capacity), scope=scope, eviction=eviction,
                routing=policy.kind if policy is not None else "recorded", layers=trace.shape[1],
                experts_per_token=trace.shape[2], n_experts=trace.n_experts)

@@ -23,6 +23,7 @@ from moejax.models.config import ModelConfig
 from moejax.models.model import forward as model_forward, selection_biases as layer_selection_biases
 from moejax.models.attention import init_kv
 from moejax.experts import cache as cache_lib, routing as routing_lib
+from moejax.experts import capacity as capacity_lib
 from moejax.runtime import (decode, expert_store, host_paging, jit_paging, offload as offload_lib, prefill_paging,
                             simulate)
 from moejax.runtime.decode import CHUNK as DECODE_CHUNK  # a default inside Model, whose decode() hides the module
@@ -265,7 +266,7 @@ class Model:
                                  "offload=...); a simulation holds every expert: give a count, a fraction of N "
                                  "or a memory size")
             return self._fit_slots(cache, offload, tokens, "auto", logits_rows)
-        if cache_lib.parse_byte_size(spec) is not None:
+        if capacity_lib.parse_byte_size(spec) is not None:
             count = cache.capacity(self.cfg, self.cached_expert_bytes(offload))
             cache = dataclasses.replace(cache, size=str(count), memory=spec)
         cache.capacity(self.cfg)
@@ -314,7 +315,7 @@ class Model:
         return {"headroom": headroom, "where": where, "kv_cache": kv, "staging": staging, "host_store": store,
                 "page_scratch": scratch, "logits": logits, "reserve": reserve, "prompt_reserve": prompt_reserve,
                 "fixed": kv + staging + store + scratch + logits + reserve,
-                "slot": slot, "slot_set": cache_lib.slot_sets(self.cfg.n_moe_layers, cache.scope) * slot}
+                "slot": slot, "slot_set": capacity_lib.slot_sets(self.cfg.n_moe_layers, cache.scope) * slot}
 
     def _fit_slots(self, cache, offload, tokens, mode: str, logits_rows: int = 0):
         """``resolve_cache``'s memory check (``mode``: "auto", "check", "shrink")."""
@@ -325,7 +326,7 @@ class Model:
                                  "give a count, a fraction of N or a memory size")
             return dataclasses.replace(cache, fit_checked=True)
         gb = host_memory.format_bytes
-        limit = cache_lib.capacity_limit(self.cfg.n_experts, self.cfg.n_moe_layers, cache.scope)
+        limit = capacity_lib.capacity_limit(self.cfg.n_experts, self.cfg.n_moe_layers, cache.scope)
         fit = offload_lib.slots_that_fit(plan["headroom"], plan["fixed"], plan["slot_set"], limit)
         store_note = (f"; the host store's own copy of every expert needs {gb(plan['host_store'])} of that "
                       "(--expert-store flash reads them from the checkpoint instead)" if plan["host_store"] else "")
@@ -381,7 +382,7 @@ class Model:
         """What the cached experts occupy when the cache is full: capacity × (L per-layer sets, or one pool)
         × ``cached_expert_bytes``."""
         one = self.cached_expert_bytes(offload)
-        return cache.capacity(self.cfg, one) * cache_lib.slot_sets(self.cfg.n_moe_layers, cache.scope) * one
+        return cache.capacity(self.cfg, one) * capacity_lib.slot_sets(self.cfg.n_moe_layers, cache.scope) * one
 
     def router_state(self, routing=None, cache: "simulate.CacheConfig | None" = None, offload=None,
                      tokens: int | None = None, logits_rows: int = 0) -> dict:

@@ -30,6 +30,8 @@ from moejax.models.model import ForwardOutput, forward, forward_sequential
 from moejax.models.attention import init_kv
 from moejax.models.moe import routed_experts
 from moejax.experts import cache as cache_lib, routing as routing_lib
+from moejax.experts import cache_metrics
+from moejax.experts import capacity as capacity_lib
 from moejax.experts.router import route_tokens, router_step
 from moejax.runtime import prefill_paging
 
@@ -37,7 +39,7 @@ from moejax.runtime import prefill_paging
 @dataclasses.dataclass(frozen=True)
 class CacheConfig:
     """Expert cache: ``size`` as a count ("6"), a fraction of N — of L·N in global scope — ("0.5"), or the
-    memory the cached experts may occupy in all ("6GiB": ``cache.parse_capacity``; ``Model.resolve_cache``
+    memory the cached experts may occupy in all ("6GiB": ``capacity.parse_capacity``; ``Model.resolve_cache``
     turns it into a count for that model's experts, device slots when offloading).
 
     Miss handling (``miss``, ``miss_rank``, ``cascade_bits``, ``quant_group``: ``cache.MissConfig``) and
@@ -70,7 +72,7 @@ class CacheConfig:
         if not (isinstance(self.size, str) or is_number(self.size)):
             raise TypeError(f"CacheConfig size must be a count, a fraction of N or a memory size (a string such "
                             f"as '4', '0.5' or '6GiB'), got {type(self.size).__name__} {self.size!r}")
-        cache_lib.check_size(self.size)
+        capacity_lib.check_size(self.size)
         if not is_integer(self.seed):
             raise TypeError(f"CacheConfig seed must be an integer, got {self.seed!r}")
         seeds.check_seed(int(self.seed))
@@ -82,7 +84,7 @@ class CacheConfig:
         if self.miss != "fetch" and max(self.miss_rank) >= cfg.top_k:
             raise ValueError(f"miss rank {max(self.miss_rank)} is past the last of the K={cfg.top_k} experts a token "
                              f"uses (positions 0..{cfg.top_k - 1}): no miss would be handled by {self.miss!r}")
-        return cache_lib.parse_capacity(self.size, cfg.n_experts, cfg.n_moe_layers, self.scope, expert_bytes)
+        return capacity_lib.parse_capacity(self.size, cfg.n_experts, cfg.n_moe_layers, self.scope, expert_bytes)
 
     def miss_config(self) -> cache_lib.MissConfig:
         return cache_lib.MissConfig(self.miss, self.miss_rank, self.cascade_bits, self.quant_group)
@@ -348,4 +350,4 @@ def summarize(router_state: dict, params: dict, cfg: ModelConfig) -> dict:
     low = None
     if cs.miss.mode == "cascade":
         low = {b: lowbit_expert_bytes(cfg, b, cs.miss.group_size, params["embed"].dtype) for b in cs.miss.bits}
-    return cache_lib.summarize(cs, expert_bytes(params, cfg), low_bit_bytes=low)
+    return cache_metrics.summarize(cs, expert_bytes(params, cfg), low_bit_bytes=low)
