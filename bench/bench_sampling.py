@@ -6,7 +6,7 @@
 Settings: greedy; temperature 0.8; + top-k 50; + top-p 0.9; top-k 50 + top-p 0.9; + repetition penalty 1.1.
 The anchor is greedy decode of the same model in the same process (the sampled rows' ratio to it). With
 ``--reference`` every sampled setting is timed a second time with top-k and top-p computed by sorting the
-vocabulary (the implementation before ``decode.largest_key_where``; its thresholds differ only on ties at the
+vocabulary (the implementation before ``sampling_lib.largest_key_where``; its thresholds differ only on ties at the
 nucleus' edge), so both stand side by side in one run. Compilation is excluded (reported apart).
 """
 
@@ -23,7 +23,7 @@ import jax.numpy as jnp
 
 import moejax
 from moejax.base import atomic
-from moejax.runtime import decode
+from moejax.runtime import sampling as sampling_lib
 
 SETTINGS = {
     "greedy": {},
@@ -36,8 +36,8 @@ SETTINGS = {
 
 
 def sorted_sampling_logits(logits, sampling, seen=None):
-    """The sorting implementation of ``decode.sampling_logits`` (the reference timed by ``--reference``)."""
-    logits = decode.penalised_logits(logits, sampling, seen).astype(jnp.float32)
+    """The sorting implementation of ``sampling_lib.sampling_logits`` (the reference timed by ``--reference``)."""
+    logits = sampling_lib.penalised_logits(logits, sampling, seen).astype(jnp.float32)
     logits = (logits - jnp.max(logits, axis=-1, keepdims=True)) / jnp.asarray(sampling.temperature, jnp.float32)
     if sampling.steps.top_k:
         size = logits.shape[-1]
@@ -74,16 +74,16 @@ def main() -> int:
     model = moejax.load(args.model)
     prompt = list(range(5, 21))
     rows = []
-    implementations = [("search", decode.sampling_logits)]
+    implementations = [("search", sampling_lib.sampling_logits)]
     implementations += [("sort", sorted_sampling_logits)] if args.reference else []
     greedy = None
     for name, kwargs in SETTINGS.items():
         for impl, fn in implementations if kwargs else implementations[:1]:
-            decode.sampling_logits = fn  # read when the decode step is traced; the setting's programs are new
+            sampling_lib.sampling_logits = fn  # read when the decode step is traced; the setting's programs are new
             try:
                 tps, compile_s = time_setting(model, prompt, args.new_tokens, args.repeats, kwargs)
             finally:
-                decode.sampling_logits = implementations[0][1]
+                sampling_lib.sampling_logits = implementations[0][1]
             greedy = tps if greedy is None else greedy
             rows.append(dict(setting=name, implementation=impl if kwargs else "-", tokens_per_s=tps,
                              ratio_to_greedy=tps / greedy, compile_s=compile_s))

@@ -108,6 +108,7 @@ def profile_decode_step(model, repeats: int = 30) -> dict:
     import numpy as np
 
     from moejax.runtime import decode
+    from moejax.runtime import sampling as sampling_lib
     from moejax.models import gating
     from moejax.models import attention as attention_lib, model as M, moe as moe_lib, ops as ops_lib
 
@@ -167,7 +168,7 @@ def profile_decode_step(model, repeats: int = 30) -> dict:
 
     def head(P, x):
         logits = ops_lib.linear(ops_lib.norm(x, P["final_norm"], cfg), M.lm_head(P, cfg), P.get("lm_head_bias"))
-        return decode.sample(logits[0].astype(jnp.float32), jax.random.PRNGKey(0), decode.Sampling())
+        return sampling_lib.sample(logits[0].astype(jnp.float32), jax.random.PRNGKey(0), sampling_lib.Sampling())
 
     def embed(P, tok):
         return M.embed(P, tok)
@@ -188,14 +189,14 @@ def profile_decode_step(model, repeats: int = 30) -> dict:
     # the whole step as decode runs it: a 16-step chunk of the scan, per token
     state = decode.DecodeState(attention_lib.init_kv(cfg, S, dt), jnp.int32(5), jnp.int32(3), jax.random.PRNGKey(0), None,
                                jnp.bool_(False), jnp.int32(S - 2))
-    chunk = decode.decode_chunk.lower(P, cfg=cfg, state=state, router=None, sampling=decode.Sampling(), steps=16,
+    chunk = decode.decode_chunk.lower(P, cfg=cfg, state=state, router=None, sampling=sampling_lib.Sampling(), steps=16,
                                       eos=()).compile()
     ts = []
     for _ in range(6):
         st = decode.DecodeState(attention_lib.init_kv(cfg, S, dt), jnp.int32(5), jnp.int32(3), jax.random.PRNGKey(0), None,
                                 jnp.bool_(False), jnp.int32(S - 2))
         t = time.perf_counter()
-        jax.block_until_ready(chunk(P, state=st, sampling=decode.Sampling()))  # a pytree: an argument at call time
+        jax.block_until_ready(chunk(P, state=st, sampling=sampling_lib.Sampling()))  # a pytree: an argument at call time
         ts.append(time.perf_counter() - t)
     step = float(np.median(ts[1:])) / 16 * 1e3
     parts["whole decode step (scan of 16)"] = step

@@ -19,6 +19,7 @@ from test_evaluate import TEXT, _word_tokenizer
 
 import moejax
 from moejax.runtime import decode, generate
+from moejax.runtime import sampling as sampling_lib
 
 SUPPORTED = ("mixtral", "phimoe", "qwen2_moe", "qwen3_moe", "olmoe", "deepseek_v2")
 
@@ -406,7 +407,7 @@ def test_a_vanishing_temperature_samples_the_greedy_token(temperature):
     logits = jnp.asarray(np.random.default_rng(0).standard_normal((1000,)) * 5, jnp.float32)
     for seed in range(5):
         for top_p in (1.0, 0.9):
-            got = decode.sample(logits, jax.random.PRNGKey(seed), decode.Sampling(temperature, top_p))
+            got = sampling_lib.sample(logits, jax.random.PRNGKey(seed), sampling_lib.Sampling(temperature, top_p))
             assert int(got) == int(jnp.argmax(logits))
 
 
@@ -462,7 +463,7 @@ def test_a_subnormal_top_p_keeps_the_most_likely_token():
     logits = jnp.asarray([0.1, 3.0, 0.2, -1.0])
     for top_p in (1e-40, 1e-45, 1e-30):
         for seed in range(3):
-            got = decode.sample(logits, jax.random.PRNGKey(seed), decode.Sampling(1.0, top_p))
+            got = sampling_lib.sample(logits, jax.random.PRNGKey(seed), sampling_lib.Sampling(1.0, top_p))
             assert int(got) == 1
 
 
@@ -524,7 +525,7 @@ def test_a_huge_temperature_samples_uniformly_without_overflow_warnings(temperat
     logits = jnp.asarray([10.0, 0.0, -10.0, -1e4])
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        got = [int(decode.sample(logits, jax.random.PRNGKey(s), decode.Sampling(temperature))) for s in range(200)]
+        got = [int(sampling_lib.sample(logits, jax.random.PRNGKey(s), sampling_lib.Sampling(temperature))) for s in range(200)]
     assert set(got) == {0, 1, 2, 3}  # every token, the least likely too
 
 

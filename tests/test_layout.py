@@ -27,6 +27,7 @@ from moejax.models import attention as attention_lib
 from moejax.models import moe as moe_lib
 from moejax.models.config import from_hf
 from moejax.runtime import decode
+from moejax.runtime import sampling as sampling_lib
 
 from support.hf_models import FAMILIES, get_hf_model, get_moejax_model
 from test_dispatch import _Act, _problem
@@ -374,7 +375,7 @@ def _decode_program(params, cfg):
     kv = attention_lib.init_kv(cfg, 32, jnp.bfloat16)
     state = decode.DecodeState(kv, jnp.int32(5), jnp.int32(3), jax.random.PRNGKey(0), None, jnp.bool_(False),
                                jnp.int32(30))
-    return decode.decode_chunk.lower(params, cfg=cfg, state=state, router=None, sampling=decode.Sampling(),
+    return decode.decode_chunk.lower(params, cfg=cfg, state=state, router=None, sampling=sampling_lib.Sampling(),
                                      steps=4, eos=()).compile()
 
 

@@ -29,7 +29,8 @@ from moejax.models import layout, weights
 from moejax.models.gating import SoftmaxTopK
 from moejax.experts import cache as cache_lib, router
 from moejax.experts import cache_metrics
-from moejax.runtime import decode, expert_store, generate, host_paging, jit_paging, offload, simulate
+from moejax.runtime import expert_store, generate, host_paging, jit_paging, offload, simulate
+from moejax.runtime import sampling as sampling_lib
 from moejax.runtime.simulate import CacheConfig
 
 PROMPT = np.array([5, 17, 33, 8, 61, 2, 44, 90], np.int32)
@@ -203,7 +204,7 @@ def test_slots_always_hold_what_the_cache_state_names():
         key = jax.random.PRNGKey(0)
         moe_ids = [i for i in range(m.cfg.num_layers) if m.cfg.moe_layers[i]]
         for pos, tok in enumerate(PROMPT.tolist()):
-            _, _, kv, key = pager.step(tok, jnp.int32(pos), kv, key, decode.Sampling())
+            _, _, kv, key = pager.step(tok, jnp.int32(pos), kv, key, sampling_lib.Sampling())
             slot = np.asarray(pager.state["cache"].slot)
             resident = np.asarray(pager.state["cache"].resident)
             np.testing.assert_array_equal(slot >= 0, resident)

@@ -1,4 +1,4 @@
-"""Sampling as transformers does it (``decode.Sampling``): repetition penalty (greedy too), temperature, top-k,
+"""Sampling as transformers does it (``sampling_lib.Sampling``): repetition penalty (greedy too), temperature, top-k,
 top-p in that order, and the checkpoint's ``generation_config.json`` read as ``generate`` reads it."""
 
 from __future__ import annotations
@@ -20,9 +20,10 @@ import moejax
 from moejax import generate as generate_cli
 from moejax.models.checkpoint import CheckpointError
 from moejax.runtime import decode
+from moejax.runtime import sampling as sampling_lib
 
 
-def _hf_processed(logits: np.ndarray, seen: list[int], s: decode.Sampling) -> np.ndarray:
+def _hf_processed(logits: np.ndarray, seen: list[int], s: sampling_lib.Sampling) -> np.ndarray:
     """transformers' logits processors and warpers on one row, in ``generate``'s order."""
     from transformers import (LogitsProcessorList, RepetitionPenaltyLogitsProcessor, TemperatureLogitsWarper,
                               TopKLogitsWarper, TopPLogitsWarper)
@@ -34,15 +35,15 @@ def _hf_processed(logits: np.ndarray, seen: list[int], s: decode.Sampling) -> np
     return LogitsProcessorList(steps)(ids, torch.as_tensor(logits[None]))[0].numpy()
 
 
-@pytest.mark.parametrize("sampling", [decode.Sampling(0.7, 0.8, 20, 1.05), decode.Sampling(1.0, 1.0, 5, 1.0),
-                                      decode.Sampling(0.6, 0.95, 0, 1.3), decode.Sampling(1.5, 0.5, 50, 0.8)])
+@pytest.mark.parametrize("sampling", [sampling_lib.Sampling(0.7, 0.8, 20, 1.05), sampling_lib.Sampling(1.0, 1.0, 5, 1.0),
+                                      sampling_lib.Sampling(0.6, 0.95, 0, 1.3), sampling_lib.Sampling(1.5, 0.5, 50, 0.8)])
 def test_the_distribution_sampled_is_transformers(sampling):
     rng = np.random.default_rng(0)
     for _ in range(5):
         logits = (rng.standard_normal(97) * 3).astype(np.float32)
         seen = sorted(set(rng.integers(0, 97, 12).tolist()))
-        ours = np.asarray(decode.sampling_logits(jnp.asarray(logits), sampling,
-                                                 decode.seen_tokens(sampling, 97, seen)))
+        ours = np.asarray(sampling_lib.sampling_logits(jnp.asarray(logits), sampling,
+                                                 sampling_lib.seen_tokens(sampling, 97, seen)))
         ref = _hf_processed(logits, seen, sampling)
         np.testing.assert_array_equal(np.isfinite(ours), np.isfinite(ref))
         np.testing.assert_allclose(jax.nn.softmax(ours), torch.softmax(torch.as_tensor(ref), -1).numpy(), atol=1e-6)
@@ -62,7 +63,7 @@ def test_top_k_found_without_sorting_is_the_sorted_kth_value(row, k):
     """The k-th largest value is searched a bit at a time (no sort of the vocabulary): it is the sort's."""
     values, dtype = row
     logits = np.asarray(jnp.asarray(values).astype(dtype).astype(np.float32))
-    ours = np.asarray(decode.sampling_logits(jnp.asarray(logits), decode.Sampling(1.0, 1.0, k)))
+    ours = np.asarray(sampling_lib.sampling_logits(jnp.asarray(logits), sampling_lib.Sampling(1.0, 1.0, k)))
     kth = np.sort(logits - logits.max())[-min(k, logits.size)]
     np.testing.assert_array_equal(np.isfinite(ours), logits - logits.max() >= kth)
 
@@ -78,7 +79,7 @@ def test_the_nucleus_found_without_sorting_is_the_sorted_one(row, top_p):
     call the first more likely, and the reference would drop the two zeros the sampler rightly keeps)."""
     values, dtype = row
     logits = np.asarray(jnp.asarray(values).astype(dtype).astype(np.float32))
-    ours = np.isfinite(np.asarray(decode.sampling_logits(jnp.asarray(logits), decode.Sampling(1.0, top_p))))
+    ours = np.isfinite(np.asarray(sampling_lib.sampling_logits(jnp.asarray(logits), sampling_lib.Sampling(1.0, top_p))))
     shifted = logits - logits.max()  # float32, as every softmax computes it
     probs = np.exp(np.float64(shifted))
     probs /= probs.sum()
@@ -93,17 +94,17 @@ def test_sampled_tokens_stay_in_the_top_k_and_top_k_one_is_greedy():
     top = set(np.argsort(-np.asarray(logits))[:3].tolist())
     def draws(sampling, n):  # n keys in one program (each eager call took ~45 ms)
         keys = jax.vmap(jax.random.PRNGKey)(jnp.arange(n))
-        return set(np.asarray(jax.vmap(lambda key: decode.sample(logits, key, sampling))(keys)).tolist())
+        return set(np.asarray(jax.vmap(lambda key: sampling_lib.sample(logits, key, sampling))(keys)).tolist())
 
-    assert draws(decode.Sampling(5.0, 1.0, 3), 200) == top  # a high temperature reaches all three, never a fourth
-    assert draws(decode.Sampling(5.0, 1.0, 1), 20) == {int(jnp.argmax(logits))}
+    assert draws(sampling_lib.Sampling(5.0, 1.0, 3), 200) == top  # a high temperature reaches all three, never a fourth
+    assert draws(sampling_lib.Sampling(5.0, 1.0, 1), 20) == {int(jnp.argmax(logits))}
 
 
 @pytest.mark.parametrize("bad", [dict(top_k=-1), dict(top_k=2.5), dict(top_k=True), dict(repetition_penalty=0),
                                  dict(repetition_penalty=float("nan")), dict(repetition_penalty=float("inf"))])
 def test_bad_sampling_values_are_named(bad):
     with pytest.raises(ValueError, match=next(iter(bad))):
-        decode.Sampling(**bad)
+        sampling_lib.Sampling(**bad)
 
 
 def test_greedy_with_a_repetition_penalty_matches_hf_generate():
@@ -134,7 +135,7 @@ def test_offloaded_generation_samples_the_simulations_tokens():
 
 
 def test_sampling_defaults_read_generation_config_as_transformers():
-    read = decode.sampling_defaults
+    read = sampling_lib.sampling_defaults
     assert read({"do_sample": False, "temperature": 0.7}) == {}
     assert read({"do_sample": True}) == {"temperature": 1.0, "top_p": 1.0, "top_k": 50}
     assert read({"do_sample": True, "temperature": 0.7, "top_p": 0.8, "top_k": 20, "repetition_penalty": 1.05}) \
@@ -210,7 +211,7 @@ def test_steps_decided_at_run_time_give_the_fixed_steps_tokens():
     steps fixed at compile time, for greedy and every sampled combination, penalty or not."""
     m = get_moejax_model("qwen3_moe")
     for setting in SETTINGS:
-        fixed = decode.Sampling(**setting)
+        fixed = sampling_lib.Sampling(**setting)
         run = lambda s: decode.generate(m.params, m.cfg, [5, 9, 5, 17], max_new_tokens=12, sampling=s,  # noqa: E731
                                         seed=3, stop_at_eos=False, bucketed=True).token_ids
         assert run(fixed.decided_at_run_time()) == run(fixed), setting

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from moejax.base.typecheck import is_integer, is_number
-from moejax.runtime import decode
+from moejax.runtime import sampling as sampling_lib
 
 
 @pytest.mark.parametrize("value, integer, number", [
@@ -22,4 +22,4 @@ def test_integers_and_numbers(value, integer, number):
 
 def test_a_bool_repetition_penalty_is_refused_not_taken_as_one():
     with pytest.raises(ValueError, match="repetition_penalty"):  # True was accepted as a penalty of 1
-        decode.Sampling(0.7, repetition_penalty=True)
+        sampling_lib.Sampling(0.7, repetition_penalty=True)

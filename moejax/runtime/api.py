@@ -26,6 +26,7 @@ from moejax.experts import cache as cache_lib, routing as routing_lib
 from moejax.experts import capacity as capacity_lib
 from moejax.runtime import (decode, expert_store, host_paging, jit_paging, offload as offload_lib, prefill_paging,
                             simulate)
+from moejax.runtime import sampling as sampling_lib
 from moejax.runtime.decode import CHUNK as DECODE_CHUNK  # a default inside Model, whose decode() hides the module
 
 DEFAULT_MODEL_NAME = assets.DEFAULT_MODEL_NAME  # "default": the embedded model, in every command
@@ -202,11 +203,11 @@ class Model:
 
     @property
     def sampling_defaults(self) -> dict:
-        """The decoding this checkpoint's ``generation_config.json`` recommends (``decode.sampling_defaults``:
+        """The decoding this checkpoint's ``generation_config.json`` recommends (``sampling_lib.sampling_defaults``:
         e.g. ``{"temperature": 0.7, "top_p": 0.8, "top_k": 20, "repetition_penalty": 1.05}``; empty: greedy).
         ``generate`` decodes greedily unless told: ``model.generate(ids, **model.sampling_defaults)`` decodes as
         transformers' ``generate`` would, and the command line and the server start from these."""
-        return decode.sampling_defaults(self.generation_config)
+        return sampling_lib.sampling_defaults(self.generation_config)
 
     def _ids(self, token_ids, name: str) -> np.ndarray:
         """``token_ids`` checked, as int32: a non-empty 1-D sequence of integers in the vocabulary (floats,
@@ -497,7 +498,7 @@ class Model:
                  routing=None, cache=None, state: dict | None = None,
                  prefill_routing=None, offload=None, stop=(), cancelled=None,
                  bucketed: bool = False, keep_slots: bool = False, on_cache=None) -> decode.GenerateResult:
-        """Prefill + scan decode: greedy unless ``temperature`` > 0 (then top-k, then top-p, as ``decode.Sampling``),
+        """Prefill + scan decode: greedy unless ``temperature`` > 0 (then top-k, then top-p, as ``sampling_lib.Sampling``),
         ``repetition_penalty`` as transformers applies it; ``**model.sampling_defaults`` for the checkpoint's
         own settings. With ``routing``/``cache``/``state`` the expert cache is simulated for
         every token (prompt included) and ``result.stats["cache"]`` holds its metrics. ``prefill_routing``
@@ -517,7 +518,7 @@ class Model:
         _check_generate_args(max_new_tokens, temperature, top_p, seed, chunk,
                              dict(on_tokens=on_tokens, cancelled=cancelled, on_cache=on_cache), top_k,
                              repetition_penalty)
-        sampling = decode.Sampling(temperature, top_p, int(top_k), repetition_penalty)
+        sampling = sampling_lib.Sampling(temperature, top_p, int(top_k), repetition_penalty)
         if bucketed:  # a long-running caller's requests each sample their own way: one program for all
             sampling = sampling.decided_at_run_time()
         stop = (stop,) if isinstance(stop, str) else tuple(stop or ())  # one string is one stop string
@@ -737,7 +738,7 @@ def load(path: str, dtype=None, offload=None, layout: str = "serving", weight_dt
         generation_config = checkpoint.read_json_object(gen_path, "a generation configuration")
         config_lib.eos_token_ids_of(generation_config.get("eos_token_id"), gen_path)  # refused at load, not mid-run
         try:
-            decode.sampling_defaults(generation_config)
+            sampling_lib.sampling_defaults(generation_config)
         except ValueError as e:
             raise checkpoint.CheckpointError(f"{gen_path}: {e}") from None
     return Model(params, cfg, tokenizer, folder, generation_config, offload)

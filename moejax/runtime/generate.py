@@ -22,6 +22,7 @@ from moejax.base import atomic, collector, commands, compile_cache, errors, flag
 from moejax.models import gating
 from moejax.experts import trace as trace_lib
 from moejax.runtime import api, cli_options, decode, offload as offload_lib
+from moejax.runtime import sampling as sampling_lib
 
 DEFAULT_PROMPT = "The history of the"
 
@@ -178,7 +179,7 @@ def run(args: argparse.Namespace) -> tuple[dict, Exception | None]:
     offload = cli_options.offload_from_args(args)  # with --offload the routed experts never reach the device
     given = {"temperature": args.temperature, "top_p": args.top_p, "top_k": args.top_k,
              "repetition_penalty": args.repetition_penalty}
-    decode.Sampling(**decode.resolve_sampling(given, {})[0])  # NaN, < 0: refused before loading
+    sampling_lib.Sampling(**sampling_lib.resolve_sampling(given, {})[0])  # NaN, < 0: refused before loading
     if args.devices is not None and args.shard is None:
         raise ValueError("--devices goes with --shard experts (the devices the experts are split over)")
     if args.max_new_tokens < 0:
@@ -199,7 +200,7 @@ def run(args: argparse.Namespace) -> tuple[dict, Exception | None]:
     decode.check_prompt(ids, model.cfg)  # a prompt past the context: one error line, before the note below
     if offload is not None:
         offload_lib.check_cache(model.cfg, cache.capacity(model.cfg), cache.eviction)
-    sampling, from_file = decode.resolve_sampling(given, cli_options.checkpoint_sampling(args, model))
+    sampling, from_file = sampling_lib.resolve_sampling(given, cli_options.checkpoint_sampling(args, model))
     ignored = [flag for flag, value in (("--top-p", args.top_p), ("--top-k", args.top_k), ("--seed", args.seed))
                if value is not None]
     if sampling["temperature"] == 0 and ignored:  # a note, not a refusal: scripts pass a seed to every run

@@ -29,6 +29,7 @@ from moejax.models.config import ModelConfig
 from moejax.experts import routing as routing_lib
 from moejax.experts.router import prefetch_step, router_step
 from moejax.runtime import decode, prefill_paging
+from moejax.runtime import sampling as sampling_lib
 from moejax.runtime import expert_store as expert_store_lib
 from moejax.runtime.expert_store import (EXPERT_KEYS, expert_list, expert_store, fill_slots, init_slots,
     slot_changes, split_params, tree_nbytes, write_slot)
@@ -161,7 +162,7 @@ def _head(params, cfg: ModelConfig, x, key, sampling, seen=None):
     tokens so far, with a repetition penalty)."""
     logits = model_lib.output_logits(params, cfg, ops_lib.norm(x[-1:], params["final_norm"], cfg))
     key, sub = jax.random.split(key)
-    return decode.sample(logits[0], sub, sampling, seen), logits[0], key
+    return sampling_lib.sample(logits[0], sub, sampling, seen), logits[0], key
 
 
 # ------------------------------------------------------------------------------------------ the pager
@@ -621,11 +622,11 @@ def host_forward(params, cfg: ModelConfig, tokens, router_state: dict, offload: 
     rec = []
     t0 = time.perf_counter()
     if pager.batched_prefill:
-        logits, kv = pager.prefill(tokens, kv, key, decode.Sampling(), record=rec, all_logits=True)
+        logits, kv = pager.prefill(tokens, kv, key, sampling_lib.Sampling(), record=rec, all_logits=True)
     else:
         logits = np.empty((tokens.size, cfg.vocab_size), np.float32)  # filled row by row, never held twice
         for pos, tok in enumerate(tokens.tolist()):
-            _, lg, kv, key = pager.step(tok, pos, kv, key, decode.Sampling(), record=rec)
+            _, lg, kv, key = pager.step(tok, pos, kv, key, sampling_lib.Sampling(), record=rec)
             logits[pos] = np.asarray(lg)
     elapsed = time.perf_counter() - t0
     out = stack_records(rec)
@@ -643,7 +644,7 @@ def stack_records(rec: list) -> dict:
 
 
 def host_generate(params, cfg: ModelConfig, prompt_ids, router_state: dict, offload: OffloadConfig, *,
-                  max_new_tokens: int, sampling: decode.Sampling = decode.Sampling(), seed: int = 0,
+                  max_new_tokens: int, sampling: sampling_lib.Sampling = sampling_lib.Sampling(), seed: int = 0,
                   stop_at_eos: bool = True, on_tokens: Callable[[list[int]], None] | None = None,
                   prefill_policy=None, warmup: bool = True, stores: dict | None = None,
                   stop: decode.Stop = decode.NO_STOP, bucketed: bool = False,
@@ -684,7 +685,7 @@ def host_generate(params, cfg: ModelConfig, prompt_ids, router_state: dict, offl
     kv = pager.committed(attention_lib.init_kv(cfg, decode.kv_bucket(kv_rows) if bucketed else kv_rows, dtype))
 
     key = seeds.prng_key(seed)
-    seen = pager.committed(decode.seen_tokens(sampling, cfg.vocab_size, prompt))
+    seen = pager.committed(sampling_lib.seen_tokens(sampling, cfg.vocab_size, prompt))
     t_compile = time.perf_counter()
     if warmup and pager.batched_prefill:  # the prompt's programs, from shapes
         pager.compile_prefill(prompt.size, kv, key, sampling, bucketed, seen)
@@ -733,7 +734,7 @@ def host_generate(params, cfg: ModelConfig, prompt_ids, router_state: dict, offl
     # decode.prefill splits the key once for the first token
     key = key_after
     first = int(nxt)
-    seen = decode.see(seen, first)
+    seen = sampling_lib.see(seen, first)
     ttft = time.perf_counter() - t0
     moved_prefill = pager.stats.bytes_moved
     if prefill_policy is not None:
@@ -751,7 +752,7 @@ def host_generate(params, cfg: ModelConfig, prompt_ids, router_state: dict, offl
         token_arr, _, kv, key = pager.step(token, pos, kv, key, sampling, record=rec, seen=seen)
         report()
         token = int(token_arr)
-        seen = decode.see(seen, token)
+        seen = sampling_lib.see(seen, token)
         pos += 1
         tokens.append(token)
         _, ended_by = stop.check(tokens, len(tokens) - 1)  # one token per step: nothing to cut

@@ -23,6 +23,7 @@ from moejax.models.config import ModelConfig
 from moejax.experts import routing as routing_lib
 from moejax.experts.router import prefetch_step, router_step
 from moejax.runtime import decode
+from moejax.runtime import sampling as sampling_lib
 from moejax.runtime.expert_store import (EXPERT_KEYS, _host_sharding, expert_stacks, init_slots, split_params,
     tree_nbytes)
 from moejax.runtime.offload import OffloadConfig, check_capacity
@@ -224,7 +225,7 @@ def jit_router_state(host: list[dict], cfg: ModelConfig, router_state: dict, dty
 
 
 def jit_generate(params, cfg: ModelConfig, prompt_ids, router_state: dict, offload: OffloadConfig, *,
-                 max_new_tokens: int, sampling: decode.Sampling = decode.Sampling(), seed: int = 0,
+                 max_new_tokens: int, sampling: sampling_lib.Sampling = sampling_lib.Sampling(), seed: int = 0,
                  stop_at_eos: bool = True, on_tokens=None, prefill_policy=None,
                  stores: dict | None = None, stop: decode.Stop = decode.NO_STOP,
                  bucketed: bool = False, keep_slots: bool = False, on_cache=None) -> decode.GenerateResult:

@@ -57,6 +57,7 @@ from moejax.base.typecheck import is_integer, is_number
 from moejax.models import hub
 from moejax.experts import routing as routing_lib, trace as trace_lib
 from moejax.runtime import api, cli_options, decode, offload as offload_lib
+from moejax.runtime import sampling as sampling_lib
 from moejax.runtime.serve_access import API_KEY_ENV, Access, AccessGuard, access_from_args
 from moejax.runtime.serve_engine import ROUTING_OVERRIDE_KEYS, Engine, Job, RequestError
 
@@ -338,7 +339,7 @@ class Server:
         if max_tokens > room:
             raise RequestError(f"{key} = {max_tokens} does not fit: the prompt takes {len(ids)} of the "
                                f"{self.context} positions ({room} left)", param=key, code="context_length_exceeded")
-        sampling, _ = decode.resolve_sampling(
+        sampling, _ = sampling_lib.resolve_sampling(
             {"temperature": _number(body, "temperature", None, 0.0, 2.0),
              "top_p": _number(body, "top_p", None, 1e-6, 1.0), "top_k": _top_k(body),
              "repetition_penalty": _number(body, "repetition_penalty", None, 1e-6, 100.0)},

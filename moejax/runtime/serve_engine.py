@@ -17,6 +17,7 @@ import numpy as np
 
 from moejax.experts import routing as routing_lib, trace as trace_lib
 from moejax.runtime import api, cli_options, decode, simulate
+from moejax.runtime import sampling as sampling_lib
 
 #: seconds a cancelled generation has to end before its request is answered 503 (shutdown; under uvicorn's
 #: graceful-shutdown wait, ``serve.GRACEFUL_SHUTDOWN_S``)
@@ -254,7 +255,7 @@ class Engine:
         t0 = time.perf_counter()
         runs = warm_up_runs(self.model.cfg.max_position_embeddings, max_prompt, max_tokens)
         bos = self.model.cfg.bos_token_id or 0
-        served, _ = decode.resolve_sampling({}, self.sampling_defaults)
+        served, _ = sampling_lib.resolve_sampling({}, self.sampling_defaults)
         for done, (n, new) in enumerate(runs):
             if stop is not None and stop():
                 break
