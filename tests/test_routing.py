@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+
 import chex
 import jax
 import jax.numpy as jnp
@@ -205,6 +207,65 @@ def test_layer_parallel_equals_token_sequential(eviction):
         np.testing.assert_array_equal(e, seq[0][:, layer])
         np.testing.assert_array_equal(h, seq[2][:, layer])
     chex.assert_trees_all_equal((cs, rs), seq[3:])
+
+
+def _token_by_layers(deferred: bool, z, z_pred, cs, rs, pol, g):
+    """One token through every layer's router step, each layer's cache update at once (``router_step``) or all
+    after the last layer (``router_step_deferred`` + ``cache.access_layers``, what ``model.forward`` runs)."""
+    outs, pending = [], []
+    for layer in range(z.shape[0]):
+        zp = None if z_pred is None else z_pred[layer]
+        if deferred:
+            e, w, h, tier, left, cs, rs = router.router_step_deferred(z[layer], cs, rs, pol, g, layer, z_pred=zp)
+            pending.append(left)
+        else:
+            e, w, h, tier, cs, rs = router.router_step(z[layer], cs, rs, pol, g, layer, z_pred=zp, with_tier=True)
+        outs.append((e, w, h, tier))
+    if deferred:
+        cs = cache.access_layers(cs, *(jnp.stack(parts) for parts in zip(*pending)))
+    return outs, cs, rs
+
+
+@functools.partial(jax.jit, static_argnums=(0, 6))
+def _tokens_by_layers(deferred: bool, zs, z_preds, cs, rs, pol, g):
+    """``_token_by_layers`` for each of T tokens in turn (zs [T, L, N]): the per-token outputs and the final states."""
+    def token(states, inputs):
+        outs, cs, rs = _token_by_layers(deferred, *inputs, *states, pol, g)
+        return (cs, rs), outs
+
+    return jax.lax.scan(token, (cs, rs), (zs, z_preds))
+
+
+@SETTINGS
+@given(seed=seeds, eviction=st.sampled_from(["lru", "lfu", "score", "least-stale", "fld"]),
+       miss=st.sampled_from(["fetch", "drop", "substitute", "cascade"]), prefetch=st.booleans(),
+       capacity=st.integers(1, 8))
+def test_a_tokens_cache_updates_after_its_last_layer_equal_each_after_its_layer(seed, eviction, miss, prefetch,
+                                                                                capacity):
+    """A per-layer cache's rows never read one another, so updating all L rows after a token's last layer (one
+    update in the program) decides and counts exactly as updating each row right after its layer."""
+    g = SoftmaxTopK(8, 3, True)
+    key = jax.random.PRNGKey(seed % 2**31)
+    zs = jax.random.normal(key, (12, 3, 8)) * 3.0
+    zps = zs + jax.random.normal(jax.random.fold_in(key, 1), zs.shape) if prefetch else None
+    cs0 = cache.init_cache(3, 8, capacity, "layer", eviction, init="random", seed=seed % 1000,
+                           miss=cache.MissConfig(miss, (1,), (8,), None),
+                           prefetcher=cache.PrefetchConfig(1.0 if prefetch else 0.0, None))
+    rs0 = routing.init_routing_state(3)
+    pol = routing.cache_prior(0.5, 1)
+    now = _tokens_by_layers(False, zs, zps, cs0, rs0, pol, g)
+    later = _tokens_by_layers(True, zs, zps, cs0, rs0, pol, g)
+    chex.assert_trees_all_equal(now, later)
+
+
+def test_only_a_per_layer_cache_updates_its_layers_after_the_token():
+    cs = cache.init_cache(3, 8, 4, "global", "lru")
+    with pytest.raises(ValueError, match="per-layer cache"):
+        router.router_step_deferred(jnp.zeros(8), cs, routing.init_routing_state(3), routing.cache_prior(0.5, 1),
+                                    SoftmaxTopK(8, 2, True), 0)
+    with pytest.raises(ValueError, match="per-layer cache"):
+        cache.access_layers(cs, jnp.zeros((3, 2), jnp.int32), jnp.zeros((3, 2)), jnp.ones((3, 2), bool),
+                            jnp.zeros((3, 2), jnp.int32))
 
 
 def test_a_delta_per_layer_is_each_layers_own_delta():

@@ -500,6 +500,31 @@ def access(state: CacheState, layer, experts: jax.Array, weights: jax.Array, val
     return write_row(state, row, layer), hits
 
 
+def hits(state: CacheState, layer, experts: jax.Array, valid: jax.Array) -> jax.Array:
+    """Which of ``experts`` [K] (valid ones) ``layer`` holds now: the hits ``access`` would report."""
+    valid = valid & (experts >= 0)
+    return valid & state.resident[layer, jnp.where(valid, experts, 0)]
+
+
+def access_layers(state: CacheState, experts: jax.Array, weights: jax.Array, valid: jax.Array,
+                  tier: jax.Array) -> CacheState:
+    """``access`` of every layer of a per-layer cache at once: row l records ``experts[l]`` [K] with
+    ``weights[l]``, ``valid[l]`` and ``tier[l]`` (arrays [L, K]). Each row's update reads only that row, so this
+    equals L calls of ``access`` in any order (``router.router_step_deferred``)."""
+    if state.scope != "layer":
+        raise ValueError("only a per-layer cache updates its layers independently")
+    if state.eviction in OFFLINE_EVICTIONS:
+        raise ValueError(f"{state.eviction} eviction needs next_use (it is an offline oracle over a recorded trace)")
+    experts = jnp.asarray(experts, jnp.int32)
+    valid = valid & (experts >= 0)
+
+    def one(row, e, w, v, t):
+        return _pool_access(row, 0, e, w, v, None, jnp.asarray(t, jnp.int32))[0]
+
+    rows = jax.vmap(one)(split_layers(state), experts, weights, valid, tier)
+    return merge_layers(rows)
+
+
 def count(state: CacheState, layer, **amounts) -> CacheState:
     """Add scalar amounts to per-layer counters of ``layer`` (e.g. dropped=2, predicted=4)."""
     stats = state.stats

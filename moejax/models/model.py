@@ -13,12 +13,15 @@ hook* ``router(moe_index, logits[T, N], state) -> (experts[T, K], weights[T, K],
 computes exactly the experts it is given with the weights it is given. Routing policies and expert caches
 (``moejax.experts.router``) plug in there; ``original_router`` reproduces the architecture's own top-K.
 
-Two optional hook attributes (both decided at trace time):
+Optional hook attributes (all decided at trace time):
 - ``router.wants_prediction(state) -> bool``: then the hook is called with ``z_pred=`` — this MoE layer's
   router applied to the previous MoE layer's post-attention hidden state (speculative prefetch); None at
   the first MoE layer.
 - ``router.compute(moe_index, p, cfg, h, experts, weights, record, state) -> (y, state')``: computes the
   routed experts instead of ``routed_experts`` (offloaded slot buffers paged in-jit, low-bit copies).
+- ``router.defers_access(state, T) -> bool``: then each MoE layer calls ``router.route_deferred(...)``, which
+  returns the hook's four results and a fifth, what the layer left to do, and after the last layer
+  ``router.access_all(state, [left, ...])`` finishes it (an expert cache whose L per-layer updates run as one).
 """
 
 from __future__ import annotations
@@ -160,6 +163,8 @@ def forward(
     predict = bool(wants is not None and wants(router_state))
     moe_ids = [i for i in range(len(params["layers"])) if cfg.moe_layers[i]]
     compute = getattr(router, "compute", None)
+    defers = getattr(router, "defers_access", None)
+    pending = [] if defers is not None and defers(router_state, T) else None
     z_pred = None
     for i, lp in enumerate(params["layers"]):
         a, layer_kv = attend(lp["attn"], cfg, i, norm(x, lp["attn_norm"], cfg), cos, sin, positions,
@@ -170,13 +175,14 @@ def forward(
         if cfg.moe_layers[i]:
             p = lp["moe"]
             z = router_logits(p, h)
-            if predict:
-                experts, weights, router_state, rec = router(moe_index, z, router_state, z_pred=z_pred)
-                if moe_index + 1 < len(moe_ids):  # the next MoE layer's router on this hidden state
-                    nxt = params["layers"][moe_ids[moe_index + 1]]
-                    z_pred = router_logits(nxt["moe"], norm(x, nxt["mlp_norm"], cfg))
-            else:
-                experts, weights, router_state, rec = router(moe_index, z, router_state)
+            route = router if pending is None else router.route_deferred
+            out = route(moe_index, z, router_state, z_pred=z_pred) if predict else route(moe_index, z, router_state)
+            experts, weights, router_state, rec = out[:4]
+            if pending is not None:
+                pending.append(out[4])
+            if predict and moe_index + 1 < len(moe_ids):  # the next MoE layer's router on this hidden state
+                nxt = params["layers"][moe_ids[moe_index + 1]]
+                z_pred = router_logits(nxt["moe"], norm(x, nxt["mlp_norm"], cfg))
             if compute is not None:
                 y, router_state = compute(moe_index, p, cfg, h, experts, weights, rec, router_state)
             else:
@@ -188,6 +194,8 @@ def forward(
         else:
             y = dense_mlp(lp["mlp"], cfg, h)
         x = residual(cfg, x, y)
+    if pending:
+        router_state = router.access_all(router_state, pending)
     x = norm(x[-1:] if last_logits_only else x, params["final_norm"], cfg)
     logits = output_logits(params, cfg, x)
     records = jax.tree.map(lambda *r: jnp.stack(r), *recs) if recs and recs[0] else {}

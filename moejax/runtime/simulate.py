@@ -32,7 +32,7 @@ from moejax.models.moe import routed_experts
 from moejax.experts import cache as cache_lib, routing as routing_lib
 from moejax.experts import cache_metrics
 from moejax.experts import capacity as capacity_lib
-from moejax.experts.router import route_tokens, router_step
+from moejax.experts.router import route_tokens, router_step, router_step_deferred
 from moejax.runtime import prefill_paging
 
 
@@ -151,6 +151,28 @@ class CacheRouter:
         if cs.miss.mode == "cascade":
             record["tier"] = tier
         return e, w, {**state, "cache": cs, "routing": rs}, record
+
+    @staticmethod
+    def defers_access(state: dict, tokens: int) -> bool:
+        """One token at a per-layer cache: its cache updates wait for the last layer (``route_deferred``)."""
+        return tokens == 1 and state["cache"].scope == "layer"
+
+    def route_deferred(self, moe_index: int, z: jax.Array, state: dict, z_pred: jax.Array | None = None):
+        """``__call__`` for one token with the cache's update left to ``access_all`` (``router_step_deferred``):
+        returns (experts, weights, state', record, pending)."""
+        e, w, h, tier, pending, cs, rs = router_step_deferred(z[0], state["cache"], state["routing"], state["policy"],
+                                                              self.gating, moe_index,
+                                                              z_pred=None if z_pred is None else z_pred[0])
+        record = {"hits": h[None]}
+        if cs.miss.mode == "cascade":
+            record["tier"] = tier[None]
+        return e[None], w[None], {**state, "cache": cs, "routing": rs}, record, pending
+
+    @staticmethod
+    def access_all(state: dict, pending: list) -> dict:
+        """The cache updates ``route_deferred`` left, for all MoE layers at once (``cache.access_layers``)."""
+        experts, weights, valid, tier = (jnp.stack(parts) for parts in zip(*pending))
+        return {**state, "cache": cache_lib.access_layers(state["cache"], experts, weights, valid, tier)}
 
     @staticmethod
     def compute(moe_index, p, cfg, h, experts, weights, record, state):
