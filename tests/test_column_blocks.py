@@ -87,8 +87,8 @@ def _products(program) -> tuple[int, int]:
 @pytest.mark.parametrize("dtype", ["bfloat16", "int8"])
 @pytest.mark.parametrize("k", [4096, 14336])
 def test_one_row_with_blocks_runs_the_fused_loop_and_copies_nothing(k, dtype):
-    """The unblocked matrix's one-row product goes to the library (13-15 GB/s); the blocks' runs one fused
-    loop per block (30-50 GB/s, docs/benchmarks.md#one-row-products) and, like the library, never writes a copy of the matrix."""
+    """The unblocked matrix's one-row product goes to the library; the blocks' runs one fused
+    loop per block (about twice the weights per second: docs/benchmarks.md#one-row-products) and, like the library, never writes a copy of the matrix."""
     if jax.default_backend() != "cpu":
         pytest.skip("the fused one-row loop is XLA:CPU's")
     w = _matrix(np.random.default_rng(0), 16, k, dtype)

@@ -147,8 +147,8 @@ def _attend_cache_blocks(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Arr
     """``_attend_groups`` over a KV cache as ``init_kv`` stores it, one block of rows at a time, skipping
     blocks no query sees.
 
-    XLA:CPU multiplies in float32: a bfloat16 cache was widened (and transposed) whole every step, 23 ms a
-    layer for 8,192 rows of 8 heads of 128 against 0.6 ms for the product itself (docs/benchmarks.md#long-contexts). Per block the widened rows stay in the processor's cache, and blocks
+    XLA:CPU multiplies in float32: a bfloat16 cache was widened (and transposed) whole every step, far more
+    than the product itself costs (``python bench/bench_probes.py kv-attention``, docs/benchmarks.md#long-contexts). Per block the widened rows stay in the processor's cache, and blocks
     past the last position are not read at all (the cache is allocated to a power-of-two bucket). Scores,
     softmax and the values' sum run in float32 and are rounded once, at the end."""
     T, H, hd = q.shape
@@ -291,8 +291,9 @@ def mla_attention(p: dict, cfg: ModelConfig, layer: int, x: jax.Array, cos, sin,
 def _latent_values(out_latent: jax.Array, w_v: jax.Array) -> jax.Array:
     """MLA's values from the attended latent: ``Σ_r out_latent[t, h, r] · w_v[r, h, v]`` -> [T, H, vd].
 
-    One token on the CPU is the elementwise product summed over r: XLA's batched product for it took 1.8 ms
-    a layer at DeepSeek-V2-Lite's shapes (16 heads, r = 512, 128 values), the sum 0.25 ms (docs/benchmarks.md#one-row-products). The barrier keeps a decode loop from hoisting ``w_v``'s conversion (an f32 copy) out."""
+    One token on the CPU is the elementwise product summed over r: XLA's batched product for it took several
+    times as long at DeepSeek-V2-Lite's shapes (16 heads, r = 512, 128 values: ``python bench/bench_probes.py
+    latent-values``). The barrier keeps a decode loop from hoisting ``w_v``'s conversion (an f32 copy) out."""
     def summed(out_latent, w_v):
         out_latent, w_v = jax.lax.optimization_barrier((out_latent, w_v))
         terms = w_v.astype(jnp.float32) * out_latent[0].astype(jnp.float32).T[:, :, None]

@@ -466,8 +466,8 @@ def row_dot(row: jax.Array, w: jax.Array) -> jax.Array:
 
     Written as a product with the transposed matrix, XLA:CPU fuses the conversion of ``w`` to float32, the
     transpose and the dot into one loop over ``w``'s rows, split over the threads, reading ``w`` in place
-    once: 2-3x the weights per second of the matmul library with padded rows, near the memory bandwidth
-    for large matrices (docs/benchmarks.md#one-row-products).
+    once: 2-4x the weights per second of the matmul library with padded rows, near the memory bandwidth
+    for large matrices (``python bench/bench_probes.py row-dot``, docs/benchmarks.md#one-row-products).
 
     The row must be a buffer of shape ``[1, in]``: one that XLA sees as a reshape of another shape
     (attention's ``[1, heads, head_dim]``) makes the loop index every element through that shape, 10x

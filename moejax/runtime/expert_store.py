@@ -323,8 +323,8 @@ def host_view(a) -> np.ndarray | None:
     backend) laid out row-major; else None.
 
     What lets a page be read from the files straight into a slot's own buffer, the one copy there has to be:
-    ``device_put`` copies on the CPU too, into a new allocation whose every page faults in (on these VMs ≈ 7 ms
-    for one 8.7 MB expert, several times the read itself). JAX treats its arrays as immutable: the caller must
+    ``device_put`` copies on the CPU too, into a new allocation whose every page faults in (several times the read
+    itself: ``python bench/bench_probes.py page-faults``). JAX treats its arrays as immutable: the caller must
     know that no computation reading ``a`` is in flight and that ``a`` is held nowhere else (``HostPager``
     writes only into its own slot buffers, after the computations that read them have finished)."""
     if not isinstance(a, jax.Array) or a.is_deleted() or len(a.devices()) != 1:
