@@ -554,35 +554,39 @@ def summarize(study: str, records: list[dict]) -> str:
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog=commands.prog("studies"), description=__doc__,
                                 formatter_class=commands.HelpFormatter)
-    p.add_argument("--out", default=os.path.join("results", "studies"))
+    p.add_argument("--out", default=os.path.join("results", "studies"), help="folder of the records, REPORT.md and "
+                   "the figures (default: results/studies)")
     p.add_argument("--only", action="append", default=[], help=f"comma-separated subset of {', '.join(STUDIES)}")
-    p.add_argument("--model", default=api.DEFAULT_MODEL_NAME)
-    p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
-                   help="compute dtype (default float32: faster than bf16 on XLA:CPU, and exact to report)")
-    p.add_argument("--data", default=None, help="WikiText-2 test text (default: $MOEJAX_WIKITEXT, "
-                   "$MOEJAX_DATA/wikitext-2-raw-v1/test.txt, else the HF datasets copy)")
-    p.add_argument("--calibration-text", default=None, help="delta study: the text whose router-logit ranges "
-                   f"calibrate the fixed delta (.gz/.xz read compressed; default: $MOEJAX_DATA/corpus/"
-                   f"{CALIBRATION_SHARD}, else WikiText-2's train split from HF datasets)")
     p.add_argument("--protocol", choices=("quick", "paper"), default="quick",
                    help="quick (default): 11-point fronts on 8,184 tokens; paper: 50-point fronts on >= 65,536 tokens, "
                         "lifetimes on the whole text, every cache size (explicit flags override)")
-    p.add_argument("--max-tokens", type=int, default=None, help="score the first N WikiText tokens (default 8184 "
-                   "= 8 chunks of 1023; paper: 65,536 rounded up to whole chunks); 0 = all")
-    p.add_argument("--lifetimes-max-tokens", type=int, default=None, help="tokens the lifetimes study scores "
-                   "(default: --max-tokens; 0 = the whole test text, the paper's table 2)")
-    p.add_argument("--context", type=int, default=1024)
-    p.add_argument("--points", type=int, default=None, help="points per continuous front: cumsum p and λ on that many "
-                   "equidistant values in [0, 1] (default 11: steps of 0.1; paper: 50)")
-    p.add_argument("--cache-sizes", default=None, help="cache-size study: 'default' (11 sizes), 'all' (C = 1..N; "
-                   "paper) or comma-separated counts")
-    p.add_argument("--batch-size", type=int, default=None, help="points per vmapped batch (default: 1 on CPU, 8 on "
-                   "accelerators)")
-    p.add_argument("--evictions", default=None, help="eviction study: comma-separated policies "
-                   f"(default {','.join(EVICTIONS)})")
-    p.add_argument("--mmlu-limit", type=int, default=None, help=f"tasks study: MMLU questions (default {MMLU_LIMIT})")
-    p.add_argument("--gsm8k-limit", type=int, default=None, help=f"tasks study: GSM8K problems (default {GSM8K_LIMIT})")
-    p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--no-progress", action="store_true", help="no progress bars")
+    g1 = p.add_argument_group("model and data")
+    g1.add_argument("--model", default=api.DEFAULT_MODEL_NAME)
+    g1.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
+                    help="compute dtype (default float32: faster than bf16 on XLA:CPU, and exact to report)")
+    g1.add_argument("--data", default=None, help="WikiText-2 test text (default: $MOEJAX_WIKITEXT, "
+                    "$MOEJAX_DATA/wikitext-2-raw-v1/test.txt, else the HF datasets copy)")
+    g1.add_argument("--calibration-text", default=None, help="delta study: the text whose router-logit ranges "
+                    f"calibrate the fixed delta (.gz/.xz read compressed; default: $MOEJAX_DATA/corpus/"
+                    f"{CALIBRATION_SHARD}, else WikiText-2's train split from HF datasets)")
+    g2 = p.add_argument_group("how much each study runs (unset: what --protocol says)")
+    g2.add_argument("--max-tokens", type=int, default=None, help="score the first N WikiText tokens (default 8184 "
+                    "= 8 chunks of 1023; paper: 65,536 rounded up to whole chunks); 0 = all")
+    g2.add_argument("--lifetimes-max-tokens", type=int, default=None, help="tokens the lifetimes study scores "
+                    "(default: --max-tokens; 0 = the whole test text, the paper's table 2)")
+    g2.add_argument("--context", type=int, default=1024, help="tokens per scored chunk, the first a BOS (default: "
+                    "1024)")
+    g2.add_argument("--points", type=int, default=None, help="points per continuous front: cumsum p and λ on that many "
+                    "equidistant values in [0, 1] (default 11: steps of 0.1; paper: 50)")
+    g2.add_argument("--cache-sizes", default=None, help="cache-size study: 'default' (11 sizes), 'all' (C = 1..N; "
+                    "paper) or comma-separated counts")
+    g2.add_argument("--batch-size", type=int, default=None, help="points per vmapped batch (default: 1 on CPU, 8 on "
+                    "accelerators)")
+    g2.add_argument("--evictions", default=None, help="eviction study: comma-separated policies "
+                    f"(default {','.join(EVICTIONS)})")
+    g2.add_argument("--mmlu-limit", type=int, default=None, help=f"tasks study: MMLU questions (default {MMLU_LIMIT})")
+    g2.add_argument("--gsm8k-limit", type=int, default=None, help=f"tasks study: GSM8K problems (default {GSM8K_LIMIT})")
     cli_options.add_distributed_args(p)
     return p
 

@@ -579,65 +579,70 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--steps", type=_steps_arg, default=3000,
                    help="total steps (the LR schedule's length), or 'auto': as many as --time-budget-min allows "
                         "at the speed measured during warmup")
-    p.add_argument("--batch", type=int, default=16)
-    p.add_argument("--seq-len", type=int, default=256)
-    p.add_argument("--lr", type=flags.finite_float(0.0, 10.0, low_open=True), default=3e-3)
-    p.add_argument("--warmup", type=int, default=100)
-    p.add_argument("--weight-decay", type=flags.finite_float(0.0, 100.0), default=0.1)
-    p.add_argument("--clip", type=flags.finite_float(0.0, 1e6, low_open=True), default=1.0)
-    p.add_argument("--min-lr-ratio", type=flags.finite_float(0.0, 1.0),
-                   default=0.1, help="final learning rate / peak (cosine decay)")
-    p.add_argument("--aux-coef", type=flags.finite_float(0.0, 1e6), default=0.5,
-                   help="load-balancing loss coefficient (0.01-0.1 let the CPU run's router collapse onto 4 experts "
-                        "early on; at 0.01 the granular config collapses for ~50 steps with every remedy, and "
-                        "--z-coef 1e-3 --router-lr-scale 0.1 --offset-coef 1 recovers best: docs/benchmarks.md#training)")
-    p.add_argument("--aux-coef-start", type=flags.finite_float(0.0, 1e6), default=None,
-                   help="balancing weight at step 0, decaying linearly to --aux-coef over --aux-decay-steps "
-                        "(default: --aux-coef throughout)")
-    p.add_argument("--aux-decay-steps", type=int, default=0)
-    p.add_argument("--z-coef", type=flags.finite_float(0.0, 1e6),
-                   default=0.0, help="router z-loss coefficient (ST-MoE uses 1e-3)")
-    p.add_argument("--offset-coef", type=flags.finite_float(0.0, 1e6), default=0.0,
-                   help="penalty on the variance across experts of the batch-mean router logit: a common-mode "
-                        "offset makes every token pick the same experts (the collapse seen on CPU runs)")
-    p.add_argument("--offset-decay-steps", type=int, default=0,
-                   help="fade the offset penalty linearly to 0 over this many first steps (0: constant); the "
-                        "collapse it prevents is an early one, and kept on it holds expert usage near uniform")
-    p.add_argument("--router-lr-scale", type=flags.finite_float(0.0, 1e6),
-                   default=1.0, help="router learning rate / the others'")
-    p.add_argument("--compute-dtype", default="float32", choices=("float32", "bfloat16"),
-                   help="forward/backward precision (float32 master weights and routers either way)")
-    p.add_argument("--attention", default="model", choices=("model", "auto", "xla", "cudnn"),
-                   help="training attention: attention.gqa_attention per sequence, or jax.nn.dot_product_attention "
-                        "over the batch (auto: fused kernel where the backend has one)")
-    p.add_argument("--capacity-factor", type=flags.finite_float(0.0, 1e6), default=1.25,
-                   help="sparse expert capacity per batch (x B·T·K/N); 0 = exact dense experts (model.forward)")
-    p.add_argument("--eval-capacity-factor", type=flags.finite_float(0.0, 1e6), default=2.0,
-                   help="capacity factor of the periodic validation loss (0 = exact)")
-    p.add_argument("--seed", type=errors.seed_arg, default=0)
+    p.add_argument("--corpus-dir", default=None, help="the training corpus: gzip/xz text shards "
+                   f"{data.CORPUS_PATTERN}, the last held out for validation (default: $MOEJAX_DATA/corpus)")
     p.add_argument("--resume", action="store_true", help="continue from OUT's latest checkpoint")
     p.add_argument("--overwrite", action="store_true",
                    help="start over in an OUT that holds a run (deleted once the new run has written its first "
                         "checkpoint; kept if it fails before), or replace an existing --export "
                         "checkpoint folder")
-    p.add_argument("--eval-every", type=int, default=200, help="validation loss every N steps (0: never)")
-    p.add_argument("--eval-seqs", type=int, default=64, help="validation sequences per evaluation")
-    p.add_argument("--ckpt-every", type=int, default=500)
-    p.add_argument("--ckpt-minutes", type=flags.finite_float(0.0, 1e7),
-                   default=10.0, help="also checkpoint every M minutes")
+    p.add_argument("--seed", type=errors.seed_arg, default=0)
     p.add_argument("--time-budget-min", type=flags.finite_float(0.0, 1e7, low_open=True), default=None,
                    help="stop cleanly (final checkpoint) after M minutes (default: no limit)")
-    p.add_argument("--stop-after", type=int, default=None, help=argparse.SUPPRESS)  # tests: simulate an interruption
-    p.add_argument("--data-dir", default=data.DEFAULT_DATA_DIR)
-    p.add_argument("--corpus-dir", default=None, help="the training corpus: gzip/xz text shards "
-                   f"{data.CORPUS_PATTERN}, the last held out for validation (default: $MOEJAX_DATA/corpus)")
-    p.add_argument("--vocab-size", type=int, default=data.DEFAULT_VOCAB)
     p.add_argument("--export", metavar="DIR", help="write OUT's latest params as a bf16 moejax folder and exit "
                    "(default: train)")
     p.add_argument("--export-at-end", metavar="DIR",
                    help="when training stops, write its params as --export would, straight from memory; with "
                         "--ckpt-every 0 --ckpt-minutes 0 this replaces the final checkpoint (no orbax at all: a run "
                         "that will not be resumed; default: no export)")
+    p.add_argument("--stop-after", type=int, default=None, help=argparse.SUPPRESS)  # tests: simulate an interruption
+    g1 = p.add_argument_group("optimiser")
+    g1.add_argument("--batch", type=int, default=16)
+    g1.add_argument("--seq-len", type=int, default=256)
+    g1.add_argument("--lr", type=flags.finite_float(0.0, 10.0, low_open=True), default=3e-3)
+    g1.add_argument("--warmup", type=int, default=100)
+    g1.add_argument("--weight-decay", type=flags.finite_float(0.0, 100.0), default=0.1)
+    g1.add_argument("--clip", type=flags.finite_float(0.0, 1e6, low_open=True), default=1.0)
+    g1.add_argument("--min-lr-ratio", type=flags.finite_float(0.0, 1.0),
+                    default=0.1, help="final learning rate / peak (cosine decay)")
+    g2 = p.add_argument_group("router losses")
+    g2.add_argument("--aux-coef", type=flags.finite_float(0.0, 1e6), default=0.5,
+                    help="load-balancing loss coefficient (0.01-0.1 let the CPU run's router collapse onto 4 experts "
+                         "early on; at 0.01 the granular config collapses for ~50 steps with every remedy, and "
+                         "--z-coef 1e-3 --router-lr-scale 0.1 --offset-coef 1 recovers best: docs/benchmarks.md#training)")
+    g2.add_argument("--aux-coef-start", type=flags.finite_float(0.0, 1e6), default=None,
+                    help="balancing weight at step 0, decaying linearly to --aux-coef over --aux-decay-steps "
+                         "(default: --aux-coef throughout)")
+    g2.add_argument("--aux-decay-steps", type=int, default=0)
+    g2.add_argument("--z-coef", type=flags.finite_float(0.0, 1e6),
+                    default=0.0, help="router z-loss coefficient (ST-MoE uses 1e-3)")
+    g2.add_argument("--offset-coef", type=flags.finite_float(0.0, 1e6), default=0.0,
+                    help="penalty on the variance across experts of the batch-mean router logit: a common-mode "
+                         "offset makes every token pick the same experts (the collapse seen on CPU runs)")
+    g2.add_argument("--offset-decay-steps", type=int, default=0,
+                    help="fade the offset penalty linearly to 0 over this many first steps (0: constant); the "
+                         "collapse it prevents is an early one, and kept on it holds expert usage near uniform")
+    g2.add_argument("--router-lr-scale", type=flags.finite_float(0.0, 1e6),
+                    default=1.0, help="router learning rate / the others'")
+    g3 = p.add_argument_group("computation")
+    g3.add_argument("--compute-dtype", default="float32", choices=("float32", "bfloat16"),
+                    help="forward/backward precision (float32 master weights and routers either way)")
+    g3.add_argument("--attention", default="model", choices=("model", "auto", "xla", "cudnn"),
+                    help="training attention: attention.gqa_attention per sequence, or jax.nn.dot_product_attention "
+                         "over the batch (auto: fused kernel where the backend has one)")
+    g3.add_argument("--capacity-factor", type=flags.finite_float(0.0, 1e6), default=1.25,
+                    help="sparse expert capacity per batch (x B·T·K/N); 0 = exact dense experts (model.forward)")
+    g3.add_argument("--eval-capacity-factor", type=flags.finite_float(0.0, 1e6), default=2.0,
+                    help="capacity factor of the periodic validation loss (0 = exact)")
+    g4 = p.add_argument_group("evaluation and checkpoints")
+    g4.add_argument("--eval-every", type=int, default=200, help="validation loss every N steps (0: never)")
+    g4.add_argument("--eval-seqs", type=int, default=64, help="validation sequences per evaluation")
+    g4.add_argument("--ckpt-every", type=int, default=500)
+    g4.add_argument("--ckpt-minutes", type=flags.finite_float(0.0, 1e7),
+                    default=10.0, help="also checkpoint every M minutes")
+    g5 = p.add_argument_group("data and tokenizer")
+    g5.add_argument("--data-dir", default=data.DEFAULT_DATA_DIR)
+    g5.add_argument("--vocab-size", type=int, default=data.DEFAULT_VOCAB)
     return p
 
 

@@ -455,27 +455,30 @@ def build_parser() -> argparse.ArgumentParser:
                                 formatter_class=commands.HelpFormatter)
     p.add_argument("--out", required=True, help="folder for the recording and one checkpoint per weight")
     p.add_argument("--model", default=api.DEFAULT_MODEL_NAME)
-    p.add_argument("--cache-size", default="0.5", help="LRU capacity per layer: a count, a fraction of N or a memory size ('400MB')")
-    p.add_argument("--eviction", choices=cache_lib.ONLINE_EVICTIONS, default="lru")
     p.add_argument("--weights", type=flags.FloatList(flags.finite_float(0.0, 1e6), as_text=True),
                    default="0.1,0.3,1,3", help="comma-separated trade-off weights w")
     p.add_argument("--corpus", default=None, help="corpus folder (moejax.training.data layout; default: "
                    "$MOEJAX_DATA/corpus)")
-    p.add_argument("--shards", default="0", help="training shard numbers, comma-separated (07 is held out)")
-    p.add_argument("--tokens", type=int, default=65536, help="training-text tokens to record")
-    p.add_argument("--context", type=int, default=1024, help="chunk length of the recording passes")
-    p.add_argument("--holdout", type=flags.finite_float(0.0, 1.0, high_open=True),
-                   default=0.1, help="last fraction of recorded tokens kept out")
-    p.add_argument("--steps", type=int, default=1500)
-    p.add_argument("--batch", type=int, default=512, help="tokens per step (each with all its MoE layers)")
-    p.add_argument("--lr", type=flags.finite_float(0.0, 10.0, low_open=True), default=3e-3)
-    p.add_argument("--weight-decay", type=flags.finite_float(0.0, 100.0), default=1e-4)
-    p.add_argument("--hidden", type=int, default=64, help="hidden units of each layer's MLP")
-    p.add_argument("--seed", type=errors.seed_arg, default=0)
     p.add_argument("--resume", action="store_true",
                    help="reuse a matching recording and skip weights whose checkpoint already matches")
     p.add_argument("--json", action="store_true", help="print one JSON summary at the end")
     p.add_argument("--progress", action="store_true", help="progress bar while recording")
+    g1 = p.add_argument_group("the cache the routing is recorded under")
+    g1.add_argument("--cache-size", default="0.5", help="LRU capacity per layer: a count, a fraction of N or a memory size ('400MB')")
+    g1.add_argument("--eviction", choices=cache_lib.ONLINE_EVICTIONS, default="lru")
+    g2 = p.add_argument_group("what is recorded")
+    g2.add_argument("--shards", default="0", help="training shard numbers, comma-separated (07 is held out)")
+    g2.add_argument("--tokens", type=int, default=65536, help="training-text tokens to record")
+    g2.add_argument("--context", type=int, default=1024, help="chunk length of the recording passes")
+    g2.add_argument("--holdout", type=flags.finite_float(0.0, 1.0, high_open=True),
+                    default=0.1, help="last fraction of recorded tokens kept out")
+    g3 = p.add_argument_group("training the prior")
+    g3.add_argument("--steps", type=int, default=1500)
+    g3.add_argument("--batch", type=int, default=512, help="tokens per step (each with all its MoE layers)")
+    g3.add_argument("--lr", type=flags.finite_float(0.0, 10.0, low_open=True), default=3e-3)
+    g3.add_argument("--weight-decay", type=flags.finite_float(0.0, 100.0), default=1e-4)
+    g3.add_argument("--hidden", type=int, default=64, help="hidden units of each layer's MLP")
+    g3.add_argument("--seed", type=errors.seed_arg, default=0)
     return p
 
 
