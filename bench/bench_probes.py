@@ -9,6 +9,7 @@ default model or a local stand-in, prints its figures and leaves nothing behind 
     python bench/bench_probes.py bucketed-compile   # compile time of five sampling settings, bucketed generation
     python bench/bench_probes.py hub                # moejax.load("org/tiny") through a local hub stand-in; Ctrl-C
     python bench/bench_probes.py routing-scan       # jit(route_tokens) per token step, and a minimal cache step
+    python bench/bench_probes.py router-compile     # compiling a token's cache steps: updates per layer vs deferred
     python bench/bench_probes.py cache-pass         # the default model's 1,024-token cache pass vs plain pass
     python bench/bench_probes.py alternate-columns  # gpt-oss's [D, 2F] gate/up block into the serving layout
     python bench/bench_probes.py page-faults        # a fresh buffer's page faults vs preadv into a mapped one
@@ -52,6 +53,11 @@ What each measures (every time is of a jitted program after a warm-up call, unle
   parameters, tuples, constants and bitcasts); then a minimal step written for the purpose (cache-biased top-8 of
   64 by rounds of argmax, softmax weights over the chosen, LRU update, C = 32) as a plain ``lax.scan`` over the
   same logits.
+- ``router-compile``: one decoding token's router steps through the cache at the default model's 8 MoE layers
+  (cache-prior lambda = 0.5, per-layer LRU C = 32) as a jitted program: each layer's cache update right after its
+  layer (``router.router_step``) against all updates after the last layer (``router.router_step_deferred`` +
+  ``cache.access_layers``, what ``model.forward`` runs for one token); seconds to lower and for XLA to compile
+  (the compilation cache off), instructions after optimisation, best of ``--repeats`` (3).
 - ``cache-pass``: the default model over the first 1,024 WikiText-2 test tokens: ``simulate.forward_layer_parallel``
   with cache-prior lambda = 0.5 and a per-layer LRU of N/2 against the plain ``_forward_original``, alternating,
   best and median of ``--repeats`` (9) each.
@@ -437,6 +443,54 @@ def probe_routing_scan(args) -> None:
           f"C = {capacity}) as a plain scan: {1e6 * best / T:.2f} us a token step (best of {args.repeats})")
 
 
+def probe_router_compile(args) -> None:
+    """One decoding token's router steps through the cache at every MoE layer, compiled as a decode program holds
+    them: each layer's cache update right after its layer (``router.router_step``) against all of them after the
+    last layer (``router.router_step_deferred`` + ``cache.access_layers``, what ``model.forward`` runs). The
+    default model's shapes (8 MoE layers, 64 experts, top-8), cache-prior lambda 0.5, per-layer LRU C = 32;
+    ``MOEJAX_COMPILE_CACHE`` is ignored (each program is compiled, never read back). Seconds to lower and to
+    compile, instructions after optimisation; best of ``--repeats`` (3)."""
+    import moejax
+    from moejax.experts import cache, router, routing
+    from moejax.runtime import simulate
+
+    jax.config.update("jax_enable_compilation_cache", False)
+    m = moejax.load("default")
+    cfg, gating = m.cfg, m.cfg.gating
+    state = m.router_state(routing.make_policy("cache-prior", cfg.top_k, lam=0.5), simulate.CacheConfig("32"))
+    layers = cfg.n_moe_layers
+
+    def token(deferred: bool):
+        def run(z, cs, rs, policy):
+            pending, out = [], []
+            for layer in range(layers):
+                if deferred:
+                    e, w, h, tier, left, cs, rs = router.router_step_deferred(z[layer], cs, rs, policy, gating, layer)
+                    pending.append(left)
+                else:
+                    e, w, h, cs, rs = router.router_step(z[layer], cs, rs, policy, gating, layer)
+                out.append(e)
+            if deferred:
+                cs = cache.access_layers(cs, *(jnp.stack(parts) for parts in zip(*pending)))
+            return jnp.stack(out), cs, rs
+        return run
+
+    z = jax.random.normal(jax.random.PRNGKey(0), (layers, cfg.n_experts))
+    operands = (z, state["cache"], state["routing"], state["policy"])
+    for name, deferred in (("each layer's update after its layer", False), ("all updates after the last layer", True)):
+        best_lower = best_compile = float("inf")
+        for _ in range(args.repeats):
+            t0 = time.perf_counter()
+            lowered = jax.jit(token(deferred)).lower(*operands)
+            t1 = time.perf_counter()
+            compiled = lowered.compile()
+            t2 = time.perf_counter()
+            best_lower, best_compile = min(best_lower, t1 - t0), min(best_compile, t2 - t1)
+        ops = sum(1 for line in compiled.as_text().splitlines() if " = " in line)
+        print(f"{name}: lower {best_lower:.2f} s, XLA compile {best_compile:.2f} s, {ops:,} instructions after "
+              f"optimisation (best of {args.repeats})")
+
+
 def _while_body_ops(hlo: str) -> int:
     """Operations in the largest while-loop body of an optimised HLO module's text: its instructions, not counting
     parameters, tuples, tuple elements, constants and bitcasts (each of the others runs as a kernel of its own)."""
@@ -598,7 +652,7 @@ PROBES = {"row-dot": (probe_row_dot, 20), "column-blocks": (probe_column_blocks,
           "latent-values": (probe_latent_values, 50), "kv-attention": (probe_kv_attention, 20),
           "sampling-compile": (probe_sampling_compile, 1),
           "bucketed-compile": (probe_bucketed_compile, 1), "hub": (probe_hub, 5),
-          "routing-scan": (probe_routing_scan, 9),
+          "routing-scan": (probe_routing_scan, 9), "router-compile": (probe_router_compile, 3),
           "cache-pass": (probe_cache_pass, 9), "alternate-columns": (probe_alternate_columns, 20),
           "page-faults": (probe_page_faults, 20),
           "mxfp4-decode": (probe_mxfp4_decode, 20), "delta-per-layer": (probe_delta_per_layer, 1)}
