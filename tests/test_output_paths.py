@@ -22,7 +22,7 @@ from support.commands import run_main
 PRECIOUS = b"precious: the user's own file\n"
 
 CLIS = {
-    "generate": "moejax.runtime.generate", "trace": "moejax.experts.trace", "plots": "moejax.evaluation.heatmap",
+    "generate": "moejax.runtime.generate", "trace": "moejax.experts.trace_command", "plots": "moejax.evaluation.heatmap",
     "report": "moejax.evaluation.report", "train_prior": "moejax.training.train_prior",
     "convert": "moejax.models.convert", "random_checkpoint": "moejax.testing.random_checkpoint",
 }
@@ -169,11 +169,11 @@ def test_a_figure_path_writes_exactly_what_it_names(out, written, tmp_path, caps
 
 def test_trace_synth_overwrite_writes_a_trace_that_loads(tmp_path, capsys):
     """``--overwrite`` replaces the file with a whole trace (the atomic write is unchanged)."""
-    from moejax.experts import trace as trace_lib
+    from moejax.experts import trace as trace_lib, trace_command
 
     out = tmp_path / "s.npz"
     out.write_bytes(PRECIOUS)
-    ran = run_main(trace_lib.main, capsys, "synth", out, "--tokens", "8", "--layers", "1", "--experts", "4",
+    ran = run_main(trace_command.main, capsys, "synth", out, "--tokens", "8", "--layers", "1", "--experts", "4",
                    "--overwrite")
     assert ran.returncode == 0, ran.stderr
     tr = trace_lib.load_trace(out)

@@ -13,6 +13,7 @@ import pytest
 
 from support.commands import run_main
 from moejax.experts import prior as prior_lib, routing, trace
+from moejax.experts import trace_command
 from support.reference_cache import simulate
 
 T, L, K, N = 24, 3, 3, 8
@@ -118,7 +119,7 @@ def test_cli_end_to_end(tmp_path, capsys):
     assert stats["accesses"] == 40 * 2 * 2 and stats["capacity"] == 4 and stats["eviction"] == "belady"
     assert len(stats["per_layer"]["miss_rate"]) == 2
     assert stats["miss_rate"] == pytest.approx(stats["misses"] / stats["accesses"])
-    _main = lambda *args: run_main(trace.main, capsys, *args)  # noqa: E731
+    _main = lambda *args: run_main(trace_command.main, capsys, *args)  # noqa: E731
     rerouted = _main("replay", path, "--cache-size", 4, "--scope", "global", "--routing", "cache-prior", "--lam", 0.5,
                      "--json")
     assert rerouted.returncode == 0, rerouted.stderr
@@ -147,7 +148,7 @@ def test_cli_end_to_end(tmp_path, capsys):
 
 def test_synth_names_the_file_it_wrote(tmp_path, capsys):
     """np.savez appends .npz: `trace synth s.txt` wrote s.txt.npz but said "wrote s.txt"."""
-    assert trace.main(["synth", str(tmp_path / "s.txt"), "--tokens", "8", "--layers", "1", "--experts", "4",
+    assert trace_command.main(["synth", str(tmp_path / "s.txt"), "--tokens", "8", "--layers", "1", "--experts", "4",
                        "--top-k", "2"]) == 0
     assert capsys.readouterr().out.startswith(f"wrote {tmp_path / 's.txt.npz'}:")
     assert os.listdir(tmp_path) == ["s.txt.npz"]
@@ -157,20 +158,20 @@ def test_replay_reroutes_with_a_learned_prior(tmp_path, capsys):
     """``replay --routing learned-prior --prior PATH`` (listed in --help, and without --prior it could never
     run): a prior at its initialisation adds zero to the logits, so it routes exactly as original routing."""
     path = str(tmp_path / "t.npz")
-    assert trace.main(["synth", path, "--tokens", "30", "--layers", "2", "--experts", "8", "--top-k", "2",
+    assert trace_command.main(["synth", path, "--tokens", "30", "--layers", "2", "--experts", "8", "--top-k", "2",
                        "--logits"]) == 0
     prior = str(tmp_path / "p")
     prior_lib.save_prior(prior, prior_lib.init_params(jax.random.key(0), 2, 8, 4), {"top_k": 2})
     capsys.readouterr()
 
     def replay(*extra):
-        assert trace.main(["replay", path, "--cache-size", "4", "--json", *extra]) == 0
+        assert trace_command.main(["replay", path, "--cache-size", "4", "--json", *extra]) == 0
         return {k: v for k, v in json.loads(capsys.readouterr().out).items() if k not in ("seconds", "routing")}
 
     assert replay("--routing", "learned-prior", "--prior", prior) == replay("--routing", "original")
-    assert trace.main(["replay", path, "--cache-size", "4", "--routing", "learned-prior"]) == 2
+    assert trace_command.main(["replay", path, "--cache-size", "4", "--routing", "learned-prior"]) == 2
     assert "--prior" in capsys.readouterr().err
-    assert trace.main(["replay", path, "--cache-size", "4", "--prior", prior]) == 2
+    assert trace_command.main(["replay", path, "--cache-size", "4", "--prior", prior]) == 2
     assert "--prior only applies" in capsys.readouterr().err
 
 

@@ -17,7 +17,7 @@ COMMANDS = {
                 "eviction, tasks)"),
     "report": ("moejax.evaluation.report", "a markdown report (tables, comparisons, figures) from study results"),
     "plots": ("moejax.evaluation.heatmap", "the routing-trace heat map of one layer's tokens x experts"),
-    "trace": ("moejax.experts.trace", "record routing traces and replay them through expert caches"),
+    "trace": ("moejax.experts.trace_command", "record routing traces and replay them through expert caches"),
     "convert": ("moejax.models.convert", "convert checkpoints between Hugging Face and moejax layouts, quantize"),
     "train": ("moejax.training.train", "train a small granular Qwen3-MoE on a WikiText-style corpus"),
     "train-prior": ("moejax.training.train_prior", "train the learned cache prior"),
