@@ -21,7 +21,7 @@ from support.hf_models import get_hf_model, get_moejax_model
 from support.shipped_data import WIKITEXT2_TEST
 
 from moejax.models import assets, model as model_lib
-from moejax.experts import routing, trace as trace_lib
+from moejax.experts import routing, trace as trace_lib, trace_command
 from moejax.runtime import api, generate, simulate
 from moejax.evaluation import perplexity
 
@@ -262,11 +262,11 @@ def test_generate_cli_with_cache_json_and_trace_replay(tmp_path, capsys):
     tr = trace_lib.load_trace(str(trace))
     assert tr.experts.shape == (3 + 12 - 1, 2, 2) and tr.logits is not None
     # replaying the recorded selections through the same cache gives the same misses
-    r2 = run_main(trace_lib.main, capsys, "replay", trace, "--cache-size", "0.5", "--eviction", "lru", "--json")
+    r2 = run_main(trace_command.main, capsys, "replay", trace, "--cache-size", "0.5", "--eviction", "lru", "--json")
     assert r2.returncode == 0, r2.stderr
     assert json.loads(r2.stdout)["misses"] == stats["misses"]
     # Belady on the same trace is a lower bound
-    r3 = run_main(trace_lib.main, capsys, "replay", trace, "--cache-size", "0.5", "--eviction", "belady", "--json")
+    r3 = run_main(trace_command.main, capsys, "replay", trace, "--cache-size", "0.5", "--eviction", "belady", "--json")
     assert json.loads(r3.stdout)["misses"] <= stats["misses"]
 
 
