@@ -215,20 +215,20 @@ def test_the_cases_are_many():
     assert len(VALID) >= 15 and len(INVALID) >= 40
 
 
-def test_overlapping_tensors_are_named():
+def test_overlapping_tensors_are_named(tmp_path):
     raw = _tensors(b={"dtype": "F32", "shape": [2], "data_offsets": [8, 16]}, c=None, data=DATA[:16])
     with pytest.raises(safetensors_io.SafetensorsError, match=r"tensor 'b' \(bytes 8..16\) overlaps tensor 'a'"):
-        _open(raw)
+        _open(raw, tmp_path / "1")
     with pytest.raises(safetensors_io.SafetensorsError, match=r"4 bytes at 0 of the data belong to no tensor"):
-        _open(_tensors(a={"dtype": "F32", "shape": [3], "data_offsets": [4, 16]}))
+        _open(_tensors(a={"dtype": "F32", "shape": [3], "data_offsets": [4, 16]}), tmp_path / "2")
     with pytest.raises(safetensors_io.SafetensorsError, match=r"1 bytes after the last tensor"):
-        _open(_tensors(data=DATA + b"\0"))
+        _open(_tensors(data=DATA + b"\0"), tmp_path / "3")
 
 
-def _open(raw: bytes, folder: str | None = None) -> safetensors_io.SafetensorsFile:
-    import tempfile
-
-    path = os.path.join(folder or tempfile.mkdtemp(), "x.safetensors")
+def _open(raw: bytes, folder) -> safetensors_io.SafetensorsFile:
+    """``raw`` written to ``folder``/x.safetensors (made here; the test's own tmp_path) and opened."""
+    os.makedirs(folder, exist_ok=True)
+    path = os.path.join(folder, "x.safetensors")
     with open(path, "wb") as f:
         f.write(raw)
     return safetensors_io.SafetensorsFile(path)
