@@ -100,7 +100,7 @@ import types
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 from bench_teacher_forced import cpu_model  # noqa: E402  (stdlib at import time)
-from common import REPO, WIKITEXT2_TEST  # noqa: E402
+from common import REPO, WIKITEXT2_TEST, times  # noqa: E402
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
@@ -128,18 +128,6 @@ def instruction_set() -> str:
     except OSError:
         flags = []
     return "AVX-512" if "avx512f" in flags else "AVX2" if "avx2" in flags else ""
-
-
-def times(fn, repeats: int, warm: int = 1) -> list[float]:
-    """Seconds of ``repeats`` calls of ``fn`` (its result waited for), after ``warm`` calls."""
-    for _ in range(warm):
-        jax.block_until_ready(fn())
-    out = []
-    for _ in range(repeats):
-        t = time.perf_counter()
-        jax.block_until_ready(fn())
-        out.append(time.perf_counter() - t)
-    return out
 
 
 def median_ms(fn, repeats: int) -> float:

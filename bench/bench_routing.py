@@ -19,7 +19,6 @@ import os
 import platform
 import sys
 import tempfile
-import time
 
 import jax
 import jax.numpy as jnp
@@ -27,13 +26,9 @@ import numpy as np
 
 
 def best_time(fn, repeats: int) -> float:
-    jax.block_until_ready(fn())
-    times = []
-    for _ in range(repeats):
-        t = time.perf_counter()
-        jax.block_until_ready(fn())
-        times.append(time.perf_counter() - t)
-    return min(times)
+    from common import times  # bench/ is on sys.path once main() runs
+
+    return min(times(fn, repeats))
 
 
 def main() -> int:
