@@ -123,6 +123,11 @@ def compute_tiers(p: dict, cfg: ModelConfig, h, experts, weights, tier, miss: ca
     return y
 
 
+def _record(cache_state: cache_lib.CacheState, hits, tier) -> dict:
+    """What a cache router reports per MoE layer: the hits, and under cascade miss handling the tiers."""
+    return {"hits": hits, "tier": tier} if cache_state.miss.mode == "cascade" else {"hits": hits}
+
+
 @dataclasses.dataclass(frozen=True)
 class CacheRouter:
     """Router hook that routes through the expert cache (static: it holds only the gating)."""
@@ -147,10 +152,7 @@ class CacheRouter:
         else:
             e, w, h, tier, cs, rs = route_tokens(z, moe_index, cs, rs, policy, self.gating, z_pred=z_pred,
                                                  with_tier=True)
-        record = {"hits": h}
-        if cs.miss.mode == "cascade":
-            record["tier"] = tier
-        return e, w, {**state, "cache": cs, "routing": rs}, record
+        return e, w, {**state, "cache": cs, "routing": rs}, _record(cs, h, tier)
 
     @staticmethod
     def defers_access(state: dict, tokens: int) -> bool:
@@ -163,10 +165,7 @@ class CacheRouter:
         e, w, h, tier, pending, cs, rs = router_step_deferred(z[0], state["cache"], state["routing"], state["policy"],
                                                               self.gating, moe_index,
                                                               z_pred=None if z_pred is None else z_pred[0])
-        record = {"hits": h[None]}
-        if cs.miss.mode == "cascade":
-            record["tier"] = tier[None]
-        return e[None], w[None], {**state, "cache": cs, "routing": rs}, record, pending
+        return e[None], w[None], {**state, "cache": cs, "routing": rs}, _record(cs, h[None], tier[None]), pending
 
     @staticmethod
     def access_all(state: dict, pending: list) -> dict:
